@@ -1,0 +1,45 @@
+# horizon — common verbs. `make demo` and `make test` install into .venv first when needed.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+TORCH   ?= torch==2.13.0
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test test-slow lint format bench smollm2 clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/python scripts/demo.py
+
+test: install
+	$(BIN)/python -m pytest
+
+test-slow: install
+	$(BIN)/python -m pytest -m 'slow or not slow and not gpu and not smollm2'
+
+lint: install
+	$(BIN)/ruff check horizon_cli tests scripts kernels
+	$(BIN)/ruff format --check horizon_cli tests scripts kernels
+	$(BIN)/mypy horizon_cli
+
+format: install
+	$(BIN)/ruff format horizon_cli tests scripts kernels
+	$(BIN)/ruff check --fix horizon_cli tests scripts kernels
+
+bench: install
+	$(BIN)/python scripts/bench.py
+
+smollm2: install
+	$(BIN)/python scripts/smollm2.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

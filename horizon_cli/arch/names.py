@@ -1,0 +1,71 @@
+"""Tensor tables: store names, HF names and shapes for each unit of an architecture.
+
+Units are what moves as one buffer: `embed`, `layer.{i}` for each decoder layer, and `head`
+(final norm, plus the LM head unless embeddings are tied, in which case the head reuses
+`embed`). All four families share the HF layout `model.layers.{i}.self_attn.q_proj.weight`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import ArchSpec
+
+# Tensors that may appear in a checkpoint but carry no parameters we train.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class TensorName:
+    name: str  # store name within its unit, e.g. "wq"
+    hf: str  # HF name, e.g. "model.layers.3.self_attn.q_proj.weight"
+    shape: tuple[int, ...]
+
+
+def unit_names(spec: ArchSpec) -> list[str]:
+    return ["embed"] + [f"layer.{i}" for i in range(spec.n_layers)] + ["head"]
+
+
+def layer_tensors(spec: ArchSpec, i: int) -> list[TensorName]:
+    h, q, kv, f = spec.hidden, spec.q_dim, spec.kv_dim, spec.intermediate
+    p = f"model.layers.{i}."
+    out = [TensorName("attn_norm", p + "input_layernorm.weight", (h,))]
+    for short, proj, rows in (("q", "q_proj", q), ("k", "k_proj", kv), ("v", "v_proj", kv)):
+        out.append(TensorName("w" + short, f"{p}self_attn.{proj}.weight", (rows, h)))
+        if spec.qkv_bias:
+            out.append(TensorName("b" + short, f"{p}self_attn.{proj}.bias", (rows,)))
+    out.append(TensorName("wo", p + "self_attn.o_proj.weight", (h, q)))
+    if spec.o_bias:
+        out.append(TensorName("bo", p + "self_attn.o_proj.bias", (h,)))
+    if spec.qk_norm:
+        out.append(TensorName("q_norm", p + "self_attn.q_norm.weight", (spec.head_dim,)))
+        out.append(TensorName("k_norm", p + "self_attn.k_norm.weight", (spec.head_dim,)))
+    out.append(TensorName("mlp_norm", p + "post_attention_layernorm.weight", (h,)))
+    for short, proj, shape in (("gate", "gate_proj", (f, h)), ("up", "up_proj", (f, h)), ("down", "down_proj", (h, f))):
+        out.append(TensorName("w_" + short, f"{p}mlp.{proj}.weight", shape))
+        if spec.mlp_bias:
+            out.append(TensorName("b_" + short, f"{p}mlp.{proj}.bias", (shape[0],)))
+    return out
+
+
+def unit_tensors(spec: ArchSpec, unit: str) -> list[TensorName]:
+    if unit == "embed":
+        return [TensorName("embed", "model.embed_tokens.weight", (spec.vocab, spec.hidden))]
+    if unit == "head":
+        out = [TensorName("norm", "model.norm.weight", (spec.hidden,))]
+        if not spec.tie_embeddings:
+            out.append(TensorName("lm_head", "lm_head.weight", (spec.vocab, spec.hidden)))
+        return out
+    return layer_tensors(spec, int(unit.split(".")[1]))
+
+
+def hf_table(spec: ArchSpec) -> dict[str, tuple[str, TensorName]]:
+    """HF name -> (unit, tensor) for every tensor the checkpoint must hold."""
+    return {t.hf: (u, t) for u in unit_names(spec) for t in unit_tensors(spec, u)}
+
+
+def is_ignorable(hf_name: str, spec: ArchSpec) -> bool:
+    """Checkpoint entries we may skip: RoPE caches, and a duplicate lm_head of a tied model."""
+    if hf_name.endswith(IGNORED_SUFFIXES):
+        return True
+    return spec.tie_embeddings and hf_name == "lm_head.weight"

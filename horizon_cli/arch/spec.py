@@ -1,0 +1,155 @@
+"""Architecture description: the flags one functional decoder layer needs, read from an HF config.
+
+Architectures are data: Llama, Mistral, Qwen2 and Qwen3 differ only in the flags below
+(biases, q/k norm, sliding windows, RoPE scaling), so one `ArchSpec` describes each of them and
+`arch.names` maps its tensors to Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError
+
+# model_type -> family.  The family picks the HF name table and default flags.
+FAMILIES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+SUPPORTED_ROPE = ("default", "linear", "llama3")
+SUPPORTED_ACT = ("silu",)
+
+
+@dataclass
+class ArchSpec:
+    family: str
+    hidden: int
+    intermediate: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    rms_eps: float
+    max_positions: int
+    tie_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    windows: list[int | None] = field(default_factory=list)  # per layer: sliding window or None
+    hidden_act: str = "silu"
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> ArchSpec:
+        return ArchSpec(**d)
+
+
+def read_hf_config(src: Path) -> dict:
+    path = src / "config.json"
+    if not path.is_file():
+        raise InputError(f"{path}: missing (an HF checkpoint directory has a config.json)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from None
+
+
+def spec_from_hf(cfg: dict, where: str = "config.json") -> ArchSpec:
+    """HF config dict (transformers 4.x or 5.x layout) -> ArchSpec, or InputError naming the key."""
+    mt = cfg.get("model_type")
+    if mt not in FAMILIES:
+        archs = cfg.get("architectures") or [mt]
+        raise InputError(
+            f"{where}: unsupported architecture {archs[0]!r} (model_type {mt!r}); "
+            f"supported: Llama, Mistral, Qwen2, Qwen3 (model_type {', '.join(FAMILIES)})"
+        )
+    family = FAMILIES[mt]
+
+    def need(key: str) -> Any:
+        if key not in cfg or cfg[key] is None:
+            raise InputError(f"{where}: missing key {key!r} for model_type {mt!r}")
+        return cfg[key]
+
+    hidden, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    n_layers = int(need("num_hidden_layers"))
+    act = cfg.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACT:
+        raise InputError(f"{where}: hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACT)})")
+    attn_bias = bool(cfg.get("attention_bias", False))
+    spec = ArchSpec(
+        family=family,
+        hidden=hidden,
+        intermediate=int(need("intermediate_size")),
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+        vocab=int(need("vocab_size")),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_positions=int(cfg.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=True if family == "qwen2" else attn_bias,
+        o_bias=False if family == "qwen2" else attn_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        rope=_rope(cfg, where),
+        windows=_windows(cfg, family, n_layers),
+        hidden_act=act,
+    )
+    if spec.n_heads % spec.n_kv_heads:
+        raise InputError(f"{where}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads")
+    return spec
+
+
+def _rope(cfg: dict, where: str) -> dict[str, Any]:
+    """Normalise RoPE settings: transformers 5 `rope_parameters`, or 4.x `rope_theta` + `rope_scaling`."""
+    rp = dict(cfg.get("rope_parameters") or {})
+    if not rp:
+        rp = dict(cfg.get("rope_scaling") or {})
+        rp["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    kind = rp.get("rope_type") or rp.get("type") or "default"
+    rp.pop("type", None)
+    rp["rope_type"] = kind
+    rp.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    if kind not in SUPPORTED_ROPE:
+        raise InputError(f"{where}: rope type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})")
+    if kind == "llama3":
+        rp.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            if key not in rp:
+                raise InputError(f"{where}: llama3 rope scaling needs {key!r}")
+    if kind == "linear" and "factor" not in rp:
+        raise InputError(f"{where}: linear rope scaling needs 'factor'")
+    return rp
+
+
+def _windows(cfg: dict, family: str, n_layers: int) -> list[int | None]:
+    sw = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if family == "mistral":
+        return [int(sw) if sw else None] * n_layers
+    if family in ("qwen2", "qwen3"):
+        if layer_types:
+            return [int(sw) if t == "sliding_attention" and sw else None for t in layer_types]
+        if cfg.get("use_sliding_window") and sw:
+            first = int(cfg.get("max_window_layers", n_layers))
+            return [int(sw) if i >= first else None for i in range(n_layers)]
+    return [None] * n_layers

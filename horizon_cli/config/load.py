@@ -1,0 +1,193 @@
+"""Config loading: YAML + dotted `KEY=VALUE` overrides -> `Config`, strictly.
+
+Every problem is collected and reported at once, each naming its dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError, InputError
+from .schema import Config
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), base: dict | None = None) -> Config:
+    """Read a YAML file (or start from `base`), apply overrides, build and validate the tree."""
+    raw: dict = dict(base or {})
+    source = None
+    if path is not None:
+        source = str(path)
+        raw = read_yaml(Path(path))
+    for ov in overrides:
+        apply_override(raw, ov)
+    cfg, problems = build(Config, raw, "")
+    problems += validate(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise InputError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise InputError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InputError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
+    return raw
+
+
+def apply_override(raw: dict, text: str) -> None:
+    """`optim.lr=2e-5` -> raw['optim']['lr'] = 2e-5 (value parsed as YAML)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w.]*", key):
+        raise InputError(f"override {text!r}: expected KEY=VALUE with a dotted key, e.g. optim.lr=2e-5")
+    parts = key.split(".")
+    node = raw
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise InputError(f"override {text!r}: {p} is not a section")
+        node = nxt
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        node[parts[-1]] = value
+
+
+def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
+    """Build dataclass `cls` from `raw`, returning (instance, problems)."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        return cls(), [f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {_kind(raw)}"]
+    problems: list[str] = []
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            allowed = ", ".join(fields)
+            problems.append(f"{prefix}{key}: unknown key (allowed: {allowed})")
+    values = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        dotted = prefix + name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            values[name], sub = build(tp, raw[name], dotted + ".")
+            problems += sub
+            continue
+        value, err = coerce(raw[name], tp)
+        if err:
+            problems.append(f"{dotted}: {err}")
+            continue
+        problems += check_meta(dotted, value, f.metadata)
+        values[name] = value
+    return cls(**values), problems
+
+
+def coerce(value: Any, tp: Any) -> tuple[Any, str | None]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None, None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(value, inner[0])
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list | tuple):
+            return None, f"expected a list, got {_kind(value)}"
+        out = []
+        for v in value:
+            c, err = coerce(v, item)
+            if err:
+                return None, f"list item {v!r}: {err}"
+            out.append(c)
+        return out, None
+    if tp is bool:
+        return (value, None) if isinstance(value, bool) else (None, f"expected true or false, got {_kind(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value, None
+        if isinstance(value, float) and value.is_integer():
+            return int(value), None
+        return None, f"expected an integer, got {_kind(value)}"
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value), None
+        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+            try:
+                return float(value), None
+            except ValueError:
+                pass
+        return None, f"expected a number, got {_kind(value)}"
+    if tp is str:
+        return (value, None) if isinstance(value, str) else (None, f"expected a string, got {_kind(value)}")
+    raise TypeError(f"unsupported config type {tp}")
+
+
+def check_meta(dotted: str, value: Any, meta: dict) -> list[str]:
+    if value is None:
+        return []
+    if "choices" in meta and value not in meta["choices"]:
+        return [f"{dotted}: {value!r} is not allowed (choose one of: {', '.join(meta['choices'])})"]
+    if "min" in meta and value < meta["min"]:
+        return [f"{dotted}: {value} is below the minimum {meta['min']}"]
+    if "max" in meta and value > meta["max"]:
+        return [f"{dotted}: {value} is above the maximum {meta['max']}"]
+    if "gt" in meta and not value > meta["gt"]:
+        return [f"{dotted}: {value} must be greater than {meta['gt']}"]
+    return []
+
+
+def validate(cfg: Config) -> list[str]:
+    """Cross-field checks that a single field's metadata cannot express."""
+    p = []
+    for key in ("model.path", "data.path", "output.dir"):
+        section, name = key.split(".")
+        if not getattr(getattr(cfg, section), name):
+            p.append(f"{key}: required")
+    if cfg.train.batch_size % cfg.train.micro_batch_size:
+        p.append(
+            f"train.batch_size: {cfg.train.batch_size} is not a multiple of "
+            f"train.micro_batch_size ({cfg.train.micro_batch_size})"
+        )
+    b = cfg.optim.betas
+    if len(b) != 2 or not all(0.0 <= x < 1.0 for x in b):
+        p.append(f"optim.betas: expected two numbers in [0, 1), got {b}")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.engine.device):
+        p.append(f"engine.device: {cfg.engine.device!r} is not allowed (auto, cpu, cuda or cuda:N)")
+    if cfg.engine.link_gbps and cfg.engine.device not in ("cpu", "auto"):
+        p.append("engine.link_gbps: only emulates a link with engine.device: cpu")
+    if cfg.data.eval_path and cfg.data.eval_fraction:
+        p.append("data.eval_path: give eval_path or eval_fraction, not both")
+    if cfg.train.eval_every and not (cfg.data.eval_path or cfg.data.eval_fraction):
+        p.append("train.eval_every: needs data.eval_fraction or data.eval_path")
+    return p
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)
+
+
+def _kind(v: Any) -> str:
+    return f"{type(v).__name__} {v!r}" if not isinstance(v, dict | list) else type(v).__name__

@@ -1,0 +1,102 @@
+"""Config schema: one typed dataclass tree, loaded strictly by `config.load`.
+
+Each field may carry `metadata` used by the loader's validation:
+  choices=(...)   allowed values
+  min=/max=       inclusive numeric bounds (`gt=` for a strict lower bound)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _f(default, **meta):
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("")  # a store written by `horizon convert`
+
+
+@dataclass
+class DataConfig:
+    path: str = _f("")
+    format: str = _f("auto", choices=("auto", "text", "instruction", "chat", "tokens"))
+    max_seq_len: int = _f(2048, min=8)
+    packing: bool = _f(False)
+    shuffle: bool = _f(True)
+    train_on_prompt: bool = _f(False)
+    eval_fraction: float = _f(0.0, min=0.0, max=0.5)
+    eval_path: str | None = _f(None)
+    split: str = _f("train")  # split name for hub datasets / save_to_disk dicts
+    cache_dir: str | None = _f(None)  # tokenization cache (default: <output.dir>/cache)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(1000, min=1)
+    batch_size: int = _f(64, min=1)  # sequences per optimizer step (global batch)
+    micro_batch_size: int = _f(4, min=1)  # sequences per forward/backward micro-batch
+    seed: int = _f(0, min=0)
+    eval_every: int = _f(0, min=0)
+    eval_batches: int = _f(4, min=1)  # global batches per evaluation
+    max_bad_steps: int = _f(3, min=1)  # consecutive non-finite steps that stop the run
+
+
+@dataclass
+class OptimConfig:
+    name: str = _f("adamw", choices=("adamw",))
+    lr: float = _f(1.0e-5, min=0.0)
+    betas: list[float] = _f([0.9, 0.95])
+    eps: float = _f(1.0e-8, gt=0.0)
+    weight_decay: float = _f(0.0, min=0.0)
+    grad_clip: float = _f(1.0, min=0.0)  # global L2 norm; 0 disables
+    kernel: str = _f("auto", choices=("auto", "torch", "native"))  # CPU AdamW implementation
+    threads: int = _f(0, min=0)  # optimizer worker threads (0: auto)
+
+
+@dataclass
+class ScheduleConfig:
+    kind: str = _f("cosine", choices=("constant", "linear", "cosine"))
+    warmup_steps: int = _f(0, min=0)
+    min_lr_ratio: float = _f(0.0, min=0.0, max=1.0)
+
+
+@dataclass
+class EngineConfig:
+    device: str = _f("auto")  # auto | cpu | cuda | cuda:N
+    dtype: str = _f("bfloat16", choices=("bfloat16", "float32"))
+    prefetch: int = _f(2, min=1, max=8)  # weight buffers in flight (2 = double buffering)
+    link_gbps: float = _f(0.0, min=0.0)  # device: cpu only — emulate a host<->device link (0: off)
+    loss_chunk: int = _f(2048, min=16)  # label tokens per logits chunk in the loss head
+    compute_threads: int = _f(0, min=0)  # torch intra-op threads (0: leave torch's default)
+
+
+@dataclass
+class OutputConfig:
+    dir: str = _f("")
+    save_every: int = _f(0, min=0)  # checkpoint every N steps (0: only at the end)
+    keep_last: int = _f(2, min=1)
+    export: bool = _f(True)
+
+
+@dataclass
+class LogConfig:
+    every: int = _f(1, min=1)
+    tensorboard: bool = _f(False)
+    plot: bool = _f(True)  # loss-curve PNG in the run dir at the end
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    log: LogConfig = field(default_factory=LogConfig)

@@ -1,0 +1,5 @@
+"""HF checkpoint -> store (the first stage of the data flow)."""
+
+from .convert import convert
+
+__all__ = ["convert"]

@@ -1,0 +1,87 @@
+"""`horizon convert`: HF checkpoint directory -> host parameter store.
+
+Stage one of the data flow. Everything is checked against config.json before a byte is written
+(names, shapes, missing and extra tensors); then tensors stream one at a time into a temp store
+that is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ..arch import hf_table, read_hf_config, spec_from_hf
+from ..arch.names import is_ignorable
+from ..errors import InputError
+from ..fsutil import atomic_dir
+from ..progress import byte_progress
+from ..store.writer import StoreWriter
+from .checkpoint import Checkpoint
+
+# Files copied beside the weights so the store can be exported and tokenized without the source.
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+
+
+def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", force: bool = False, console=None) -> dict:
+    src, dst = Path(src), Path(dst)
+    if not src.exists():
+        raise InputError(f"{src}: not found")
+    hf_cfg = read_hf_config(src)
+    spec = spec_from_hf(hf_cfg, where=str(src / "config.json"))
+    ckpt = Checkpoint(src)
+    plan = check_tensors(ckpt, spec)
+    total = sum(ckpt.infos[n].nbytes for n in plan)
+    with atomic_dir(dst, force=force) as tmp:
+        writer = StoreWriter(tmp, spec, dtype, source=str(src.resolve()))
+        try:
+            with byte_progress(console, f"convert {src.name}", total) as advance:
+                for name, t in ckpt.tensors(set(plan)):
+                    unit, tensor = plan[name]
+                    writer.write(unit, tensor.name, t)
+                    advance(ckpt.infos[name].nbytes)
+                    del t
+            manifest = writer.finish()
+        finally:
+            writer.close()
+        for f in HF_FILES:
+            if (src / f).is_file():
+                copy_file(src / f, tmp / "hf" / f)
+    return {"params": manifest.params, "units": len(manifest.units), "bytes_in": total, "dtype": dtype}
+
+
+def copy_file(a: Path, b: Path) -> None:
+    b.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(a, b)
+
+
+def check_tensors(ckpt: Checkpoint, spec) -> dict:
+    """Match checkpoint names to the architecture: {hf_name: (unit, TensorName)}; InputError naming
+    the first missing, extra or misshapen tensor."""
+    table = hf_table(spec)
+    for name, info in ckpt.infos.items():
+        if name in table:
+            want = table[name][1].shape
+            if tuple(info.shape) != tuple(want):
+                raise InputError(
+                    f"{info.file}: tensor {name} has shape {tuple(info.shape)}, config.json implies {tuple(want)}"
+                )
+            if not info.dtype.is_floating_point:
+                raise InputError(f"{info.file}: tensor {name} is {info.dtype}, expected a floating-point tensor")
+        elif not is_ignorable(name, spec):
+            raise InputError(f"{info.file}: unexpected tensor {name} for a {spec.family} model per config.json")
+    missing = [n for n in table if n not in ckpt.infos]
+    if missing:
+        raise InputError(f"{ckpt.src}: tensor {missing[0]} is missing from the checkpoint ({len(missing)} missing)")
+    return table

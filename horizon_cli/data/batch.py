@@ -1,0 +1,45 @@
+"""The contract between the data pipeline and the engine: one micro-batch of token rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE = -100  # label value that contributes no loss (transformers' convention)
+
+
+@dataclass
+class MicroBatch:
+    """Rows are right-padded to a common length T.
+
+    input_ids    (b, T) int64, padded with the tokenizer's pad id (any id; padding is never attended
+                 to by real tokens because it sits to their right under a causal mask)
+    labels       (b, T) int64, aligned with input_ids as in transformers: the engine predicts
+                 labels[:, t + 1] from position t; IGNORE marks padding and masked prompt tokens
+    position_ids (b, T) int64, restart at 0 at each packed document
+    doc_ids      (b, T) int32 document index within its row when rows are packed, so attention
+                 stays inside a document; None when every row holds one sequence
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    doc_ids: torch.Tensor | None = None
+
+    @property
+    def label_tokens(self) -> int:
+        """Tokens that carry loss after the shift by one."""
+        return int((self.labels[:, 1:] != IGNORE).sum())
+
+    @staticmethod
+    def from_rows(rows: list[tuple[list[int], list[int]]], pad_id: int) -> MicroBatch:
+        """Unpacked rows of (input_ids, labels) -> a right-padded micro-batch."""
+        T = max(len(ids) for ids, _ in rows)
+        ids = torch.full((len(rows), T), pad_id, dtype=torch.int64)
+        lab = torch.full((len(rows), T), IGNORE, dtype=torch.int64)
+        for i, (r_ids, r_lab) in enumerate(rows):
+            ids[i, : len(r_ids)] = torch.as_tensor(r_ids, dtype=torch.int64)
+            lab[i, : len(r_lab)] = torch.as_tensor(r_lab, dtype=torch.int64)
+        pos = torch.arange(T, dtype=torch.int64).expand(len(rows), T).contiguous()
+        return MicroBatch(ids, lab, pos, None)

@@ -1,0 +1,83 @@
+"""The loss head: final norm, LM head and cross-entropy in chunks, with the backward done at once.
+
+Only positions that carry a label are projected to the vocabulary, a chunk of them at a time:
+logits memory is one chunk x vocab, never batch x seq x vocab. Each chunk's backward runs right
+after its forward, so the head's weights cross the link once per step (forward and backward
+together) and the logits are freed before the next chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..data.batch import IGNORE
+from .layer import rms_norm
+
+
+def label_index(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host-side: labels (b, T) -> (flat indices into positions (b, T-1), their targets).
+
+    Position t predicts labels[:, t + 1]; computed on the host so the device never syncs on
+    a data-dependent shape.
+    """
+    tgt = labels[:, 1:].reshape(-1)
+    idx = (tgt != IGNORE).nonzero().squeeze(1)
+    return idx, tgt[idx]
+
+
+def head_forward_backward(
+    h: torch.Tensor,
+    norm_w: torch.Tensor,
+    lm_w: torch.Tensor,
+    idx: torch.Tensor,
+    tgt: torch.Tensor,
+    inv_n: float,
+    chunk: int,
+    eps: float,
+    g_norm: torch.Tensor,
+    g_lm: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h (b, T, H) -> (loss_sum fp32 scalar, dh (b, T, H)).
+
+    The loss is sum(CE) * inv_n (inv_n = 1 / label tokens of the whole global batch), so the
+    gradients of all micro-batches add up to those of the token-level mean. Parameter grads
+    are added in fp32 to g_norm (H,) and g_lm (V, H).
+    """
+    b, T, H = h.shape
+    h = h.detach().requires_grad_(True)
+    wn = norm_w.detach().requires_grad_(True)
+    W = lm_w.detach().requires_grad_(True)
+    hn = rms_norm(h, wn, eps)  # (b, T, H)
+    sel = hn[:, :-1].reshape(-1, H).index_select(0, idx)  # (n, H) rows that carry a label
+    dsel = torch.empty_like(sel)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
+    for a in range(0, sel.shape[0], chunk):
+        x = sel[a : a + chunk].detach().requires_grad_(True)
+        logits = F.linear(x, W)  # (c, V) in the compute dtype, as transformers does
+        loss = F.cross_entropy(logits.float(), tgt[a : a + chunk], reduction="sum")
+        gx, gW = torch.autograd.grad(loss * inv_n, (x, W))
+        dsel[a : a + chunk] = gx
+        g_lm.add_(gW)
+        loss_sum += loss.detach()
+        del logits, loss, gx, gW
+    if sel.shape[0]:
+        torch.autograd.backward(sel, dsel)
+    dh = h.grad if h.grad is not None else torch.zeros_like(h)
+    if wn.grad is not None:
+        g_norm.add_(wn.grad)
+    return loss_sum, dh
+
+
+@torch.no_grad()
+def head_loss(
+    h: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor, idx: torch.Tensor, tgt: torch.Tensor, chunk: int, eps: float
+) -> torch.Tensor:
+    """Forward only (evaluation): summed cross-entropy over labelled positions, chunked."""
+    H = h.shape[-1]
+    sel = rms_norm(h, norm_w, eps)[:, :-1].reshape(-1, H).index_select(0, idx)
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for a in range(0, sel.shape[0], chunk):
+        logits = F.linear(sel[a : a + chunk], lm_w)
+        total += F.cross_entropy(logits.float(), tgt[a : a + chunk], reduction="sum")
+    return total

@@ -1,0 +1,95 @@
+"""Host training state: per unit, the streaming copy, the fp32 master, AdamW moments, gradients.
+
+Every buffer is flat and mirrors the unit's layout element for element, in anonymous memory
+(pinned on CUDA) that the kernel never writes back to a file on its own (invariant 7):
+
+  stream  (numel,) compute dtype   what the device streams; in fp32 runs it *is* the master
+  lo      (numel,) int16           bf16 runs: the master's low half (optim.split), else None
+  m, v    (numel,) fp32            AdamW moments
+  grad    (numel,) fp32            gradients of the step, kept whole until the clip norm is known
+
+Host bytes per parameter: bf16 2 + 2 + 4 + 4 + 4 = 16; fp32 4 + 4 + 4 + 4 = 16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..optim.split import join, split_
+from ..store import Store, UnitLayout
+
+
+@dataclass
+class UnitState:
+    name: str
+    layout: UnitLayout
+    stream: torch.Tensor
+    lo: torch.Tensor | None
+    m: torch.Tensor
+    v: torch.Tensor
+    grad: torch.Tensor
+
+    def master(self) -> torch.Tensor:
+        """The fp32 master weights (a copy in bf16 runs, the stream itself in fp32 runs)."""
+        return join(self.stream, self.lo) if self.lo is not None else self.stream
+
+    def set_master(self, master: torch.Tensor) -> None:
+        if self.lo is None:
+            self.stream.copy_(master)
+        else:
+            split_(master, self.stream, self.lo)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named tensor views into any buffer laid out like this unit (host or device)."""
+        return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        out = {"stream": self.stream, "m": self.m, "v": self.v, "grad": self.grad}
+        if self.lo is not None:
+            out["lo"] = self.lo
+        return out
+
+
+class HostState:
+    def __init__(
+        self,
+        store: Store,
+        dtype: torch.dtype,
+        alloc: Callable[[int, torch.dtype], torch.Tensor],
+        progress: Callable[[int], None] = lambda n: None,
+    ):
+        self.dtype = dtype
+        self.units: dict[str, UnitState] = {}
+        for u in store.units:
+            lay = store.layout(u.name)
+            self.units[u.name] = self._load_unit(store, lay, alloc)
+            progress(u.nbytes)
+
+    def _load_unit(self, store: Store, lay: UnitLayout, alloc) -> UnitState:
+        n = lay.numel
+        stream = alloc(n, self.dtype)
+        lo = torch.zeros(n, dtype=torch.int16) if self.dtype == torch.bfloat16 else None
+        if store.dtype == self.dtype:
+            store.read_unit(lay.name, stream)  # bf16 store -> master is exactly the bf16 values, lo = 0
+        else:
+            src = torch.empty(n, dtype=store.dtype)
+            store.read_unit(lay.name, src)
+            st = UnitState(lay.name, lay, stream, lo, *(torch.empty(0),) * 3)
+            st.set_master(src.to(torch.float32))
+            del src
+        zeros = [torch.zeros(n, dtype=torch.float32) for _ in range(3)]
+        return UnitState(lay.name, lay, stream, lo, *zeros)
+
+    def __getitem__(self, unit: str) -> UnitState:
+        return self.units[unit]
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes by category, for the memory report."""
+        out: dict[str, int] = {}
+        for st in self.units.values():
+            for k, t in st.buffers().items():
+                out[k] = out.get(k, 0) + t.numel() * t.element_size()
+        return out

@@ -1,0 +1,114 @@
+"""The functional decoder layer: weights arrive as arguments, because they are streamed in.
+
+One implementation serves every family; `ArchSpec` flags switch the differences (qkv/o/mlp
+biases, Qwen3's q/k norm, per-layer sliding windows). The arithmetic follows transformers'
+Llama code op for op (fp32 RMSNorm statistics, cos/sin cast to the compute dtype) so fp32 runs
+match it to rounding and bf16 runs to bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..arch import ArchSpec
+
+Weights = dict[str, torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """(..., D) -> (..., D); statistics in fp32, as transformers does."""
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dtype)
+
+
+def inv_freq(spec: ArchSpec) -> torch.Tensor:
+    """RoPE inverse frequencies (head_dim/2,) fp32: default, linear, or Llama-3.1 ("llama3") scaling."""
+    rp, dim = spec.rope, spec.head_dim
+    base = float(rp["rope_theta"])
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    kind = rp.get("rope_type", "default")
+    if kind == "linear":
+        return inv / float(rp["factor"])
+    if kind == "llama3":
+        factor, lo, hi = float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"])
+        old = float(rp["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_tables(inv: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (b, T) int64 -> cos, sin (b, T, head_dim) in the compute dtype."""
+    freqs = positions[..., None].to(torch.float32) * inv.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (b, heads, T, hd); cos/sin (b, T, hd)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+@dataclass
+class AttnContext:
+    """Per micro-batch tensors every layer shares: RoPE tables and attention masks.
+
+    masks maps a window (None = full attention) to a bool mask (b, 1, T, T), True = attend, or to
+    None when plain causal attention is exact (no packing, no window shorter than T).
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    masks: dict[int | None, torch.Tensor | None]
+
+
+def _linear(x: torch.Tensor, w: Weights, wname: str, bname: str) -> torch.Tensor:
+    return F.linear(x, w[wname], w.get(bname))
+
+
+def attention(w: Weights, x: torch.Tensor, ctx: AttnContext, spec: ArchSpec, window: int | None) -> torch.Tensor:
+    """x (b, T, H) normed -> (b, T, H)."""
+    b, T, _ = x.shape
+    hd = spec.head_dim
+    q = _linear(x, w, "wq", "bq").view(b, T, spec.n_heads, hd)
+    k = _linear(x, w, "wk", "bk").view(b, T, spec.n_kv_heads, hd)
+    v = _linear(x, w, "wv", "bv").view(b, T, spec.n_kv_heads, hd)
+    if spec.qk_norm:  # Qwen3: RMSNorm over head_dim, before RoPE
+        q, k = rms_norm(q, w["q_norm"], spec.rms_eps), rms_norm(k, w["k_norm"], spec.rms_eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, T, hd)
+    q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+    rep = spec.n_heads // spec.n_kv_heads
+    if rep > 1:  # grouped-query attention: share each kv head across `rep` query heads
+        k = k[:, :, None].expand(b, spec.n_kv_heads, rep, T, hd).reshape(b, spec.n_heads, T, hd)
+        v = v[:, :, None].expand(b, spec.n_kv_heads, rep, T, hd).reshape(b, spec.n_heads, T, hd)
+    mask = ctx.masks.get(window)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=hd**-0.5)
+    out = out.transpose(1, 2).reshape(b, T, spec.q_dim)
+    return _linear(out, w, "wo", "bo")
+
+
+def mlp(w: Weights, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    return _linear(F.silu(_linear(x, w, "w_gate", "b_gate")) * _linear(x, w, "w_up", "b_up"), w, "w_down", "b_down")
+
+
+def layer_forward(w: Weights, x: torch.Tensor, ctx: AttnContext, spec: ArchSpec, window: int | None) -> torch.Tensor:
+    """One pre-norm decoder layer: x (b, T, H) -> (b, T, H)."""
+    h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window)
+    return h + mlp(w, rms_norm(h, w["mlp_norm"], spec.rms_eps))

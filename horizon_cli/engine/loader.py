@@ -1,0 +1,112 @@
+"""Weight streaming: units move host -> device through `prefetch` buffers, in a known order.
+
+Each step's loads are known in advance (forward: layers 0..L-1, the head; backward: layers
+L-1..0, each with its saved inputs), so the loader issues up to `prefetch` of them ahead of the
+compute that needs them (2 = double buffering). A load waits for (a) its buffer to be released
+by the compute that last used it and (b) the host copy being current: the optimizer's update of
+that unit from the previous step. The head (and, when tied, the embedding it reuses) has its own
+buffers, because it is much larger than a layer in small models and loads once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .host import HostState
+from .transport import READY, Event
+
+
+@dataclass
+class Load:
+    """One unit's transfer: its weights, plus host tensors (saved activations) to bring along."""
+
+    key: str  # unique in the step, e.g. "f3", "b3", "head"
+    unit: str
+    extra: list[torch.Tensor] = field(default_factory=list)
+    deps: list[Event] = field(default_factory=list)  # e.g. the copy that saved `extra` to the host
+
+
+@dataclass
+class Slot:
+    flat: torch.Tensor  # device weight buffer (numel,) in the compute dtype
+    extra: torch.Tensor | None = None  # device buffer for the saved activations
+    key: str | None = None
+    free: Event = READY  # compute done with the previous contents
+    loaded: Event = READY
+
+
+class Loader:
+    def __init__(self, transport, host: HostState, ring_units: list[str], own_units: list[str], prefetch: int):
+        self.t, self.host = transport, host
+        numel = max(host[u].layout.numel for u in ring_units)
+        self.ring = [Slot(transport.device_empty(numel, host.dtype)) for _ in range(prefetch)]
+        self.own = {u: Slot(transport.device_empty(host[u].layout.numel, host.dtype)) for u in own_units}
+        self.ready: dict[str, Event] = {}  # unit -> host copy is current (the optimizer is done with it)
+        self.seq: list[Load] = []
+        self.pos = 0
+        self.by_key: dict[str, tuple[Slot, Load]] = {}
+        self.loads = {"layer": 0, "other": 0}
+
+    def weight_bytes(self) -> int:
+        slots = self.ring + list(self.own.values())
+        return sum(s.flat.numel() * s.flat.element_size() for s in slots)
+
+    def extra_bytes(self) -> int:
+        return sum(s.extra.numel() * s.extra.element_size() for s in self.ring if s.extra is not None)
+
+    def begin(self, seq: list[Load]) -> None:
+        """Start a new sequence of loads (the previous one must be fully consumed)."""
+        self.seq, self.pos, self.by_key = seq, 0, {}
+        self._issue()
+
+    def _free_slot(self, load: Load) -> Slot | None:
+        if load.unit in self.own:
+            s = self.own[load.unit]
+            return s if s.key is None else None
+        for s in self.ring:
+            if s.key is None:
+                return s
+        return None
+
+    def _issue(self) -> None:
+        while self.pos < len(self.seq):
+            load = self.seq[self.pos]
+            slot = self._free_slot(load)
+            if slot is None:
+                return
+            st = self.host[load.unit]
+            pairs = [(slot.flat[: st.stream.numel()], st.stream)]
+            if load.extra:
+                total = sum(x.numel() for x in load.extra)
+                if slot.extra is None or slot.extra.numel() < total:
+                    slot.extra = None
+                    slot.extra = self.t.device_empty(total, load.extra[0].dtype)
+                off = 0
+                for x in load.extra:
+                    pairs.append((slot.extra[off : off + x.numel()], x.reshape(-1)))
+                    off += x.numel()
+            deps = [slot.free, self.ready.get(load.unit, READY), *load.deps]
+            slot.key = load.key
+            slot.loaded = self.t.h2d(pairs, deps, label=load.key)
+            self.by_key[load.key] = (slot, load)
+            self.loads["layer" if load.unit.startswith("layer.") else "other"] += 1
+            self.pos += 1
+
+    def acquire(self, key: str) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Weights of `key` as named device views, and its extra tensors (shaped like the host ones)."""
+        slot, load = self.by_key[key]
+        self.t.wait(slot.loaded)
+        st = self.host[load.unit]
+        extras, off = [], 0
+        for x in load.extra:
+            extras.append(slot.extra[off : off + x.numel()].view(x.shape))
+            off += x.numel()
+        return st.views(slot.flat), extras
+
+    def release(self, key: str) -> None:
+        """Compute is done with `key`'s buffer: it may be refilled once that compute completes."""
+        slot, _ = self.by_key.pop(key)
+        slot.key, slot.free = None, self.t.record()
+        self._issue()

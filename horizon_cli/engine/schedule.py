@@ -1,0 +1,339 @@
+"""One optimizer step, layer by layer: the heart of horizon.
+
+    forward   for each layer i: load W_i once; save its input x_i to the host; x = layer(W_i, x) for
+              every micro-batch
+    head      final norm + LM head + chunked cross-entropy, backward at once (head weights load once)
+    backward  for each layer i from the top: load W_i again with the saved x_i; recompute the layer
+              under autograd (the only graph, one layer deep), backpropagate every micro-batch,
+              accumulate parameter grads in fp32 and send them to the host
+    embed     scatter-add the input gradient into the embedding's fp32 grad on the host
+    optimize  with the global grad norm known, AdamW runs on the CPU unit by unit, overlapped
+              with the next step's forward (which waits per unit, in the same order)
+
+Each decoder layer's weights cross host -> device exactly twice per step, whatever the number
+of micro-batches (invariant 2). See docs/engine.md.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config.schema import EngineConfig, OptimConfig
+from ..data.batch import MicroBatch
+from ..optim.adamw import AdamWHyper
+from ..optim.worker import OptimizerWorker
+from ..store import DTYPES, Store
+from .head import head_forward_backward, head_loss, label_index
+from .host import HostState
+from .layer import inv_freq, layer_forward
+from .loader import Load, Loader
+from .masks import attn_context
+from .trace import Tracer
+from .transport import READY, Event, Promise
+
+
+@dataclass
+class StepResult:
+    loss: float
+    tokens: int
+    grad_norm: float
+    skipped: bool  # non-finite loss or gradient: no update was applied
+    step_s: float
+    h2d_bytes: int
+    d2h_bytes: int
+    weight_loads: int
+    device_peak_bytes: int
+
+
+def make_transport(cfg: EngineConfig, tracer: Tracer):
+    dev = cfg.device
+    if dev == "auto":
+        dev = "cuda" if torch.cuda.is_available() and not cfg.link_gbps else "cpu"
+    if dev.startswith("cuda"):
+        from .cuda import CudaTransport
+
+        return CudaTransport(torch.device(dev), tracer=tracer)
+    from .transport import CpuTransport
+
+    return CpuTransport(cfg.link_gbps, tracer=tracer)
+
+
+class Engine:
+    def __init__(
+        self,
+        store: Store,
+        engine: EngineConfig,
+        optim: OptimConfig,
+        *,
+        tracer: Tracer | None = None,
+        progress=lambda n: None,
+    ):
+        self.spec, self.cfg, self.ocfg = store.arch, engine, optim
+        self.dtype = DTYPES[engine.dtype]
+        self.tracer = tracer or Tracer(enabled=False)
+        self.t = make_transport(engine, self.tracer)
+        self.host = HostState(store, self.dtype, self.t.host_empty, progress)
+        self.layers = [f"layer.{i}" for i in range(self.spec.n_layers)]
+        tied = self.spec.tie_embeddings
+        self.loader = Loader(self.t, self.host, self.layers, ["head"] + (["embed"] if tied else []), engine.prefetch)
+        self.optimizer = OptimizerWorker(self.host, optim.kernel, self.tracer)
+        self.inv = inv_freq(self.spec).to(self.t.device)
+        n_layer = max(self.host[u].layout.numel for u in self.layers)
+        self.gacc = [self.t.device_empty(n_layer, torch.float32) for _ in range(2)]  # ping-pong
+        self.gacc_free: list[Event] = [READY, READY]
+        self.head_g = self.t.device_empty(self.host["head"].layout.numel, torch.float32)
+        self.embed_g = self.t.device_empty(self.host["embed"].layout.numel, torch.float32) if tied else None
+        self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
+        self.staging: dict[str, torch.Tensor] = {}
+        self.adam_step = 0
+        self.t.memory.set("weights", self.loader.weight_bytes())
+        self.t.memory.set("grad_acc", sum(_nbytes(g) for g in [*self.gacc, self.head_g, self.embed_g] if g is not None))
+
+    # -- public ------------------------------------------------------------------------------
+    def step(self, mbs: list[MicroBatch], lr: float) -> StepResult:
+        """Forward, backward and (unless non-finite) the AdamW update for one global batch."""
+        t0 = time.perf_counter()
+        self.t.stats.reset()
+        self.t.reset_peak()
+        self.loader.loads = {"layer": 0, "other": 0}
+        loss_sum, tokens, sq = self.forward_backward(mbs)
+        loss = loss_sum / tokens if tokens else float("nan")
+        norm = math.sqrt(sq) if sq >= 0 else float("nan")
+        skipped = not (math.isfinite(loss) and math.isfinite(norm))
+        if not skipped:
+            self.apply_update(lr, norm)
+        self.t.synchronize()
+        return StepResult(
+            loss=loss,
+            tokens=tokens,
+            grad_norm=norm,
+            skipped=skipped,
+            step_s=time.perf_counter() - t0,
+            h2d_bytes=self.t.stats.h2d_bytes,
+            d2h_bytes=self.t.stats.d2h_bytes,
+            weight_loads=self.loader.loads["layer"],
+            device_peak_bytes=self.t.device_peak_bytes(),
+        )
+
+    def apply_update(self, lr: float, norm: float) -> None:
+        o = self.ocfg
+        clip = o.grad_clip
+        scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # torch.nn.utils.clip_grad_norm_
+        self.adam_step += 1
+        h = AdamWHyper(lr, o.betas[0], o.betas[1], o.eps, o.weight_decay, self.adam_step, scale)
+        order = ["embed", *self.layers, "head"]  # the order the next forward needs them
+        self.loader.ready.update(self.optimizer.submit(order, h, self.grad_ready))
+
+    def wait(self) -> None:
+        """Block until every queued update has landed in the host store (before eval or save)."""
+        self.optimizer.wait()
+        self.t.synchronize()
+
+    def close(self) -> None:
+        self.wait()
+        self.optimizer.close()
+        self.t.close()
+
+    # -- the step ----------------------------------------------------------------------------
+    def forward_backward(self, mbs: list[MicroBatch]) -> tuple[float, int, float]:
+        """Fill every unit's host grad with d(mean loss)/dW. Returns (loss sum, label tokens,
+        squared global grad norm)."""
+        tokens = sum(mb.label_tokens for mb in mbs)
+        inv_n = 1.0 / tokens if tokens else 0.0
+        ctxs = [attn_context(mb, self.spec, self.inv, self.dtype, self.t.device) for mb in mbs]
+        shapes = [(*mb.input_ids.shape, self.spec.hidden) for mb in mbs]
+        total = sum(math.prod(s) for s in shapes)
+        self._ensure_ckpt(total)
+        saved = [Promise() for _ in self.layers]
+        self.loader.begin(self._sequence(total, saved, backward=True))
+        self._account(shapes)
+        self.grad_ready: dict[str, Event] = {}
+        sq: list[torch.Tensor] = []
+
+        x = self._embed(mbs)
+        x = self._forward_layers(x, ctxs, shapes, saved)
+        loss_sum, dx = self._head(x, mbs, inv_n, sq)
+        dx = self._backward_layers(dx, ctxs, shapes, sq)
+        host_sq = self._embed_backward(dx, mbs)
+        dev_sq = torch.stack(sq).double().sum().item() if sq else 0.0
+        return float(loss_sum.item()), tokens, dev_sq + host_sq
+
+    def _sequence(self, total: int, saved: list[Promise], backward: bool) -> list[Load]:
+        seq = [Load(f"f{i}", u) for i, u in enumerate(self.layers)]
+        seq.append(Load("head", "head"))
+        if self.spec.tie_embeddings:
+            seq.append(Load("embed", "embed"))
+        if backward:
+            for i in reversed(range(len(self.layers))):
+                seq.append(Load(f"b{i}", self.layers[i], [self.ckpt[i][:total]], [saved[i]]))
+        return seq
+
+    def _embed(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """Gather embedding rows on the host (no weight transfer) and send the activations."""
+        self.loader.ready.get("embed", READY).host_wait()
+        table = self.host["embed"].views(self.host["embed"].stream)["embed"]  # (V, H)
+        ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
+        rows = self._stage("embed_rows", ids.numel() * self.spec.hidden, self.dtype)
+        torch.index_select(table, 0, ids, out=rows.view(-1, self.spec.hidden))
+        dev = self.t.device_empty(rows.numel(), self.dtype)
+        self.t.wait(self.t.h2d([(dev, rows)], label="embed"))
+        out, off = [], 0
+        for mb in mbs:
+            n = mb.input_ids.numel() * self.spec.hidden
+            out.append(dev[off : off + n].view(*mb.input_ids.shape, self.spec.hidden))
+            off += n
+        return out
+
+    @torch.no_grad()
+    def _forward_layers(self, x, ctxs, shapes, saved: list[Promise]) -> list[torch.Tensor]:
+        inflight: list[tuple[Event, list[torch.Tensor]]] = []
+        for i, unit in enumerate(self.layers):
+            # save this layer's input for the backward recompute (async, overlaps the compute)
+            pairs, off = [], 0
+            for xm in x:
+                pairs.append((self.ckpt[i][off : off + xm.numel()], xm.reshape(-1)))
+                off += xm.numel()
+            ev = self.t.d2h(pairs, [self.t.record()], label=f"save{i}")
+            saved[i].set(ev)
+            inflight = [(e, r) for e, r in inflight if not e.done()] + [(ev, x)]  # keep sources alive
+            w, _ = self.loader.acquire(f"f{i}")
+            with self.tracer.span("compute", f"fwd {i}"):
+                x = [layer_forward(w, xm, c, self.spec, self.spec.windows[i]) for xm, c in zip(x, ctxs, strict=True)]
+            self.loader.release(f"f{i}")
+        return x
+
+    def _head(self, x, mbs, inv_n: float, sq: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        w, _ = self.loader.acquire("head")
+        lm = self.loader.acquire("embed")[0]["embed"] if self.spec.tie_embeddings else w["lm_head"]
+        gh = self.host["head"].views(self.head_g)
+        self.head_g.zero_()
+        g_lm = self.host["embed"].views(self.embed_g)["embed"] if self.embed_g is not None else gh["lm_head"]
+        if self.embed_g is not None:
+            self.embed_g.zero_()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.t.device)
+        dx = []
+        with self.tracer.span("compute", "head"):
+            for xm, mb in zip(x, mbs, strict=True):
+                idx, tgt = label_index(mb.labels)
+                idx, tgt = idx.to(self.t.device), tgt.to(self.t.device)
+                ls, dh = head_forward_backward(
+                    xm, w["norm"], lm, idx, tgt, inv_n, self.cfg.loss_chunk, self.spec.rms_eps, gh["norm"], g_lm
+                )
+                loss_sum += ls
+                dx.append(dh)
+        self.loader.release("head")
+        if self.spec.tie_embeddings:
+            self.loader.release("embed")
+            self.grad_ready["embed"] = self.t.d2h([(self.host["embed"].grad, self.embed_g)], [self.t.record()], "g-lm")
+        sq.append(torch.dot(self.head_g, self.head_g))
+        self.grad_ready["head"] = self.t.d2h([(self.host["head"].grad, self.head_g)], [self.t.record()], "g-head")
+        return loss_sum, dx
+
+    def _backward_layers(self, dx, ctxs, shapes, sq: list) -> list[torch.Tensor]:
+        for i in reversed(range(len(self.layers))):
+            unit = self.layers[i]
+            w, (saved,) = self.loader.acquire(f"b{i}")
+            k = i % 2
+            self.t.wait(self.gacc_free[k])  # its previous contents have reached the host
+            g = self.gacc[k][: self.host[unit].layout.numel]
+            g.zero_()
+            gv = self.host[unit].views(g)
+            names = list(w)
+            off = 0
+            with self.tracer.span("compute", f"bwd {i}"):
+                for m, (shape, c) in enumerate(zip(shapes, ctxs, strict=True)):
+                    n = math.prod(shape)
+                    xi = saved[off : off + n].view(shape).detach().requires_grad_(True)
+                    off += n
+                    leaves = [w[k_].detach().requires_grad_(True) for k_ in names]
+                    with torch.enable_grad():
+                        y = layer_forward(dict(zip(names, leaves, strict=True)), xi, c, self.spec, self.spec.windows[i])
+                        grads = torch.autograd.grad(y, [xi, *leaves], dx[m])
+                    dx[m] = grads[0]
+                    for name, gw in zip(names, grads[1:], strict=True):
+                        gv[name].add_(gw)  # fp32 accumulation across micro-batches
+            self.loader.release(f"b{i}")
+            sq.append(torch.dot(g, g))
+            ev = self.t.d2h([(self.host[unit].grad, g)], [self.t.record()], label=f"g{i}")
+            self.gacc_free[k] = self.grad_ready[unit] = ev
+        return dx
+
+    def _embed_backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch]) -> float:
+        """Scatter-add the input gradient into the embedding's fp32 grad, on the host."""
+        st = self.host["embed"]
+        n = sum(d.numel() for d in dx)
+        host_dx = self._stage("embed_dx", n, self.dtype)
+        pairs, off = [], 0
+        for d in dx:
+            pairs.append((host_dx[off : off + d.numel()], d.reshape(-1)))
+            off += d.numel()
+        ev = self.t.d2h(pairs, [self.t.record()], label="g-embed-rows")
+        tied = self.grad_ready.get("embed")
+        if tied is not None:
+            tied.host_wait()  # the LM head's dense grad arrived first
+        else:
+            st.grad.zero_()
+        ev.host_wait()
+        ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
+        table = st.views(st.grad)["embed"]
+        table.index_add_(0, ids, host_dx.view(-1, self.spec.hidden).to(torch.float32))
+        self.grad_ready["embed"] = READY
+        return float(torch.dot(st.grad, st.grad).double())
+
+    # -- evaluation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_loss(self, mbs: list[MicroBatch]) -> tuple[float, int]:
+        """Forward only: (summed cross-entropy, label tokens). Streams each layer once."""
+        tokens = sum(mb.label_tokens for mb in mbs)
+        ctxs = [attn_context(mb, self.spec, self.inv, self.dtype, self.t.device) for mb in mbs]
+        self.loader.begin(self._sequence(0, [], backward=False))
+        x = self._embed(mbs)
+        for i in range(len(self.layers)):
+            w, _ = self.loader.acquire(f"f{i}")
+            x = [layer_forward(w, xm, c, self.spec, self.spec.windows[i]) for xm, c in zip(x, ctxs, strict=True)]
+            self.loader.release(f"f{i}")
+        w, _ = self.loader.acquire("head")
+        lm = self.loader.acquire("embed")[0]["embed"] if self.spec.tie_embeddings else w["lm_head"]
+        total = torch.zeros((), dtype=torch.float32, device=self.t.device)
+        for xm, mb in zip(x, mbs, strict=True):
+            idx, tgt = label_index(mb.labels)
+            total += head_loss(xm, w["norm"], lm, idx.to(self.t.device), tgt.to(self.t.device), self.cfg.loss_chunk, self.spec.rms_eps)
+        self.loader.release("head")
+        if self.spec.tie_embeddings:
+            self.loader.release("embed")
+        return float(total.item()), tokens
+
+    # -- buffers -----------------------------------------------------------------------------
+    def _ensure_ckpt(self, total: int) -> None:
+        """Host buffers for each layer's saved inputs (grow-only)."""
+        if self.ckpt and self.ckpt[0].numel() >= total:
+            return
+        self.ckpt = []
+        self.ckpt = [self.t.host_empty(total, self.dtype) for _ in self.layers]
+
+    def _stage(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self.staging.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self.staging[name] = self.t.host_empty(numel, dtype)
+        return buf[:numel]
+
+    def _account(self, shapes) -> None:
+        """Device memory by category for this step's shapes (the CPU has no allocator to ask)."""
+        s, item = self.spec, self.dtype.itemsize
+        acts = sum(math.prod(sh) for sh in shapes) * item
+        self.t.memory.set("ckpt", self.loader.extra_bytes() or acts * len(self.loader.ring))
+        self.t.memory.set("activations", 2 * acts)
+        rows, T = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
+        tok = max(sh[0] * sh[1] for sh in shapes)
+        per_tok = 4 * s.hidden + s.q_dim + 2 * s.kv_dim + 3 * s.intermediate
+        attn = rows * s.n_heads * T * T * 4 if any(w is not None for w in s.windows) else 0
+        self.t.memory.set("layer_work", 2 * tok * per_tok * item + attn)
+        self.t.memory.set("head_work", min(self.cfg.loss_chunk, tok) * s.vocab * (item + 8))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,169 @@
+"""Host <-> device transport: asynchronous copies ordered by events (the CPU implementation).
+
+The schedule talks to a transport only through this interface, so the same schedule runs on
+CUDA (engine.cuda: copy streams and CUDA events) and on the CPU, where "device" tensors are
+ordinary tensors, copies run on one worker thread per direction (a duplex link) and can be
+throttled to `link_gbps` to emulate PCIe. Compute runs on the calling thread, so on the CPU a
+compute event is complete as soon as it is recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .trace import Tracer
+
+Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (dst, src)
+
+
+class Event:
+    """Completion of some work. `host_wait` blocks the calling thread until it is complete."""
+
+    def host_wait(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        return True
+
+
+READY = Event()
+
+
+class FutureEvent(Event):
+    def __init__(self, fut: Future):
+        self.fut = fut
+
+    def host_wait(self) -> None:
+        self.fut.result()
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+
+class Promise(Event):
+    """An event known later: `set` it once the work it stands for has been issued."""
+
+    def __init__(self) -> None:
+        self._set = threading.Event()
+        self.ev: Event = READY
+
+    def set(self, ev: Event) -> None:
+        self.ev = ev
+        self._set.set()
+
+    def resolve(self) -> Event:
+        self._set.wait()
+        return self.ev
+
+    def host_wait(self) -> None:
+        self.resolve().host_wait()
+
+    def done(self) -> bool:
+        return self._set.is_set() and self.ev.done()
+
+
+class LinkStats:
+    """Bytes moved per direction; `reset` at each step. Thread safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+
+    def add(self, direction: str, n: int) -> None:
+        with self._lock:
+            setattr(self, direction + "_bytes", getattr(self, direction + "_bytes") + n)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.h2d_bytes = self.d2h_bytes = 0
+
+
+class DeviceMemory:
+    """The engine's own accounting of device allocations, by category (used on the CPU, where
+    there is no device allocator to ask): current bytes per category and the peak of their sum."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, int] = {}
+        self.peak = 0
+
+    def set(self, category: str, nbytes: int) -> None:
+        self.current[category] = nbytes
+        self.peak = max(self.peak, sum(self.current.values()))
+
+    def reset_peak(self) -> None:
+        self.peak = sum(self.current.values())
+
+
+class CpuTransport:
+    kind = "cpu"
+
+    def __init__(self, link_gbps: float = 0.0, tracer: Tracer | None = None):
+        self.device = torch.device("cpu")
+        self.link_bps = link_gbps * 1e9
+        self.stats = LinkStats()
+        self.memory = DeviceMemory()
+        self.tracer = tracer or Tracer(enabled=False)
+        self._pools = {d: ThreadPoolExecutor(1, thread_name_prefix=f"horizon-{d}") for d in ("h2d", "d2h")}
+
+    # -- memory -------------------------------------------------------------------------------
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def device_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def device_peak_bytes(self) -> int:
+        return self.memory.peak
+
+    def reset_peak(self) -> None:
+        self.memory.reset_peak()
+
+    # -- copies -------------------------------------------------------------------------------
+    def h2d(self, pairs: Pairs, deps: Sequence[Event] = (), label: str = "") -> Event:
+        return self._copy("h2d", pairs, deps, label)
+
+    def d2h(self, pairs: Pairs, deps: Sequence[Event] = (), label: str = "") -> Event:
+        return self._copy("d2h", pairs, deps, label)
+
+    def _copy(self, direction: str, pairs: Pairs, deps: Sequence[Event], label: str) -> Event:
+        pairs = list(pairs)
+
+        def job() -> None:
+            for d in deps:
+                d.host_wait()
+            t0 = time.perf_counter()
+            n = 0
+            for dst, src in pairs:
+                dst.copy_(src)
+                n += src.numel() * src.element_size()
+            if self.link_bps:  # emulate the link: the copy takes at least n / bandwidth
+                rest = n / self.link_bps - (time.perf_counter() - t0)
+                if rest > 0:
+                    time.sleep(rest)
+            self.stats.add(direction, n)
+            self.tracer.add(direction, label, t0, time.perf_counter(), bytes=n)
+
+        return FutureEvent(self._pools[direction].submit(job))
+
+    # -- ordering -----------------------------------------------------------------------------
+    def record(self) -> Event:
+        """An event marking all compute issued so far (complete at once on the CPU)."""
+        return READY
+
+    def wait(self, ev: Event) -> None:
+        """Make subsequent compute wait for `ev` (on the CPU: block until it is complete)."""
+        ev.host_wait()
+
+    def synchronize(self) -> None:
+        for pool in self._pools.values():
+            pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)

@@ -1,0 +1,79 @@
+"""The CPU optimizer: AdamW unit by unit on a worker thread, overlapped with device work.
+
+The engine submits every unit once the step's clip coefficient is known, in the order the next
+step's forward will load them (embedding, layers 0..L-1, head); each unit's completion is an
+event the loader waits on before streaming that unit again. Units are updated in slices so the
+pure-torch path's temporaries stay small.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+from ..engine.host import HostState, UnitState
+from ..engine.trace import Tracer
+from ..engine.transport import Event, FutureEvent
+from . import adamw as torch_adamw
+from .adamw import AdamWHyper
+
+SLICE = 1 << 22  # elements per update call (16 MiB of fp32)
+
+
+def pick_kernel(kind: str):
+    """-> (module with adamw_fp32_/adamw_split_, name, note). kind: auto | torch | native."""
+    if kind == "torch":
+        return torch_adamw, "torch", ""
+    try:
+        from . import native
+    except ImportError as e:  # the native loader itself is missing
+        native, why = None, str(e)
+    else:
+        why = "" if native.available() else native.reason()
+    if native is not None and not why:
+        return native, "native", ""
+    if kind == "native":
+        from ..errors import InputError
+
+        raise InputError(f"optim.kernel: native AdamW kernel unavailable ({why})")
+    return torch_adamw, "torch", f"native AdamW kernel unavailable, using the torch path ({why})"
+
+
+class OptimizerWorker:
+    def __init__(self, host: HostState, kernel: str = "auto", tracer: Tracer | None = None):
+        self.host = host
+        self.impl, self.kernel_name, self.note = pick_kernel(kernel)
+        self.tracer = tracer or Tracer(enabled=False)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="horizon-optim")
+        self.pending: list[Event] = []
+
+    def submit(self, units: list[str], h: AdamWHyper, deps: dict[str, Event]) -> dict[str, Event]:
+        """Queue AdamW for `units` in order; returns each unit's completion event."""
+        out = {}
+        for u in units:
+            fut = self.pool.submit(self._update, self.host[u], h, deps.get(u))
+            out[u] = FutureEvent(fut)
+        self.pending = list(out.values())
+        return out
+
+    def _update(self, st: UnitState, h: AdamWHyper, dep: Event | None) -> None:
+        if dep is not None:
+            dep.host_wait()
+        t0 = time.perf_counter()
+        n = st.stream.numel()
+        for a in range(0, n, SLICE):
+            b = min(n, a + SLICE)
+            g, m, v = st.grad[a:b], st.m[a:b], st.v[a:b]
+            if st.lo is None:
+                self.impl.adamw_fp32_(st.stream[a:b], g, m, v, h)
+            else:
+                self.impl.adamw_split_(st.stream[a:b], st.lo[a:b], g, m, v, h)
+        self.tracer.add("optimizer", st.name, t0, time.perf_counter())
+
+    def wait(self) -> None:
+        for ev in self.pending:
+            ev.host_wait()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

@@ -1,0 +1,104 @@
+"""The store manifest: format version, architecture, and the per-unit tensor table.
+
+See docs/store-format.md. The manifest is the only thing read to open a store; unit files are
+raw little-endian tensors at the byte offsets it lists.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..arch import ArchSpec
+from ..errors import InputError
+
+FORMAT = "horizon-store"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class TensorEntry:
+    name: str
+    hf: str
+    dtype: str
+    shape: list[int]
+    offset: int  # bytes from the start of the unit file
+    nbytes: int
+    crc32: int
+
+
+@dataclass
+class UnitEntry:
+    name: str
+    file: str  # relative to the store root
+    numel: int  # padded element count of the flat buffer
+    nbytes: int  # file size (page padded)
+    tensors: list[TensorEntry]
+
+
+@dataclass
+class Manifest:
+    dtype: str
+    arch: ArchSpec
+    units: list[UnitEntry]
+    params: int
+    source: str = ""
+    created_by: str = ""
+    format: str = FORMAT
+    version: int = VERSION
+    extra: dict = field(default_factory=dict)
+
+    def unit(self, name: str) -> UnitEntry:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(name)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["arch"] = self.arch.to_dict()
+        return json.dumps(d, indent=1)
+
+
+def unit_file(unit: str) -> str:
+    if unit.startswith("layer."):
+        return f"units/layer_{int(unit.split('.')[1]):04d}.bin"
+    return f"units/{unit}.bin"
+
+
+def read_manifest(root: Path) -> Manifest:
+    path = Path(root) / MANIFEST
+    if not Path(root).is_dir():
+        raise InputError(f"{root}: not found (expected a store made by `horizon convert`)")
+    if not path.is_file():
+        raise InputError(f"{root}: not a horizon store (no {MANIFEST}; make one with `horizon convert`)")
+    try:
+        d = json.loads(path.read_text())
+        if d.get("format") != FORMAT:
+            raise ValueError(f"format is {d.get('format')!r}, not {FORMAT!r}")
+        if d.get("version") != VERSION:
+            raise ValueError(f"format version {d.get('version')} is not supported (this horizon reads {VERSION})")
+        if d["dtype"] not in DTYPES:
+            raise ValueError(f"unknown dtype {d['dtype']!r}")
+        units = [UnitEntry(**{**u, "tensors": [TensorEntry(**t) for t in u["tensors"]]}) for u in d["units"]]
+        return Manifest(
+            dtype=d["dtype"],
+            arch=ArchSpec.from_dict(d["arch"]),
+            units=units,
+            params=d["params"],
+            source=d.get("source", ""),
+            created_by=d.get("created_by", ""),
+            extra=d.get("extra", {}),
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{path}: corrupt manifest ({e})") from None

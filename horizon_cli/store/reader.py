@@ -1,0 +1,99 @@
+"""Opening a store: the manifest, and each unit's raw buffer by mmap or by an explicit read.
+
+`Store.open` reads only the manifest (milliseconds). `unit_view` maps a unit file copy-on-write:
+pages load on demand and writes never reach the file (invariant 7). `read_unit` copies a unit
+into a caller's buffer (anonymous or pinned memory) and checks every tensor's checksum on the way.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import InputError
+from .layout import UnitLayout, unit_layout
+from .manifest import Manifest, UnitEntry, read_manifest
+from .writer import tensor_bytes
+
+
+class Store:
+    def __init__(self, root: Path, manifest: Manifest):
+        self.root = Path(root)
+        self.manifest = manifest
+        self.arch = manifest.arch
+        self.dtype = manifest.torch_dtype
+        self.layouts = {u.name: unit_layout(self.arch, u.name) for u in manifest.units}
+
+    @staticmethod
+    def open(root: str | Path) -> Store:
+        root = Path(root)
+        m = read_manifest(root)
+        store = Store(root, m)
+        store.check_files()
+        return store
+
+    def check_files(self) -> None:
+        """Cheap structural checks: every unit file exists, is large enough, matches the layout."""
+        for u in self.manifest.units:
+            path = self.root / u.file
+            if not path.is_file():
+                raise InputError(f"{path}: missing unit file of store {self.root}")
+            if path.stat().st_size < u.nbytes:
+                raise InputError(f"{path}: truncated ({path.stat().st_size} of {u.nbytes} bytes)")
+            lay = self.layouts[u.name]
+            if lay.numel != u.numel or [t.name for t in u.tensors] != [s.name for s in lay.slots]:
+                raise InputError(f"{self.root}: manifest unit {u.name} does not match its architecture")
+
+    @property
+    def units(self) -> list[UnitEntry]:
+        return self.manifest.units
+
+    def layout(self, unit: str) -> UnitLayout:
+        return self.layouts[unit]
+
+    def unit_view(self, unit: str) -> torch.Tensor:
+        """The unit's flat buffer, (numel,) in the store dtype, mapped copy-on-write."""
+        u = self.manifest.unit(unit)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        arr = np.memmap(self.root / u.file, dtype=np.uint8, mode="c", shape=(u.numel * itemsize,))
+        return torch.from_numpy(arr).view(self.dtype)
+
+    def tensor(self, unit: str, name: str) -> torch.Tensor:
+        s = self.layouts[unit].slot(name)
+        return self.unit_view(unit)[s.offset : s.offset + s.numel].view(s.shape)
+
+    def read_unit(self, unit: str, out: torch.Tensor, verify: bool = True) -> None:
+        """Read the unit file into `out` ((numel,) in the store dtype) and check its checksums."""
+        u = self.manifest.unit(unit)
+        buf = tensor_bytes(out)
+        with open(self.root / u.file, "rb", buffering=0) as f:
+            n = 0
+            while n < len(buf):
+                got = f.readinto(buf[n:])
+                if not got:
+                    raise InputError(f"{self.root / u.file}: truncated")
+                n += got
+        if verify:
+            self.verify_unit(unit, buf)
+
+    def verify_unit(self, unit: str, buf: memoryview | None = None) -> None:
+        u = self.manifest.unit(unit)
+        if buf is None:
+            buf = tensor_bytes(self.unit_view(unit))
+        for t in u.tensors:
+            if zlib.crc32(buf[t.offset : t.offset + t.nbytes]) != t.crc32:
+                raise InputError(f"{self.root / u.file}: checksum mismatch in tensor {t.hf} (store is corrupt)")
+
+    def verify(self, progress=None) -> None:
+        """Check every tensor's checksum; raises InputError at the first mismatch."""
+        for u in self.units:
+            self.verify_unit(u.name)
+            if progress:
+                progress(u.nbytes)
+
+    def nbytes(self) -> int:
+        return sum(os.path.getsize(self.root / u.file) for u in self.units)
