@@ -32,6 +32,7 @@ from .host import HostState
 from .layer import inv_freq, layer_forward
 from .loader import Load, Loader
 from .masks import attn_context
+from .plan import head_work_bytes, layer_work_bytes
 from .trace import Tracer
 from .transport import READY, Event, Promise
 
@@ -191,7 +192,7 @@ class Engine:
     @torch.no_grad()
     def _forward_layers(self, x, ctxs, shapes, saved: list[Promise]) -> list[torch.Tensor]:
         inflight: list[tuple[Event, list[torch.Tensor]]] = []
-        for i, unit in enumerate(self.layers):
+        for i in range(len(self.layers)):
             # save this layer's input for the backward recompute (async, overlaps the compute)
             pairs, off = [], 0
             for xm in x:
@@ -323,17 +324,14 @@ class Engine:
 
     def _account(self, shapes) -> None:
         """Device memory by category for this step's shapes (the CPU has no allocator to ask)."""
-        s, item = self.spec, self.dtype.itemsize
+        item = self.dtype.itemsize
         acts = sum(math.prod(sh) for sh in shapes) * item
         self.t.memory.set("ckpt", self.loader.extra_bytes() or acts * len(self.loader.ring))
         self.t.memory.set("activations", 2 * acts)
         rows, T = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
         tok = max(sh[0] * sh[1] for sh in shapes)
-        per_tok = 4 * s.hidden + s.q_dim + 2 * s.kv_dim + 3 * s.intermediate
-        attn = rows * s.n_heads * T * T * 4 if any(w is not None for w in s.windows) else 0
-        self.t.memory.set("layer_work", 2 * tok * per_tok * item + attn)
-        self.t.memory.set("head_work", min(self.cfg.loss_chunk, tok) * s.vocab * (item + 8))
-
+        self.t.memory.set("layer_work", layer_work_bytes(self.spec, tok, rows, T, item))
+        self.t.memory.set("head_work", head_work_bytes(self.spec, tok, self.cfg.loss_chunk, item))
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()

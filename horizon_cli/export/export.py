@@ -44,7 +44,7 @@ def export(src: str | Path, dst: str | Path, force: bool = False, console=None, 
     dst = Path(dst)
     entries = [(s.hf, s.shape, store.dtype, u.name, s.name) for u in store.units for s in store.layout(u.name).slots]
     shards = _plan_shards(entries, store.dtype.itemsize)
-    total = sum(store.manifest.unit(u.name).numel for u in store.units) * store.dtype.itemsize
+    total = sum(math.prod(e[1]) for e in entries) * store.dtype.itemsize
     n = len(shards)
     weight_map = {}
     with atomic_dir(dst, force=force) as tmp:

@@ -1,0 +1,133 @@
+"""The `horizon` command line: parse arguments, call one function per command, map errors.
+
+Exit status: 0 success; 2 bad usage, config or input (one `error: ...` line); 1 failure at run
+time. `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from .errors import HorizonError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Fine-tune LLMs on one machine: host RAM holds the model, the GPU streams one layer at a time.",
+)
+console = Console(stderr=True)
+state = {"debug": False}
+
+
+@app.callback()
+def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False) -> None:
+    state["debug"] = debug
+
+
+def command(fn):
+    """Run a command body, turning horizon errors into one line and an exit status."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except HorizonError as e:
+            if state["debug"]:
+                raise
+            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted[/]")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+@app.command()
+@command
+def convert(
+    src: Annotated[Path, typer.Argument(help="HF checkpoint directory.")],
+    dst: Annotated[Path, typer.Argument(help="Store directory to create.")],
+    dtype: Annotated[str, typer.Option(help="Store dtype: bfloat16, float16 or float32.")] = "bfloat16",
+    force: Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")] = False,
+) -> None:
+    """Convert an HF checkpoint into a horizon store (streams tensor by tensor)."""
+    from .convert import convert as run
+    from .errors import InputError
+
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise InputError(f"--dtype: {dtype!r} is not allowed (bfloat16, float16 or float32)")
+    info = run(src, dst, dtype=dtype, force=force, console=console)
+    console.print(f"[green]converted[/] {info['params']:,} parameters into {dst} ({dtype}, {info['units']} units)")
+
+
+@app.command()
+@command
+def export(
+    src: Annotated[Path, typer.Argument(help="A store, or a run dir (its latest checkpoint).")],
+    dst: Annotated[Path, typer.Argument(help="HF checkpoint directory to create.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")] = False,
+) -> None:
+    """Export a store or a run's latest checkpoint as an HF checkpoint."""
+    from .export import export as run
+
+    info = run(src, dst, force=force, console=console)
+    console.print(f"[green]exported[/] {info['source']} -> {dst} ({info['shards']} shard(s), {info['dtype']})")
+
+
+@app.command()
+@command
+def inspect(
+    store: Annotated[Path, typer.Argument(help="Store directory.")],
+    verify: Annotated[bool, typer.Option("--verify", help="Check every tensor's checksum.")] = False,
+) -> None:
+    """Show a store's architecture, sizes and host bytes per parameter."""
+    from .inspect import inspect_store
+
+    inspect_store(store, verify=verify, console=Console())
+
+
+@app.command(context_settings={"allow_extra_args": False})
+@command
+def train(
+    config: Annotated[Path, typer.Argument(help="YAML config.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted KEY=VALUE overrides, e.g. optim.lr=2e-5.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate, print the config and memory plan, exit.")] = False,
+) -> None:
+    """Train from a config; resumes from the run dir's latest checkpoint when there is one."""
+    from .train import run_training
+
+    run_training(config, overrides or [], dry_run=dry_run, console=Console())
+
+
+@app.command()
+@command
+def profile(
+    config: Annotated[Path | None, typer.Argument(help="YAML config (default: a built-in tiny model).")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    trace: Annotated[Path | None, typer.Option("--trace", help="Write a Chrome/Perfetto trace.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG timeline.")] = None,
+) -> None:
+    """Measure link bandwidth, per-layer times and how well transfers overlap compute."""
+    from .profile import run_profile
+
+    run_profile(config, json_out=json_out, trace=trace, plot=plot, console=Console())
+
+
+def main() -> None:
+    try:
+        app()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

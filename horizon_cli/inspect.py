@@ -1,0 +1,79 @@
+"""`horizon inspect`: what a store holds, and what training it will cost in host memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .engine.plan import memory_plan
+from .progress import byte_progress
+from .store import Store
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def inspect_store(path: Path, verify: bool = False, console: Console | None = None) -> dict:
+    console = console or Console()
+    store = Store.open(path)
+    m, a = store.manifest, store.arch
+    info = Table(title=f"store {path}", show_header=False, title_justify="left")
+    rows = [
+        ("architecture", f"{a.family} ({a.n_layers} layers, hidden {a.hidden}, mlp {a.intermediate})"),
+        ("attention", f"{a.n_heads} heads, {a.n_kv_heads} kv heads, head_dim {a.head_dim}"),
+        ("vocab", f"{a.vocab:,}" + (" (tied embeddings)" if a.tie_embeddings else "")),
+        ("flags", _flags(a)),
+        ("rope", ", ".join(f"{k}={v}" for k, v in a.rope.items())),
+        ("parameters", f"{m.params:,}"),
+        ("dtype", m.dtype),
+        ("source", m.source or "-"),
+    ]
+    for k, v in rows:
+        info.add_row(k, v)
+    console.print(info)
+
+    cats = {"embedding": 0, "decoder layers": 0, "head": 0}
+    for u in store.units:
+        key = "embedding" if u.name == "embed" else "head" if u.name == "head" else "decoder layers"
+        cats[key] += u.nbytes
+    sizes = Table(title="bytes on disk", title_justify="left")
+    sizes.add_column("category")
+    sizes.add_column("bytes", justify="right")
+    sizes.add_column("B/param", justify="right")
+    for k, v in cats.items():
+        sizes.add_row(k, fmt_bytes(v), "")
+    total = sum(cats.values())
+    sizes.add_row("[bold]total", fmt_bytes(total), f"{total / m.params:.2f}")
+    console.print(sizes)
+
+    plans = {d: memory_plan(a, d, batch=0) for d in ("bfloat16", "float32")}
+    host = Table(title="host memory to train (excluding activations)", title_justify="left")
+    host.add_column("category")
+    for d in plans:
+        host.add_column(f"engine.dtype {d}", justify="right")
+    cats_all = list(dict.fromkeys(k for p in plans.values() for k in p.host if p.host[k] or k == "gradients (fp32)"))
+    for k in cats_all:
+        host.add_row(k, *(fmt_bytes(p.host.get(k, 0)) for p in plans.values()))
+    host.add_row("[bold]B/param", *(f"{p.bytes_per_param:.2f}" for p in plans.values()))
+    console.print(host)
+
+    if verify:
+        with byte_progress(console, "verify", total) as advance:
+            store.verify(progress=advance)
+        console.print(f"[green]verified[/] {sum(len(u.tensors) for u in store.units)} tensor checksums")
+    return {"params": m.params, "bytes": total, "bytes_per_param": {d: p.bytes_per_param for d, p in plans.items()}}
+
+
+def _flags(a) -> str:
+    flags = [name for name, on in (("qkv bias", a.qkv_bias), ("o bias", a.o_bias), ("mlp bias", a.mlp_bias), ("q/k norm", a.qk_norm)) if on]
+    windows = sorted({w for w in a.windows if w})
+    if windows:
+        flags.append(f"sliding window {windows[0]} on {sum(1 for w in a.windows if w)} layers")
+    return ", ".join(flags) or "none"
