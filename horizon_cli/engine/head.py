@@ -71,7 +71,13 @@ def head_forward_backward(
 
 @torch.no_grad()
 def head_loss(
-    h: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor, idx: torch.Tensor, tgt: torch.Tensor, chunk: int, eps: float
+    h: torch.Tensor,
+    norm_w: torch.Tensor,
+    lm_w: torch.Tensor,
+    idx: torch.Tensor,
+    tgt: torch.Tensor,
+    chunk: int,
+    eps: float,
 ) -> torch.Tensor:
     """Forward only (evaluation): summed cross-entropy over labelled positions, chunked."""
     H = h.shape[-1]

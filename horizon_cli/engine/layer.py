@@ -47,7 +47,9 @@ def inv_freq(spec: ArchSpec) -> torch.Tensor:
     return inv
 
 
-def rope_tables(inv: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    inv: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """positions (b, T) int64 -> cos, sin (b, T, head_dim) in the compute dtype."""
     freqs = positions[..., None].to(torch.float32) * inv.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -82,7 +84,9 @@ def _linear(x: torch.Tensor, w: Weights, wname: str, bname: str) -> torch.Tensor
     return F.linear(x, w[wname], w.get(bname))
 
 
-def attention(w: Weights, x: torch.Tensor, ctx: AttnContext, spec: ArchSpec, window: int | None) -> torch.Tensor:
+def attention(
+    w: Weights, x: torch.Tensor, ctx: AttnContext, spec: ArchSpec, window: int | None
+) -> torch.Tensor:
     """x (b, T, H) normed -> (b, T, H)."""
     b, T, _ = x.shape
     hd = spec.head_dim
@@ -105,10 +109,14 @@ def attention(w: Weights, x: torch.Tensor, ctx: AttnContext, spec: ArchSpec, win
 
 def mlp(w: Weights, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-    return _linear(F.silu(_linear(x, w, "w_gate", "b_gate")) * _linear(x, w, "w_up", "b_up"), w, "w_down", "b_down")
+    return _linear(
+        F.silu(_linear(x, w, "w_gate", "b_gate")) * _linear(x, w, "w_up", "b_up"), w, "w_down", "b_down"
+    )
 
 
-def layer_forward(w: Weights, x: torch.Tensor, ctx: AttnContext, spec: ArchSpec, window: int | None) -> torch.Tensor:
+def layer_forward(
+    w: Weights, x: torch.Tensor, ctx: AttnContext, spec: ArchSpec, window: int | None
+) -> torch.Tensor:
     """One pre-norm decoder layer: x (b, T, H) -> (b, T, H)."""
     h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window)
     return h + mlp(w, rms_norm(h, w["mlp_norm"], spec.rms_eps))

@@ -38,7 +38,9 @@ class Slot:
 
 
 class Loader:
-    def __init__(self, transport, host: HostState, ring_units: list[str], own_units: list[str], prefetch: int):
+    def __init__(
+        self, transport, host: HostState, ring_units: list[str], own_units: list[str], prefetch: int
+    ):
         self.t, self.host = transport, host
         numel = max(host[u].layout.numel for u in ring_units)
         self.ring = [Slot(transport.device_empty(numel, host.dtype)) for _ in range(prefetch)]

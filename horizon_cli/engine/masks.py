@@ -9,7 +9,9 @@ from ..data.batch import MicroBatch
 from .layer import AttnContext, rope_tables
 
 
-def attn_context(mb: MicroBatch, spec: ArchSpec, inv: torch.Tensor, dtype: torch.dtype, device) -> AttnContext:
+def attn_context(
+    mb: MicroBatch, spec: ArchSpec, inv: torch.Tensor, dtype: torch.dtype, device
+) -> AttnContext:
     pos = mb.position_ids.to(device, non_blocking=True)
     cos, sin = rope_tables(inv, pos, dtype)
     b, T = mb.input_ids.shape

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..config.schema import EngineConfig, OptimConfig
 from ..data.batch import MicroBatch
@@ -29,7 +30,7 @@ from ..optim.worker import OptimizerWorker
 from ..store import DTYPES, Store
 from .head import head_forward_backward, head_loss, label_index
 from .host import HostState
-from .layer import inv_freq, layer_forward
+from .layer import inv_freq, layer_forward, rms_norm
 from .loader import Load, Loader
 from .masks import attn_context
 from .plan import head_work_bytes, layer_work_bytes
@@ -80,7 +81,9 @@ class Engine:
         self.host = HostState(store, self.dtype, self.t.host_empty, progress)
         self.layers = [f"layer.{i}" for i in range(self.spec.n_layers)]
         tied = self.spec.tie_embeddings
-        self.loader = Loader(self.t, self.host, self.layers, ["head"] + (["embed"] if tied else []), engine.prefetch)
+        self.loader = Loader(
+            self.t, self.host, self.layers, ["head"] + (["embed"] if tied else []), engine.prefetch
+        )
         self.optimizer = OptimizerWorker(self.host, optim.kernel, self.tracer)
         self.inv = inv_freq(self.spec).to(self.t.device)
         n_layer = max(self.host[u].layout.numel for u in self.layers)
@@ -92,7 +95,9 @@ class Engine:
         self.staging: dict[str, torch.Tensor] = {}
         self.adam_step = 0
         self.t.memory.set("weights", self.loader.weight_bytes())
-        self.t.memory.set("grad_acc", sum(_nbytes(g) for g in [*self.gacc, self.head_g, self.embed_g] if g is not None))
+        self.t.memory.set(
+            "grad_acc", sum(_nbytes(g) for g in [*self.gacc, self.head_g, self.embed_g] if g is not None)
+        )
 
     # -- public ------------------------------------------------------------------------------
     def step(self, mbs: list[MicroBatch], lr: float) -> StepResult:
@@ -203,7 +208,10 @@ class Engine:
             inflight = [(e, r) for e, r in inflight if not e.done()] + [(ev, x)]  # keep sources alive
             w, _ = self.loader.acquire(f"f{i}")
             with self.tracer.span("compute", f"fwd {i}"):
-                x = [layer_forward(w, xm, c, self.spec, self.spec.windows[i]) for xm, c in zip(x, ctxs, strict=True)]
+                x = [
+                    layer_forward(w, xm, c, self.spec, self.spec.windows[i])
+                    for xm, c in zip(x, ctxs, strict=True)
+                ]
             self.loader.release(f"f{i}")
         return x
 
@@ -222,16 +230,29 @@ class Engine:
                 idx, tgt = label_index(mb.labels)
                 idx, tgt = idx.to(self.t.device), tgt.to(self.t.device)
                 ls, dh = head_forward_backward(
-                    xm, w["norm"], lm, idx, tgt, inv_n, self.cfg.loss_chunk, self.spec.rms_eps, gh["norm"], g_lm
+                    xm,
+                    w["norm"],
+                    lm,
+                    idx,
+                    tgt,
+                    inv_n,
+                    self.cfg.loss_chunk,
+                    self.spec.rms_eps,
+                    gh["norm"],
+                    g_lm,
                 )
                 loss_sum += ls
                 dx.append(dh)
         self.loader.release("head")
         if self.spec.tie_embeddings:
             self.loader.release("embed")
-            self.grad_ready["embed"] = self.t.d2h([(self.host["embed"].grad, self.embed_g)], [self.t.record()], "g-lm")
+            self.grad_ready["embed"] = self.t.d2h(
+                [(self.host["embed"].grad, self.embed_g)], [self.t.record()], "g-lm"
+            )
         sq.append(torch.dot(self.head_g, self.head_g))
-        self.grad_ready["head"] = self.t.d2h([(self.host["head"].grad, self.head_g)], [self.t.record()], "g-head")
+        self.grad_ready["head"] = self.t.d2h(
+            [(self.host["head"].grad, self.head_g)], [self.t.record()], "g-head"
+        )
         return loss_sum, dx
 
     def _backward_layers(self, dx, ctxs, shapes, sq: list) -> list[torch.Tensor]:
@@ -252,7 +273,9 @@ class Engine:
                     off += n
                     leaves = [w[k_].detach().requires_grad_(True) for k_ in names]
                     with torch.enable_grad():
-                        y = layer_forward(dict(zip(names, leaves, strict=True)), xi, c, self.spec, self.spec.windows[i])
+                        y = layer_forward(
+                            dict(zip(names, leaves, strict=True)), xi, c, self.spec, self.spec.windows[i]
+                        )
                         grads = torch.autograd.grad(y, [xi, *leaves], dx[m])
                     dx[m] = grads[0]
                     for name, gw in zip(names, grads[1:], strict=True):
@@ -287,26 +310,46 @@ class Engine:
 
     # -- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
-    def eval_loss(self, mbs: list[MicroBatch]) -> tuple[float, int]:
-        """Forward only: (summed cross-entropy, label tokens). Streams each layer once."""
-        tokens = sum(mb.label_tokens for mb in mbs)
+    def forward_hidden(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], dict, torch.Tensor]:
+        """Forward only, streaming each layer once: (last hidden states per micro-batch, head
+        weights, LM-head matrix). The caller must `finish_forward()` afterwards."""
         ctxs = [attn_context(mb, self.spec, self.inv, self.dtype, self.t.device) for mb in mbs]
         self.loader.begin(self._sequence(0, [], backward=False))
         x = self._embed(mbs)
         for i in range(len(self.layers)):
             w, _ = self.loader.acquire(f"f{i}")
-            x = [layer_forward(w, xm, c, self.spec, self.spec.windows[i]) for xm, c in zip(x, ctxs, strict=True)]
+            x = [
+                layer_forward(w, xm, c, self.spec, self.spec.windows[i])
+                for xm, c in zip(x, ctxs, strict=True)
+            ]
             self.loader.release(f"f{i}")
         w, _ = self.loader.acquire("head")
         lm = self.loader.acquire("embed")[0]["embed"] if self.spec.tie_embeddings else w["lm_head"]
-        total = torch.zeros((), dtype=torch.float32, device=self.t.device)
-        for xm, mb in zip(x, mbs, strict=True):
-            idx, tgt = label_index(mb.labels)
-            total += head_loss(xm, w["norm"], lm, idx.to(self.t.device), tgt.to(self.t.device), self.cfg.loss_chunk, self.spec.rms_eps)
+        return x, w, lm
+
+    def finish_forward(self) -> None:
         self.loader.release("head")
         if self.spec.tie_embeddings:
             self.loader.release("embed")
-        return float(total.item()), tokens
+
+    @torch.no_grad()
+    def eval_loss(self, mbs: list[MicroBatch]) -> tuple[float, int]:
+        """(summed cross-entropy, label tokens) of a forward pass; logits bounded by a chunk."""
+        x, w, lm = self.forward_hidden(mbs)
+        total = torch.zeros((), dtype=torch.float32, device=self.t.device)
+        for xm, mb in zip(x, mbs, strict=True):
+            idx, tgt = (t.to(self.t.device) for t in label_index(mb.labels))
+            total += head_loss(xm, w["norm"], lm, idx, tgt, self.cfg.loss_chunk, self.spec.rms_eps)
+        self.finish_forward()
+        return float(total.item()), sum(mb.label_tokens for mb in mbs)
+
+    @torch.no_grad()
+    def logits(self, mb: MicroBatch) -> torch.Tensor:
+        """Full (b, T, V) fp32 logits of one small micro-batch — for tests and spot checks only."""
+        (x,), w, lm = self.forward_hidden([mb])
+        out = F.linear(rms_norm(x, w["norm"], self.spec.rms_eps), lm).float().cpu()
+        self.finish_forward()
+        return out
 
     # -- buffers -----------------------------------------------------------------------------
     def _ensure_ckpt(self, total: int) -> None:
@@ -332,6 +375,7 @@ class Engine:
         tok = max(sh[0] * sh[1] for sh in shapes)
         self.t.memory.set("layer_work", layer_work_bytes(self.spec, tok, rows, T, item))
         self.t.memory.set("head_work", head_work_bytes(self.spec, tok, self.cfg.loss_chunk, item))
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
