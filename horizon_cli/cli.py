@@ -65,7 +65,9 @@ def convert(
     if dtype not in ("bfloat16", "float16", "float32"):
         raise InputError(f"--dtype: {dtype!r} is not allowed (bfloat16, float16 or float32)")
     info = run(src, dst, dtype=dtype, force=force, console=console)
-    console.print(f"[green]converted[/] {info['params']:,} parameters into {dst} ({dtype}, {info['units']} units)")
+    console.print(
+        f"[green]converted[/] {info['params']:,} parameters into {dst} ({dtype}, {info['units']} units)"
+    )
 
 
 @app.command()
@@ -79,7 +81,9 @@ def export(
     from .export import export as run
 
     info = run(src, dst, force=force, console=console)
-    console.print(f"[green]exported[/] {info['source']} -> {dst} ({info['shards']} shard(s), {info['dtype']})")
+    console.print(
+        f"[green]exported[/] {info['source']} -> {dst} ({info['shards']} shard(s), {info['dtype']})"
+    )
 
 
 @app.command()
@@ -98,8 +102,12 @@ def inspect(
 @command
 def train(
     config: Annotated[Path, typer.Argument(help="YAML config.")],
-    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted KEY=VALUE overrides, e.g. optim.lr=2e-5.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate, print the config and memory plan, exit.")] = False,
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Dotted KEY=VALUE overrides, e.g. optim.lr=2e-5.")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Validate, print the config and memory plan, exit.")
+    ] = False,
 ) -> None:
     """Train from a config; resumes from the run dir's latest checkpoint when there is one."""
     from .train import run_training
@@ -110,7 +118,9 @@ def train(
 @app.command()
 @command
 def profile(
-    config: Annotated[Path | None, typer.Argument(help="YAML config (default: a built-in tiny model).")] = None,
+    config: Annotated[
+        Path | None, typer.Argument(help="YAML config (default: a built-in tiny model).")
+    ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
     trace: Annotated[Path | None, typer.Option("--trace", help="Write a Chrome/Perfetto trace.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG timeline.")] = None,

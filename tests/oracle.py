@@ -7,14 +7,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tiny_models import make_model, save
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.convert import convert
 from horizon_cli.data.batch import IGNORE, MicroBatch
 from horizon_cli.engine.schedule import Engine
 from horizon_cli.store import Store
-
-from tiny_models import make_model, save
 
 
 def make_store(tmp: Path, family="llama", tie=False, dtype="float32", **over):
@@ -25,7 +24,9 @@ def make_store(tmp: Path, family="llama", tie=False, dtype="float32", **over):
 
 
 def make_engine(store, dtype="float32", **optim) -> Engine:
-    return Engine(store, EngineConfig(device="cpu", dtype=dtype, loss_chunk=16), OptimConfig(kernel="torch", **optim))
+    return Engine(
+        store, EngineConfig(device="cpu", dtype=dtype, loss_chunk=16), OptimConfig(kernel="torch", **optim)
+    )
 
 
 def random_rows(n: int, vocab: int, seed: int = 0, lo: int = 6, hi: int = 24, prompt: int = 3):
@@ -52,7 +53,10 @@ def hf_loss_backward(model, mbs: list[MicroBatch]) -> float:
         mask = (mb.input_ids != -1).long()  # right padding sits after every real token (causal)
         logits = model(input_ids=mb.input_ids, attention_mask=mask).logits.float()
         loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), mb.labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum"
+            logits[:, :-1].reshape(-1, logits.shape[-1]),
+            mb.labels[:, 1:].reshape(-1),
+            ignore_index=IGNORE,
+            reduction="sum",
         )
         (loss / n).backward()
         total += loss.item()

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from oracle import hf_loss_backward, make_engine, make_store, micro_batches, random_rows, rel_err
 
 CASES = [

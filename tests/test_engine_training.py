@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from oracle import engine_weights, hf_train, make_engine, make_store, micro_batches, random_rows, rel_err
 
 STEPS = 20
@@ -31,7 +30,15 @@ def test_twenty_steps_match_resident_adamw(tmp_path, family, tie):
     eng = make_engine(store, **HP)
     try:
         res = run_engine(eng, data, HP["lr"])
-        ref = hf_train(model, data, lr=HP["lr"], betas=tuple(HP["betas"]), eps=HP["eps"], wd=HP["weight_decay"], clip=HP["grad_clip"])
+        ref = hf_train(
+            model,
+            data,
+            lr=HP["lr"],
+            betas=tuple(HP["betas"]),
+            eps=HP["eps"],
+            wd=HP["weight_decay"],
+            clip=HP["grad_clip"],
+        )
         assert any(r.grad_norm > HP["grad_clip"] for r in res), "clipping must be exercised"
         for r, l_ref in zip(res, ref, strict=True):
             assert abs(r.loss - l_ref) / l_ref < 1e-5

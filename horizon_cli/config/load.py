@@ -120,7 +120,11 @@ def coerce(value: Any, tp: Any) -> tuple[Any, str | None]:
             out.append(c)
         return out, None
     if tp is bool:
-        return (value, None) if isinstance(value, bool) else (None, f"expected true or false, got {_kind(value)}")
+        return (
+            (value, None)
+            if isinstance(value, bool)
+            else (None, f"expected true or false, got {_kind(value)}")
+        )
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value, None

@@ -1,7 +1,10 @@
 """Learning-rate schedules: constant, linear or cosine decay after a linear warmup.
 
-`lr_at(step)` takes the 0-based index of the optimizer step about to run; warmup reaches the
-peak at step `warmup_steps`; decay ends at `min_lr_ratio * lr` on the last step.
+`lr_at(step)` takes the 0-based index of the optimizer step about to run. Warmup rises linearly
+over `warmup_steps` steps, reaching the peak at step `warmup_steps` (its first step already uses
+lr / (warmup_steps + 1), never 0). Decay then follows transformers' schedules: progress runs from
+0 at the end of warmup towards 1 at `total` (so the last step keeps a small non-zero rate),
+ending near `min_lr_ratio * lr`.
 """
 
 from __future__ import annotations
@@ -14,8 +17,7 @@ def lr_at(step: int, *, lr: float, total: int, kind: str, warmup: int = 0, min_r
         return lr * (step + 1) / (warmup + 1)
     if kind == "constant":
         return lr
-    span = max(1, total - 1 - warmup)
-    frac = min(1.0, max(0.0, (step - warmup) / span))
+    frac = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
     if kind == "linear":
         scale = 1.0 - frac
     elif kind == "cosine":

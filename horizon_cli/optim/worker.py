@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-
 from ..engine.host import HostState, UnitState
 from ..engine.trace import Tracer
 from ..engine.transport import Event, FutureEvent

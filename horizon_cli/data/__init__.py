@@ -1,0 +1,51 @@
+"""The data pipeline: dataset files -> token rows -> micro-batches for the engine.
+
+Stages, one module each:
+
+    source     find and load raw records (local file, save_to_disk dir, hub name) via `datasets`
+    formats    text | instruction | chat | tokens: fields, `auto` detection, sharegpt mapping
+    templates  chat-template / Alpaca rendering and the character spans that carry loss
+    encode     tokenization, label masking, truncation
+    pack       greedy packing with per-document doc_ids and boundary-masked labels
+    tokset     TokenSet: flat numpy arrays (tokens, labels, row offsets, doc_ids)
+    cache      TokenSets on disk, keyed by source, settings and tokenizer; atomic writes
+    prepare    the entry point below; eval split
+    sampler    global batch of step s: a pure function of (seed, step, N, batch_size, shuffle)
+    collate    rows -> right-padded `MicroBatch`es (batch.py, the engine contract)
+
+API used by the training loop:
+
+    prepared = prepare_data(cfg.data, tokenizer, seed=cfg.train.seed,
+                            model_max_len=..., cache_dir=<output.dir>/cache, log=print)
+    prepared.train, prepared.eval      TokenSet (eval may be None); len(ts), ts[i] -> Row,
+                                       ts.label_tokens, ts.num_tokens, ts.format, ts.stats
+    prepared.format, prepared.pad_id   format used (what `auto` chose); padding id
+    rows = batch_rows(prepared.train, step, cfg.train.batch_size, cfg.train.seed, cfg.data.shuffle)
+    micro_batches = collate(rows, cfg.train.micro_batch_size, prepared.pad_id)   # list[MicroBatch]
+
+Every problem with the input raises `InputError` with one line naming the file or config key.
+"""
+
+from .batch import IGNORE, MicroBatch
+from .collate import collate, pad_id_of
+from .formats import FORMATS, resolve_format
+from .prepare import PreparedData, load_token_set, prepare_data, split_eval
+from .sampler import batch_indices, batch_rows
+from .tokset import Row, TokenSet
+
+__all__ = [
+    "FORMATS",
+    "IGNORE",
+    "MicroBatch",
+    "PreparedData",
+    "Row",
+    "TokenSet",
+    "batch_indices",
+    "batch_rows",
+    "collate",
+    "load_token_set",
+    "pad_id_of",
+    "prepare_data",
+    "resolve_format",
+    "split_eval",
+]

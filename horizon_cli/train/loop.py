@@ -1,0 +1,240 @@
+"""The training loop: schedule, steps, evaluation, metrics, progress, checkpoints, export.
+
+The data of step s is a pure function of (seed, s), and a checkpoint holds the complete
+training state, so a run resumed from step_N continues exactly as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import psutil
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from ..config import Config
+from ..data import batch_rows, collate, prepare_data
+from ..engine.schedule import Engine, StepResult
+from ..errors import HorizonError, InputError
+from ..faults import maybe_die
+from ..inspect import fmt_bytes
+from ..optim.schedules import lr_at
+from ..progress import byte_progress
+from ..store import Store
+from . import checkpoint
+from .metrics import MetricsLog, plot_loss, read_metrics
+from .run import model_fingerprint
+
+
+def load_tokenizer(store: Store, fmt: str):
+    hf = store.root / "hf"
+    has = hf.is_dir() and any(
+        (hf / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
+    if not has:
+        if fmt == "tokens":
+            return None
+        raise InputError(
+            f"model.path: store {store.root} has no tokenizer files (data.format 'tokens' needs none)"
+        )
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(hf))
+
+
+class Trainer:
+    def __init__(self, cfg: Config, store: Store, run_dir: Path, console: Console):
+        self.cfg, self.store, self.run_dir, self.console = cfg, store, run_dir, console
+        self.proc = psutil.Process()
+
+    # -- setup -------------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.cfg
+        tok = load_tokenizer(self.store, cfg.data.format)
+        self.data = prepare_data(
+            cfg.data,
+            tok,
+            seed=cfg.train.seed,
+            model_max_len=self.store.arch.max_positions,
+            cache_dir=self.run_dir / "cache",
+            log=lambda s: self.console.print(s, highlight=False),
+        )
+        ck = checkpoint.latest(self.run_dir)
+        self.engine = self._build_engine(ck)
+        try:
+            state = checkpoint.load(self.engine, ck) if ck else {"step": 0, "bad_steps": 0}
+            if ck:
+                self.console.print(f"[bold]resuming[/] from {ck} (step {state['step']})")
+            self.bad = state.get("bad_steps", 0)
+            self.metrics = MetricsLog(self.run_dir, state["step"], cfg.log.tensorboard)
+            try:
+                last = self._loop(state["step"])
+            finally:
+                self.metrics.close()
+            return self._finish(last)
+        finally:
+            self.engine.close()
+
+    def _build_engine(self, ck: Path | None) -> Engine:
+        src = Store.open(ck) if ck else self.store
+        if self.cfg.engine.compute_threads:
+            import torch
+
+            torch.set_num_threads(self.cfg.engine.compute_threads)
+        with byte_progress(self.console, "load weights", src.nbytes()) as advance:
+            engine = Engine(src, self.cfg.engine, self.cfg.optim, progress=advance)
+        if engine.optimizer.note:
+            self.console.print(f"[yellow]note:[/] {engine.optimizer.note}")
+        self.console.print(
+            f"engine: {engine.t.kind} {engine.t.device}, {self.cfg.engine.dtype}, prefetch {self.cfg.engine.prefetch}, "
+            f"AdamW kernel {engine.optimizer.kernel_name}, host state {fmt_bytes(sum(engine.host.nbytes().values()))}"
+        )
+        return engine
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _loop(self, start: int) -> int:
+        cfg, t = self.cfg, self.cfg.train
+        step = start
+        cols = (
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn(
+                "loss [cyan]{task.fields[loss]}[/] lr {task.fields[lr]} {task.fields[tps]} tok/s RAM {task.fields[ram]}"
+            ),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+        )
+        with Progress(*cols, console=self.console) as prog:
+            task = prog.add_task("train", total=t.steps, completed=start, loss="-", lr="-", tps="-", ram="-")
+            t_prev = time.perf_counter()
+            while step < t.steps:
+                row = self._step(step)
+                now = time.perf_counter()
+                row["step_s"] = now - t_prev
+                row["tokens_per_s"] = row["input_tokens"] / row["step_s"]
+                t_prev = now
+                step += 1
+                if t.eval_every and step % t.eval_every == 0:
+                    row["eval_loss"] = self.evaluate()
+                self.metrics.write(row)
+                self._show(prog, task, row)
+                maybe_die("after-step", step)
+                if row["skipped"]:
+                    self._bad_step(row)
+                if cfg.output.save_every and step % cfg.output.save_every == 0 and step < t.steps:
+                    self.save(step)
+                    t_prev = time.perf_counter()
+        return step
+
+    def _step(self, step: int) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        s = cfg.schedule
+        lr = lr_at(
+            step, lr=cfg.optim.lr, total=t.steps, kind=s.kind, warmup=s.warmup_steps, min_ratio=s.min_lr_ratio
+        )
+        rows = batch_rows(self.data.train, step, t.batch_size, t.seed, cfg.data.shuffle)
+        mbs = collate(rows, t.micro_batch_size, self.data.pad_id)
+        res: StepResult = self.engine.step(mbs, lr)
+        return {
+            "step": step + 1,
+            "loss": res.loss if math.isfinite(res.loss) else None,
+            "lr": lr,
+            "grad_norm": res.grad_norm if math.isfinite(res.grad_norm) else None,
+            "tokens": res.tokens,
+            "input_tokens": sum(len(r.input_ids) for r in rows),  # without padding
+            "skipped": res.skipped,
+            "engine_s": res.step_s,
+            "h2d_bytes": res.h2d_bytes,
+            "d2h_bytes": res.d2h_bytes,
+            "weight_loads": res.weight_loads,
+            "device_peak_bytes": res.device_peak_bytes,
+            "host_rss_bytes": self.proc.memory_info().rss,
+        }
+
+    def _show(self, prog: Progress, task, row: dict) -> None:
+        loss = f"{row['loss']:.4f}" if row["loss"] is not None else "nan"
+        prog.update(
+            task,
+            advance=1,
+            loss=loss,
+            lr=f"{row['lr']:.2e}",
+            tps=f"{row['tokens_per_s']:,.0f}",
+            ram=fmt_bytes(row["host_rss_bytes"]),
+        )
+        if row["step"] % self.cfg.log.every == 0 or row["step"] == self.cfg.train.steps or "eval_loss" in row:
+            ev = f" eval {row['eval_loss']:.4f}" if row.get("eval_loss") is not None else ""
+            gn = f"{row['grad_norm']:.3f}" if row["grad_norm"] is not None else "nan"
+            prog.console.print(
+                f"step {row['step']:>5}/{self.cfg.train.steps}  loss {loss}{ev}  lr {row['lr']:.2e}  grad {gn}  "
+                f"{row['tokens_per_s']:,.0f} tok/s  {row['step_s']:.2f} s/step"
+                + ("  [red]skipped: non-finite[/]" if row["skipped"] else ""),
+                highlight=False,
+            )
+
+    def _bad_step(self, row: dict) -> None:
+        self.bad += 1
+        if self.bad >= self.cfg.train.max_bad_steps:
+            raise HorizonError(
+                f"step {row['step']}: {self.bad} non-finite steps in a row (loss or gradient is NaN/inf); "
+                "stopping. Lower optim.lr, check the data, or resume from the last checkpoint."
+            )
+
+    # -- eval, save, finish ------------------------------------------------------------------
+    def evaluate(self) -> float | None:
+        ev, t = self.data.eval, self.cfg.train
+        if ev is None or not len(ev):
+            return None
+        self.engine.wait()
+        total, tokens = 0.0, 0
+        n = min(len(ev), t.batch_size * t.eval_batches)
+        for a in range(0, n, t.batch_size):
+            rows = ev.rows(range(a, min(n, a + t.batch_size)))
+            s, k = self.engine.eval_loss(collate(rows, t.micro_batch_size, self.data.pad_id))
+            total, tokens = total + s, tokens + k
+        return total / tokens if tokens else None
+
+    def save(self, step: int) -> Path:
+        trainer = {
+            "step": step,
+            "adam_step": self.engine.adam_step,
+            "bad_steps": self.bad,
+            "dtype": self.cfg.engine.dtype,
+            "model_fingerprint": model_fingerprint(self.store),
+            "seed": self.cfg.train.seed,
+        }
+        path = checkpoint.save(
+            self.engine, self.run_dir, step, trainer, self.store, self.cfg.output.keep_last
+        )
+        self.console.print(f"saved checkpoint {path}", highlight=False)
+        return path
+
+    def _finish(self, step: int) -> dict:
+        ck = checkpoint.latest(self.run_dir)
+        if ck is None or int(ck.name.split("_")[1]) != step:
+            ck = self.save(step)
+        rows = read_metrics(self.run_dir / "metrics.jsonl")
+        out = {"step": step, "checkpoint": str(ck), "final_loss": rows[-1]["loss"] if rows else None}
+        if self.cfg.log.plot and rows:
+            out["plot"] = str(plot_loss(rows, self.run_dir / "loss.png", title=f"{self.run_dir.name}"))
+        if self.cfg.output.export:
+            from ..export import export
+
+            dst = self.run_dir / "export"
+            export(ck, dst, force=True, console=self.console)
+            out["export"] = str(dst)
+        self.console.print(
+            f"[green]done[/]: {step} steps, final loss {out['final_loss']}, checkpoint {ck}"
+            + (f", HF export {out['export']}" if "export" in out else ""),
+            highlight=False,
+        )
+        return out

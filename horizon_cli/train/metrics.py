@@ -1,0 +1,85 @@
+"""Run outputs besides checkpoints: metrics.jsonl, optional TensorBoard, the loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import InputError
+from ..fsutil import write_text_atomic
+
+
+class MetricsLog:
+    """Appends one JSON object per optimizer step; on resume, drops lines past the checkpoint."""
+
+    def __init__(self, run_dir: Path, resume_step: int, tensorboard: bool):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step] if resume_step else []
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        self.f = open(self.path, "a")  # noqa: SIM115 - held open for the whole run
+        self.tb = _tensorboard(Path(run_dir) / "tensorboard") if tensorboard else None
+
+    def write(self, row: dict) -> None:
+        self.f.write(json.dumps(row) + "\n")
+        self.f.flush()
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
+                    self.tb.add_scalar(k, v, row["step"])
+
+    def close(self) -> None:
+        self.f.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not Path(path).is_file():
+        return []
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut short by a crash: everything after it is discarded too
+    return rows
+
+
+def _tensorboard(logdir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise InputError("log.tensorboard: needs the tensorboard package (pip install tensorboard)") from None
+    return SummaryWriter(str(logdir))
+
+
+def plot_loss(rows: list[dict], out: Path, title: str = "") -> Path | None:
+    """Loss (and eval loss) against step, with the learning rate on a second axis."""
+    rows = [r for r in rows if r.get("loss") is not None]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["loss"] for r in rows], color="#1f77b4", lw=1.6, label="train loss")
+    ev = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    if ev:
+        ax.plot(*zip(*ev, strict=True), "o-", color="#d62728", lw=1.2, ms=4, label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    lr_ax = ax.twinx()
+    lr_ax.plot(steps, [r["lr"] for r in rows], color="#7f7f7f", lw=1, ls="--", label="lr")
+    lr_ax.set_ylabel("learning rate", color="#7f7f7f")
+    lines = ax.get_legend_handles_labels()
+    lr_lines = lr_ax.get_legend_handles_labels()
+    ax.legend(lines[0] + lr_lines[0], lines[1] + lr_lines[1], loc="upper right")
+    ax.set_title(title or "horizon training")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return Path(out)

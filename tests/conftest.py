@@ -1,0 +1,70 @@
+"""Shared fixtures: a tiny converted store with a tokenizer, and helpers to write run configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory) -> Path:
+    """A 2-layer Llama (tied embeddings, vocab 400) converted to fp32, with the tiny tokenizer."""
+    from tiny_models import make_model, save
+    from tiny_tokenizer import make_tokenizer
+
+    from horizon_cli.convert import convert
+
+    root = tmp_path_factory.mktemp("tiny")
+    save(make_model("llama", tie=True, vocab_size=400, max_position_embeddings=128), root / "hf")
+    make_tokenizer(root / "hf")
+    convert(root / "hf", root / "store", dtype="float32")
+    return root / "store"
+
+
+def chat_rows(n: int = 48, seed: int = 0) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"what is {a} plus {b}?"},
+                    {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+                ]
+            }
+        )
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_config(path: Path, store: Path, data: Path, out: Path, **sections) -> Path:
+    cfg = {
+        "model": {"path": str(store)},
+        "data": {"path": str(data), "max_seq_len": 64, "shuffle": True},
+        "train": {"steps": 6, "batch_size": 4, "micro_batch_size": 2, "seed": 1},
+        "optim": {"lr": 3.0e-3, "grad_clip": 1.0, "weight_decay": 0.01},
+        "schedule": {"kind": "cosine", "warmup_steps": 1},
+        "engine": {"device": "cpu", "dtype": "float32"},
+        "output": {"dir": str(out), "save_every": 2, "keep_last": 2, "export": False},
+        "log": {"every": 1, "plot": False},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
