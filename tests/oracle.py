@@ -80,7 +80,7 @@ def hf_train(model, batches: list[list[MicroBatch]], lr=1e-3, betas=(0.9, 0.95),
 def engine_weights(engine: Engine) -> dict[str, torch.Tensor]:
     """HF name -> fp32 master weight held by the engine."""
     out = {}
-    for name, st in engine.host.units.items():
+    for st in engine.host.units.values():
         views = st.views(st.master())
         for s in st.layout.slots:
             out[s.hf] = views[s.name].clone()
