@@ -6,9 +6,12 @@ Every buffer is flat and mirrors the unit's layout element for element, in anony
   stream  (numel,) compute dtype   what the device streams; in fp32 runs it *is* the master
   lo      (numel,) int16           bf16 runs: the master's low half (optim.split), else None
   m, v    (numel,) fp32            AdamW moments
-  grad    (numel,) fp32            gradients of the step, kept whole until the clip norm is known
+  grad    (numel,) grad dtype      gradients of the step, kept whole until the clip norm is known:
+                                   accumulated in fp32 on the device, sent in `engine.grad_dtype`
+                                   (bf16 runs: bf16, half the device->host traffic); the embedding's
+                                   grad is always fp32, because the host accumulates it row by row
 
-Host bytes per parameter: bf16 2 + 2 + 4 + 4 + 4 = 16; fp32 4 + 4 + 4 + 4 = 16.
+Host bytes per parameter: bf16 2 + 2 + 4 + 4 + 2 = 14; fp32 4 + 4 + 4 + 4 = 16.
 """
 
 from __future__ import annotations
@@ -60,8 +63,9 @@ class HostState:
         dtype: torch.dtype,
         alloc: Callable[[int, torch.dtype], torch.Tensor],
         progress: Callable[[int], None] = lambda n: None,
+        grad_dtype: torch.dtype = torch.float32,
     ):
-        self.dtype = dtype
+        self.dtype, self.grad_dtype = dtype, grad_dtype
         self.units: dict[str, UnitState] = {}
         for u in store.units:
             lay = store.layout(u.name)
@@ -80,8 +84,10 @@ class HostState:
             st = UnitState(lay.name, lay, stream, lo, *(torch.empty(0),) * 3)
             st.set_master(src.to(torch.float32))
             del src
-        zeros = [torch.zeros(n, dtype=torch.float32) for _ in range(3)]
-        return UnitState(lay.name, lay, stream, lo, *zeros)
+        m, v = torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32)
+        grad = alloc(n, torch.float32 if lay.name == "embed" else self.grad_dtype)  # pinned on CUDA
+        grad.zero_()
+        return UnitState(lay.name, lay, stream, lo, m, v, grad)
 
     def __getitem__(self, unit: str) -> UnitState:
         return self.units[unit]

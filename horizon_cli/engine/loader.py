@@ -31,6 +31,7 @@ class Load:
 @dataclass
 class Slot:
     flat: torch.Tensor  # device weight buffer (numel,) in the compute dtype
+    name: str = ""  # ring index, or the unit that owns it (for traces)
     extra: torch.Tensor | None = None  # device buffer for the saved activations
     key: str | None = None
     free: Event = READY  # compute done with the previous contents
@@ -43,13 +44,14 @@ class Loader:
     ):
         self.t, self.host = transport, host
         numel = max(host[u].layout.numel for u in ring_units)
-        self.ring = [Slot(transport.device_empty(numel, host.dtype)) for _ in range(prefetch)]
-        self.own = {u: Slot(transport.device_empty(host[u].layout.numel, host.dtype)) for u in own_units}
+        self.ring = [Slot(transport.device_empty(numel, host.dtype), str(i)) for i in range(prefetch)]
+        self.own = {u: Slot(transport.device_empty(host[u].layout.numel, host.dtype), u) for u in own_units}
         self.ready: dict[str, Event] = {}  # unit -> host copy is current (the optimizer is done with it)
         self.seq: list[Load] = []
         self.pos = 0
         self.by_key: dict[str, tuple[Slot, Load]] = {}
         self.loads = {"layer": 0, "other": 0}
+        self._views: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (slot, unit) -> views
 
     def weight_bytes(self) -> int:
         slots = self.ring + list(self.own.values())
@@ -91,7 +93,7 @@ class Loader:
                     off += x.numel()
             deps = [slot.free, self.ready.get(load.unit, READY), *load.deps]
             slot.key = load.key
-            slot.loaded = self.t.h2d(pairs, deps, label=load.key)
+            slot.loaded = self.t.h2d(pairs, deps, label=f"{load.key}@{slot.name}")
             self.by_key[load.key] = (slot, load)
             self.loads["layer" if load.unit.startswith("layer.") else "other"] += 1
             self.pos += 1
@@ -105,7 +107,10 @@ class Loader:
         for x in load.extra:
             extras.append(slot.extra[off : off + x.numel()].view(x.shape))
             off += x.numel()
-        return st.views(slot.flat), extras
+        views = self._views.get((slot.name, load.unit))
+        if views is None:
+            views = self._views[(slot.name, load.unit)] = st.views(slot.flat)
+        return views, extras
 
     def release(self, key: str) -> None:
         """Compute is done with `key`'s buffer: it may be refilled once that compute completes."""

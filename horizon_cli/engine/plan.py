@@ -54,6 +54,7 @@ def head_work_bytes(spec: ArchSpec, tokens: int, chunk: int, item: int) -> int:
 def memory_plan(
     spec: ArchSpec,
     dtype: str = "bfloat16",
+    grad_dtype: str = "auto",
     batch: int = 1,
     micro_batch: int = 1,
     seq: int = 2048,
@@ -72,11 +73,16 @@ def memory_plan(
     if dtype == "bfloat16":
         p.host["master remainder (int16)"] = numel * 2
     p.host["AdamW moments (fp32)"] = numel * 8
-    p.host["gradients (fp32)"] = numel * 4
+    gitem = ITEM[dtype if grad_dtype == "auto" else grad_dtype]
+    p.host[f"gradients ({'bf16' if gitem == 2 else 'fp32'})"] = (numel - lays["embed"].numel) * gitem + lays[
+        "embed"
+    ].numel * 4
     p.host["saved activations"] = spec.n_layers * acts
     p.host["staging"] = 2 * acts
     p.device["weight buffers"] = (prefetch * layer_max + head) * item
-    p.device["gradient accumulators"] = (2 * layer_max + head) * 4
+    p.device["gradient accumulators"] = (2 * layer_max + head) * 4 + (
+        2 * layer_max * gitem if gitem != 4 else 0
+    )
     p.device["saved inputs in flight"] = prefetch * acts
     p.device["activations"] = 2 * acts
     tok = micro_batch * seq

@@ -76,9 +76,10 @@ class Engine:
     ):
         self.spec, self.cfg, self.ocfg = store.arch, engine, optim
         self.dtype = DTYPES[engine.dtype]
+        self.grad_dtype = self.dtype if engine.grad_dtype == "auto" else DTYPES[engine.grad_dtype]
         self.tracer = tracer or Tracer(enabled=False)
         self.t = make_transport(engine, self.tracer)
-        self.host = HostState(store, self.dtype, self.t.host_empty, progress)
+        self.host = HostState(store, self.dtype, self.t.host_empty, progress, self.grad_dtype)
         self.layers = [f"layer.{i}" for i in range(self.spec.n_layers)]
         tied = self.spec.tie_embeddings
         self.loader = Loader(
@@ -89,6 +90,10 @@ class Engine:
         n_layer = max(self.host[u].layout.numel for u in self.layers)
         self.gacc = [self.t.device_empty(n_layer, torch.float32) for _ in range(2)]  # ping-pong
         self.gacc_free: list[Event] = [READY, READY]
+        self._gacc_views: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        # narrower copies of the fp32 sums for the link (bf16 runs): what the host receives
+        narrow = self.grad_dtype != torch.float32
+        self.wire = [self.t.device_empty(n_layer, self.grad_dtype) for _ in range(2)] if narrow else None
         self.head_g = self.t.device_empty(self.host["head"].layout.numel, torch.float32)
         self.embed_g = self.t.device_empty(self.host["embed"].layout.numel, torch.float32) if tied else None
         self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
@@ -103,6 +108,7 @@ class Engine:
     def step(self, mbs: list[MicroBatch], lr: float) -> StepResult:
         """Forward, backward and (unless non-finite) the AdamW update for one global batch."""
         t0 = time.perf_counter()
+        self.t.mark()
         self.t.stats.reset()
         self.t.reset_peak()
         self.loader.loads = {"layer": 0, "other": 0}
@@ -113,6 +119,8 @@ class Engine:
         if not skipped:
             self.apply_update(lr, norm)
         self.t.synchronize()
+        self.t.flush_trace()
+        self.tracer.add("step", f"step {self.adam_step}", t0, time.perf_counter())
         return StepResult(
             loss=loss,
             tokens=tokens,
@@ -131,7 +139,9 @@ class Engine:
         scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # torch.nn.utils.clip_grad_norm_
         self.adam_step += 1
         h = AdamWHyper(lr, o.betas[0], o.betas[1], o.eps, o.weight_decay, self.adam_step, scale)
-        order = ["embed", *self.layers, "head"]  # the order the next forward needs them
+        # the order the next forward needs them; layer 0 first, so its transfer can start while the
+        # embedding (needed only on the host, for the gather) is still being updated
+        order = [self.layers[0], "embed", *self.layers[1:], "head"]
         self.loader.ready.update(self.optimizer.submit(order, h, self.grad_ready))
 
     def wait(self) -> None:
@@ -151,6 +161,7 @@ class Engine:
         tokens = sum(mb.label_tokens for mb in mbs)
         inv_n = 1.0 / tokens if tokens else 0.0
         ctxs = [attn_context(mb, self.spec, self.inv, self.dtype, self.t.device) for mb in mbs]
+        targets = self._targets(mbs)
         shapes = [(*mb.input_ids.shape, self.spec.hidden) for mb in mbs]
         total = sum(math.prod(s) for s in shapes)
         self._ensure_ckpt(total)
@@ -162,7 +173,7 @@ class Engine:
 
         x = self._embed(mbs)
         x = self._forward_layers(x, ctxs, shapes, saved)
-        loss_sum, dx = self._head(x, mbs, inv_n, sq)
+        loss_sum, dx = self._head(x, targets, inv_n, sq)
         dx = self._backward_layers(dx, ctxs, shapes, sq)
         host_sq = self._embed_backward(dx, mbs)
         dev_sq = torch.stack(sq).double().sum().item() if sq else 0.0
@@ -196,7 +207,6 @@ class Engine:
 
     @torch.no_grad()
     def _forward_layers(self, x, ctxs, shapes, saved: list[Promise]) -> list[torch.Tensor]:
-        inflight: list[tuple[Event, list[torch.Tensor]]] = []
         for i in range(len(self.layers)):
             # save this layer's input for the backward recompute (async, overlaps the compute)
             pairs, off = [], 0
@@ -204,10 +214,9 @@ class Engine:
                 pairs.append((self.ckpt[i][off : off + xm.numel()], xm.reshape(-1)))
                 off += xm.numel()
             ev = self.t.d2h(pairs, [self.t.record()], label=f"save{i}")
-            saved[i].set(ev)
-            inflight = [(e, r) for e, r in inflight if not e.done()] + [(ev, x)]  # keep sources alive
+            saved[i].set(ev)  # the transport keeps x alive until the copy has read it
             w, _ = self.loader.acquire(f"f{i}")
-            with self.tracer.span("compute", f"fwd {i}"):
+            with self.t.compute_span(f"fwd {i}"):
                 x = [
                     layer_forward(w, xm, c, self.spec, self.spec.windows[i])
                     for xm, c in zip(x, ctxs, strict=True)
@@ -215,7 +224,12 @@ class Engine:
             self.loader.release(f"f{i}")
         return x
 
-    def _head(self, x, mbs, inv_n: float, sq: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _targets(self, mbs: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Labelled positions and their targets per micro-batch, sent before any compute is queued
+        (copies from pageable memory would otherwise wait for the device)."""
+        return [tuple(t.to(self.t.device) for t in label_index(mb.labels)) for mb in mbs]
+
+    def _head(self, x, targets, inv_n: float, sq: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
         w, _ = self.loader.acquire("head")
         lm = self.loader.acquire("embed")[0]["embed"] if self.spec.tie_embeddings else w["lm_head"]
         gh = self.host["head"].views(self.head_g)
@@ -225,10 +239,8 @@ class Engine:
             self.embed_g.zero_()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.t.device)
         dx = []
-        with self.tracer.span("compute", "head"):
-            for xm, mb in zip(x, mbs, strict=True):
-                idx, tgt = label_index(mb.labels)
-                idx, tgt = idx.to(self.t.device), tgt.to(self.t.device)
+        with self.t.compute_span("head"):
+            for xm, (idx, tgt) in zip(x, targets, strict=True):
                 ls, dh = head_forward_backward(
                     xm,
                     w["norm"],
@@ -250,23 +262,36 @@ class Engine:
                 [(self.host["embed"].grad, self.embed_g)], [self.t.record()], "g-lm"
             )
         sq.append(torch.dot(self.head_g, self.head_g))
-        self.grad_ready["head"] = self.t.d2h(
-            [(self.host["head"].grad, self.head_g)], [self.t.record()], "g-head"
-        )
+        self.grad_ready["head"] = self._send_grad("head", self.head_g, None)
         return loss_sum, dx
+
+    def _send_grad(self, unit: str, g: torch.Tensor, k: int | None) -> Event:
+        """Copy a unit's fp32 gradient sum to its host buffer, narrowed to grad_dtype on the device
+        first (through wire buffer k; the head, once per step, through a temporary)."""
+        dst = self.host[unit].grad
+        if dst.dtype != g.dtype:
+            if k is None:
+                g = g.to(dst.dtype)
+            else:
+                self.t.wait(self.gacc_free[k])  # the wire buffer's previous copy has landed
+                g = self.wire[k][: g.numel()].copy_(g)
+        return self.t.d2h([(dst, g)], [self.t.record()], label=f"g-{unit}")
 
     def _backward_layers(self, dx, ctxs, shapes, sq: list) -> list[torch.Tensor]:
         for i in reversed(range(len(self.layers))):
             unit = self.layers[i]
             w, (saved,) = self.loader.acquire(f"b{i}")
             k = i % 2
-            self.t.wait(self.gacc_free[k])  # its previous contents have reached the host
+            if self.wire is None:
+                self.t.wait(self.gacc_free[k])  # its previous contents have reached the host
             g = self.gacc[k][: self.host[unit].layout.numel]
             g.zero_()
-            gv = self.host[unit].views(g)
+            gv = self._gacc_views.get((k, unit))
+            if gv is None:
+                gv = self._gacc_views[(k, unit)] = self.host[unit].views(g)
             names = list(w)
             off = 0
-            with self.tracer.span("compute", f"bwd {i}"):
+            with self.t.compute_span(f"bwd {i}"):
                 for m, (shape, c) in enumerate(zip(shapes, ctxs, strict=True)):
                     n = math.prod(shape)
                     xi = saved[off : off + n].view(shape).detach().requires_grad_(True)
@@ -282,8 +307,7 @@ class Engine:
                         gv[name].add_(gw)  # fp32 accumulation across micro-batches
             self.loader.release(f"b{i}")
             sq.append(torch.dot(g, g))
-            ev = self.t.d2h([(self.host[unit].grad, g)], [self.t.record()], label=f"g{i}")
-            self.gacc_free[k] = self.grad_ready[unit] = ev
+            self.gacc_free[k] = self.grad_ready[unit] = self._send_grad(unit, g, k)
         return dx
 
     def _embed_backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch]) -> float:
@@ -335,10 +359,10 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, mbs: list[MicroBatch]) -> tuple[float, int]:
         """(summed cross-entropy, label tokens) of a forward pass; logits bounded by a chunk."""
+        targets = self._targets(mbs)
         x, w, lm = self.forward_hidden(mbs)
         total = torch.zeros((), dtype=torch.float32, device=self.t.device)
-        for xm, mb in zip(x, mbs, strict=True):
-            idx, tgt = (t.to(self.t.device) for t in label_index(mb.labels))
+        for xm, (idx, tgt) in zip(x, targets, strict=True):
             total += head_loss(xm, w["norm"], lm, idx, tgt, self.cfg.loss_chunk, self.spec.rms_eps)
         self.finish_forward()
         return float(total.item()), sum(mb.label_tokens for mb in mbs)
@@ -356,12 +380,15 @@ class Engine:
         """Host buffers for each layer's saved inputs (grow-only)."""
         if self.ckpt and self.ckpt[0].numel() >= total:
             return
-        self.ckpt = []
+        for old in self.ckpt:
+            self.t.host_release(old)
         self.ckpt = [self.t.host_empty(total, self.dtype) for _ in self.layers]
 
     def _stage(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self.staging.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            if buf is not None:
+                self.t.host_release(buf)
             buf = self.staging[name] = self.t.host_empty(numel, dtype)
         return buf[:numel]
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from .trace import Tracer
@@ -100,6 +101,15 @@ class DeviceMemory:
         self.peak = sum(self.current.values())
 
 
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> int:
+    """A single-threaded memcpy (numpy releases the GIL). `Tensor.copy_` would fan out over
+    torch's OpenMP pool from this worker thread, and the two thread teams then spin against the
+    compute on the main thread."""
+    a, b = dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy()
+    np.copyto(a, b)
+    return b.nbytes
+
+
 class CpuTransport:
     kind = "cpu"
 
@@ -114,6 +124,9 @@ class CpuTransport:
     # -- memory -------------------------------------------------------------------------------
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
+
+    def host_release(self, t: torch.Tensor) -> None:
+        pass
 
     def device_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
@@ -140,8 +153,7 @@ class CpuTransport:
             t0 = time.perf_counter()
             n = 0
             for dst, src in pairs:
-                dst.copy_(src)
-                n += src.numel() * src.element_size()
+                n += copy_bytes(dst, src)
             if self.link_bps:  # emulate the link: the copy takes at least n / bandwidth
                 rest = n / self.link_bps - (time.perf_counter() - t0)
                 if rest > 0:
@@ -159,6 +171,16 @@ class CpuTransport:
     def wait(self, ev: Event) -> None:
         """Make subsequent compute wait for `ev` (on the CPU: block until it is complete)."""
         ev.host_wait()
+
+    def compute_span(self, name: str, **args):
+        """Context manager timing a stretch of compute for the trace."""
+        return self.tracer.span("compute", name, **args)
+
+    def mark(self) -> None:
+        pass
+
+    def flush_trace(self) -> None:
+        pass
 
     def synchronize(self) -> None:
         for pool in self._pools.values():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from ..engine.host import HostState, UnitState
 from ..engine.trace import Tracer
 from ..engine.transport import Event, FutureEvent
@@ -64,6 +66,8 @@ class OptimizerWorker:
         for a in range(0, n, SLICE):
             b = min(n, a + SLICE)
             g, m, v = st.grad[a:b], st.m[a:b], st.v[a:b]
+            if g.dtype != torch.float32:  # bf16 gradients from the link
+                g = g.float()
             if st.lo is None:
                 self.impl.adamw_fp32_(st.stream[a:b], g, m, v, h)
             else:

@@ -46,7 +46,14 @@ def plan_for(cfg: Config, store: Store) -> MemoryPlan:
     e = cfg.engine
     seq = min(cfg.data.max_seq_len, store.arch.max_positions)
     return memory_plan(
-        store.arch, e.dtype, cfg.train.batch_size, cfg.train.micro_batch_size, seq, e.prefetch, e.loss_chunk
+        store.arch,
+        e.dtype,
+        e.grad_dtype,
+        batch=cfg.train.batch_size,
+        micro_batch=cfg.train.micro_batch_size,
+        seq=seq,
+        prefetch=e.prefetch,
+        loss_chunk=e.loss_chunk,
     )
 
 
