@@ -1,0 +1,27 @@
+"""`horizon profile` on the CPU: the JSON fields DESIGN.md promises, a Perfetto trace, a PNG."""
+
+import json
+
+from typer.testing import CliRunner
+
+from conftest import chat_rows, write_config, write_jsonl
+from horizon_cli.cli import app
+
+
+def test_profile_writes_json_trace_and_plot(tiny_store, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(8))
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_store, data, tmp_path / "run", engine={"link_gbps": 1.0})
+    out, trace, png = tmp_path / "p.json", tmp_path / "t.json", tmp_path / "p.png"
+    r = CliRunner().invoke(app, ["profile", str(cfg), "--json", str(out), "--trace", str(trace), "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    for key in ("h2d_gbps", "d2h_gbps", "step_s", "compute_s", "transfer_s", "optimizer_s", "overlap"):
+        assert isinstance(res[key], float) and res[key] >= 0, key
+    assert 0 < res["overlap"] <= 1.0 + 1e-9
+    assert 0.8 < res["h2d_gbps"] < 1.2  # the emulated 1 GB/s link
+    assert res["weight_loads"] == 4  # 2 layers, twice each
+    events = json.loads(trace.read_text())["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"h2d", "d2h", "compute", "optimizer"} <= lanes
+    assert any(e["ph"] == "X" and e["cat"] == "compute" for e in events)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
