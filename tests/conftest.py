@@ -53,10 +53,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def write_config(path: Path, store: Path, data: Path, out: Path, **sections) -> Path:
+def write_config(path: Path, store: Path, data_path: Path, out: Path, **sections) -> Path:
     cfg = {
         "model": {"path": str(store)},
-        "data": {"path": str(data), "max_seq_len": 64, "shuffle": True},
+        "data": {"path": str(data_path), "max_seq_len": 64, "shuffle": True},
         "train": {"steps": 6, "batch_size": 4, "micro_batch_size": 2, "seed": 1},
         "optim": {"lr": 3.0e-3, "grad_clip": 1.0, "weight_decay": 0.01},
         "schedule": {"kind": "cosine", "warmup_steps": 1},

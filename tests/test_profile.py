@@ -2,9 +2,9 @@
 
 import json
 
+from conftest import chat_rows, write_config, write_jsonl
 from typer.testing import CliRunner
 
-from conftest import chat_rows, write_config, write_jsonl
 from horizon_cli.cli import app
 
 
@@ -12,7 +12,9 @@ def test_profile_writes_json_trace_and_plot(tiny_store, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(8))
     cfg = write_config(tmp_path / "cfg.yaml", tiny_store, data, tmp_path / "run", engine={"link_gbps": 1.0})
     out, trace, png = tmp_path / "p.json", tmp_path / "t.json", tmp_path / "p.png"
-    r = CliRunner().invoke(app, ["profile", str(cfg), "--json", str(out), "--trace", str(trace), "--plot", str(png)])
+    r = CliRunner().invoke(
+        app, ["profile", str(cfg), "--json", str(out), "--trace", str(trace), "--plot", str(png)]
+    )
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
     for key in ("h2d_gbps", "d2h_gbps", "step_s", "compute_s", "transfer_s", "optimizer_s", "overlap"):
