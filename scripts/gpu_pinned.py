@@ -32,43 +32,43 @@ def timed(fn, repeats=5) -> float:
     return best
 
 
+def measure_size(n: int) -> list[dict]:
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    reg = torch.empty(n, dtype=torch.uint8)
+    assert int(torch.cuda.cudart().cudaHostRegister(reg.data_ptr(), n, 0)) == 0
+    pin = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    page = torch.empty(n, dtype=torch.uint8)
+    stage = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+
+    def staged_h2d():
+        for a in range(0, n, stage.numel()):
+            b = min(n, a + stage.numel())
+            stage[: b - a].copy_(page[a:b])
+            dev[a:b].copy_(stage[: b - a], non_blocking=True)
+            torch.cuda.current_stream().synchronize()  # the staging buffer is reused
+
+    kinds = {
+        "registered": (lambda: dev.copy_(reg, non_blocking=True), lambda: reg.copy_(dev, non_blocking=True)),
+        "pinned": (lambda: dev.copy_(pin, non_blocking=True), lambda: pin.copy_(dev, non_blocking=True)),
+        "pageable": (lambda: dev.copy_(page), lambda: page.copy_(dev)),
+        "staging": (staged_h2d, None),
+    }
+    rows = []
+    for kind, (h2d, d2h) in kinds.items():
+        row = {"bytes": n, "kind": kind, "h2d_gbps": n / timed(h2d) / 1e9}
+        if d2h is not None:
+            row["d2h_gbps"] = n / timed(d2h) / 1e9
+        rows.append(row)
+        print(row, flush=True)
+    torch.cuda.cudart().cudaHostUnregister(reg.data_ptr())
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    rows = []
-    for n in SIZES:
-        dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-        reg = torch.empty(n, dtype=torch.uint8)
-        assert int(torch.cuda.cudart().cudaHostRegister(reg.data_ptr(), n, 0)) == 0
-        pin = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        page = torch.empty(n, dtype=torch.uint8)
-        stage = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
-
-        def staged_h2d():
-            for a in range(0, n, stage.numel()):
-                b = min(n, a + stage.numel())
-                stage[: b - a].copy_(page[a:b])
-                dev[a:b].copy_(stage[: b - a], non_blocking=True)
-                torch.cuda.current_stream().synchronize()  # the staging buffer is reused
-
-        kinds = {
-            "registered": (
-                lambda: dev.copy_(reg, non_blocking=True),
-                lambda: reg.copy_(dev, non_blocking=True),
-            ),
-            "pinned": (lambda: dev.copy_(pin, non_blocking=True), lambda: pin.copy_(dev, non_blocking=True)),
-            "pageable": (lambda: dev.copy_(page), lambda: page.copy_(dev)),
-            "staging": (staged_h2d, None),
-        }
-        for kind, (h2d, d2h) in kinds.items():
-            row = {"bytes": n, "kind": kind, "h2d_gbps": n / timed(h2d) / 1e9}
-            if d2h is not None:
-                row["d2h_gbps"] = n / timed(d2h) / 1e9
-            rows.append(row)
-            print(row, flush=True)
-        torch.cuda.cudart().cudaHostUnregister(reg.data_ptr())
-        del dev, reg, pin, page, stage
+    rows = [row for n in SIZES for row in measure_size(n)]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -40,7 +40,9 @@ FAMILIES = {
 }
 
 
-def make_model(family: str = "llama", tie: bool = False, seed: int = 0, **over) -> transformers.PreTrainedModel:
+def make_model(
+    family: str = "llama", tie: bool = False, seed: int = 0, **over
+) -> transformers.PreTrainedModel:
     cfg_cls, model_cls, extra = FAMILIES[family]
     cfg = cfg_cls(**{**BASE, **extra, "tie_word_embeddings": tie, **over})
     cfg._attn_implementation = "sdpa"

@@ -9,6 +9,7 @@ import dataclasses
 import re
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from ..errors import ConfigError, InputError
 from .schema import Config
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), base: dict | None = None) -> Config:
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), base: dict | None = None) -> Config:
     """Read a YAML file (or start from `base`), apply overrides, build and validate the tree."""
     raw: dict = dict(base or {})
     source = None
@@ -88,7 +89,7 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
         dotted = prefix + name
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            values[name], sub = build(tp, raw[name], dotted + ".")
+            values[name], sub = build(typing.cast(type, tp), raw[name], dotted + ".")
             problems += sub
             continue
         value, err = coerce(raw[name], tp)
@@ -145,7 +146,7 @@ def coerce(value: Any, tp: Any) -> tuple[Any, str | None]:
     raise TypeError(f"unsupported config type {tp}")
 
 
-def check_meta(dotted: str, value: Any, meta: dict) -> list[str]:
+def check_meta(dotted: str, value: Any, meta: Mapping) -> list[str]:
     if value is None:
         return []
     if "choices" in meta and value not in meta["choices"]:

@@ -69,7 +69,9 @@ class ScheduleConfig:
 class EngineConfig:
     device: str = _f("auto")  # auto | cpu | cuda | cuda:N
     dtype: str = _f("bfloat16", choices=("bfloat16", "float32"))
-    grad_dtype: str = _f("auto", choices=("auto", "bfloat16", "float32"))  # gradients on the link and host (auto: dtype)
+    grad_dtype: str = _f(
+        "auto", choices=("auto", "bfloat16", "float32")
+    )  # gradients on the link and host (auto: dtype)
     prefetch: int = _f(2, min=1, max=8)  # weight buffers in flight (2 = double buffering)
     link_gbps: float = _f(0.0, min=0.0)  # device: cpu only — emulate a host<->device link (0: off)
     loss_chunk: int = _f(2048, min=16)  # label tokens per logits chunk in the loss head

@@ -105,6 +105,7 @@ class Loader:
         st = self.host[load.unit]
         extras, off = [], 0
         for x in load.extra:
+            assert slot.extra is not None
             extras.append(slot.extra[off : off + x.numel()].view(x.shape))
             off += x.numel()
         views = self._views.get((slot.name, load.unit))

@@ -227,7 +227,11 @@ class Engine:
     def _targets(self, mbs: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Labelled positions and their targets per micro-batch, sent before any compute is queued
         (copies from pageable memory would otherwise wait for the device)."""
-        return [tuple(t.to(self.t.device) for t in label_index(mb.labels)) for mb in mbs]
+        out = []
+        for mb in mbs:
+            idx, tgt = label_index(mb.labels)
+            out.append((idx.to(self.t.device), tgt.to(self.t.device)))
+        return out
 
     def _head(self, x, targets, inv_n: float, sq: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
         w, _ = self.loader.acquire("head")
@@ -273,6 +277,7 @@ class Engine:
             if k is None:
                 g = g.to(dst.dtype)
             else:
+                assert self.wire is not None
                 self.t.wait(self.gacc_free[k])  # the wire buffer's previous copy has landed
                 g = self.wire[k][: g.numel()].copy_(g)
         return self.t.d2h([(dst, g)], [self.t.record()], label=f"g-{unit}")

@@ -26,13 +26,10 @@ def pick_kernel(kind: str):
     """-> (module with adamw_fp32_/adamw_split_, name, note). kind: auto | torch | native."""
     if kind == "torch":
         return torch_adamw, "torch", ""
-    try:
-        from . import native
-    except ImportError as e:  # the native loader itself is missing
-        native, why = None, str(e)
-    else:
-        why = "" if native.available() else native.reason()
-    if native is not None and not why:
+    from . import native
+
+    why = "" if native.available() else native.reason()
+    if not why:
         return native, "native", ""
     if kind == "native":
         from ..errors import InputError
@@ -51,7 +48,7 @@ class OptimizerWorker:
 
     def submit(self, units: list[str], h: AdamWHyper, deps: dict[str, Event]) -> dict[str, Event]:
         """Queue AdamW for `units` in order; returns each unit's completion event."""
-        out = {}
+        out: dict[str, Event] = {}
         for u in units:
             fut = self.pool.submit(self._update, self.host[u], h, deps.get(u))
             out[u] = FutureEvent(fut)

@@ -39,7 +39,7 @@ def plot_timeline(spans: list[Span], out: Path, title: str = "") -> Path:
     from matplotlib.patches import Patch
 
     t0 = min(s.t0 for s in spans)
-    floor = 0.002 * (max(s.t1 for s in spans) - t0) * 1e3  # keep short copies visible
+    floor = 0.0005 * (max(s.t1 for s in spans) - t0) * 1e3  # keep short copies visible
     fig, ax = plt.subplots(figsize=(13, 3.6), dpi=110)
     for y, (lane, _label) in enumerate(ROWS):
         lane_spans = [s for s in spans if s.lane == lane]
