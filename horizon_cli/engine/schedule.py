@@ -171,13 +171,16 @@ class Engine:
         self.grad_ready: dict[str, Event] = {}
         sq: list[torch.Tensor] = []
 
-        x = self._embed(mbs)
+        with self.tracer.span("host", "embed"):
+            x = self._embed(mbs)
         x = self._forward_layers(x, ctxs, shapes, saved)
         loss_sum, dx = self._head(x, targets, inv_n, sq)
         dx = self._backward_layers(dx, ctxs, shapes, sq)
-        host_sq = self._embed_backward(dx, mbs)
-        dev_sq = torch.stack(sq).double().sum().item() if sq else 0.0
-        return float(loss_sum.item()), tokens, dev_sq + host_sq
+        with self.tracer.span("host", "embed grad + norm"):
+            host_sq = self._embed_backward(dx, mbs)
+            dev_sq = torch.stack(sq).double().sum().item() if sq else 0.0
+            loss = float(loss_sum.item())
+        return loss, tokens, dev_sq + host_sq
 
     def _sequence(self, total: int, saved: list[Promise], backward: bool) -> list[Load]:
         seq = [Load(f"f{i}", u) for i, u in enumerate(self.layers)]
