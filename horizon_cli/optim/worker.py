@@ -63,7 +63,7 @@ class OptimizerWorker:
         for a in range(0, n, SLICE):
             b = min(n, a + SLICE)
             g, m, v = st.grad[a:b], st.m[a:b], st.v[a:b]
-            if g.dtype != torch.float32:  # bf16 gradients from the link
+            if g.dtype != torch.float32 and self.impl is torch_adamw:  # the kernel reads bf16 itself
                 g = g.float()
             if st.lo is None:
                 self.impl.adamw_fp32_(st.stream[a:b], g, m, v, h)
