@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-slow lint format bench smollm2 clean
+.PHONY: install demo test test-slow lint format bench bench-convert smollm2 clean
 
 install: $(STAMP)
 
@@ -37,6 +37,9 @@ format: install
 
 bench: install
 	$(BIN)/python scripts/bench.py
+
+bench-convert: install
+	$(BIN)/python scripts/bench_convert.py --json bench_out/convert.json
 
 smollm2: install
 	$(BIN)/python scripts/smollm2.py

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .errors import HorizonError
 
@@ -41,7 +43,7 @@ def command(fn):
         except HorizonError as e:
             if state["debug"]:
                 raise
-            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             console.print("[yellow]interrupted[/]")
@@ -134,6 +136,9 @@ def profile(
 def main() -> None:
     try:
         app()
+    except HorizonError as e:  # only with --debug: show the traceback, keep the exit status
+        traceback.print_exc()
+        sys.exit(e.exit_code)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
         sys.exit(code)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import InputError
+from .errors import HorizonError, InputError
 
 
 def fsync_dir(path: Path) -> None:
@@ -32,42 +34,111 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def check_destination(dst: Path, force: bool) -> None:
-    if dst.exists() and not force:
+def check_destination(dst: Path, force: bool) -> list[Path]:
+    """InputError unless dst may be written; creates missing parents and returns them (outermost
+    first) so a failed command can remove them again."""
+    if os.path.lexists(dst) and not force:
         raise InputError(f"{dst}: already exists (use --force to replace it)")
     parent = dst.parent if str(dst.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
+    created = [p for p in (parent, *parent.parents) if not os.path.lexists(p)][::-1]
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{parent}: cannot create the destination's folder ({e.strerror or e})") from None
     if not os.access(parent, os.W_OK):
         raise InputError(f"{parent}: not writable")
+    return created
+
+
+@contextlib.contextmanager
+def io_failures(dst: Path) -> Iterator[None]:
+    """A failed read or write (disk full, I/O error) while making dst is a run-time failure: one
+    line naming the file, exit status 1 (HorizonError), not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise HorizonError(f"{e.filename or dst}: {e.strerror or e} (nothing was written to {dst})") from None
+
+
+def check_not_inside(src: Path, dst: Path) -> None:
+    """Replacing DST must never delete the source: refuse DST == SRC or a DST that contains it."""
+    s, d = Path(src).resolve(), Path(dst).resolve()
+    if s == d or d in s.parents:
+        raise InputError(f"{dst}: would replace the source {src}; choose another destination")
 
 
 @contextlib.contextmanager
 def atomic_dir(dst: Path, force: bool = False, sync: bool = True) -> Iterator[Path]:
     """Yield a temp dir beside dst; on success fsync it and rename it to dst (replacing dst when
-    force). On any exception the temp dir is removed and dst is untouched."""
+    force). On any exception the temp dir (and any parent folder made for it) is removed and dst
+    is untouched."""
     dst = Path(dst)
-    check_destination(dst, force)
+    created = check_destination(dst, force)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; give it a normal dir's mode
         yield tmp
         if sync:
             fsync_tree(tmp)
         replace_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for p in reversed(created):
+            with contextlib.suppress(OSError):
+                p.rmdir()  # only while still empty
         raise
 
 
+def _umask() -> int:
+    """The process umask, read without setting it (os.umask would race other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def replace_dir(src: Path, dst: Path) -> None:
-    """Rename src to dst; an existing dst is moved aside first and removed only afterwards."""
-    old = None
-    if dst.exists():
+    """Rename src to dst. An existing dst is swapped with src in one atomic step where the file
+    system allows it (Linux renameat2 RENAME_EXCHANGE), so dst names either the old or the new
+    tree at every instant; elsewhere it is moved aside first. The old tree is removed last."""
+    src, dst = Path(src), Path(dst)
+    if not os.path.lexists(dst):
+        os.rename(src, dst)
+        fsync_dir(dst.parent)
+        return
+    if _exchange(src, dst):
+        old = src  # src now holds the old tree
+    else:
         old = dst.parent / f".{dst.name}.old-{os.getpid()}"
         os.rename(dst, old)
-    os.rename(src, dst)
+        os.rename(src, dst)
     fsync_dir(dst.parent)
-    if old is not None:
+    if old.is_dir() and not old.is_symlink():
         shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.unlink(missing_ok=True)
+
+
+RENAME_EXCHANGE = 2
+AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths on the same file system; False when unsupported here."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    rc = fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM):
+        return False  # a file system or kernel without RENAME_EXCHANGE
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -78,3 +149,15 @@ def write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def read_exact(path: Path, buf: memoryview) -> None:
+    """Fill `buf` from the start of the file with unbuffered reads (no page-cache mapping stays
+    in our RSS); InputError naming the file when it is shorter."""
+    with open(path, "rb", buffering=0) as f:
+        n = 0
+        while n < len(buf):
+            got = f.readinto(buf[n:])
+            if not got:
+                raise InputError(f"{path}: truncated")
+            n += got

@@ -39,18 +39,18 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
         info.add_row(k, v)
     console.print(info)
 
-    cats = {"embedding": 0, "decoder layers": 0, "head": 0}
+    cats: dict[str, list[int]] = {"embedding": [0, 0], "decoder layers": [0, 0], "head": [0, 0]}
     for u in store.units:
         key = "embedding" if u.name == "embed" else "head" if u.name == "head" else "decoder layers"
-        cats[key] += u.nbytes
-    sizes = Table(title="bytes on disk", title_justify="left")
-    sizes.add_column("category")
-    sizes.add_column("bytes", justify="right")
-    sizes.add_column("B/param", justify="right")
-    for k, v in cats.items():
-        sizes.add_row(k, fmt_bytes(v), "")
-    total = sum(cats.values())
-    sizes.add_row("[bold]total", fmt_bytes(total), f"{total / m.params:.2f}")
+        cats[key][0] += u.nbytes
+        cats[key][1] += store.layout(u.name).params
+    sizes = Table(title=f"bytes on disk ({m.dtype}, page-aligned units)", title_justify="left")
+    for col in ("category", "parameters", "bytes", "B/param"):
+        sizes.add_column(col, justify="left" if col == "category" else "right")
+    for k, (nb, n) in cats.items():
+        sizes.add_row(k, f"{n:,}", fmt_bytes(nb), f"{nb / max(n, 1):.2f}")
+    total = sum(v[0] for v in cats.values())
+    sizes.add_row("[bold]total", f"{m.params:,}", fmt_bytes(total), f"{total / m.params:.2f}")
     console.print(sizes)
 
     plans = {d: memory_plan(a, d, batch=0) for d in ("bfloat16", "float32")}
@@ -58,9 +58,10 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
     host.add_column("category")
     for d in plans:
         host.add_column(f"engine.dtype {d}", justify="right")
-    cats_all = list(dict.fromkeys(k for p in plans.values() for k in p.host if p.host[k] or k == "gradients (fp32)"))
+    # state that scales with the parameters (batch=0: no activations); "-": not kept in that mode
+    cats_all = list(dict.fromkeys(k for p in plans.values() for k in p.host if p.host[k]))
     for k in cats_all:
-        host.add_row(k, *(fmt_bytes(p.host.get(k, 0)) for p in plans.values()))
+        host.add_row(k, *(fmt_bytes(p.host[k]) if p.host.get(k) else "-" for p in plans.values()))
     host.add_row("[bold]B/param", *(f"{p.bytes_per_param:.2f}" for p in plans.values()))
     console.print(host)
 
@@ -68,11 +69,24 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
         with byte_progress(console, "verify", total) as advance:
             store.verify(progress=advance)
         console.print(f"[green]verified[/] {sum(len(u.tensors) for u in store.units)} tensor checksums")
-    return {"params": m.params, "bytes": total, "bytes_per_param": {d: p.bytes_per_param for d, p in plans.items()}}
+    return {
+        "params": m.params,
+        "bytes": total,
+        "bytes_per_param": {d: p.bytes_per_param for d, p in plans.items()},
+    }
 
 
 def _flags(a) -> str:
-    flags = [name for name, on in (("qkv bias", a.qkv_bias), ("o bias", a.o_bias), ("mlp bias", a.mlp_bias), ("q/k norm", a.qk_norm)) if on]
+    flags = [
+        name
+        for name, on in (
+            ("qkv bias", a.qkv_bias),
+            ("o bias", a.o_bias),
+            ("mlp bias", a.mlp_bias),
+            ("q/k norm", a.qk_norm),
+        )
+        if on
+    ]
     windows = sorted({w for w in a.windows if w})
     if windows:
         flags.append(f"sliding window {windows[0]} on {sum(1 for w in a.windows if w)} layers")

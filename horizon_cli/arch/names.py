@@ -41,7 +41,11 @@ def layer_tensors(spec: ArchSpec, i: int) -> list[TensorName]:
         out.append(TensorName("q_norm", p + "self_attn.q_norm.weight", (spec.head_dim,)))
         out.append(TensorName("k_norm", p + "self_attn.k_norm.weight", (spec.head_dim,)))
     out.append(TensorName("mlp_norm", p + "post_attention_layernorm.weight", (h,)))
-    for short, proj, shape in (("gate", "gate_proj", (f, h)), ("up", "up_proj", (f, h)), ("down", "down_proj", (h, f))):
+    for short, proj, shape in (
+        ("gate", "gate_proj", (f, h)),
+        ("up", "up_proj", (f, h)),
+        ("down", "down_proj", (h, f)),
+    ):
         out.append(TensorName("w_" + short, f"{p}mlp.{proj}.weight", shape))
         if spec.mlp_bias:
             out.append(TensorName("b_" + short, f"{p}mlp.{proj}.bias", (shape[0],)))

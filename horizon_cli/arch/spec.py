@@ -92,7 +92,9 @@ def spec_from_hf(cfg: dict, where: str = "config.json") -> ArchSpec:
     n_layers = int(need("num_hidden_layers"))
     act = cfg.get("hidden_act", "silu")
     if act not in SUPPORTED_ACT:
-        raise InputError(f"{where}: hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACT)})")
+        raise InputError(
+            f"{where}: hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACT)})"
+        )
     attn_bias = bool(cfg.get("attention_bias", False))
     spec = ArchSpec(
         family=family,
@@ -130,7 +132,9 @@ def _rope(cfg: dict, where: str) -> dict[str, Any]:
     rp["rope_type"] = kind
     rp.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     if kind not in SUPPORTED_ROPE:
-        raise InputError(f"{where}: rope type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})")
+        raise InputError(
+            f"{where}: rope type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})"
+        )
     if kind == "llama3":
         rp.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
         for key in ("factor", "low_freq_factor", "high_freq_factor"):

@@ -1,21 +1,26 @@
 """Reading an HF checkpoint directory tensor by tensor: safetensors (sharded or single) or .bin.
 
 Safetensors files are parsed here (8-byte header length, JSON header, raw data) and each tensor
-is read with one positioned read, so memory holds one tensor at a time and a truncated or
-corrupted file is reported by name. `.bin` files load with `weights_only=True` (no code is ever
-unpickled) and `mmap=True`.
+is read in pieces of at most CHUNK_BYTES with positioned reads into two alternating buffers, so
+memory holds two pieces at a time, whatever the tensor's size, and a truncated or corrupted file
+is reported by name. `.bin` files load with `weights_only=True` (no code is ever unpickled) and
+`mmap=True`; the pages of each tensor are dropped from the process once it is written, so the
+mapped file does not accumulate in RSS.
 """
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import json
+import math
 import os
 import struct
-from collections.abc import Iterator
+import zipfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..errors import InputError
@@ -25,14 +30,22 @@ ST_DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
     "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-MAX_HEADER = 100 << 20
+MAX_HEADER = 100 << 20  # the safetensors reference implementation refuses larger headers too
+CHUNK_BYTES = 32 << 20  # one read of a large tensor: two such buffers, plus casts, bound peak memory
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 @dataclass(frozen=True)
@@ -41,24 +54,21 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
-    start: int  # absolute byte offset in the file (safetensors only)
+    start: int  # absolute byte offset in the file (safetensors only; -1 for .bin)
     nbytes: int
 
 
 def weight_files(src: Path) -> list[Path]:
-    """The checkpoint's weight files, in a stable order; InputError when there are none."""
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+    """The checkpoint's weight files, in a stable order; InputError when there are none.
+
+    An index decides when there is one (safetensors first); otherwise `model.safetensors`, else
+    every `*.safetensors`, else `pytorch_model*.bin`."""
+    for index in INDEXES:
         p = src / index
         if p.is_file():
-            try:
-                wm = json.loads(p.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise InputError(f"{p}: not a valid index ({e})") from None
-            files = sorted(set(wm.values()))
-            for f in files:
-                if not (src / f).is_file():
-                    raise InputError(f"{src / f}: listed in {index} but missing")
-            return [src / f for f in files]
+            return _indexed_files(src, p)
+    if (src / "model.safetensors").is_file():
+        return [src / "model.safetensors"]
     st = sorted(src.glob("*.safetensors"))
     if st:
         return st
@@ -68,63 +78,149 @@ def weight_files(src: Path) -> list[Path]:
     raise InputError(f"{src}: no weights found (expected *.safetensors or pytorch_model*.bin)")
 
 
+def _indexed_files(src: Path, index: Path) -> list[Path]:
+    try:
+        d = json.loads(index.read_text())
+        wm = d.get("weight_map") if isinstance(d, dict) else None
+        if not isinstance(wm, dict) or not wm or not all(isinstance(f, str) for f in wm.values()):
+            raise ValueError("no weight_map of tensor names to file names")
+        files = sorted(set(wm.values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+        raise InputError(f"{index}: not a valid index ({e})") from None
+    for f in files:
+        if not (src / f).is_file():
+            raise InputError(f"{src / f}: listed in {index.name} but missing")
+    return [src / f for f in files]
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def safetensors_header(path: Path) -> list[TensorInfo]:
+    """Every tensor a safetensors file lists, checked against the file's size."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise InputError(f"{path}: truncated safetensors header")
+            raise InputError(f"{path}: truncated safetensors header ({size} bytes)")
         (n,) = struct.unpack("<Q", raw)
         if n > MAX_HEADER or 8 + n > size:
-            raise InputError(f"{path}: corrupted safetensors header (length {n} for a {size}-byte file)")
+            raise InputError(
+                f"{path}: truncated or corrupted safetensors header (length {n} for a {size}-byte file)"
+            )
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise InputError(f"{path}: corrupted safetensors header (not JSON)") from None
     if not isinstance(header, dict):
         raise InputError(f"{path}: corrupted safetensors header (not a mapping)")
-    base, out = 8 + n, []
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = ST_DTYPES[meta["dtype"]]
-            shape = tuple(int(d) for d in meta["shape"])
-            a, b = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"{path}: corrupted safetensors header entry for {name}") from None
-        numel = int(np.prod(shape)) if shape else 1
-        if b - a != numel * torch.empty((), dtype=dtype).element_size() or a < 0:
-            raise InputError(f"{path}: tensor {name} has {b - a} bytes for shape {shape} ({meta['dtype']})")
-        if base + b > size:
-            raise InputError(f"{path}: truncated (tensor {name} ends past the end of the file)")
-        out.append(TensorInfo(name, path, shape, dtype, base + a, b - a))
-    return out
+    base = 8 + n
+    return [
+        _header_entry(path, name, meta, base, size) for name, meta in header.items() if name != "__metadata__"
+    ]
 
 
-def read_safetensor(info: TensorInfo) -> torch.Tensor:
-    buf = bytearray(info.nbytes)
-    with open(info.file, "rb", buffering=0) as f:
-        n = os.preadv(f.fileno(), [buf], info.start) if info.nbytes else 0
-        while n < info.nbytes:
-            got = os.preadv(f.fileno(), [memoryview(buf)[n:]], info.start + n)
-            if not got:
-                raise InputError(f"{info.file}: truncated while reading {info.name}")
-            n += got
-    if not info.nbytes:
-        return torch.empty(info.shape, dtype=info.dtype)
-    return torch.frombuffer(buf, dtype=info.dtype).view(info.shape)
-
-
-def load_bin(path: Path) -> dict[str, torch.Tensor]:
+def _header_entry(path: Path, name: str, meta, base: int, size: int) -> TensorInfo:
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        code = meta["dtype"]
+        shape = tuple(int(d) for d in meta["shape"])
+        a, b = (int(x) for x in meta["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise InputError(f"{path}: corrupted safetensors header entry for tensor {name}") from None
+    if code not in ST_DTYPES:
+        raise InputError(f"{path}: tensor {name} has unsupported dtype {code!r}")
+    dtype = ST_DTYPES[code]
+    if a < 0 or min(shape, default=0) < 0 or b - a != math.prod(shape) * itemsize(dtype):
+        raise InputError(
+            f"{path}: corrupted safetensors header: tensor {name} has {b - a} bytes for shape {shape} ({code})"
+        )
+    if base + b > size:
+        raise InputError(f"{path}: truncated: tensor {name} ends at byte {base + b} of a {size}-byte file")
+    return TensorInfo(name, path, shape, dtype, base + a, b - a)
+
+
+def _pread_exact(fd: int, buf: memoryview, offset: int, info: TensorInfo) -> None:
+    n = 0
+    while n < len(buf):
+        got = os.preadv(fd, [buf[n:]], offset + n)
+        if not got:  # the file shrank after its header was checked
+            raise InputError(f"{info.file}: truncated while reading tensor {info.name}")
+        n += got
+
+
+def safetensor_pieces(fd: int, info: TensorInfo, buffers: Callable[[], bytearray]) -> Iterator[torch.Tensor]:
+    """The tensor as consecutive 1-D pieces, each read into the next buffer `buffers()` hands out
+    (buffers are reused: a piece is valid until that buffer comes round again). The kernel is
+    asked to read ahead the next piece while this one is processed."""
+    size = itemsize(info.dtype)
+    pos = 0
+    while pos < info.nbytes:
+        buf = buffers()
+        step = max(size, len(buf) // size * size)
+        n = min(step, info.nbytes - pos)
+        _pread_exact(fd, memoryview(buf)[:n], info.start + pos, info)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, info.start + pos + n, step, os.POSIX_FADV_WILLNEED)
+        yield torch.frombuffer(buf, dtype=info.dtype, count=n // size)
+        pos += n
+
+
+def load_bin(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
+    """(state dict, mapped): zip-format files are mapped (pages load on demand); the legacy
+    pre-1.6 format cannot be mapped and loads whole."""
+    mapped = zipfile.is_zipfile(path)
+    if not mapped and _head(path, 2) == b"PK":
+        raise InputError(f"{path}: truncated or corrupted (a zip archive without its central directory)")
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
     except Exception as e:  # pickle errors, zip errors, refused globals
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise InputError(f"{path}: cannot load as a weights-only PyTorch checkpoint ({first})") from None
+        raise InputError(f"{path}: cannot load as a weights-only PyTorch checkpoint ({_reason(e)})") from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise InputError(f"{path}: not a state dict of tensors")
-    return sd
+    return sd, mapped
+
+
+def _head(path: Path, n: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(n)
+
+
+def _reason(e: Exception) -> str:
+    """The informative line of a torch.load error (for a refused global, which one)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):  # the refusal's detail follows
+        why = [ln for ln in lines[1:] if "GLOBAL" in ln or "global" in ln or "WeightsUnpickler" in ln]
+        return "refused: " + (why[0] if why else lines[0]).removeprefix("WeightsUnpickler error: ").rstrip(
+            "."
+        )
+    return lines[0] if lines else type(e).__name__
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """Drop a file-mapped tensor's pages from this process (they stay in the page cache and fault
+    back in from the file if touched again). Only for storages mapped from a file: on anonymous
+    memory MADV_DONTNEED would zero the data."""
+    st = t.untyped_storage()
+    a = (st.data_ptr() + PAGE - 1) // PAGE * PAGE
+    b = (st.data_ptr() + st.nbytes()) // PAGE * PAGE
+    if b > a and _LIBC is not None:
+        _LIBC.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), MADV_DONTNEED)
+
+
+MADV_DONTNEED = 4
+
+
+def _libc() -> ctypes.CDLL | None:
+    """The C library when it has madvise (Linux, macOS), else None: pages are then left mapped."""
+    try:
+        lib = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
+    except OSError:
+        return None
+    return lib if lib is not None and hasattr(lib, "madvise") else None
+
+
+_LIBC = _libc()
 
 
 class Checkpoint:
@@ -145,23 +241,70 @@ class Checkpoint:
     def _list(self, f: Path) -> list[TensorInfo]:
         if f.suffix == ".safetensors":
             return safetensors_header(f)
-        sd = load_bin(f)
-        return [TensorInfo(k, f, tuple(v.shape), v.dtype, -1, v.numel() * v.element_size()) for k, v in sd.items()]
+        sd, _ = load_bin(f)
+        return [
+            TensorInfo(k, f, tuple(v.shape), v.dtype, -1, v.numel() * v.element_size()) for k, v in sd.items()
+        ]
 
     @property
     def nbytes(self) -> int:
         return sum(i.nbytes for i in self.infos.values())
 
-    def tensors(self, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (name, tensor) for the wanted names, file by file, one tensor in memory at a time."""
+    def tensors(self, names: set[str]) -> Iterator[tuple[str, Iterator[torch.Tensor]]]:
+        """Yield (name, pieces) for the wanted names, file by file. `pieces` yields consecutive
+        1-D runs of the row-major tensor. Pieces of safetensors files alternate between two read
+        buffers, so a piece stays valid while the next one is read (a writer may still be writing
+        it) and is overwritten when the one after that is read; consume them in order."""
+        wanted = [i for i in self.infos.values() if i.name in names]
+        st_sizes = [i.nbytes for i in wanted if i.file.suffix == ".safetensors"]
+        size = min(CHUNK_BYTES, max(st_sizes, default=0))
+        ring = [bytearray(size), bytearray(size)] if size else []
+        turn = itertools.count()
+
+        def buffers() -> bytearray:
+            return ring[next(turn) % 2]
+
         for f in self.files:
+            here = sorted((i for i in wanted if i.file == f), key=lambda i: i.start)
+            if not here:
+                continue
             if f.suffix == ".safetensors":
-                for info in sorted(
-                    (i for i in self.infos.values() if i.file == f and i.name in names), key=lambda i: i.start
-                ):
-                    yield info.name, read_safetensor(info)
+                with open(f, "rb", buffering=0) as fh:
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    for info in here:
+                        yield info.name, safetensor_pieces(fh.fileno(), info, buffers)
             else:
-                sd = load_bin(f)
-                for k in [k for k in sd if k in names]:
-                    yield k, sd.pop(k)
-                del sd
+                yield from self._bin_tensors(f, {i.name for i in here})
+
+    def _bin_tensors(self, f: Path, names: set[str]) -> Iterator[tuple[str, Iterator[torch.Tensor]]]:
+        """Pieces are views of the mapped file. A tensor's pages are dropped once the next
+        tensor's second piece is asked for: by then its last write has completed (the writer
+        keeps one write in flight), whereas dropping them earlier would let that write fault
+        them back in for good. The last tensor's pages go with the mapping."""
+        sd, mapped = load_bin(f)
+        prev: list[torch.Tensor] = []
+        for k in [k for k in sd if k in names]:
+            t = sd.pop(k)
+
+            def release(done: list[torch.Tensor] = prev) -> None:
+                while done:
+                    release_pages(done.pop())
+
+            yield k, _tensor_pieces(t, release if mapped else lambda: None)
+            prev.append(t)
+            del t
+        del sd, prev
+
+
+def _tensor_pieces(t: torch.Tensor, after_first: Callable[[], None]) -> Iterator[torch.Tensor]:
+    """t as 1-D views of at most CHUNK_BYTES; `after_first()` runs when the piece after the first
+    (or the end) is asked for."""
+    flat = t.reshape(-1)  # a view for the contiguous tensors checkpoints hold
+    step = max(1, CHUNK_BYTES // t.element_size())
+    for i in range(0, flat.numel(), step):
+        yield flat[i : i + step]
+        if i == 0:
+            after_first()
+    if flat.numel() == 0:
+        after_first()

@@ -13,8 +13,9 @@ from pathlib import Path
 from ..arch import hf_table, read_hf_config, spec_from_hf
 from ..arch.names import is_ignorable
 from ..errors import InputError
-from ..fsutil import atomic_dir
+from ..fsutil import atomic_dir, check_not_inside, io_failures
 from ..progress import byte_progress
+from ..store.manifest import DTYPES
 from ..store.writer import StoreWriter
 from .checkpoint import Checkpoint
 
@@ -34,24 +35,29 @@ HF_FILES = (
 )
 
 
-def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", force: bool = False, console=None) -> dict:
+def convert(
+    src: str | Path, dst: str | Path, dtype: str = "bfloat16", force: bool = False, console=None
+) -> dict:
     src, dst = Path(src), Path(dst)
     if not src.exists():
         raise InputError(f"{src}: not found")
+    if not src.is_dir():
+        raise InputError(f"{src}: not a directory (expected an HF checkpoint directory)")
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype: {dtype!r} is not a store dtype ({', '.join(DTYPES)})")
+    check_not_inside(src, dst)
     hf_cfg = read_hf_config(src)
     spec = spec_from_hf(hf_cfg, where=str(src / "config.json"))
     ckpt = Checkpoint(src)
     plan = check_tensors(ckpt, spec)
     total = sum(ckpt.infos[n].nbytes for n in plan)
-    with atomic_dir(dst, force=force) as tmp:
+    with io_failures(dst), atomic_dir(dst, force=force) as tmp:
         writer = StoreWriter(tmp, spec, dtype, source=str(src.resolve()))
         try:
             with byte_progress(console, f"convert {src.name}", total) as advance:
-                for name, t in ckpt.tensors(set(plan)):
+                for name, pieces in ckpt.tensors(set(plan)):
                     unit, tensor = plan[name]
-                    writer.write(unit, tensor.name, t)
-                    advance(ckpt.infos[name].nbytes)
-                    del t
+                    writer.write_stream(unit, tensor.name, pieces, on_piece=advance, wait=False)
             manifest = writer.finish()
         finally:
             writer.close()
@@ -78,10 +84,16 @@ def check_tensors(ckpt: Checkpoint, spec) -> dict:
                     f"{info.file}: tensor {name} has shape {tuple(info.shape)}, config.json implies {tuple(want)}"
                 )
             if not info.dtype.is_floating_point:
-                raise InputError(f"{info.file}: tensor {name} is {info.dtype}, expected a floating-point tensor")
+                raise InputError(
+                    f"{info.file}: tensor {name} is {info.dtype}, expected a floating-point tensor"
+                )
         elif not is_ignorable(name, spec):
-            raise InputError(f"{info.file}: unexpected tensor {name} for a {spec.family} model per config.json")
+            raise InputError(
+                f"{info.file}: unexpected tensor {name} for a {spec.family} model per config.json"
+            )
     missing = [n for n in table if n not in ckpt.infos]
     if missing:
-        raise InputError(f"{ckpt.src}: tensor {missing[0]} is missing from the checkpoint ({len(missing)} missing)")
+        raise InputError(
+            f"{ckpt.src}: tensor {missing[0]} is missing from the checkpoint ({len(missing)} missing)"
+        )
     return table

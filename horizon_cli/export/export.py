@@ -11,10 +11,13 @@ import math
 import shutil
 from pathlib import Path
 
+import torch
+
 from ..errors import InputError
-from ..fsutil import atomic_dir
+from ..fsutil import atomic_dir, check_not_inside, io_failures
 from ..progress import byte_progress
 from ..store import Store
+from ..store.manifest import MANIFEST
 from .safetensors import write_shard
 
 SHARD_BYTES = 5 * 1024**3
@@ -22,55 +25,66 @@ SHARD_BYTES = 5 * 1024**3
 
 def resolve_source(src: Path) -> Path:
     """A store, or a run dir whose latest complete checkpoint is a store."""
-    if (src / "manifest.json").is_file():
+    src = Path(src)
+    if (src / MANIFEST).is_file():
         return src
-    ck = src / "checkpoints"
-    if ck.is_dir():
-        steps = sorted(
-            (p for p in ck.iterdir() if p.name.startswith("step_") and (p / "manifest.json").is_file()),
-            key=lambda p: int(p.name.split("_")[1]),
-        )
-        if steps:
-            return steps[-1]
-        raise InputError(f"{src}: run dir has no complete checkpoint yet")
     if not src.exists():
         raise InputError(f"{src}: not found")
-    raise InputError(f"{src}: neither a store nor a run dir with checkpoints")
+    if (src / "checkpoints").is_dir():
+        from ..train.checkpoint import latest  # the one definition of a complete checkpoint
+
+        found = latest(src)
+        if found is not None:
+            return found
+        raise InputError(f"{src}: run dir has no complete checkpoint yet")
+    raise InputError(f"{src}: neither a store (no {MANIFEST}) nor a run dir with checkpoints")
 
 
 def export(src: str | Path, dst: str | Path, force: bool = False, console=None, verify: bool = True) -> dict:
     src_dir = resolve_source(Path(src))
     store = Store.open(src_dir)
     dst = Path(dst)
-    entries = [(s.hf, s.shape, store.dtype, u.name, s.name) for u in store.units for s in store.layout(u.name).slots]
+    check_not_inside(src_dir, dst)
+    cfg = _hf_config(store)
+    entries = [
+        (s.hf, s.shape, store.dtype, u.name, s.name) for u in store.units for s in store.layout(u.name).slots
+    ]
     shards = _plan_shards(entries, store.dtype.itemsize)
     total = sum(math.prod(e[1]) for e in entries) * store.dtype.itemsize
     n = len(shards)
     weight_map = {}
-    with atomic_dir(dst, force=force) as tmp:
+    verified: set[str] = set()
+
+    where = {e[0]: (e[3], e[4]) for e in entries}  # HF name -> (unit, store name)
+
+    def fetch(hf: str) -> torch.Tensor:
+        unit, name = where[hf]
+        if verify and unit not in verified:  # checksums before a unit's first byte is exported
+            store.verify_unit(unit)
+            verified.add(unit)
+        return store.tensor(unit, name)
+
+    with io_failures(dst), atomic_dir(dst, force=force) as tmp:
         with byte_progress(console, f"export {src_dir.name}", total) as advance:
             for k, shard in enumerate(shards):
                 fname = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-                lookup = {e[0]: e for e in shard}
-                done: set[str] = set()
-
-                def fetch(hf: str, lookup=lookup, done=done):
-                    unit, name = lookup[hf][3], lookup[hf][4]
-                    if verify and unit not in done:
-                        store.verify_unit(unit)
-                        done.add(unit)
-                    return store.tensor(unit, name)
-
                 write_shard(tmp / fname, [(e[0], e[1], e[2]) for e in shard], fetch, advance)
                 weight_map.update({e[0]: fname for e in shard})
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        _copy_hf_files(store, tmp)
-    return {"params": store.manifest.params, "shards": n, "dtype": store.manifest.dtype, "source": str(src_dir)}
+        _copy_hf_files(store, tmp, cfg)
+    return {
+        "params": store.manifest.params,
+        "shards": n,
+        "dtype": store.manifest.dtype,
+        "source": str(src_dir),
+    }
 
 
 def _plan_shards(entries: list, itemsize: int) -> list[list]:
-    shards, cur, size = [], [], 0
+    shards: list[list] = []
+    cur: list = []
+    size = 0
     for e in entries:
         n = math.prod(e[1]) * itemsize
         if cur and size + n > SHARD_BYTES:
@@ -83,16 +97,23 @@ def _plan_shards(entries: list, itemsize: int) -> list[list]:
     return shards
 
 
-def _copy_hf_files(store: Store, tmp: Path) -> None:
-    hf = store.root / "hf"
-    for f in sorted(hf.iterdir()) if hf.is_dir() else []:
-        if f.name != "config.json":
-            shutil.copyfile(f, tmp / f.name)
-    cfg = json.loads((hf / "config.json").read_text()) if (hf / "config.json").is_file() else {}
-    if not cfg:
-        raise InputError(f"{store.root}: store has no hf/config.json to export with")
-    keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["torch_dtype"]
-    for k in keys:
+def _hf_config(store: Store) -> dict:
+    """The store's config.json, with the exported dtype and tying."""
+    path = store.root / "hf" / "config.json"
+    if not path.is_file():
+        raise InputError(f"{path}: missing (the store carries no HF config to export with)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from None
+    for k in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
         cfg[k] = store.manifest.dtype
     cfg["tie_word_embeddings"] = store.arch.tie_embeddings
+    return cfg
+
+
+def _copy_hf_files(store: Store, tmp: Path, cfg: dict) -> None:
+    for f in sorted((store.root / "hf").iterdir()):
+        if f.name != "config.json" and f.is_file():
+            shutil.copyfile(f, tmp / f.name)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))

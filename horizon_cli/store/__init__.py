@@ -5,4 +5,15 @@ from .manifest import DTYPES, Manifest, read_manifest
 from .reader import Store
 from .writer import StoreWriter
 
-__all__ = ["ALIGN", "DTYPES", "Manifest", "Slot", "Store", "StoreWriter", "UnitLayout", "layouts", "read_manifest", "unit_layout"]
+__all__ = [
+    "ALIGN",
+    "DTYPES",
+    "Manifest",
+    "Slot",
+    "Store",
+    "StoreWriter",
+    "UnitLayout",
+    "layouts",
+    "read_manifest",
+    "unit_layout",
+]

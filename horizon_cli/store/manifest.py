@@ -87,7 +87,9 @@ def read_manifest(root: Path) -> Manifest:
         if d.get("format") != FORMAT:
             raise ValueError(f"format is {d.get('format')!r}, not {FORMAT!r}")
         if d.get("version") != VERSION:
-            raise ValueError(f"format version {d.get('version')} is not supported (this horizon reads {VERSION})")
+            raise ValueError(
+                f"format version {d.get('version')} is not supported (this horizon reads {VERSION})"
+            )
         if d["dtype"] not in DTYPES:
             raise ValueError(f"unknown dtype {d['dtype']!r}")
         units = [UnitEntry(**{**u, "tensors": [TensorEntry(**t) for t in u["tensors"]]}) for u in d["units"]]

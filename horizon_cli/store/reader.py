@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..arch import unit_names
 from ..errors import InputError
+from ..fsutil import read_exact
 from .layout import UnitLayout, unit_layout
-from .manifest import Manifest, UnitEntry, read_manifest
+from .manifest import MANIFEST, Manifest, UnitEntry, read_manifest
 from .writer import tensor_bytes
 
 
@@ -26,6 +28,9 @@ class Store:
         self.manifest = manifest
         self.arch = manifest.arch
         self.dtype = manifest.torch_dtype
+        names = [u.name for u in manifest.units]
+        if names != unit_names(self.arch):
+            raise InputError(f"{self.root / MANIFEST}: units {names[:3]}... do not match the architecture's")
         self.layouts = {u.name: unit_layout(self.arch, u.name) for u in manifest.units}
 
     @staticmethod
@@ -37,16 +42,22 @@ class Store:
         return store
 
     def check_files(self) -> None:
-        """Cheap structural checks: every unit file exists, is large enough, matches the layout."""
+        """Cheap structural checks (no data is read): every unit file exists and is large enough,
+        and the manifest's tensor table agrees with the layout the architecture implies."""
+        itemsize = self.dtype.itemsize
         for u in self.manifest.units:
             path = self.root / u.file
             if not path.is_file():
                 raise InputError(f"{path}: missing unit file of store {self.root}")
-            if path.stat().st_size < u.nbytes:
+            if path.stat().st_size < u.nbytes or u.nbytes < u.numel * itemsize:
                 raise InputError(f"{path}: truncated ({path.stat().st_size} of {u.nbytes} bytes)")
             lay = self.layouts[u.name]
-            if lay.numel != u.numel or [t.name for t in u.tensors] != [s.name for s in lay.slots]:
-                raise InputError(f"{self.root}: manifest unit {u.name} does not match its architecture")
+            want = [(s.name, s.hf, list(s.shape), s.offset * itemsize, s.numel * itemsize) for s in lay.slots]
+            got = [(t.name, t.hf, list(t.shape), t.offset, t.nbytes) for t in u.tensors]
+            if lay.numel != u.numel or got != want or any(t.dtype != self.manifest.dtype for t in u.tensors):
+                raise InputError(
+                    f"{self.root / MANIFEST}: unit {u.name} does not match its architecture's layout"
+                )
 
     @property
     def units(self) -> list[UnitEntry]:
@@ -69,14 +80,10 @@ class Store:
     def read_unit(self, unit: str, out: torch.Tensor, verify: bool = True) -> None:
         """Read the unit file into `out` ((numel,) in the store dtype) and check its checksums."""
         u = self.manifest.unit(unit)
+        if out.dtype != self.dtype or out.numel() != u.numel or not out.is_contiguous():
+            raise ValueError(f"read_unit({unit}): out must be contiguous ({u.numel},) {self.dtype}")
         buf = tensor_bytes(out)
-        with open(self.root / u.file, "rb", buffering=0) as f:
-            n = 0
-            while n < len(buf):
-                got = f.readinto(buf[n:])
-                if not got:
-                    raise InputError(f"{self.root / u.file}: truncated")
-                n += got
+        read_exact(self.root / u.file, buf)
         if verify:
             self.verify_unit(unit, buf)
 
@@ -86,7 +93,9 @@ class Store:
             buf = tensor_bytes(self.unit_view(unit))
         for t in u.tensors:
             if zlib.crc32(buf[t.offset : t.offset + t.nbytes]) != t.crc32:
-                raise InputError(f"{self.root / u.file}: checksum mismatch in tensor {t.hf} (store is corrupt)")
+                raise InputError(
+                    f"{self.root / u.file}: checksum mismatch in tensor {t.hf} (store is corrupt)"
+                )
 
     def verify(self, progress=None) -> None:
         """Check every tensor's checksum; raises InputError at the first mismatch."""

@@ -28,8 +28,9 @@ import torch
 
 from ..errors import HorizonError, InputError
 from ..faults import maybe_die
-from ..fsutil import fsync_tree, replace_dir
+from ..fsutil import fsync_tree, read_exact, replace_dir
 from ..store import Store, StoreWriter
+from ..store.manifest import MANIFEST
 from ..store.writer import tensor_bytes
 
 STATE_BUFFERS = ("lo", "m", "v")
@@ -43,7 +44,9 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     found = [
         p
         for p in root.iterdir()
-        if re.fullmatch(r"step_\d+", p.name) and (p / "state" / "trainer.json").is_file()
+        if re.fullmatch(r"step_\d+", p.name)
+        and (p / "state" / "trainer.json").is_file()
+        and (p / MANIFEST).is_file()
     ]
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
@@ -136,13 +139,7 @@ def _read_raw(path: Path, out: torch.Tensor, crc: int) -> None:
     buf = tensor_bytes(out)
     if os.path.getsize(path) != len(buf):
         raise InputError(f"{path}: size {os.path.getsize(path)} does not match the model ({len(buf)} bytes)")
-    with open(path, "rb", buffering=0) as f:
-        n = 0
-        while n < len(buf):
-            got = f.readinto(buf[n:])
-            if not got:
-                raise InputError(f"{path}: truncated")
-            n += got
+    read_exact(path, buf)
     if zlib.crc32(buf) != crc:
         raise InputError(f"{path}: checksum mismatch (checkpoint is corrupt)")
 
