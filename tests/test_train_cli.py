@@ -185,3 +185,14 @@ def test_non_finite_steps_stop_the_run(run_cfg, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(m["skipped"] for m in rows)
     assert Path(tmp_path / "run").is_dir()
+
+
+def test_tensorboard_without_the_package(run_cfg):
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        msg = one_error_line(horizon("train", run_cfg(), "log.tensorboard=true"))
+        assert "log.tensorboard" in msg and "pip install tensorboard" in msg
+    else:
+        r = horizon("train", run_cfg(), "log.tensorboard=true", "train.steps=1")
+        assert r.exit_code == 0, r.output

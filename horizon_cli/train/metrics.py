@@ -17,7 +17,7 @@ class MetricsLog:
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step] if resume_step else []
         write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.f = open(self.path, "a")  # noqa: SIM115 - held open for the whole run
-        self.tb = _tensorboard(Path(run_dir) / "tensorboard") if tensorboard else None
+        self.tb = tensorboard_writer(Path(run_dir) / "tensorboard") if tensorboard else None
 
     def write(self, row: dict) -> None:
         self.f.write(json.dumps(row) + "\n")
@@ -45,12 +45,13 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-def _tensorboard(logdir: Path):
+def tensorboard_writer(logdir: Path | None):
+    """A SummaryWriter for logdir (None: only check that TensorBoard is installed)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise InputError("log.tensorboard: needs the tensorboard package (pip install tensorboard)") from None
-    return SummaryWriter(str(logdir))
+    return SummaryWriter(str(logdir)) if logdir is not None else None
 
 
 def plot_loss(rows: list[dict], out: Path, title: str = "") -> Path | None:

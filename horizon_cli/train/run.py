@@ -23,6 +23,7 @@ from ..fsutil import write_text_atomic
 from ..inspect import fmt_bytes
 from ..store import Store
 from . import checkpoint
+from .metrics import tensorboard_writer
 
 
 def run_training(
@@ -36,6 +37,8 @@ def run_training(
         show_dry_run(cfg, store, plan, console)
         return None
     check_fits(plan, console)
+    if cfg.log.tensorboard:
+        tensorboard_writer(None)  # fail now, not after loading the model
     run_dir = prepare_run_dir(cfg, store)
     from .loop import Trainer
 
