@@ -116,3 +116,29 @@ def test_device_peak_does_not_grow_with_depth(tmp_path):
         finally:
             eng.close()
     assert abs(peaks[32] - peaks[4]) / peaks[4] < 0.05
+
+
+@pytest.mark.parametrize("dtype,tie", [("float32", True), ("bfloat16", False)])
+def test_lending_host_memory_equals_copying(tmp_path, dtype, tie):
+    """On the CPU without an emulated link the loader lends host buffers instead of copying them;
+    the result is bitwise that of the copying pipeline (an unthrottled link)."""
+    from horizon_cli.config.schema import EngineConfig, OptimConfig
+    from horizon_cli.engine.schedule import Engine
+
+    model, store = make_store(tmp_path, "llama", tie, dtype=dtype)
+    data = batches(model.config.vocab_size, micro=2, steps=3)
+    out = {}
+    for link in (0.0, 1e6):  # 0: lend; 1e6 GB/s: copy on the worker threads, no throttling
+        eng = Engine(
+            store, EngineConfig(device="cpu", dtype=dtype, link_gbps=link, loss_chunk=16), OptimConfig(**HP)
+        )
+        assert eng.t.shares_host == (link == 0)
+        try:
+            losses = [eng.step(mbs, HP["lr"]).loss for mbs in data]
+            eng.wait()
+            out[link] = (losses, engine_weights(eng))
+        finally:
+            eng.close()
+    assert out[0.0][0] == out[1e6][0]
+    for name, w in out[0.0][1].items():
+        assert torch.equal(w, out[1e6][1][name]), name

@@ -55,7 +55,6 @@ class OptimConfig:
     weight_decay: float = _f(0.0, min=0.0)
     grad_clip: float = _f(1.0, min=0.0)  # global L2 norm; 0 disables
     kernel: str = _f("auto", choices=("auto", "torch", "native"))  # CPU AdamW implementation
-    threads: int = _f(0, min=0)  # optimizer worker threads (0: auto)
 
 
 @dataclass

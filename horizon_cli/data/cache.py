@@ -28,8 +28,11 @@ ARRAYS = ("tokens", "labels", "offsets", "doc_ids")
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """Hash of what decides token ids: the backend's full JSON (vocab, merges, normalizer,
-    post-processor, added tokens) or else the vocabulary, plus special tokens and chat template."""
+    post-processor, added tokens) or else the vocabulary, plus special tokens and chat template.
+    `tokens` data needs no tokenizer: None hashes as such."""
     h = hashlib.sha256(type(tokenizer).__name__.encode())
+    if tokenizer is None:
+        return h.hexdigest()
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         h.update(backend.to_str().encode())

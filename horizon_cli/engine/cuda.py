@@ -52,6 +52,7 @@ class CudaEvent(Event):
 
 class CudaTransport:
     kind = "cuda"
+    shares_host = False
 
     def __init__(self, device: torch.device, tracer: Tracer | None = None):
         if device.index is None:

@@ -6,6 +6,9 @@ compute that needs them (2 = double buffering). A load waits for (a) its buffer 
 by the compute that last used it and (b) the host copy being current: the optimizer's update of
 that unit from the previous step. The head (and, when tied, the embedding it reuses) has its own
 buffers, because it is much larger than a layer in small models and loads once per step.
+
+When the transport shares host memory (`device: cpu` with no emulated link) a load lends the host
+buffers instead of copying them: the same sequence, slots and dependency waits, no bytes moved.
 """
 
 from __future__ import annotations
@@ -43,9 +46,14 @@ class Loader:
         self, transport, host: HostState, ring_units: list[str], own_units: list[str], prefetch: int
     ):
         self.t, self.host = transport, host
-        numel = max(host[u].layout.numel for u in ring_units)
+        # with shared memory (CPU, no emulated link) a load lends the host buffers: no device copies
+        self.lend = transport.shares_host
+        numel = 0 if self.lend else max(host[u].layout.numel for u in ring_units)
         self.ring = [Slot(transport.device_empty(numel, host.dtype), str(i)) for i in range(prefetch)]
-        self.own = {u: Slot(transport.device_empty(host[u].layout.numel, host.dtype), u) for u in own_units}
+        self.own = {
+            u: Slot(transport.device_empty(0 if self.lend else host[u].layout.numel, host.dtype), u)
+            for u in own_units
+        }
         self.ready: dict[str, Event] = {}  # unit -> host copy is current (the optimizer is done with it)
         self.seq: list[Load] = []
         self.pos = 0
@@ -81,8 +89,8 @@ class Loader:
             if slot is None:
                 return
             st = self.host[load.unit]
-            pairs = [(slot.flat[: st.stream.numel()], st.stream)]
-            if load.extra:
+            pairs = [] if self.lend else [(slot.flat[: st.stream.numel()], st.stream)]
+            if load.extra and not self.lend:
                 total = sum(x.numel() for x in load.extra)
                 if slot.extra is None or slot.extra.numel() < total:
                     slot.extra = None
@@ -101,16 +109,19 @@ class Loader:
     def acquire(self, key: str) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """Weights of `key` as named device views, and its extra tensors (shaped like the host ones)."""
         slot, load = self.by_key[key]
-        self.t.wait(slot.loaded)
+        self.t.wait(slot.loaded)  # also, when lending, the load's dependencies
         st = self.host[load.unit]
-        extras, off = [], 0
-        for x in load.extra:
-            assert slot.extra is not None
-            extras.append(slot.extra[off : off + x.numel()].view(x.shape))
-            off += x.numel()
-        views = self._views.get((slot.name, load.unit))
+        if self.lend:
+            source, where, extras = st.stream, "host", list(load.extra)
+        else:
+            source, where, extras, off = slot.flat, slot.name, [], 0
+            for x in load.extra:
+                assert slot.extra is not None
+                extras.append(slot.extra[off : off + x.numel()].view(x.shape))
+                off += x.numel()
+        views = self._views.get((where, load.unit))
         if views is None:
-            views = self._views[(slot.name, load.unit)] = st.views(slot.flat)
+            views = self._views[(where, load.unit)] = st.views(source)
         return views, extras
 
     def release(self, key: str) -> None:

@@ -87,22 +87,38 @@ class Engine:
         )
         self.optimizer = OptimizerWorker(self.host, optim.kernel, self.tracer)
         self.inv = inv_freq(self.spec).to(self.t.device)
-        n_layer = max(self.host[u].layout.numel for u in self.layers)
-        self.gacc = [self.t.device_empty(n_layer, torch.float32) for _ in range(2)]  # ping-pong
-        self.gacc_free: list[Event] = [READY, READY]
-        self._gacc_views: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        # narrower copies of the fp32 sums for the link (bf16 runs): what the host receives
-        narrow = self.grad_dtype != torch.float32
-        self.wire = [self.t.device_empty(n_layer, self.grad_dtype) for _ in range(2)] if narrow else None
-        self.head_g = self.t.device_empty(self.host["head"].layout.numel, torch.float32)
-        self.embed_g = self.t.device_empty(self.host["embed"].layout.numel, torch.float32) if tied else None
+        self._alloc_grad_buffers()
         self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
         self.staging: dict[str, torch.Tensor] = {}
         self.adam_step = 0
         self.t.memory.set("weights", self.loader.weight_bytes())
-        self.t.memory.set(
-            "grad_acc", sum(_nbytes(g) for g in [*self.gacc, self.head_g, self.embed_g] if g is not None)
-        )
+
+    def _alloc_grad_buffers(self) -> None:
+        """fp32 gradient sums on the device: two ping-pong layer buffers (the D2H of one overlaps
+        the next layer's backward), the head's, and the tied LM head's. In bf16-gradient runs two
+        narrow "wire" copies carry them over the link. When the transport shares host memory
+        (`device: cpu` without an emulated link), fp32 sums accumulate straight into the host's
+        gradient buffers and nothing is copied."""
+        n_layer = max(self.host[u].layout.numel for u in self.layers)
+        narrow = self.grad_dtype != torch.float32
+        self.direct = self.t.shares_host and not narrow  # accumulate into the host buffers
+        device = [] if self.direct else [self.t.device_empty(n_layer, torch.float32) for _ in range(2)]
+        self.gacc = device
+        self.gacc_free: list[Event] = [READY, READY]
+        self._gacc_views: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        share = narrow and not self.t.shares_host
+        self.wire = [self.t.device_empty(n_layer, self.grad_dtype) for _ in range(2)] if share else None
+        head = self.host["head"]
+        self.head_g = head.grad if self.direct else self.t.device_empty(head.layout.numel, torch.float32)
+        self.embed_g = None
+        if self.spec.tie_embeddings:  # the embedding's host grad is always fp32
+            embed = self.host["embed"]
+            self.embed_g = (
+                embed.grad if self.t.shares_host else self.t.device_empty(embed.layout.numel, torch.float32)
+            )
+        hosts = {id(st.grad) for st in self.host.units.values()}
+        own = [g for g in [*self.gacc, *(self.wire or []), self.head_g, self.embed_g] if g is not None]
+        self.t.memory.set("grad_acc", sum(_nbytes(g) for g in own if id(g) not in hosts))
 
     # -- public ------------------------------------------------------------------------------
     def step(self, mbs: list[MicroBatch], lr: float) -> StepResult:
@@ -265,9 +281,9 @@ class Engine:
         self.loader.release("head")
         if self.spec.tie_embeddings:
             self.loader.release("embed")
-            self.grad_ready["embed"] = self.t.d2h(
-                [(self.host["embed"].grad, self.embed_g)], [self.t.record()], "g-lm"
-            )
+            if not self.t.shares_host:
+                ev = self.t.d2h([(self.host["embed"].grad, self.embed_g)], [self.t.record()], "g-lm")
+                self.grad_ready["embed"] = ev
         sq.append(torch.dot(self.head_g, self.head_g))
         self.grad_ready["head"] = self._send_grad("head", self.head_g, None)
         return loss_sum, dx
@@ -276,6 +292,11 @@ class Engine:
         """Copy a unit's fp32 gradient sum to its host buffer, narrowed to grad_dtype on the device
         first (through wire buffer k; the head, once per step, through a temporary)."""
         dst = self.host[unit].grad
+        if g is dst:  # accumulated in place (shared host memory)
+            return READY
+        if self.t.shares_host:  # no link: narrow straight into the host buffer
+            dst.copy_(g)
+            return READY
         if dst.dtype != g.dtype:
             if k is None:
                 g = g.to(dst.dtype)
@@ -292,7 +313,7 @@ class Engine:
             k = i % 2
             if self.wire is None:
                 self.t.wait(self.gacc_free[k])  # its previous contents have reached the host
-            g = self.gacc[k][: self.host[unit].layout.numel]
+            g = self.host[unit].grad if self.direct else self.gacc[k][: self.host[unit].layout.numel]
             g.zero_()
             gv = self._gacc_views.get((k, unit))
             if gv is None:
@@ -328,9 +349,8 @@ class Engine:
             pairs.append((host_dx[off : off + d.numel()], d.reshape(-1)))
             off += d.numel()
         ev = self.t.d2h(pairs, [self.t.record()], label="g-embed-rows")
-        tied = self.grad_ready.get("embed")
-        if tied is not None:
-            tied.host_wait()  # the LM head's dense grad arrived first
+        if self.spec.tie_embeddings:
+            self.grad_ready.get("embed", READY).host_wait()  # the LM head's dense grad came first
         else:
             st.grad.zero_()
         ev.host_wait()
@@ -404,7 +424,8 @@ class Engine:
         """Device memory by category for this step's shapes (the CPU has no allocator to ask)."""
         item = self.dtype.itemsize
         acts = sum(math.prod(sh) for sh in shapes) * item
-        self.t.memory.set("ckpt", self.loader.extra_bytes() or acts * len(self.loader.ring))
+        lent = self.loader.lend  # saved inputs are read where they lie
+        self.t.memory.set("ckpt", 0 if lent else self.loader.extra_bytes() or acts * len(self.loader.ring))
         self.t.memory.set("activations", 2 * acts)
         rows, T = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
         tok = max(sh[0] * sh[1] for sh in shapes)

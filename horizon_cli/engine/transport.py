@@ -112,10 +112,15 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> int:
 
 class CpuTransport:
     kind = "cpu"
+    shares_host: bool
 
     def __init__(self, link_gbps: float = 0.0, tracer: Tracer | None = None):
         self.device = torch.device("cpu")
         self.link_bps = link_gbps * 1e9
+        # Without a link to emulate, "device" and host are the same memory: the loader then lends
+        # the host buffers instead of copying them (copies on a worker thread would only steal
+        # cores from the compute). The schedule, its events and their order stay the same.
+        self.shares_host = self.link_bps == 0
         self.stats = LinkStats()
         self.memory = DeviceMemory()
         self.tracer = tracer or Tracer(enabled=False)

@@ -36,7 +36,7 @@ def run_training(
     if dry_run:
         show_dry_run(cfg, store, plan, console)
         return None
-    check_fits(plan, console)
+    check_fits(plan, device_is_host(cfg))
     if cfg.log.tensorboard:
         tensorboard_writer(None)  # fail now, not after loading the model
     run_dir = prepare_run_dir(cfg, store)
@@ -63,7 +63,7 @@ def plan_for(cfg: Config, store: Store) -> MemoryPlan:
 def show_dry_run(cfg: Config, store: Store, plan: MemoryPlan, console: Console) -> None:
     console.print(Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default"))
     console.print(plan_table(plan, store))
-    ok, why = fits(plan)
+    ok, why = fits(plan, device_is_host(cfg))
     console.print(("[green]fits[/]: " if ok else "[red]does not fit[/]: ") + why)
 
 
@@ -82,15 +82,23 @@ def plan_table(plan: MemoryPlan, store: Store) -> Table:
     return t
 
 
-def fits(plan: MemoryPlan) -> tuple[bool, str]:
+def fits(plan: MemoryPlan, device_is_host: bool = False) -> tuple[bool, str]:
+    """On `device: cpu` the device's buffers live in host RAM too."""
     avail = psutil.virtual_memory().available
-    ok = plan.host_total <= avail
-    why = f"host needs {fmt_bytes(plan.host_total)}, {fmt_bytes(avail)} available"
-    return ok, why
+    need = plan.host_total + (plan.device_total if device_is_host else 0)
+    ok = need <= avail
+    what = "host + device (both in RAM)" if device_is_host else "host"
+    return ok, f"{what} needs {fmt_bytes(need)}, {fmt_bytes(avail)} available"
 
 
-def check_fits(plan: MemoryPlan, console: Console) -> None:
-    ok, why = fits(plan)
+def device_is_host(cfg: Config) -> bool:
+    import torch
+
+    return cfg.engine.device == "cpu" or (cfg.engine.device == "auto" and not torch.cuda.is_available())
+
+
+def check_fits(plan: MemoryPlan, on_host: bool) -> None:
+    ok, why = fits(plan, on_host)
     if not ok:
         raise InputError(
             f"memory plan does not fit this machine: {why} (see `horizon train CONFIG --dry-run`)"
