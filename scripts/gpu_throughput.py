@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import torch
+from synthetic import random_store
 
-from horizon_cli.arch import spec_from_hf
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.data.batch import MicroBatch
 from horizon_cli.engine.schedule import Engine
-from horizon_cli.store import Store, StoreWriter, layouts
+from horizon_cli.store import layouts
 
 LLAMA_1B = dict(
     model_type="llama",
@@ -40,22 +40,6 @@ LLAMA_1B = dict(
     tie_word_embeddings=True,
 )
 PEAK = 989e12
-
-
-def random_store(root: Path) -> Store:
-    """Write a store of random weights directly (no HF model: saves minutes of CPU init)."""
-    spec = spec_from_hf(LLAMA_1B)
-    w = StoreWriter(root, spec, "bfloat16", source="random")
-    g = torch.Generator().manual_seed(0)
-    for lay in layouts(spec):
-        for s in lay.slots:
-            t = torch.randn(s.shape, generator=g) * 0.02 if len(s.shape) > 1 else torch.ones(s.shape)
-            w.write(lay.name, s.name, t)
-    w.finish()
-    w.close()
-    (root / "hf").mkdir()
-    (root / "hf" / "config.json").write_text(json.dumps(LLAMA_1B))
-    return Store.open(root)
 
 
 def flops_per_token(spec, seq: int) -> tuple[float, float]:
@@ -79,7 +63,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.time()
-        store = random_store(Path(tmp) / "store")
+        store = random_store(Path(tmp) / "store", LLAMA_1B)
         print(
             f"store of {store.manifest.params / 1e9:.2f}B parameters in {time.time() - t0:.0f}s", flush=True
         )

@@ -25,14 +25,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+from synthetic import random_store
 
-from horizon_cli.arch import spec_from_hf
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.data.batch import MicroBatch
 from horizon_cli.engine.schedule import Engine
 from horizon_cli.engine.trace import Tracer
 from horizon_cli.profile.timeline import busy
-from horizon_cli.store import Store, StoreWriter, layouts
 
 SIZES = {
     "30m": dict(
@@ -46,28 +45,6 @@ SIZES = {
         vocab_size=32000,
     ),
 }
-
-
-def random_store(root: Path, size: str, dtype: str) -> Store:
-    cfg = {
-        "model_type": "llama",
-        "max_position_embeddings": 2048,
-        "tie_word_embeddings": False,
-        **SIZES[size],
-    }
-    spec = spec_from_hf(cfg)
-    w = StoreWriter(root, spec, dtype, source="random")
-    g = torch.Generator().manual_seed(0)
-    for lay in layouts(spec):
-        for s in lay.slots:
-            w.write(
-                lay.name,
-                s.name,
-                torch.randn(s.shape, generator=g) * 0.02 if len(s.shape) > 1 else torch.ones(s.shape),
-            )
-    w.finish()
-    w.close()
-    return Store.open(root)
 
 
 def phases(spans, steps) -> dict[str, float]:
@@ -102,7 +79,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        store = random_store(Path(tmp) / "store", args.size, args.dtype)
+        cfg = {
+            "model_type": "llama",
+            "max_position_embeddings": 2048,
+            "tie_word_embeddings": False,
+            **SIZES[args.size],
+        }
+        store = random_store(Path(tmp) / "store", cfg, args.dtype)
         tracer = Tracer(enabled=True)
         eng = Engine(store, EngineConfig(device="cpu", dtype=args.dtype), OptimConfig(lr=1e-4), tracer=tracer)
         g = torch.Generator().manual_seed(0)
