@@ -40,7 +40,9 @@ MODEL = dict(
 
 def measure(store, link: float, mbs, steps: int = 4):
     tracer = Tracer(enabled=True)
-    eng = Engine(store, EngineConfig(device="cpu", dtype="bfloat16", link_gbps=link), OptimConfig(), tracer=tracer)
+    eng = Engine(
+        store, EngineConfig(device="cpu", dtype="bfloat16", link_gbps=link), OptimConfig(), tracer=tracer
+    )
     try:
         res = [eng.step(mbs, 1e-4) for _ in range(steps)]
         eng.wait()

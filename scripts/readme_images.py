@@ -31,14 +31,25 @@ def capture_training(run: Path) -> str:
     """Run the demo training in a real (tmux) terminal; return the screen with its colours."""
     session = f"horizon-readme-{os.getpid()}"
     horizon = f"{sys.executable} -m horizon_cli.cli"
-    cmd = f"{horizon} train configs/demo.yaml output.dir={run} output.export=false; tmux wait-for -S {session}"
+    cmd = (
+        f"{horizon} train configs/demo.yaml output.dir={run} output.export=false; tmux wait-for -S {session}"
+    )
     tmux = ["tmux", "-L", session]
-    subprocess.run([*tmux, "new-session", "-d", "-s", session, "-x", str(WIDTH), "-y", str(HEIGHT)], check=True)
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", session, "-x", str(WIDTH), "-y", str(HEIGHT)], check=True
+    )
     try:
-        subprocess.run([*tmux, "send-keys", "-t", session, f"cd {REPO} && clear && {cmd}", "Enter"], check=True)
+        subprocess.run(
+            [*tmux, "send-keys", "-t", session, f"cd {REPO} && clear && {cmd}", "Enter"], check=True
+        )
         subprocess.run([*tmux, "wait-for", session], check=True, timeout=1800)
         time.sleep(0.5)
-        out = subprocess.run([*tmux, "capture-pane", "-p", "-e", "-t", session, "-S", "-200"], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [*tmux, "capture-pane", "-p", "-e", "-t", session, "-S", "-200"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return out.stdout
     finally:
         subprocess.run([*tmux, "kill-server"], check=False)
