@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .trace import Tracer
-from .transport import DeviceMemory, Event, FutureEvent, LinkStats, Pairs, Promise
+from .transport import DeviceMemory, Event, LinkStats, Pairs, Promise
 
 
 class CudaEvent(Event):
@@ -189,4 +189,4 @@ class CudaTransport:
         self._registered.clear()
 
 
-__all__ = ["CudaEvent", "CudaTransport", "FutureEvent"]
+__all__ = ["CudaEvent", "CudaTransport"]

@@ -91,6 +91,7 @@ class Engine:
         self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
         self.staging: dict[str, torch.Tensor] = {}
         self.adam_step = 0
+        self.grad_ready: dict[str, Event] = {}  # unit -> its gradient is on the host (this step)
         self.t.memory.set("weights", self.loader.weight_bytes())
 
     def _alloc_grad_buffers(self) -> None:
@@ -184,7 +185,7 @@ class Engine:
         saved = [Promise() for _ in self.layers]
         self.loader.begin(self._sequence(total, saved, backward=True))
         self._account(shapes)
-        self.grad_ready: dict[str, Event] = {}
+        self.grad_ready = {}
         sq: list[torch.Tensor] = []
 
         with self.tracer.span("host", "embed"):
