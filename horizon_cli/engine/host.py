@@ -74,20 +74,18 @@ class HostState:
 
     def _load_unit(self, store: Store, lay: UnitLayout, alloc) -> UnitState:
         n = lay.numel
-        stream = alloc(n, self.dtype)
         lo = torch.zeros(n, dtype=torch.int16) if self.dtype == torch.bfloat16 else None
-        if store.dtype == self.dtype:
-            store.read_unit(lay.name, stream)  # bf16 store -> master is exactly the bf16 values, lo = 0
-        else:
-            src = torch.empty(n, dtype=store.dtype)
-            store.read_unit(lay.name, src)
-            st = UnitState(lay.name, lay, stream, lo, *(torch.empty(0),) * 3)
-            st.set_master(src.to(torch.float32))
-            del src
         m, v = torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32)
         grad = alloc(n, torch.float32 if lay.name == "embed" else self.grad_dtype)  # pinned on CUDA
         grad.zero_()
-        return UnitState(lay.name, lay, stream, lo, m, v, grad)
+        st = UnitState(lay.name, lay, alloc(n, self.dtype), lo, m, v, grad)
+        if store.dtype == self.dtype:
+            store.read_unit(lay.name, st.stream)  # e.g. a bf16 store: the master is exactly it, lo = 0
+        else:
+            src = torch.empty(n, dtype=store.dtype)
+            store.read_unit(lay.name, src)
+            st.set_master(src.to(torch.float32))
+        return st
 
     def __getitem__(self, unit: str) -> UnitState:
         return self.units[unit]

@@ -58,7 +58,7 @@ class Loader:
         self.seq: list[Load] = []
         self.pos = 0
         self.by_key: dict[str, tuple[Slot, Load]] = {}
-        self.loads = {"layer": 0, "other": 0}
+        self.layer_loads = 0  # decoder-layer weight transfers (the step's `weight_loads`)
         self._views: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (slot, unit) -> views
 
     def weight_bytes(self) -> int:
@@ -103,7 +103,7 @@ class Loader:
             slot.key = load.key
             slot.loaded = self.t.h2d(pairs, deps, label=f"{load.key}@{slot.name}")
             self.by_key[load.key] = (slot, load)
-            self.loads["layer" if load.unit.startswith("layer.") else "other"] += 1
+            self.layer_loads += load.unit.startswith("layer.")
             self.pos += 1
 
     def acquire(self, key: str) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:

@@ -51,10 +51,15 @@ class StepResult:
     device_peak_bytes: int
 
 
+def resolve_device(cfg: EngineConfig) -> str:
+    """engine.device with `auto` decided: CUDA when present, unless a link is to be emulated."""
+    if cfg.device != "auto":
+        return cfg.device
+    return "cuda" if torch.cuda.is_available() and not cfg.link_gbps else "cpu"
+
+
 def make_transport(cfg: EngineConfig, tracer: Tracer):
-    dev = cfg.device
-    if dev == "auto":
-        dev = "cuda" if torch.cuda.is_available() and not cfg.link_gbps else "cpu"
+    dev = resolve_device(cfg)
     if dev.startswith("cuda"):
         from .cuda import CudaTransport
 
@@ -128,7 +133,7 @@ class Engine:
         self.t.mark()
         self.t.stats.reset()
         self.t.reset_peak()
-        self.loader.loads = {"layer": 0, "other": 0}
+        self.loader.layer_loads = 0
         loss_sum, tokens, sq = self.forward_backward(mbs)
         loss = loss_sum / tokens if tokens else float("nan")
         norm = math.sqrt(sq) if sq >= 0 else float("nan")
@@ -146,7 +151,7 @@ class Engine:
             step_s=time.perf_counter() - t0,
             h2d_bytes=self.t.stats.h2d_bytes,
             d2h_bytes=self.t.stats.d2h_bytes,
-            weight_loads=self.loader.loads["layer"],
+            weight_loads=self.loader.layer_loads,
             device_peak_bytes=self.t.device_peak_bytes(),
         )
 
@@ -183,14 +188,14 @@ class Engine:
         total = sum(math.prod(s) for s in shapes)
         self._ensure_ckpt(total)
         saved = [Promise() for _ in self.layers]
-        self.loader.begin(self._sequence(total, saved, backward=True))
+        self.loader.begin(self._sequence(total, saved))
         self._account(shapes)
         self.grad_ready = {}
         sq: list[torch.Tensor] = []
 
         with self.tracer.span("host", "embed"):
             x = self._embed(mbs)
-        x = self._forward_layers(x, ctxs, shapes, saved)
+        x = self._forward_layers(x, ctxs, saved)
         loss_sum, dx = self._head(x, targets, inv_n, sq)
         dx = self._backward_layers(dx, ctxs, shapes, sq)
         with self.tracer.span("host", "embed grad + norm"):
@@ -199,12 +204,14 @@ class Engine:
             loss = float(loss_sum.item())
         return loss, tokens, dev_sq + host_sq
 
-    def _sequence(self, total: int, saved: list[Promise], backward: bool) -> list[Load]:
+    def _sequence(self, total: int = 0, saved: list[Promise] | None = None) -> list[Load]:
+        """The step's loads: forward layers, the head, then (with `saved`) the backward layers
+        with the first `total` elements of their saved inputs."""
         seq = [Load(f"f{i}", u) for i, u in enumerate(self.layers)]
         seq.append(Load("head", "head"))
         if self.spec.tie_embeddings:
             seq.append(Load("embed", "embed"))
-        if backward:
+        if saved is not None:
             for i in reversed(range(len(self.layers))):
                 seq.append(Load(f"b{i}", self.layers[i], [self.ckpt[i][:total]], [saved[i]]))
         return seq
@@ -226,15 +233,17 @@ class Engine:
         return out
 
     @torch.no_grad()
-    def _forward_layers(self, x, ctxs, shapes, saved: list[Promise]) -> list[torch.Tensor]:
+    def _forward_layers(self, x, ctxs, saved: list[Promise] | None) -> list[torch.Tensor]:
+        """Every layer over every micro-batch; with `saved`, each layer's input goes to the host
+        first for the backward recompute (async, overlapping the compute)."""
         for i in range(len(self.layers)):
-            # save this layer's input for the backward recompute (async, overlaps the compute)
-            pairs, off = [], 0
-            for xm in x:
-                pairs.append((self.ckpt[i][off : off + xm.numel()], xm.reshape(-1)))
-                off += xm.numel()
-            ev = self.t.d2h(pairs, [self.t.record()], label=f"save{i}")
-            saved[i].set(ev)  # the transport keeps x alive until the copy has read it
+            if saved is not None:
+                pairs, off = [], 0
+                for xm in x:
+                    pairs.append((self.ckpt[i][off : off + xm.numel()], xm.reshape(-1)))
+                    off += xm.numel()
+                ev = self.t.d2h(pairs, [self.t.record()], label=f"save{i}")
+                saved[i].set(ev)  # the transport keeps x alive until the copy has read it
             w, _ = self.loader.acquire(f"f{i}")
             with self.t.compute_span(f"fwd {i}"):
                 x = [
@@ -253,9 +262,19 @@ class Engine:
             out.append((idx.to(self.t.device), tgt.to(self.t.device)))
         return out
 
-    def _head(self, x, targets, inv_n: float, sq: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _acquire_head(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The head's weights and the LM-head matrix (the embedding's, when tied)."""
         w, _ = self.loader.acquire("head")
         lm = self.loader.acquire("embed")[0]["embed"] if self.spec.tie_embeddings else w["lm_head"]
+        return w, lm
+
+    def _release_head(self) -> None:
+        self.loader.release("head")
+        if self.spec.tie_embeddings:
+            self.loader.release("embed")
+
+    def _head(self, x, targets, inv_n: float, sq: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        w, lm = self._acquire_head()
         gh = self.host["head"].views(self.head_g)
         self.head_g.zero_()
         g_lm = self.host["embed"].views(self.embed_g)["embed"] if self.embed_g is not None else gh["lm_head"]
@@ -279,12 +298,10 @@ class Engine:
                 )
                 loss_sum += ls
                 dx.append(dh)
-        self.loader.release("head")
-        if self.spec.tie_embeddings:
-            self.loader.release("embed")
-            if not self.t.shares_host:
-                ev = self.t.d2h([(self.host["embed"].grad, self.embed_g)], [self.t.record()], "g-lm")
-                self.grad_ready["embed"] = ev
+        self._release_head()
+        if self.spec.tie_embeddings and not self.t.shares_host:
+            ev = self.t.d2h([(self.host["embed"].grad, self.embed_g)], [self.t.record()], "g-lm")
+            self.grad_ready["embed"] = ev
         sq.append(torch.dot(self.head_g, self.head_g))
         self.grad_ready["head"] = self._send_grad("head", self.head_g, None)
         return loss_sum, dx
@@ -320,17 +337,16 @@ class Engine:
             if gv is None:
                 gv = self._gacc_views[(k, unit)] = self.host[unit].views(g)
             names = list(w)
+            leaves = [w[k_].detach().requires_grad_(True) for k_ in names]  # autograd.grad never fills .grad
+            weights = dict(zip(names, leaves, strict=True))
             off = 0
             with self.t.compute_span(f"bwd {i}"):
                 for m, (shape, c) in enumerate(zip(shapes, ctxs, strict=True)):
                     n = math.prod(shape)
                     xi = saved[off : off + n].view(shape).detach().requires_grad_(True)
                     off += n
-                    leaves = [w[k_].detach().requires_grad_(True) for k_ in names]
                     with torch.enable_grad():
-                        y = layer_forward(
-                            dict(zip(names, leaves, strict=True)), xi, c, self.spec, self.spec.windows[i]
-                        )
+                        y = layer_forward(weights, xi, c, self.spec, self.spec.windows[i])
                         grads = torch.autograd.grad(y, [xi, *leaves], dx[m])
                     dx[m] = grads[0]
                     for name, gw in zip(names, grads[1:], strict=True):
@@ -365,25 +381,12 @@ class Engine:
     @torch.no_grad()
     def forward_hidden(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], dict, torch.Tensor]:
         """Forward only, streaming each layer once: (last hidden states per micro-batch, head
-        weights, LM-head matrix). The caller must `finish_forward()` afterwards."""
+        weights, LM-head matrix). The caller must `_release_head()` afterwards."""
         ctxs = [attn_context(mb, self.spec, self.inv, self.dtype, self.t.device) for mb in mbs]
-        self.loader.begin(self._sequence(0, [], backward=False))
-        x = self._embed(mbs)
-        for i in range(len(self.layers)):
-            w, _ = self.loader.acquire(f"f{i}")
-            x = [
-                layer_forward(w, xm, c, self.spec, self.spec.windows[i])
-                for xm, c in zip(x, ctxs, strict=True)
-            ]
-            self.loader.release(f"f{i}")
-        w, _ = self.loader.acquire("head")
-        lm = self.loader.acquire("embed")[0]["embed"] if self.spec.tie_embeddings else w["lm_head"]
+        self.loader.begin(self._sequence())
+        x = self._forward_layers(self._embed(mbs), ctxs, saved=None)
+        w, lm = self._acquire_head()
         return x, w, lm
-
-    def finish_forward(self) -> None:
-        self.loader.release("head")
-        if self.spec.tie_embeddings:
-            self.loader.release("embed")
 
     @torch.no_grad()
     def eval_loss(self, mbs: list[MicroBatch]) -> tuple[float, int]:
@@ -393,7 +396,7 @@ class Engine:
         total = torch.zeros((), dtype=torch.float32, device=self.t.device)
         for xm, (idx, tgt) in zip(x, targets, strict=True):
             total += head_loss(xm, w["norm"], lm, idx, tgt, self.cfg.loss_chunk, self.spec.rms_eps)
-        self.finish_forward()
+        self._release_head()
         return float(total.item()), sum(mb.label_tokens for mb in mbs)
 
     @torch.no_grad()
@@ -401,7 +404,7 @@ class Engine:
         """Full (b, T, V) fp32 logits of one small micro-batch — for tests and spot checks only."""
         (x,), w, lm = self.forward_hidden([mb])
         out = F.linear(rms_norm(x, w["norm"], self.spec.rms_eps), lm).float().cpu()
-        self.finish_forward()
+        self._release_head()
         return out
 
     # -- buffers -----------------------------------------------------------------------------

@@ -92,9 +92,9 @@ def fits(plan: MemoryPlan, device_is_host: bool = False) -> tuple[bool, str]:
 
 
 def device_is_host(cfg: Config) -> bool:
-    import torch
+    from ..engine.schedule import resolve_device
 
-    return cfg.engine.device == "cpu" or (cfg.engine.device == "auto" and not torch.cuda.is_available())
+    return resolve_device(cfg.engine) == "cpu"
 
 
 def check_fits(plan: MemoryPlan, on_host: bool) -> None:
