@@ -95,7 +95,9 @@ def test_whole_floats_print_as_integers_and_texts_may_be_numbers(tmp_path, tok):
 
 def test_csv_cells_are_read_as_written(tmp_path, tok_plain):
     path = tmp_path / "d.csv"
-    path.write_text("instruction,input,output\nadd two and two,,4\nsubtract,NA,0\nhalve nine,,4.50\n")
+    path.write_text(
+        "\ufeffinstruction,input,output\nadd two and two,,4\nsubtract,NA,0\nhalve nine,,4.50\n"
+    )  # with a BOM
     out = prep(path, tok_plain).train
     assert [loss_spans(tok_plain, out[i]) for i in range(3)] == [["4</s>"], ["0</s>"], ["4.50</s>"]]
     assert "### Input:\nNA\n\n" in tok_plain.decode(out[1].input_ids)
@@ -222,6 +224,14 @@ def test_sharegpt_system_field_becomes_the_system_turn(tmp_path, tok):
         prep(write(tmp_path, [clash], "c.jsonl"), tok)
 
 
+def test_turn_keys_decide_the_shape_not_the_field_name(tmp_path, tok):
+    sharegpt = [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]} for m in CHAT["messages"]]  # fmt: skip
+    ref = prep(write(tmp_path, [CHAT], "ref.jsonl"), tok).train[0]
+    for rec in ({"conversations": CHAT["messages"]}, {"messages": sharegpt}):
+        row = prep(write(tmp_path, [rec]), tok).train[0]
+        assert row.input_ids.tolist() == ref.input_ids.tolist() and row.labels.tolist() == ref.labels.tolist()
+
+
 def test_weight_zero_keeps_the_turn_without_loss(tmp_path, tok):
     msgs = [dict(m) for m in CHAT["messages"]]
     msgs[2]["weight"] = 0
@@ -242,9 +252,9 @@ def test_unread_fields_with_content_are_named_once_each(tmp_path, tok):
     prep(path, tok, logs, cache=cache)
     warnings = [line.replace(str(tmp_path), "") for line in logs if line.startswith("warning:")]
     assert warnings == [
-        "warning: /data.jsonl: field 'images' is not read by format chat and is ignored (2 records have content in it)",
+        "warning: /data.jsonl: field 'images' is not read by format chat and is ignored (content in 2 records)",
         "warning: /data.jsonl: field 'messages[].reasoning_content' is not read by format chat and is ignored "
-        "(1 records have content in it)",
+        "(content in 1 record)",
     ]
     again: list[str] = []
     prep(path, tok, again, cache=cache)  # a cache hit says it again

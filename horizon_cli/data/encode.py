@@ -152,7 +152,8 @@ class Encoder:
                 f"{where}: the tokenizer gives id {bad} ({token!r}), outside {v.what} "
                 "(the tokenizer does not match the model)"
             )
-        raise InputError(f"{where}: {field} holds id {bad}, outside {v.what}")
+        hint = " (-100 marks positions without loss in labels, not in input_ids)" if bad == IGNORE else ""
+        raise InputError(f"{where}: {field} holds id {bad}, outside {v.what}{hint}")
 
 
 def encode_rendered(tokenizer, rendered: list[Rendered], add_special: bool, add_eos: bool) -> list[Example]:

@@ -245,7 +245,7 @@ def _warn_ignored(stats: dict, fmt: str, name: str, log: Log) -> None:
     for field, n in sorted(stats.get("ignored_fields", {}).items()):
         log(
             f"warning: {name}: field {field!r} is not read by format {fmt} "
-            f"and is ignored ({n} records have content in it)"
+            f"and is ignored (content in {n} record{'' if n == 1 else 's'})"
         )
 
 

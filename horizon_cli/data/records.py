@@ -8,8 +8,9 @@ name them (see `formats.ignored_columns` for whole columns).
     instruction  Alpaca, with LLaMA-Factory's `system` and `history` ([[prompt, response], ...])
                  -> Instruction(system, history, instruction, input, output)
     chat         OpenAI `messages` [{role, content, tool_calls, tool_call_id, name, weight}] or
-                 ShareGPT `conversations` [{from, value}] (from: human, gpt, system, tool,
-                 observation, function_call), with an optional top-level `system` and `tools`
+                 ShareGPT `conversations` [{from, value, weight}] (from: human, gpt, system, tool,
+                 observation, function_call), with an optional top-level `system` and `tools`;
+                 turns are read by their keys (role/content or from/value) under either name
                  -> Chat(messages, tools, no_loss)
 """
 
@@ -112,10 +113,12 @@ def instruction_record(record: dict, where: str) -> Instruction:
 def chat_record(record: dict, where: str, notes: Counter) -> Chat:
     """A chat record -> Chat; an empty message list if it has none."""
     unread: set[str] = set()
-    if record.get("messages") is not None:
-        msgs, weights = _openai(record["messages"], where, unread)
+    field = "messages" if record.get("messages") is not None else "conversations"
+    turns = record.get(field) or []
+    if _is_sharegpt(turns):
+        msgs, weights = _sharegpt(turns, field, where, unread)
     else:
-        msgs, weights = _sharegpt(record.get("conversations") or [], where, unread)
+        msgs, weights = _openai(turns, field, where, unread)
     notes.update(unread)  # counted once per record
     system = text_of(record.get("system"), "system", where)
     if system:
@@ -129,9 +132,14 @@ def chat_record(record: dict, where: str, notes: Counter) -> Chat:
     return Chat(msgs, _tools(record.get("tools"), where), no_loss)
 
 
-def _openai(messages: object, where: str, unread: set[str]) -> tuple[list[dict], list]:
+def _is_sharegpt(turns: object) -> bool:
+    """Turns keyed from/value, whichever field holds them (datasets mix the two names)."""
+    return isinstance(turns, list) and bool(turns) and isinstance(turns[0], dict) and "from" in turns[0]
+
+
+def _openai(messages: object, field: str, where: str, unread: set[str]) -> tuple[list[dict], list]:
     if not isinstance(messages, list):
-        raise InputError(f"{where}: messages must be a list, got {_kind(messages)}")
+        raise InputError(f"{where}: {field} must be a list, got {_kind(messages)}")
     out, weights = [], []
     for i, m in enumerate(messages):
         msg = _message(m, "role", "content", where, i)
@@ -140,28 +148,29 @@ def _openai(messages: object, where: str, unread: set[str]) -> tuple[list[dict],
         for key in ("tool_call_id", "name"):
             if m.get(key) not in (None, ""):
                 msg[key] = text_of(m[key], f"message {i} {key!r}", where)
-        unread |= _unread(m, OPENAI_FIELDS, "messages")
+        unread |= _unread(m, OPENAI_FIELDS, field)
         out.append(msg)
         weights.append(_weight(m, i, where))
     return out, weights
 
 
-def _sharegpt(turns: object, where: str, unread: set[str]) -> tuple[list[dict], list]:
-    if not isinstance(turns, list):
-        raise InputError(f"{where}: conversations must be a list, got {_kind(turns)}")
+def _sharegpt(turns: list, field: str, where: str, unread: set[str]) -> tuple[list[dict], list]:
     out, weights = [], []
     for i, t in enumerate(turns):
         m = _message(t, "from", "value", where, i)
         role = SHAREGPT_ROLES.get(m["role"])
         if role is None:
             raise InputError(
-                f"{where}: conversations[{i}] has from={m['role']!r} "
-                f"(expected one of {', '.join(SHAREGPT_ROLES)})"
+                f"{where}: {field}[{i}] has from={m['role']!r} (expected one of {', '.join(SHAREGPT_ROLES)})"
             )
         msg = {"role": role, "content": m["content"]}
         if m["role"] == "function_call":  # LLaMA-Factory: the value is the call as JSON
-            msg = {"role": role, "content": "", "tool_calls": _function_call(m["content"], i, where)}
-        unread |= _unread(t, SHAREGPT_FIELDS, "conversations")
+            msg = {
+                "role": role,
+                "content": "",
+                "tool_calls": _function_call(m["content"], f"{field}[{i}]", where),
+            }
+        unread |= _unread(t, SHAREGPT_FIELDS, field)
         out.append(msg)
         weights.append(_weight(t, i, where))
     return out, weights
@@ -208,17 +217,15 @@ def _tool_calls(calls: object, what: str, where: str) -> list[dict]:
     return out
 
 
-def _function_call(value: str, i: int, where: str) -> list[dict]:
+def _function_call(value: str, what: str, where: str) -> list[dict]:
     try:
         parsed = json.loads(value)
     except ValueError:
         parsed = None
     calls = parsed if isinstance(parsed, list) else [parsed]
     if not all(isinstance(c, dict) for c in calls):
-        raise InputError(
-            f"{where}: conversations[{i}] (function_call) must hold a JSON object with name and arguments"
-        )
-    return _tool_calls(calls, f"conversations[{i}]", where)
+        raise InputError(f"{where}: {what} (function_call) must hold a JSON object with name and arguments")
+    return _tool_calls(calls, what, where)
 
 
 def _tools(tools: object, where: str) -> list | None:

@@ -107,7 +107,7 @@ def _csv_as_text(path: Path) -> dict:
     cell is "" (pandas would make numbers, 4.5, and NaN of them)."""
     import datasets
 
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:  # pandas drops a BOM too
         header = next(csv.reader(f), [])
     if len(set(header)) != len(header):
         dup = next(h for h in header if header.count(h) > 1)

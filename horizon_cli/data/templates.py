@@ -1,4 +1,4 @@
-"""Data stage 2b, rendering: a record -> (text, character spans that carry loss).
+"""Data stage 2c, rendering: a record -> (text, character spans that carry loss).
 
 Chat records go through the tokenizer's chat template. Each assistant turn's span is found by
 rendering prefixes: with P = render(messages[:i], add_generation_prompt=True) and
