@@ -369,3 +369,24 @@ def test_corrupt_or_mismatched_cache_entry_is_rebuilt_with_a_note(tmp_path, tok)
     logs.clear()
     prep(path, tok, logs, cache=cache)
     assert any("cache hit" in line for line in logs) and not any("rebuilding" in line for line in logs)
+
+
+def test_media_columns_are_counted_without_decoding():
+    import datasets
+
+    from horizon_cli.data.formats import ignored_columns
+
+    feats = {
+        "text": datasets.Value("string"),
+        "images": datasets.List(datasets.Image()),
+        "pic": datasets.Image(),
+    }
+    ds = datasets.Dataset.from_dict(
+        {
+            "text": ["a", "b", "c"],
+            "images": [[{"bytes": b"not a png", "path": None}], [], None],
+            "pic": [None] * 3,
+        },
+        features=datasets.Features(feats),
+    )  # decoding "not a png" would raise
+    assert ignored_columns(ds, ["text"]) == {"images": 1}

@@ -113,12 +113,12 @@ def instruction_record(record: dict, where: str) -> Instruction:
 def chat_record(record: dict, where: str, notes: Counter) -> Chat:
     """A chat record -> Chat; an empty message list if it has none."""
     unread: set[str] = set()
-    field = "messages" if record.get("messages") is not None else "conversations"
-    turns = record.get(field) or []
+    name = "messages" if record.get("messages") is not None else "conversations"
+    turns = record.get(name) or []
     if _is_sharegpt(turns):
-        msgs, weights = _sharegpt(turns, field, where, unread)
+        msgs, weights = _sharegpt(turns, name, where, unread)
     else:
-        msgs, weights = _openai(turns, field, where, unread)
+        msgs, weights = _openai(turns, name, where, unread)
     notes.update(unread)  # counted once per record
     system = text_of(record.get("system"), "system", where)
     if system:
@@ -137,9 +137,9 @@ def _is_sharegpt(turns: object) -> bool:
     return isinstance(turns, list) and bool(turns) and isinstance(turns[0], dict) and "from" in turns[0]
 
 
-def _openai(messages: object, field: str, where: str, unread: set[str]) -> tuple[list[dict], list]:
+def _openai(messages: object, name: str, where: str, unread: set[str]) -> tuple[list[dict], list]:
     if not isinstance(messages, list):
-        raise InputError(f"{where}: {field} must be a list, got {_kind(messages)}")
+        raise InputError(f"{where}: {name} must be a list, got {_kind(messages)}")
     out, weights = [], []
     for i, m in enumerate(messages):
         msg = _message(m, "role", "content", where, i)
@@ -148,29 +148,29 @@ def _openai(messages: object, field: str, where: str, unread: set[str]) -> tuple
         for key in ("tool_call_id", "name"):
             if m.get(key) not in (None, ""):
                 msg[key] = text_of(m[key], f"message {i} {key!r}", where)
-        unread |= _unread(m, OPENAI_FIELDS, field)
+        unread |= _unread(m, OPENAI_FIELDS, name)
         out.append(msg)
         weights.append(_weight(m, i, where))
     return out, weights
 
 
-def _sharegpt(turns: list, field: str, where: str, unread: set[str]) -> tuple[list[dict], list]:
+def _sharegpt(turns: list, name: str, where: str, unread: set[str]) -> tuple[list[dict], list]:
     out, weights = [], []
     for i, t in enumerate(turns):
         m = _message(t, "from", "value", where, i)
         role = SHAREGPT_ROLES.get(m["role"])
         if role is None:
             raise InputError(
-                f"{where}: {field}[{i}] has from={m['role']!r} (expected one of {', '.join(SHAREGPT_ROLES)})"
+                f"{where}: {name}[{i}] has from={m['role']!r} (expected one of {', '.join(SHAREGPT_ROLES)})"
             )
         msg = {"role": role, "content": m["content"]}
         if m["role"] == "function_call":  # LLaMA-Factory: the value is the call as JSON
             msg = {
                 "role": role,
                 "content": "",
-                "tool_calls": _function_call(m["content"], f"{field}[{i}]", where),
+                "tool_calls": _function_call(m["content"], f"{name}[{i}]", where),
             }
-        unread |= _unread(t, SHAREGPT_FIELDS, field)
+        unread |= _unread(t, SHAREGPT_FIELDS, name)
         out.append(msg)
         weights.append(_weight(t, i, where))
     return out, weights

@@ -115,14 +115,15 @@ def check_rendered(tokenizer, conv: Chat, full: str, where: str) -> None:
     calls = [(i, c) for i, m in enumerate(conv.messages) for c in m.get("tool_calls", ())]
     if calls:
         plain = [{k: v for k, v in m.items() if k != "tool_calls"} for m in conv.messages]
-        _check_part(tokenizer, full, plain, conv.tools, where, f"message {calls[0][0]} tool_calls",
-                    [c["function"]["name"] for _, c in calls])  # fmt: skip
+        names = [c["function"]["name"] for _, c in calls]
+        _check_part(tokenizer, full, plain, conv.tools, names, f"{where}: message {calls[0][0]} tool_calls")
     if conv.tools:
-        names = [t.get("function", t).get("name", "") for t in conv.tools]
-        _check_part(tokenizer, full, conv.messages, None, where, "tools", names)
+        fns = [t["function"] if isinstance(t.get("function"), dict) else t for t in conv.tools]
+        names = [fn.get("name") for fn in fns]
+        _check_part(tokenizer, full, conv.messages, None, names, f"{where}: tools")
 
 
-def _check_part(tokenizer, full: str, without: list[dict], tools, where: str, what: str, names) -> None:
+def _check_part(tokenizer, full: str, without: list[dict], tools, names: list, what: str) -> None:
     """`what` is rendered when the text changes without it and each of its names appears."""
     missing = [n for n in names if isinstance(n, str) and n not in full]
     try:
@@ -131,7 +132,7 @@ def _check_part(tokenizer, full: str, without: list[dict], tools, where: str, wh
         same = False
     if same or missing:
         detail = f" (missing: {', '.join(missing)})" if missing else ""
-        raise InputError(f"{where}: {what}: the chat template does not render them{detail}")
+        raise InputError(f"{what}: the chat template does not render them{detail}")
 
 
 def _span_by_prefix(
