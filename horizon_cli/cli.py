@@ -1,7 +1,7 @@
 """The `horizon` command line: parse arguments, call one function per command, map errors.
 
 Exit status: 0 success; 2 bad usage, config or input (one `error: ...` line); 1 failure at run
-time. `--debug` shows the traceback instead.
+time. `--debug` (before or after the command) shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -15,10 +15,24 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
+from . import __version__
 from .errors import HorizonError
 
+
+class _Commands(TyperGroup):
+    """`--debug` is global but may also follow the command (`horizon train cfg.yaml --debug`)."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        end = args.index("--") if "--" in args else len(args)  # after `--` every word is an argument
+        if "--debug" in args[:end]:
+            args = ["--debug"] + [a for a in args[:end] if a != "--debug"] + args[end:]
+        return super().parse_args(ctx, args)
+
+
 app = typer.Typer(
+    cls=_Commands,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -28,8 +42,19 @@ console = Console(stderr=True)
 state = {"debug": False}
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"horizon {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False) -> None:
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
     state["debug"] = debug
 
 

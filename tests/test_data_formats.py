@@ -264,10 +264,13 @@ def test_chat_without_template_is_an_input_error(tmp_path, tok_plain):
         prep(tmp_path, [CHAT], tok_plain)
 
 
-def test_every_label_masked_suggests_train_on_prompt(tmp_path, tok):
+def test_chats_without_an_assistant_turn_are_named_as_such(tmp_path, tok):
     only_user = {"messages": [{"role": "user", "content": "hello"}]}
-    with pytest.raises(InputError, match="every label is masked.*train_on_prompt"):
+    with pytest.raises(InputError, match="data.jsonl: no record has an assistant turn.*train_on_prompt"):
         prep(tmp_path, [only_user, only_user], tok)
+    with pytest.raises(InputError, match="data.jsonl: record 2 has no assistant turn") as e:
+        prep(tmp_path, [{"messages": []}, only_user], tok)
+    assert "max_seq_len" not in str(e.value)
 
 
 def test_truncation_that_cuts_every_response_is_every_label_masked(tmp_path, tok_plain):
@@ -283,12 +286,18 @@ def test_chat_message_with_null_content(tmp_path, tok):
 
 
 def test_chat_message_content_must_be_text(tmp_path, tok):
-    rec = {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "hi"}]}
-    with pytest.raises(InputError, match="record 1: message 0 'content' must be a string"):
+    rec = {
+        "messages": [{"role": "user", "content": [{"type": "text"}]}, {"role": "assistant", "content": "hi"}]
+    }
+    with pytest.raises(InputError, match="record 1: message 0 'content' must be text, got a list"):
         prep(tmp_path, [rec], tok)
 
 
 def test_examples_without_loss_are_dropped(tmp_path, tok):
     only_user = {"messages": [{"role": "user", "content": "hello"}]}
-    out, _ = prep(tmp_path, [only_user, CHAT], tok)
-    assert len(out.train) == 1 and out.train.stats["no_labels"] == 1
+    weightless = {
+        "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 0}]
+    }
+    out, logs = prep(tmp_path, [only_user, CHAT, weightless], tok)
+    assert len(out.train) == 1 and out.train.stats["no_labels"] == 1 and out.train.stats["no_assistant"] == 1
+    assert any("1 without an assistant turn (the first: record 1)" in line for line in logs)

@@ -1,11 +1,15 @@
 """Config loading: YAML + dotted `KEY=VALUE` overrides -> `Config`, strictly.
 
-Every problem is collected and reported at once, each naming its dotted key.
+Every problem is collected and reported at once, each naming its dotted key: unknown keys,
+wrong types, values out of range, a key given twice in one mapping (YAML would keep the last one
+silently), non-finite numbers (`.nan`, `.inf`, "nan") where a number is meant. The file must be
+UTF-8 (a bad byte is named by line and offset).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -15,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from .. import utf8
 from ..errors import ConfigError, InputError
 from .schema import Config
 
@@ -22,37 +27,67 @@ from .schema import Config
 def load_config(path: str | Path | None, overrides: Sequence[str] = (), base: dict | None = None) -> Config:
     """Read a YAML file (or start from `base`), apply overrides, build and validate the tree."""
     raw: dict = dict(base or {})
-    source = None
+    source, problems = None, list[str]()
     if path is not None:
         source = str(path)
-        raw = read_yaml(Path(path))
+        raw, problems = read_yaml(Path(path))
     for ov in overrides:
         apply_override(raw, ov)
-    cfg, problems = build(Config, raw, "")
-    problems += validate(cfg)
+    cfg, more = build(Config, raw, "")
+    problems += more + validate(cfg)
     if problems:
         raise ConfigError(problems, source)
     return cfg
 
 
-def read_yaml(path: Path) -> dict:
+def read_yaml(path: Path) -> tuple[dict, list[str]]:
+    """A config file -> (its mapping, problems that name a dotted key: duplicate keys)."""
     if not path.is_file():
         raise InputError(f"{path}: config file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = utf8.decode(path.read_bytes(), str(path))
+    except OSError as e:
+        raise InputError(f"{path}: cannot read the config file: {e.strerror or e}") from None
+    try:
+        problems = duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), "")
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
         raise InputError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
     if raw is None:
-        return {}
+        return {}, problems
     if not isinstance(raw, dict):
         raise InputError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
-    return raw
+    return raw, problems
+
+
+def duplicate_keys(node: yaml.Node | None, prefix: str) -> list[str]:
+    """Keys given twice in one mapping, anywhere in the document (YAML would keep the last silently)."""
+    problems: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            name = str(key.value)
+            dotted = f"{prefix}{name}"
+            if name in seen and name != "<<":  # `<<` merges an anchor; YAML allows several
+                problems.append(f"{dotted}: duplicate key (lines {seen[name]} and {key.start_mark.line + 1})")
+            seen.setdefault(name, key.start_mark.line + 1)
+            problems += duplicate_keys(value, dotted + ".")
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            problems += duplicate_keys(item, f"{prefix.rstrip('.')}[{i}].")
+    return problems
 
 
 def apply_override(raw: dict, text: str) -> None:
     """`optim.lr=2e-5` -> raw['optim']['lr'] = 2e-5 (value parsed as YAML)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        raise InputError(
+            f"override {text[: e.start]!r}...: not UTF-8 text (at character {e.start})"
+        ) from None
     key, sep, value = text.partition("=")
     if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w.]*", key):
         raise InputError(f"override {text!r}: expected KEY=VALUE with a dotted key, e.g. optim.lr=2e-5")
@@ -133,17 +168,26 @@ def coerce(value: Any, tp: Any) -> tuple[Any, str | None]:
             return int(value), None
         return None, f"expected an integer, got {_kind(value)}"
     if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value), None
-        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
-            try:
-                return float(value), None
-            except ValueError:
-                pass
-        return None, f"expected a number, got {_kind(value)}"
+        number = _float(value)
+        if number is None:
+            return None, f"expected a number, got {_kind(value)}"
+        if not math.isfinite(number):  # .nan/.inf would pass every bound check below
+            return None, f"expected a finite number, got {value!r}"
+        return number, None
     if tp is str:
         return (value, None) if isinstance(value, str) else (None, f"expected a string, got {_kind(value)}")
     raise TypeError(f"unsupported config type {tp}")
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 def check_meta(dotted: str, value: Any, meta: Mapping) -> list[str]:

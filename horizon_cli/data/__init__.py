@@ -3,9 +3,10 @@
 Stages, one module each:
 
     source     find and load raw records (local file, save_to_disk dir, hub name) via `datasets`
-    formats    text | instruction | chat | tokens: fields, `auto` detection, sharegpt mapping
-    templates  chat-template / Alpaca rendering and the character spans that carry loss
-    encode     tokenization, label masking, truncation
+    formats    text | instruction | chat | tokens: fields, `auto` detection, the fields ignored
+    records    a record -> its turns as text (scalars, system/history, sharegpt, tool calls)
+    templates  chat-template / Alpaca rendering, checked against the record, and the loss spans
+    encode     tokenization, label masking, token ids checked against the model's vocabulary
     pack       greedy packing with per-document doc_ids and boundary-masked labels
     tokset     TokenSet: flat numpy arrays (tokens, labels, row offsets, doc_ids)
     cache      TokenSets on disk, keyed by source, settings and tokenizer; atomic writes
@@ -15,15 +16,17 @@ Stages, one module each:
 
 API used by the training loop:
 
-    prepared = prepare_data(cfg.data, tokenizer, seed=cfg.train.seed,
-                            model_max_len=..., cache_dir=<output.dir>/cache, log=print)
+    prepared = prepare_data(cfg.data, tokenizer, seed=cfg.train.seed, model_max_len=...,
+                            vocab_size=..., cache_dir=<output.dir>/cache, log=print)
+                                       tokenizer may be None for `tokens` data
     prepared.train, prepared.eval      TokenSet (eval may be None); len(ts), ts[i] -> Row,
                                        ts.label_tokens, ts.num_tokens, ts.format, ts.stats
     prepared.format, prepared.pad_id   format used (what `auto` chose); padding id
     rows = batch_rows(prepared.train, step, cfg.train.batch_size, cfg.train.seed, cfg.data.shuffle)
     micro_batches = collate(rows, cfg.train.micro_batch_size, prepared.pad_id)   # list[MicroBatch]
 
-Every problem with the input raises `InputError` with one line naming the file or config key.
+Every problem with the input raises `InputError` with one line naming the file or config key,
+and the record; fields that are read by no format are named by `warning:` lines through `log`.
 """
 
 from .batch import IGNORE, MicroBatch

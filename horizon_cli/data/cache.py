@@ -1,11 +1,13 @@
 """Data stage 3c, the tokenization cache: a TokenSet on disk, keyed by everything that shapes it.
 
 Key = sha256 of (source fingerprint: file path + size + mtime, or the save_to_disk
-fingerprint; format; max_seq_len; packing; train_on_prompt; tokenizer identity; CACHE_VERSION).
+fingerprint; format; max_seq_len; packing; train_on_prompt; tokenizer identity; the model's
+vocab size, which the token ids were checked against; CACHE_VERSION).
 An entry is a directory `<cache_dir>/<stem>-<key>/` of flat .npy arrays (tokens, labels,
-offsets, optional doc_ids) and meta.json, written under a temporary name and renamed into
-place, so a reader never sees half an entry. Loads are memory-mapped: a hit is fast and
-bit-identical to the set that was stored.
+offsets, optional doc_ids) and meta.json (the key, each array's shape, dtype and CRC32), written
+under a temporary name and renamed into place, so a reader never sees half an entry. A load
+checks the key and every checksum, so a corrupt or mismatched entry is refused (and rebuilt by
+the caller), never used. Loads are memory-mapped: a hit is bit-identical to the set stored.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import shutil
 import uuid
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +25,8 @@ import numpy as np
 from .templates import chat_template_of
 from .tokset import TokenSet
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: checksums and key in meta.json; system/history/tools rendered
+CRC_CHUNK = 64 << 20
 ARRAYS = ("tokens", "labels", "offsets", "doc_ids")
 
 
@@ -44,9 +48,16 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def cache_key(
-    source_key: dict, fmt: str, max_seq_len: int, packing: bool, train_on_prompt: bool, tok_fp: str
+    source_key: dict,
+    fmt: str,
+    max_seq_len: int,
+    packing: bool,
+    train_on_prompt: bool,
+    tok_fp: str,
+    vocab: int | None = None,
 ) -> str:
     parts = {
+        "vocab": vocab,
         "version": CACHE_VERSION,
         "source": source_key,
         "format": fmt,
@@ -63,44 +74,72 @@ def entry_dir(cache_dir: str | Path, stem: str, key: str) -> Path:
     return Path(cache_dir) / f"{safe}-{key}"
 
 
-def load(entry: Path) -> TokenSet | None:
-    """The stored TokenSet (arrays memory-mapped read-only), or None on a miss or a stale entry."""
+def load(entry: Path, key: str) -> tuple[TokenSet | None, str | None]:
+    """(the stored TokenSet, None), or (None, why the entry cannot be used), or (None, None) on a miss.
+
+    The entry must carry `key` (its fingerprint) and every array its stored shape, dtype and
+    CRC32: a corrupt or mismatched entry is never used. Arrays are memory-mapped read-only.
+    """
+    if not entry.exists():
+        return None, None
     try:
         meta = json.loads((entry / "meta.json").read_text())
         if meta.get("version") != CACHE_VERSION:
-            return None
-        tokens, labels, offsets, doc_ids = (
-            np.load(entry / f"{name}.npy", mmap_mode="r") if name in meta["arrays"] else None
-            for name in ARRAYS
-        )
-    except (OSError, ValueError, KeyError):
-        return None
-    if tokens is None or labels is None or offsets is None:
-        return None
-    return TokenSet(tokens, labels, offsets, doc_ids, format=meta["format"], stats=meta["stats"])
+            return None, f"was written by another version (cache format {meta.get('version')})"
+        if meta.get("key") != key:
+            return None, "does not match its fingerprint (its key differs)"
+        arrays = {}
+        for name, want in meta["arrays"].items():
+            arr = np.load(entry / f"{name}.npy", mmap_mode="r")
+            if [list(arr.shape), str(arr.dtype), _crc(arr)] != [want["shape"], want["dtype"], want["crc32"]]:
+                return None, f"is corrupt ({name}.npy does not match its checksum)"
+            arrays[name] = arr
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"is unreadable ({type(e).__name__}: {e})"
+    if not {"tokens", "labels", "offsets"} <= arrays.keys():
+        return None, "is incomplete"
+    ts = TokenSet(arrays["tokens"], arrays["labels"], arrays["offsets"], arrays.get("doc_ids"))
+    ts.format, ts.stats = meta["format"], meta["stats"]
+    return ts, None
 
 
-def save(entry: Path, ts: TokenSet) -> None:
+def save(entry: Path, ts: TokenSet, key: str) -> None:
     """Write `ts` (whole stored arrays; no view index) under a temp name, then rename into place."""
     assert ts.index is None, "cache whole token sets, not views"
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        stored = []
+        stored = {}
         for name in ARRAYS:
             arr = getattr(ts, name)
             if arr is not None:
-                np.save(tmp / f"{name}.npy", np.ascontiguousarray(arr))
-                stored.append(name)
-        meta = {"version": CACHE_VERSION, "format": ts.format, "stats": ts.stats, "arrays": stored}
+                arr = np.ascontiguousarray(arr)
+                np.save(tmp / f"{name}.npy", arr)
+                stored[name] = {"shape": list(arr.shape), "dtype": str(arr.dtype), "crc32": _crc(arr)}
+        meta = {
+            "version": CACHE_VERSION,
+            "key": key,
+            "format": ts.format,
+            "stats": ts.stats,
+            "arrays": stored,
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         if entry.exists():  # stale or broken entry (load() refused it): replace it
             shutil.rmtree(entry, ignore_errors=True)
         os.rename(tmp, entry)
     except OSError:
-        if entry.exists() and load(entry) is not None:
+        if load(entry, key)[0] is not None:
             return  # another process stored the same entry first
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _crc(arr: np.ndarray) -> int:
+    """CRC32 of an array's bytes, a chunk at a time (the array may be a memory map)."""
+    flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    crc = 0
+    for i in range(0, len(flat), CRC_CHUNK):
+        crc = zlib.crc32(flat[i : i + CRC_CHUNK].data, crc)
+    return crc

@@ -15,10 +15,11 @@ from .batch import IGNORE, MicroBatch
 from .tokset import Row, positions
 
 
-def pad_id_of(tokenizer) -> int:
-    """The tokenizer's pad id, else its EOS id, else 0."""
+def pad_id_of(tokenizer, vocab_size: int | None = None) -> int:
+    """The tokenizer's pad id, else its EOS id, else 0; one inside the model's vocabulary (padding
+    is never attended to, so any id will do, but the embedding must be able to look it up)."""
     for tid in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if tid is not None:
+        if tid is not None and (vocab_size is None or 0 <= tid < vocab_size):
             return int(tid)
     return 0
 

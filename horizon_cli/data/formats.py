@@ -1,16 +1,24 @@
-"""Data stage 2a, formats: which fields a format reads, `auto` detection, record normalization.
+"""Data stage 2a, formats: which fields a format reads, `auto` detection, the fields it ignores.
 
     text         {"text": str}
-    instruction  {"instruction": str, "input": str (optional), "output": str}      (alpaca)
-    chat         {"messages": [{"role", "content"}, ...]}
-                 or sharegpt {"conversations": [{"from", "value"}, ...]}
-    tokens       {"input_ids": [int], "labels": [int] (optional, -100 = no loss)}
+    instruction  {"instruction", "input" (optional), "output"}  (Alpaca), optional LLaMA-Factory
+                 "system" and "history" [[prompt, response], ...]
+    chat         {"messages": [{"role", "content", ...}, ...]}
+                 or sharegpt {"conversations": [{"from", "value"}, ...]}; optional "system", "tools"
+    tokens       {"input_ids": [int], "labels": [int] (optional, -100 = no loss)}, optional
+                 "attention_mask" (all ones: horizon never pads inside a record)
 
 `auto` picks the first format whose fields are present, in the order tokens, chat, instruction,
 text (the most specific first: a pre-tokenized set may also carry its `text`).
+
+Any other field is reported once (by `ignored_columns`) when it carries content: a non-blank
+string or a non-empty list or object. Numbers, booleans, nulls and blanks are metadata, and so is
+any field named in META_FIELDS (ids, provenance), so they are ignored silently.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from ..errors import InputError
 
@@ -23,18 +31,19 @@ REQUIRED: dict[str, tuple[tuple[str, ...], ...]] = {
     "instruction": (("instruction",), ("output",)),
     "text": (("text",),),
 }
-OPTIONAL = {"tokens": ("labels",), "instruction": ("input",), "chat": (), "text": ()}
-
-# sharegpt `from` -> chat role
-SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "model": "assistant",
-    "system": "system",
-    "tool": "tool",
+OPTIONAL = {
+    "tokens": ("labels", "attention_mask"),
+    "instruction": ("input", "system", "history"),
+    "chat": ("system", "tools"),
+    "text": (),
 }
+# fields that never carry training text: ids and provenance (compared lower-case)
+META_FIELDS = frozenset(
+    ("id", "idx", "index", "uid", "uuid", "key", "hash", "md5", "sha256", "source", "sources", "dataset",
+     "dataset_name", "subset", "split", "url", "license", "meta", "metadata", "timestamp", "created_at",
+     "date", "lang", "language", "category", "task", "tags")
+)  # fmt: skip
+MEDIA_FEATURES = ("Image", "Audio", "Video", "Pdf", "Nifti")  # `datasets` features decoded on read
 
 
 def resolve_format(fmt: str, columns: list[str], name: str) -> str:
@@ -60,49 +69,56 @@ def resolve_format(fmt: str, columns: list[str], name: str) -> str:
 
 
 def columns_for(fmt: str, columns: list[str]) -> list[str]:
-    """The dataset columns a format reads (only these are pulled out of arrow)."""
-    wanted = {f for group in REQUIRED[fmt] for f in group} | set(OPTIONAL[fmt])
+    """The dataset columns a format reads (only these are pulled out of arrow). A chat set with
+    both `messages` and `conversations` reads `messages`."""
+    groups = [tuple(f for f in group if f in columns)[:1] for group in REQUIRED[fmt]]
+    wanted = {f for group in groups for f in group} | set(OPTIONAL[fmt])
     return [c for c in columns if c in wanted]
 
 
-def chat_messages(record: dict, where: str) -> list[dict]:
-    """A chat record -> [{"role", "content"}], mapping sharegpt turns; an empty list if it has none."""
-    if record.get("messages") is not None:
-        return [_message(m, "role", "content", where, i) for i, m in enumerate(record["messages"])]
-    turns = record.get("conversations") or []
-    out = []
-    for i, t in enumerate(turns):
-        m = _message(t, "from", "value", where, i)
-        role = SHAREGPT_ROLES.get(m["role"])
-        if role is None:
-            raise InputError(
-                f"{where}: conversations[{i}] has from={m['role']!r} "
-                f"(expected one of {', '.join(SHAREGPT_ROLES)})"
-            )
-        out.append({"role": role, "content": m["content"]})
-    return out
+def carries_content(value: object) -> bool:
+    """A non-blank string or a non-empty list or object (numbers and booleans are metadata)."""
+    if isinstance(value, str):
+        return bool(value.strip())
+    if isinstance(value, list | tuple | dict):
+        return len(value) > 0
+    return False
 
 
-def instruction_prompt(record: dict) -> tuple[str, str]:
-    """An alpaca record -> (user prompt: instruction, blank line, input if any; response)."""
-    instruction = record.get("instruction") or ""
-    extra = record.get("input") or ""
-    prompt = f"{instruction}\n\n{extra}" if extra else instruction
-    return prompt, record.get("output") or ""
+def ignored_columns(ds, read: list[str], batch_size: int = 1000) -> Counter:
+    """Columns of `ds` (a datasets.Dataset) that no format field reads -> records where they
+    carry content. Media columns (images, audio) are counted from arrow, without decoding."""
+    counts: Counter = Counter()
+    other = [c for c in ds.column_names if c not in read and c.lower() not in META_FIELDS]
+    media = [c for c in other if _has_media(ds.features[c])]
+    for c in media:
+        counts[c] = _nonempty_rows(ds.data.column(c))
+    plain = [c for c in other if c not in media]
+    if plain:
+        for batch in ds.select_columns(plain).iter(batch_size=batch_size):
+            for c in plain:
+                counts[c] += sum(map(carries_content, batch[c]))
+    return +counts  # drop zero counts
+
+
+def _has_media(feature) -> bool:
+    if type(feature).__name__ in MEDIA_FEATURES:
+        return True
+    if isinstance(feature, dict):
+        return any(_has_media(f) for f in feature.values())
+    inner = getattr(feature, "feature", None)  # List, LargeList, Sequence
+    return inner is not None and _has_media(inner)
+
+
+def _nonempty_rows(col) -> int:
+    """Rows of an arrow column that are not null (and, for lists, not empty)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+        return int(pc.sum(pc.greater(pc.list_value_length(col), 0)).as_py() or 0)
+    return len(col) - col.null_count
 
 
 def _has_fields(fmt: str, columns: list[str]) -> bool:
     return all(any(f in columns for f in group) for group in REQUIRED[fmt])
-
-
-def _message(m: object, role_key: str, content_key: str, where: str, i: int) -> dict:
-    if not isinstance(m, dict) or not isinstance(m.get(role_key), str):
-        raise InputError(f"{where}: message {i} must be an object with a string {role_key!r}")
-    content = m.get(content_key)
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise InputError(
-            f"{where}: message {i} {content_key!r} must be a string, got {type(content).__name__}"
-        )
-    return {"role": m[role_key], "content": content}

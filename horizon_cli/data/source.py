@@ -4,10 +4,14 @@ A path is a local file (.jsonl / .json / .parquet / .csv / .txt, where each .txt
 `text` record), a `save_to_disk` directory (a Dataset, or a DatasetDict whose `data.split` is
 used), or else a hub dataset name. `Source.key` fingerprints a local source from file metadata
 alone, so a tokenization cache hit never has to import or read the dataset.
+
+Text files must be UTF-8 (checked first, so a bad byte is named by line and offset), and CSV
+cells are read as the text they hold, never as numbers.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import utf8
 from ..errors import InputError
 
 # file suffix -> `datasets` packaged builder
@@ -84,13 +89,31 @@ def hub_key(src: Source, ds: Any) -> dict:
 def _load_file(path: str) -> Any:
     import datasets
 
-    builder = BUILDERS[Path(path).suffix.lower()]
+    local = Path(path).expanduser()
+    builder = BUILDERS[local.suffix.lower()]
+    if builder != "parquet":  # `datasets` would fail deep inside a parser, naming neither line nor file
+        utf8.check_file(local, path)
+    options = _csv_as_text(local) if builder == "csv" else {}
     try:
-        return datasets.load_dataset(builder, data_files=str(Path(path).expanduser()), split="train")
+        return datasets.load_dataset(builder, data_files=str(local), split="train", **options)
     except Exception as e:  # datasets wraps parser errors in several exception types
         if "corresponds to no data" in str(e):  # datasets' way to say: zero records (e.g. `[]`)
             raise InputError(f"{path}: the dataset is empty (no records)") from None
         raise InputError(f"{path}: cannot read as {builder}: {_root_cause(e)}") from None
+
+
+def _csv_as_text(path: Path) -> dict:
+    """Read every CSV cell as the text it holds: "0" stays "0", "4.50" stays "4.50" and an empty
+    cell is "" (pandas would make numbers, 4.5, and NaN of them)."""
+    import datasets
+
+    with open(path, newline="", encoding="utf-8-sig") as f:  # pandas drops a BOM too
+        header = next(csv.reader(f), [])
+    if len(set(header)) != len(header):
+        dup = next(h for h in header if header.count(h) > 1)
+        raise InputError(f"{path}: the CSV header names column {dup!r} twice")
+    features = datasets.Features({h: datasets.Value("string") for h in header})
+    return {"features": features, "keep_default_na": False}
 
 
 def _load_hub(src: Source) -> Any:

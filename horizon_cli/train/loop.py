@@ -41,7 +41,7 @@ def load_tokenizer(store: Store, fmt: str):
         (hf / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     )
     if not has:
-        if fmt == "tokens":
+        if fmt in ("tokens", "auto"):  # auto may find tokens; the data stage says if it needs one
             return None
         raise InputError(
             f"model.path: store {store.root} has no tokenizer files (data.format 'tokens' needs none)"
@@ -65,6 +65,7 @@ class Trainer:
             tok,
             seed=cfg.train.seed,
             model_max_len=self.store.arch.max_positions,
+            vocab_size=self.store.arch.vocab,
             cache_dir=self.run_dir / "cache",
             log=lambda s: self.console.print(s, highlight=False),
         )
