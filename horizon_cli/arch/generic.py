@@ -129,6 +129,7 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
         "config": cfg,
         "attn": attn,
         "family": fam.name,
+        "layer_class": type(layers[0]).__name__,
         "masks": fam.masks,
         "rope": fam.rope if hasattr(base, "rotary_emb") else "none",
         "softcap": getattr(conf, fam.softcap, None) if fam.softcap else None,
@@ -253,6 +254,20 @@ def _moe(model, layers, fam: Family, where: str) -> dict | None:
         "layers": routed,
         "aux_coef": aux,
     }
+
+
+def param_split(spec) -> dict[str, int]:
+    """Parameters: dense (everything outside the routed experts, embeddings included), experts, and
+    active per token (dense + top-k of the E experts' share)."""
+    total = 0
+    from .names import unit_names, unit_tensors
+
+    for u in unit_names(spec):
+        total += sum(math.prod(t.shape) for t in unit_tensors(spec, u))
+    experts = expert_params(spec.generic) if spec.generic is not None else 0
+    moe = (spec.generic or {}).get("moe")
+    active = total - experts + (experts * moe["top_k"] // moe["n_experts"] if moe else 0)
+    return {"dense": total - experts, "experts": experts, "active": active, "total": total}
 
 
 def expert_params(spec_generic: dict) -> int:
