@@ -27,7 +27,9 @@ from .families import GENERIC, STOCHASTIC, TEXT_OF, Family
 
 
 def supported_names() -> str:
-    return ", ".join(sorted(GENERIC))
+    """For messages: every family horizon runs, native first."""
+    generic = [f"{f.name} ({mt})" for mt, f in GENERIC.items() if mt not in ("llama", "mistral")]
+    return "Llama, Mistral, Qwen2, Qwen3 (native); " + ", ".join(generic) + " (generic)"
 
 
 def hf_config(d: dict, attn: str | None = None):
@@ -72,12 +74,15 @@ def check_family(cfg: dict, where: str) -> Family:
             f"text model: convert a {TEXT_OF[mt]!r} checkpoint"
         )
     if mt not in CONFIG_MAPPING or mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise InputError(f"{where}: unsupported architecture {arch!r} (model_type {mt!r}): not a causal LM in transformers")
+        raise InputError(
+            f"{where}: unsupported architecture {arch!r} (model_type {mt!r}): not a causal LM in transformers; "
+            f"supported: {supported_names()}"
+        )
     if mt not in GENERIC:
         raise InputError(
-            f"{where}: architecture {arch!r} (model_type {mt!r}) is a causal LM in transformers, but its "
-            f"model-level forward (masks, rotary, embedding, head) is not described for the generic path; "
-            f"described: {supported_names()}"
+            f"{where}: unsupported architecture {arch!r} (model_type {mt!r}): a causal LM in transformers, "
+            "but its model-level pieces (masks, rotary, embedding, head) are not described for the generic "
+            f"path (horizon_cli/arch/families.py); supported: {supported_names()}"
         )
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "?")
