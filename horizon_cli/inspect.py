@@ -39,10 +39,18 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
     moe = (a.generic or {}).get("moe")
     if moe:
         rows += [
-            ("experts", f"{moe['n_experts']} per routed layer, top-{moe['top_k']}, {len(moe['layers'])} of {a.n_layers} layers routed"),
+            (
+                "experts",
+                f"{moe['n_experts']} per routed layer, top-{moe['top_k']}, {len(moe['layers'])} of {a.n_layers} layers routed",
+            ),
             ("  dense / experts", f"{split['dense']:,} / {split['experts']:,}"),
             ("  active per token", f"{split['active']:,}"),
-            ("  aux loss", f"on (coef {moe['aux_coef']})" if moe["aux_coef"] is not None else "off (config.json: output_router_logits)"),
+            (
+                "  aux loss",
+                f"on (coef {moe['aux_coef']})"
+                if moe["aux_coef"] is not None
+                else "off (config.json: output_router_logits)",
+            ),
         ]
     rows += [("dtype", m.dtype), ("source", m.source or "-")]
     for k, v in rows:

@@ -61,8 +61,14 @@ def edit_config(src: Path, **kv) -> None:
     [
         (dict(quantization_config={"quant_method": "mxfp4"}), ["quantized checkpoint", "'mxfp4'"]),
         (dict(attention_dropout=0.1), ["attention_dropout = 0.1", "dropout"]),
-        (dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]), ["multimodal", "gemma3_text"]),
-        (dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"]), ["GPTNeoXForCausalLM", "not described"]),
+        (
+            dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
+            ["multimodal", "gemma3_text"],
+        ),
+        (
+            dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"]),
+            ["GPTNeoXForCausalLM", "not described"],
+        ),
     ],
     ids=["quantized", "dropout", "multimodal", "undescribed"],
 )
@@ -73,21 +79,32 @@ def test_refused_at_convert(src, tmp_path, change, needles):
 
 def test_router_aux_loss_the_family_does_not_have(tmp_path):
     src = save(make_model("deepseek_v3", output_router_logits=True), tmp_path / "src")
-    assert_bad(horizon("convert", src, tmp_path / "dst"), "output_router_logits", "unset it", dst=tmp_path / "dst")
+    assert_bad(
+        horizon("convert", src, tmp_path / "dst"), "output_router_logits", "unset it", dst=tmp_path / "dst"
+    )
 
 
 def test_missing_expert_tensor_is_named(src, tmp_path):
     sd = load_file(src / "model.safetensors")
     del sd["model.layers.1.mlp.experts.2.up_proj.weight"]
     save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
-    assert_bad(horizon("convert", src, tmp_path / "dst"), "model.layers.1.mlp.experts.gate_up_proj", "incomplete", dst=tmp_path / "dst")
+    assert_bad(
+        horizon("convert", src, tmp_path / "dst"),
+        "model.layers.1.mlp.experts.gate_up_proj",
+        "incomplete",
+        dst=tmp_path / "dst",
+    )
 
 
 def test_unexpected_tensor_is_named(src, tmp_path):
     sd = load_file(src / "model.safetensors")
     sd["model.layers.0.mlp.extra.weight"] = sd["model.norm.weight"].clone()
     save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
-    assert_bad(horizon("convert", src, tmp_path / "dst"), "unexpected tensor model.layers.0.mlp.extra.weight", dst=tmp_path / "dst")
+    assert_bad(
+        horizon("convert", src, tmp_path / "dst"),
+        "unexpected tensor model.layers.0.mlp.extra.weight",
+        dst=tmp_path / "dst",
+    )
 
 
 def test_misshapen_expert_tensor_is_named(src, tmp_path):

@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import engine_grads, hf_loss_backward, make_engine, make_store, micro_batches, random_rows, real_tokens, rel_err
+from oracle import (
+    engine_grads,
+    hf_loss_backward,
+    make_engine,
+    make_store,
+    micro_batches,
+    random_rows,
+    real_tokens,
+    rel_err,
+)
 from safetensors import safe_open
 from tiny_models import GENERIC
 
@@ -37,11 +46,15 @@ def check_roundtrip(tmp: Path):
         out = {}
         for f in (tmp / "out").glob("*.safetensors"):
             with safe_open(f, "pt") as o:
-                out.update({k: o.get_tensor(k) for k in o.keys()})
+                out.update({k: o.get_tensor(k) for k in o.keys()})  # noqa: SIM118 (safe_open is not iterable)
         assert set(out) == names
         for k in names:
             a, b = src.get_tensor(k), out[k]
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), k
+            assert (
+                a.dtype == b.dtype
+                and a.shape == b.shape
+                and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+            ), k
 
 
 @pytest.mark.parametrize("family,tie", CASES, ids=[f"{f}-{'tied' if t else 'untied'}" for f, t in CASES])
@@ -80,7 +93,12 @@ def test_aux_loss_matches_transformers(tmp_path, family):
         loss_sum, tokens, _ = eng.forward_backward([mb])
         aux, imbalance = eng.tmpl.step_stats()
         model.zero_grad()
-        out = model(input_ids=mb.input_ids, attention_mask=real_tokens(mb), labels=mb.labels, output_router_logits=True)
+        out = model(
+            input_ids=mb.input_ids,
+            attention_mask=real_tokens(mb),
+            labels=mb.labels,
+            output_router_logits=True,
+        )
         out.loss.backward()
         assert abs(aux - float(out.aux_loss)) / float(out.aux_loss) < 1e-6
         total = loss_sum / tokens + model.router_aux_loss_coef * aux

@@ -24,7 +24,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(
-    "family,tie,aux", CASES, ids=[f"{f}-{'tied' if t else 'untied'}{'-aux' if a else ''}" for f, t, a in CASES]
+    "family,tie,aux",
+    CASES,
+    ids=[f"{f}-{'tied' if t else 'untied'}{'-aux' if a else ''}" for f, t, a in CASES],
 )
 def test_twenty_steps_match_resident_adamw(tmp_path, family, tie, aux):
     model, store = make_store(tmp_path, family, tie, **({"output_router_logits": True} if aux else {}))
@@ -33,7 +35,13 @@ def test_twenty_steps_match_resident_adamw(tmp_path, family, tie, aux):
     try:
         res = run_engine(eng, data, HP["lr"])
         ref = hf_train(
-            model, data, lr=HP["lr"], betas=tuple(HP["betas"]), eps=HP["eps"], wd=HP["weight_decay"], clip=HP["grad_clip"]
+            model,
+            data,
+            lr=HP["lr"],
+            betas=tuple(HP["betas"]),
+            eps=HP["eps"],
+            wd=HP["weight_decay"],
+            clip=HP["grad_clip"],
         )
         assert any(r.grad_norm > HP["grad_clip"] for r in res), "clipping must be exercised"
         assert all(r.weight_loads == 2 * store.arch.n_layers for r in res)

@@ -49,7 +49,13 @@ SMALL = dict(BASE, num_hidden_layers=2, **IDS)
 GENERIC = {
     "gemma2": (
         transformers.Gemma2Config,
-        dict(head_dim=8, sliding_window=6, query_pre_attn_scalar=12, final_logit_softcapping=3.0, attn_logit_softcapping=5.0),
+        dict(
+            head_dim=8,
+            sliding_window=6,
+            query_pre_attn_scalar=12,
+            final_logit_softcapping=3.0,
+            attn_logit_softcapping=5.0,
+        ),
     ),
     "gemma3": (
         transformers.Gemma3TextConfig,
@@ -69,12 +75,28 @@ GENERIC = {
     "mixtral": (transformers.MixtralConfig, dict(MOE, num_local_experts=4, intermediate_size=24)),
     "qwen2_moe": (
         transformers.Qwen2MoeConfig,
-        dict(MOE, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24, mlp_only_layers=[1]),
+        dict(
+            MOE,
+            num_experts=4,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            mlp_only_layers=[1],
+        ),
     ),
-    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(MOE, num_experts=4, moe_intermediate_size=16, head_dim=8)),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        dict(MOE, num_experts=4, moe_intermediate_size=16, head_dim=8),
+    ),
     "gpt_oss": (
         transformers.GptOssConfig,
-        dict(MOE, num_local_experts=4, intermediate_size=16, head_dim=8, sliding_window=6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        dict(
+            MOE,
+            num_local_experts=4,
+            intermediate_size=16,
+            head_dim=8,
+            sliding_window=6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
     ),
     "deepseek_v3": (
         transformers.DeepseekV3Config,

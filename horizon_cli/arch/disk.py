@@ -84,7 +84,9 @@ def place(
 
 def _whole(name: str, shape, want, where: str) -> Part:
     if tuple(shape) != tuple(want):
-        raise InputError(f"{where}: tensor {name} has shape {tuple(shape)}, config.json implies {tuple(want)}")
+        raise InputError(
+            f"{where}: tensor {name} has shape {tuple(shape)}, config.json implies {tuple(want)}"
+        )
     return Part(name, tuple(shape), 0)
 
 
@@ -92,7 +94,11 @@ def _stacked(name: str, shape, target: tuple[int, ...], conv, pattern: str, wher
     """A per-expert disk tensor inside a stacked (and concatenated) memory tensor."""
     ops = [type(op).__name__ for op in conv.operations]
     dims = [getattr(op, "dim", None) for op in conv.operations]
-    if ops not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]) or dims[0] != 0 or dims[1:] not in ([], [1]):
+    if (
+        ops not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"])
+        or dims[0] != 0
+        or dims[1:] not in ([], [1])
+    ):
         raise InputError(
             f"{where}: tensor {name} needs the checkpoint conversion {' + '.join(ops)}, which the store "
             "cannot hold as a view (supported: stacking per-expert tensors, then concatenating them on dim 1)"

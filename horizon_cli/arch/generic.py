@@ -86,14 +86,18 @@ def check_family(cfg: dict, where: str) -> Family:
         )
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "?")
-        raise InputError(f"{where}: quantized checkpoint (quant_method {method!r}): convert needs unquantized weights")
+        raise InputError(
+            f"{where}: quantized checkpoint (quant_method {method!r}): convert needs unquantized weights"
+        )
     fam = GENERIC[mt]
     for key, piece in fam.refuse.items():
         if cfg.get(key):
             raise InputError(f"{where}: {key} is set: {piece} is not supported by the generic path")
     for key in STOCHASTIC:
         if cfg.get(key):
-            raise InputError(f"{where}: {key} = {cfg[key]}: dropout and router noise are not supported (set it to 0)")
+            raise InputError(
+                f"{where}: {key} = {cfg[key]}: dropout and router noise are not supported (set it to 0)"
+            )
     return fam
 
 
@@ -107,7 +111,9 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     base = getattr(model, model.base_model_prefix)
     layers = getattr(base, "layers", None)
     if layers is None or getattr(base, "norm", None) is None:
-        raise InputError(f"{where}: {type(base).__name__} has no `layers` and `norm`: not a decoder stack the generic path knows")
+        raise InputError(
+            f"{where}: {type(base).__name__} has no `layers` and `norm`: not a decoder stack the generic path knows"
+        )
     emb, out = model.get_input_embeddings(), model.get_output_embeddings()
     if getattr(out, "bias", None) is not None:
         raise InputError(f"{where}: the LM head has a bias, which the generic path does not support")
@@ -118,7 +124,9 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     parts = place(model, mem, disk, where, frozenset({names["lm_head"]}) if tied else frozenset())
     prefix = names["layers"] + "."
     units = {"embed": [_entry("embed", names["embed"], mem, parts, True)]}
-    head = [_entry("norm." + n, f"{names['norm']}.{n}", mem, parts, True) for n, _ in base.norm.named_parameters()]
+    head = [
+        _entry("norm." + n, f"{names['norm']}.{n}", mem, parts, True) for n, _ in base.norm.named_parameters()
+    ]
     if not tied:
         head.append(_entry("lm_head", names["lm_head"], mem, parts, True))
     units["head"] = head
@@ -128,7 +136,9 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     }
     stray = [k for k in mem if k not in covered]
     if stray:
-        raise InputError(f"{where}: model-level tensor {stray[0]} lies outside the decoder layers: not supported")
+        raise InputError(
+            f"{where}: model-level tensor {stray[0]} lies outside the decoder layers: not supported"
+        )
     L = conf.num_hidden_layers
     return {
         "config": cfg,
@@ -155,7 +165,9 @@ def _embed_scale(emb, where: str) -> float | None:
     if hasattr(emb, "scalar_embed_scale"):  # Gemma's scaled word embedding: x * sqrt(hidden)
         return float(emb.scalar_embed_scale)
     if type(emb) is not torch.nn.Embedding:
-        raise InputError(f"{where}: input embedding {type(emb).__name__} is neither plain nor scaled: not supported")
+        raise InputError(
+            f"{where}: input embedding {type(emb).__name__} is neither plain nor scaled: not supported"
+        )
     return None
 
 
@@ -235,11 +247,22 @@ def _moe(model, layers, fam: Family, where: str) -> dict | None:
     if rec is None:
         return None
     cls, index = getattr(rec, "target_class", None), getattr(rec, "index", 0)
-    routed = [i for i, layer in enumerate(layers) if cls is not None and any(isinstance(m, cls) for m in layer.modules())]
+    routed = [
+        i
+        for i, layer in enumerate(layers)
+        if cls is not None and any(isinstance(m, cls) for m in layer.modules())
+    ]
     if not routed:
         return None
     conf = model.config
-    n = next((getattr(conf, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if getattr(conf, k, None)), None)
+    n = next(
+        (
+            getattr(conf, k)
+            for k in ("num_local_experts", "num_experts", "n_routed_experts")
+            if getattr(conf, k, None)
+        ),
+        None,
+    )
     top_k = getattr(conf, "num_experts_per_tok", None)
     if not n or not top_k:
         raise InputError(f"{where}: a routed model without num_experts / num_experts_per_tok in config.json")
@@ -251,6 +274,7 @@ def _moe(model, layers, fam: Family, where: str) -> dict | None:
                 "auxiliary loss horizon knows; unset it"
             )
         aux = float(model.router_aux_loss_coef)
+    assert cls is not None  # routed layers were found by it
     return {
         "router": cls.__name__,
         "logits_index": int(index or 0),
@@ -281,9 +305,13 @@ def expert_params(spec_generic: dict) -> int:
     if not moe:
         return 0
     kinds = spec_generic["kinds"]
-    return sum(math.prod(e["shape"]) for k in spec_generic["layer_kinds"] for e in kinds[k] if is_expert(e, moe))
+    return sum(
+        math.prod(e["shape"]) for k in spec_generic["layer_kinds"] for e in kinds[k] if is_expert(e, moe)
+    )
 
 
 def is_expert(entry: dict, moe: dict | None) -> bool:
     shape = entry["shape"]
-    return bool(moe) and ".experts." in f".{entry['name']}" and len(shape) >= 2 and shape[0] == moe["n_experts"]
+    if not moe:
+        return False
+    return ".experts." in f".{entry['name']}" and len(shape) >= 2 and shape[0] == moe["n_experts"]

@@ -91,7 +91,11 @@ class GenericTemplate:
         pos = mb.position_ids.to(device)
         b, T = mb.input_ids.shape
         like = torch.zeros((), dtype=dtype, device=device).expand(b, T, 1)  # shape, dtype, device only
-        fns = {"full": create_causal_mask, "sliding": create_sliding_window_causal_mask, "chunked": create_chunked_causal_mask}
+        fns = {
+            "full": create_causal_mask,
+            "sliding": create_sliding_window_causal_mask,
+            "chunked": create_chunked_causal_mask,
+        }
         masks = {
             k: fns[k](config=self.cfg, inputs_embeds=like, attention_mask=None, cache=None, position_ids=pos)
             for k in set(self.kinds)
@@ -108,7 +112,7 @@ class GenericTemplate:
 
     # -- layers ------------------------------------------------------------------------------
     def _call(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
-        kw = {"attention_mask": ctx.masks[self.kinds[i]], "position_ids": ctx.pos}
+        kw: dict[str, object] = {"attention_mask": ctx.masks[self.kinds[i]], "position_ids": ctx.pos}
         if self.rotary is not None:
             kw["position_embeddings"] = ctx.rope[self.rope_keys[i]]
         out = functional_call(self.layers[i], w, (x,), kw, strict=True)
@@ -123,7 +127,9 @@ class GenericTemplate:
             self.moe.record(i, out[self.g["moe"]["logits_index"]], chosen, ctx.tokens)
         return y
 
-    def objective(self, i: int, w, x: torch.Tensor, ctx: GenericContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def objective(
+        self, i: int, w, x: torch.Tensor, ctx: GenericContext
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Recompute under autograd: (output, extra scalar whose gradient is this layer's share of
         the auxiliary loss, or None)."""
         y = self._call(i, w, x, ctx)

@@ -39,19 +39,25 @@ class RouterStats:
     def begin_step(self) -> None:
         self.C: torch.Tensor | None = None  # (E,) fp32, all layers
         self.P: torch.Tensor | None = None
-        self.N: torch.Tensor | None = None  # real tokens of the global batch (counted at the first routed layer)
+        self.N: torch.Tensor | None = (
+            None  # real tokens of the global batch (counted at the first routed layer)
+        )
         self.load: dict[int, torch.Tensor] = {}  # layer -> (E,) tokens routed to each expert
         self.scale: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None
 
-    def record(self, layer: int, logits: torch.Tensor, chosen: torch.Tensor | None, mask: torch.Tensor) -> None:
+    def record(
+        self, layer: int, logits: torch.Tensor, chosen: torch.Tensor | None, mask: torch.Tensor
+    ) -> None:
         """Forward of `layer` on one micro-batch: logits (rows, E), the router's chosen experts
         (rows, k) or None, mask (rows,) fp32 1 for real tokens."""
         with torch.no_grad():
             probs = torch.softmax(logits, dim=-1)
             _, top = torch.topk(probs, self.k, dim=-1)
             ones = mask.repeat_interleave(self.k)
-            counts = torch.zeros(self.n, dtype=torch.float32, device=logits.device).scatter_add_(0, top.reshape(-1), ones)
+            counts = torch.zeros(self.n, dtype=torch.float32, device=logits.device).scatter_add_(
+                0, top.reshape(-1), ones
+            )
             mass = (probs.float() * mask[:, None]).sum(0)
             self.C = counts if self.C is None else self.C + counts
             self.P = mass if self.P is None else self.P + mass
@@ -83,6 +89,8 @@ class RouterStats:
         """(aux loss, max/mean tokens per expert of each routed layer) — one host sync."""
         if self.aux is None:
             return None, []
-        vals = [self.aux] + [self.load[i].max() / self.load[i].mean().clamp_min(1e-12) for i in sorted(self.load)]
+        vals = [self.aux] + [
+            self.load[i].max() / self.load[i].mean().clamp_min(1e-12) for i in sorted(self.load)
+        ]
         out = torch.stack([v.float() for v in vals]).tolist()
         return out[0], out[1:]

@@ -89,7 +89,9 @@ def _generic_layout(spec: ArchSpec, unit: str) -> UnitLayout:
         n = math.prod(shape)
         params.append(Param(e["name"], e["hf"], shape, off, n, bool(e["trainable"])))
         for k, p in enumerate(e["parts"]):
-            slots.append(Slot(part_name(e, k), p["hf"], tuple(p["shape"]), off + p["at"], math.prod(p["shape"])))
+            slots.append(
+                Slot(part_name(e, k), p["hf"], tuple(p["shape"]), off + p["at"], math.prod(p["shape"]))
+            )
         off = _round_up(off + n, ALIGN)
         if e["trainable"]:
             trained = off
