@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from tiny_models import make_model, save
@@ -16,6 +17,16 @@ from horizon_cli.convert import convert
 from horizon_cli.data.batch import IGNORE, MicroBatch
 from horizon_cli.engine.schedule import Engine
 from horizon_cli.store import Store
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and far faster than on two when other work shares
+    the cores (thread contention). Autouse in every module that imports it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def make_store(tmp: Path, family="llama", tie=False, dtype="float32", **over):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import chat_rows, write_config, write_jsonl
+from oracle import one_thread  # noqa: F401 (autouse fixture: tiny models on one thread)
 from safetensors.torch import load_file, save_file
 from test_cli_store_errors import assert_bad, horizon
 from tiny_models import make_model, save

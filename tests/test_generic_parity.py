@@ -17,6 +17,7 @@ from oracle import (
     make_engine,
     make_store,
     micro_batches,
+    one_thread,  # noqa: F401 (autouse fixture: tiny models on one thread)
     random_rows,
     real_tokens,
     rel_err,
@@ -100,9 +101,9 @@ def test_aux_loss_matches_transformers(tmp_path, family):
             output_router_logits=True,
         )
         out.loss.backward()
-        assert abs(aux - float(out.aux_loss)) / float(out.aux_loss) < 1e-6
+        assert abs(aux - out.aux_loss.item()) / out.aux_loss.item() < 1e-6
         total = loss_sum / tokens + model.router_aux_loss_coef * aux
-        assert abs(total - float(out.loss)) / float(out.loss) < 1e-6
+        assert abs(total - out.loss.item()) / out.loss.item() < 1e-6
         check_grads(eng, model)
         assert len(imbalance) == len(store.arch.generic["moe"]["layers"]) and all(v >= 1.0 for v in imbalance)
     finally:

@@ -6,7 +6,14 @@ MoE families with their auxiliary loss on (and Mixtral off); weights, frozen buf
 """
 
 import pytest
-from oracle import engine_weights, hf_train, make_engine, make_store, rel_err
+from oracle import (
+    engine_weights,
+    hf_train,
+    make_engine,
+    make_store,
+    one_thread,  # noqa: F401 (autouse fixture: tiny models on one thread)
+    rel_err,
+)
 from test_engine_training import HP, batches, run_engine
 
 CASES = [
