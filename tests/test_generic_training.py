@@ -65,3 +65,18 @@ def test_twenty_steps_match_resident_adamw(tmp_path, family, tie, aux):
             assert rel_err(ours[name], p.detach()) < 1e-5, name
     finally:
         eng.close()
+
+
+def test_device_peak_does_not_grow_with_depth(tmp_path):
+    """A MoE model 2 and 8 layers deep: two loads per layer, the same device peak."""
+    peaks = {}
+    for layers in (2, 8):
+        model, store = make_store(tmp_path / str(layers), "qwen3_moe", False, num_hidden_layers=layers)
+        eng = make_engine(store, **HP)
+        try:
+            r = eng.step(batches(model.config.vocab_size, micro=2, steps=1)[0], HP["lr"])
+            assert r.weight_loads == 2 * layers and len(r.expert_imbalance) == layers
+            peaks[layers] = r.device_peak_bytes
+        finally:
+            eng.close()
+    assert abs(peaks[8] - peaks[2]) / peaks[2] < 0.05
