@@ -47,10 +47,9 @@ class StepResult:
     d2h_bytes: int
     weight_loads: int
     device_peak_bytes: int
-    aux_loss: float | None = None  # MoE: the load-balancing loss of the step (engine.moe)
-    expert_imbalance: list[float] = field(
-        default_factory=list
-    )  # MoE: max/mean tokens per expert, per routed layer
+    # MoE (engine.moe): the step's load-balancing loss, and per routed layer max/mean tokens per expert
+    aux_loss: float | None = None
+    expert_imbalance: list[float] = field(default_factory=list)
 
 
 def resolve_device(cfg: EngineConfig) -> str:
