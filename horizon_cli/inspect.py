@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from .arch.generic import param_split
 from .engine.plan import memory_plan
 from .progress import byte_progress
 from .store import Store
@@ -24,17 +25,34 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
     console = console or Console()
     store = Store.open(path)
     m, a = store.manifest, store.arch
+    split = param_split(a)
     info = Table(title=f"store {path}", show_header=False, title_justify="left")
     rows = [
         ("architecture", f"{a.family} ({a.n_layers} layers, hidden {a.hidden}, mlp {a.intermediate})"),
+        ("path", _path(a)),
         ("attention", f"{a.n_heads} heads, {a.n_kv_heads} kv heads, head_dim {a.head_dim}"),
         ("vocab", f"{a.vocab:,}" + (" (tied embeddings)" if a.tie_embeddings else "")),
         ("flags", _flags(a)),
         ("rope", ", ".join(f"{k}={v}" for k, v in a.rope.items())),
         ("parameters", f"{m.params:,}"),
-        ("dtype", m.dtype),
-        ("source", m.source or "-"),
     ]
+    moe = (a.generic or {}).get("moe")
+    if moe:
+        rows += [
+            (
+                "experts",
+                f"{moe['n_experts']} per routed layer, top-{moe['top_k']}, {len(moe['layers'])} of {a.n_layers} layers routed",
+            ),
+            ("  dense / experts", f"{split['dense']:,} / {split['experts']:,}"),
+            ("  active per token", f"{split['active']:,}"),
+            (
+                "  aux loss",
+                f"on (coef {moe['aux_coef']})"
+                if moe["aux_coef"] is not None
+                else "off (config.json: output_router_logits)",
+            ),
+        ]
+    rows += [("dtype", m.dtype), ("source", m.source or "-")]
     for k, v in rows:
         info.add_row(k, v)
     console.print(info)
@@ -71,12 +89,25 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
         console.print(f"[green]verified[/] {sum(len(u.tensors) for u in store.units)} tensor checksums")
     return {
         "params": m.params,
+        "path": a.path,
+        "dense_params": split["dense"],
+        "expert_params": split["experts"],
+        "active_params": split["active"],
         "bytes": total,
         "bytes_per_param": {d: p.bytes_per_param for d, p in plans.items()},
     }
 
 
+def _path(a) -> str:
+    if a.generic is None:
+        return "native (horizon's functional layer)"
+    g = a.generic
+    return f"generic: transformers' {g['layer_class']} ({g['family']}, {g['attn']} attention)"
+
+
 def _flags(a) -> str:
+    if a.generic is not None:
+        return _generic_flags(a)
     flags = [
         name
         for name, on in (
@@ -90,4 +121,23 @@ def _flags(a) -> str:
     windows = sorted({w for w in a.windows if w})
     if windows:
         flags.append(f"sliding window {windows[0]} on {sum(1 for w in a.windows if w)} layers")
+    return ", ".join(flags) or "none"
+
+
+def _generic_flags(a) -> str:
+    g = a.generic
+    flags = []
+    if g["embed_scale"]:
+        flags.append(f"embedding x {g['embed_scale']:.4g}")
+    if g["softcap"]:
+        flags.append(f"logit soft-cap {g['softcap']}")
+    windows = sorted({w for w in a.windows if w})
+    if windows:
+        flags.append(f"sliding window {windows[0]} on {sum(1 for w in a.windows if w)} layers")
+    kinds = len(g["kinds"])
+    if kinds > 1:
+        flags.append(f"{kinds} layer kinds")
+    frozen = sum(1 for k in g["layer_kinds"] for e in g["kinds"][k] if not e["trainable"])
+    if frozen:
+        flags.append(f"{frozen} frozen buffers")
     return ", ".join(flags) or "none"

@@ -29,7 +29,8 @@ run() {  # run NAME TIMEOUT CMD...: log to OUT/NAME.txt, keep going on failure
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/summary.txt" 2>&1
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> "$OUT/summary.txt" 2>&1
 run parity 200 env HORIZON_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
-  tests/test_engine_parity.py tests/test_engine_training.py "tests/test_pipeline.py::test_schedule_ordering"
+  tests/test_engine_parity.py tests/test_engine_training.py "tests/test_pipeline.py::test_schedule_ordering" \
+  tests/test_generic_parity.py tests/test_generic_training.py
 run throughput 200 $PY scripts/gpu_throughput.py --json "$OUT/throughput.json"
 run profile 100 $PY -m horizon_cli.cli profile --json "$OUT/profile.json" --plot "$OUT/timeline.png"
 run pinned 60 $PY scripts/gpu_pinned.py --json "$OUT/pinned.json"

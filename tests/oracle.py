@@ -4,8 +4,10 @@ reference run (the HF model + torch.optim.AdamW) under DESIGN.md's loss semantic
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from tiny_models import make_model, save
@@ -15,6 +17,16 @@ from horizon_cli.convert import convert
 from horizon_cli.data.batch import IGNORE, MicroBatch
 from horizon_cli.engine.schedule import Engine
 from horizon_cli.store import Store
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and far faster than on two when other work shares
+    the cores (thread contention). Autouse in every module that imports it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def make_store(tmp: Path, family="llama", tie=False, dtype="float32", **over):
@@ -50,21 +62,45 @@ def micro_batches(rows, micro: int, pad_id: int = 0) -> list[MicroBatch]:
     return [MicroBatch.from_rows(rows[i : i + micro], pad_id) for i in range(0, len(rows), micro)]
 
 
+def real_tokens(mb: MicroBatch) -> torch.Tensor:
+    """(b, T) 1 for real tokens, 0 for right padding."""
+    T = mb.input_ids.shape[1]
+    if mb.lengths is None:
+        return torch.ones_like(mb.input_ids)
+    return (torch.arange(T)[None, :] < mb.lengths[:, None]).long()
+
+
 def hf_loss_backward(model, mbs: list[MicroBatch]) -> float:
-    """DESIGN.md semantics: summed CE over every label token of the global batch / their count."""
+    """DESIGN.md semantics: summed CE over every label token of the global batch / their count.
+
+    With the config's auxiliary loss on (MoE, output_router_logits), the objective adds
+    coef * transformers' own load_balancing_loss_func over the router logits of the *whole* global
+    batch (every micro-batch's real tokens, padding masked), as docs/architectures.md defines it."""
     n = sum(mb.label_tokens for mb in mbs)
-    total = 0.0
+    aux = bool(getattr(model.config, "output_router_logits", False))
+    total, objective, routers, masks = 0.0, 0.0, [], []
     for mb in mbs:
         mask = (mb.input_ids != -1).long()  # right padding sits after every real token (causal)
-        logits = model(input_ids=mb.input_ids, attention_mask=mask).logits.float()
+        out = model(input_ids=mb.input_ids, attention_mask=mask, output_router_logits=aux)
+        logits = out.logits.float()
         loss = F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]),
             mb.labels[:, 1:].reshape(-1),
             ignore_index=IGNORE,
             reduction="sum",
         )
-        (loss / n).backward()
+        if aux:
+            routers.append(out.router_logits)
+            masks.append(real_tokens(mb).reshape(-1))
+            objective = objective + loss / n
+        else:
+            (loss / n).backward()
         total += loss.item()
+    if aux:
+        lb = sys.modules[type(model).__module__].load_balancing_loss_func
+        per_layer = tuple(torch.cat(ls) for ls in zip(*routers, strict=True))
+        value = lb(per_layer, model.num_experts, model.num_experts_per_tok, torch.cat(masks))
+        (objective + model.router_aux_loss_coef * value).backward()
     return total / n
 
 
@@ -83,12 +119,21 @@ def hf_train(model, batches: list[list[MicroBatch]], lr=1e-3, betas=(0.9, 0.95),
 
 
 def engine_weights(engine: Engine) -> dict[str, torch.Tensor]:
-    """HF name -> fp32 master weight held by the engine."""
+    """transformers' in-memory name -> fp32 master tensor held by the engine (frozen buffers too)."""
     out = {}
     for st in engine.host.units.values():
         views = st.views(st.master())
-        for s in st.layout.slots:
-            out[s.hf] = views[s.name].clone()
+        for p in st.layout.tensors:
+            out[p.hf] = views[p.name].clone()
+    return out
+
+
+def engine_grads(engine: Engine) -> dict[str, torch.Tensor]:
+    """transformers' in-memory name -> the step's gradient (trainable tensors)."""
+    out = {}
+    for st in engine.host.units.values():
+        views = st.views(st.grad)
+        out.update({p.hf: views[p.name] for p in st.layout.tensors if p.trainable})
     return out
 
 

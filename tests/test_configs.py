@@ -61,3 +61,44 @@ def test_llama70b_fits_one_h200_and_1_5_tb():
     assert plan.host_total < 1.5e12 * 0.8  # leave the OS and page cache a fifth
     assert plan.device_total < 141e9 * 0.5
     assert plan.bytes_per_param < 14.1
+
+
+# Real sizes (config.json as released; gpt-oss-120b without its MXFP4 quantization_config, i.e. the
+# bf16 weights) -> (shipped config, host RAM of the machine it names, parameters, active per token)
+GENERIC_CONFIGS = {
+    "qwen3-30b-a3b": ("qwen3-30b-a3b-sft.yaml", 768e9, 30.5e9, 3.3e9),
+    "gpt-oss-120b": ("gpt-oss-120b-sft.yaml", 3e12, 116.8e9, 5.7e9),
+    "gemma-3-27b": ("gemma-3-27b-sft.yaml", 768e9, 27.0e9, 27.0e9),
+}
+
+
+@pytest.mark.parametrize("model", sorted(GENERIC_CONFIGS))
+def test_generic_config_fits_its_machine(model):
+    """The MoE / generic configs: the memory plan (generic layers, every expert of a layer in its
+    streamed buffer) fits one H200 and the host RAM the config names, with a fifth to spare."""
+    import json
+
+    from horizon_cli.arch.generic import param_split
+
+    name, ram, params, active = GENERIC_CONFIGS[model]
+    hf = json.loads((Path(__file__).parent / "fixtures" / f"{model}.config.json").read_text())
+    spec = spec_from_hf(hf)
+    assert spec.path == "generic"
+    cfg = load_config(Path(__file__).parent.parent / "configs" / name)
+    e, t = cfg.engine, cfg.train
+    plan = memory_plan(
+        spec,
+        e.dtype,
+        e.grad_dtype,
+        batch=t.batch_size,
+        micro_batch=t.micro_batch_size,
+        seq=cfg.data.max_seq_len,
+        prefetch=e.prefetch,
+        loss_chunk=e.loss_chunk,
+    )
+    split = param_split(spec)
+    assert abs(plan.params - params) / params < 0.01
+    assert abs(split["active"] - active) / active < 0.05
+    assert plan.host_total < ram * 0.8
+    assert plan.device_total < 141e9 * 0.8
+    assert plan.bytes_per_param < 14.2

@@ -2,7 +2,9 @@
 
 Units are what moves as one buffer: `embed`, `layer.{i}` for each decoder layer, and `head`
 (final norm, plus the LM head unless embeddings are tied, in which case the head reuses
-`embed`). All four families share the HF layout `model.layers.{i}.self_attn.q_proj.weight`.
+`embed`). The four native families share the HF layout `model.layers.{i}.self_attn.q_proj.weight`;
+a generic architecture's table is data in its spec (`arch.generic`): the in-memory tensors of each
+unit, each filled by one or more checkpoint tensors.
 """
 
 from __future__ import annotations
@@ -52,7 +54,38 @@ def layer_tensors(spec: ArchSpec, i: int) -> list[TensorName]:
     return out
 
 
+def generic_table(spec: ArchSpec, unit: str) -> list[dict]:
+    """A generic unit's in-memory tensors: [{name, hf, shape, trainable, parts: [{hf, shape, at}]}],
+    layer names filled in."""
+    g = spec.generic
+    assert g is not None
+    if unit in ("embed", "head"):
+        return g["units"][unit]
+    i = int(unit.split(".")[1])
+    fill = str(i)
+    return [
+        {
+            **e,
+            "hf": e["hf"].replace("{i}", fill),
+            "parts": [{**p, "hf": p["hf"].replace("{i}", fill)} for p in e["parts"]],
+        }
+        for e in g["kinds"][g["layer_kinds"][i]]
+    ]
+
+
+def part_name(entry: dict, k: int) -> str:
+    """Store name of the k-th checkpoint tensor of an in-memory tensor."""
+    return entry["name"] if len(entry["parts"]) == 1 else f"{entry['name']}[{k}]"
+
+
 def unit_tensors(spec: ArchSpec, unit: str) -> list[TensorName]:
+    """The checkpoint tensors a unit holds, in store order."""
+    if spec.generic is not None:
+        return [
+            TensorName(part_name(e, k), p["hf"], tuple(p["shape"]))
+            for e in generic_table(spec, unit)
+            for k, p in enumerate(e["parts"])
+        ]
     if unit == "embed":
         return [TensorName("embed", "model.embed_tokens.weight", (spec.vocab, spec.hidden))]
     if unit == "head":
@@ -69,7 +102,8 @@ def hf_table(spec: ArchSpec) -> dict[str, tuple[str, TensorName]]:
 
 
 def is_ignorable(hf_name: str, spec: ArchSpec) -> bool:
-    """Checkpoint entries we may skip: RoPE caches, and a duplicate lm_head of a tied model."""
-    if hf_name.endswith(IGNORED_SUFFIXES):
+    """Checkpoint entries we may skip: RoPE caches, and a duplicate lm_head of a tied model. A
+    generic spec was built from the checkpoint's own names (arch.disk): what it left out is skippable."""
+    if hf_name.endswith(IGNORED_SUFFIXES) or spec.generic is not None:
         return True
     return spec.tie_embeddings and hf_name == "lm_head.weight"

@@ -1,8 +1,11 @@
-"""Architecture description: the flags one functional decoder layer needs, read from an HF config.
+"""Architecture description, read from an HF config: native flags, or the generic path's tables.
 
 Architectures are data: Llama, Mistral, Qwen2 and Qwen3 differ only in the flags below
 (biases, q/k norm, sliding windows, RoPE scaling), so one `ArchSpec` describes each of them and
-`arch.names` maps its tensors to Hugging Face names.
+`arch.names` maps its tensors to Hugging Face names (`path: native`). Every other decoder-only
+causal LM of transformers that `arch.families` describes takes the generic path (`path: generic`):
+`generic` then holds the tensor table and model-level data `arch.generic` read off transformers'
+own model (the native fields hold the config's sizes, for reports and memory plans).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class ArchSpec:
     rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     windows: list[int | None] = field(default_factory=list)  # per layer: sliding window or None
     hidden_act: str = "silu"
+    padding_idx: int | None = None  # the embedding row transformers never updates (config pad_token_id)
+    path: str = "native"  # native | generic
+    generic: dict[str, Any] | None = None  # path generic: arch.generic.generic_spec's description
 
     @property
     def q_dim(self) -> int:
@@ -55,7 +61,12 @@ class ArchSpec:
         return self.n_kv_heads * self.head_dim
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.generic is None:  # native stores keep the version-1 manifest
+            del d["path"], d["generic"]
+        if self.padding_idx is None:  # and stores without a padding row, their fingerprint
+            del d["padding_idx"]
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> ArchSpec:
@@ -72,15 +83,19 @@ def read_hf_config(src: Path) -> dict:
         raise InputError(f"{path}: not valid JSON ({e})") from None
 
 
-def spec_from_hf(cfg: dict, where: str = "config.json") -> ArchSpec:
-    """HF config dict (transformers 4.x or 5.x layout) -> ArchSpec, or InputError naming the key."""
+def spec_from_hf(
+    cfg: dict, where: str = "config.json", disk: dict[str, tuple[int, ...]] | None = None, path: str = "auto"
+) -> ArchSpec:
+    """HF config dict (transformers 4.x or 5.x layout) -> ArchSpec, or InputError naming the key.
+
+    path: auto (native where there is a native layer, else generic) | native | generic.
+    disk: the checkpoint's tensor names and shapes, which the generic path maps onto transformers'
+    in-memory tensors (None: assume the in-memory layout)."""
     mt = cfg.get("model_type")
+    if path == "generic" or (path == "auto" and mt not in FAMILIES):
+        return _generic_spec(cfg, where, disk)
     if mt not in FAMILIES:
-        archs = cfg.get("architectures") or [mt]
-        raise InputError(
-            f"{where}: unsupported architecture {archs[0]!r} (model_type {mt!r}); "
-            f"supported: Llama, Mistral, Qwen2, Qwen3 (model_type {', '.join(FAMILIES)})"
-        )
+        raise InputError(f"{where}: no native layer for model_type {mt!r} (native: {', '.join(FAMILIES)})")
     family = FAMILIES[mt]
 
     def need(key: str) -> Any:
@@ -115,6 +130,7 @@ def spec_from_hf(cfg: dict, where: str = "config.json") -> ArchSpec:
         rope=_rope(cfg, where),
         windows=_windows(cfg, family, n_layers),
         hidden_act=act,
+        padding_idx=_padding_idx(cfg),
     )
     if spec.n_heads % spec.n_kv_heads:
         raise InputError(f"{where}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads")
@@ -157,3 +173,47 @@ def _windows(cfg: dict, family: str, n_layers: int) -> list[int | None]:
             first = int(cfg.get("max_window_layers", n_layers))
             return [int(sw) if i >= first else None for i in range(n_layers)]
     return [None] * n_layers
+
+
+def _generic_spec(cfg: dict, where: str, disk) -> ArchSpec:
+    from .generic import generic_spec, hf_config
+
+    g = generic_spec(cfg, where, disk)
+    c = hf_config(g["config"])
+
+    def get(key: str, default: Any = 0) -> Any:
+        v = getattr(c, key, None)
+        return default if v is None else v
+
+    hidden, heads = int(c.hidden_size), int(get("num_attention_heads", 1))
+    n_layers = int(c.num_hidden_layers)
+    masks, window = g["masks"], g["sliding_window"]
+    sliding = [
+        bool(window) and (masks == "window" or (masks == "layer_types" and t == "sliding_attention"))
+        for t in g["layer_types"]
+    ]
+    return ArchSpec(
+        family=c.model_type,
+        hidden=hidden,
+        intermediate=int(get("intermediate_size")),
+        n_layers=n_layers,
+        n_heads=heads,
+        n_kv_heads=int(get("num_key_value_heads", heads)),
+        head_dim=int(get("head_dim", hidden // heads)),
+        vocab=int(c.vocab_size),
+        rms_eps=float(get("rms_norm_eps", 1e-6)),
+        max_positions=int(get("max_position_embeddings", 2048)),
+        tie_embeddings="lm_head" not in [e["name"] for e in g["units"]["head"]],
+        rope=dict(get("rope_parameters", {})),
+        windows=[int(window) if s else None for s in sliding],
+        hidden_act=str(get("hidden_act", "") or get("hidden_activation", "")),
+        padding_idx=_padding_idx(g["config"]),
+        path="generic",
+        generic=g,
+    )
+
+
+def _padding_idx(cfg: dict) -> int | None:
+    """transformers builds the embedding with padding_idx = pad_token_id when it is a valid row."""
+    pad, vocab = cfg.get("pad_token_id"), int(cfg.get("vocab_size") or 0)
+    return int(pad) if isinstance(pad, int) and 0 <= pad < vocab else None

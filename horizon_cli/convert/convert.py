@@ -36,8 +36,15 @@ HF_FILES = (
 
 
 def convert(
-    src: str | Path, dst: str | Path, dtype: str = "bfloat16", force: bool = False, console=None
+    src: str | Path,
+    dst: str | Path,
+    dtype: str = "bfloat16",
+    force: bool = False,
+    console=None,
+    path: str = "auto",
 ) -> dict:
+    """path: auto (native layer where there is one, else the generic path) | native | generic
+    (e.g. Llama through transformers' own layer, to compare the two)."""
     src, dst = Path(src), Path(dst)
     if not src.exists():
         raise InputError(f"{src}: not found")
@@ -47,8 +54,12 @@ def convert(
         raise InputError(f"--dtype: {dtype!r} is not a store dtype ({', '.join(DTYPES)})")
     check_not_inside(src, dst)
     hf_cfg = read_hf_config(src)
-    spec = spec_from_hf(hf_cfg, where=str(src / "config.json"))
+    where = str(src / "config.json")
+    spec = spec_from_hf(hf_cfg, where=where, path=path)  # refuses an unsupported model before reading weights
     ckpt = Checkpoint(src)
+    if spec.generic is not None:  # map the checkpoint's own names (per-expert or fused) onto memory
+        disk = {n: tuple(i.shape) for n, i in ckpt.infos.items()}
+        spec = spec_from_hf(hf_cfg, where=where, disk=disk, path="generic")
     plan = check_tensors(ckpt, spec)
     total = sum(ckpt.infos[n].nbytes for n in plan)
     with io_failures(dst), atomic_dir(dst, force=force) as tmp:

@@ -20,12 +20,15 @@ class MicroBatch:
     position_ids (b, T) int64, restart at 0 at each packed document
     doc_ids      (b, T) int32 document index within its row when rows are packed, so attention
                  stays inside a document; None when every row holds one sequence
+    lengths      (b,) int64 real (unpadded) tokens per row, for what must skip padding even on
+                 the right (MoE router statistics); None when no row is padded
     """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor
     doc_ids: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
     @property
     def label_tokens(self) -> int:
@@ -42,4 +45,5 @@ class MicroBatch:
             ids[i, : len(r_ids)] = torch.as_tensor(r_ids, dtype=torch.int64)
             lab[i, : len(r_lab)] = torch.as_tensor(r_lab, dtype=torch.int64)
         pos = torch.arange(T, dtype=torch.int64).expand(len(rows), T).contiguous()
-        return MicroBatch(ids, lab, pos, None)
+        lengths = torch.tensor([len(r_ids) for r_ids, _ in rows], dtype=torch.int64)
+        return MicroBatch(ids, lab, pos, None, lengths)

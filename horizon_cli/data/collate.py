@@ -37,7 +37,10 @@ def _micro(rows: list[Row], pad_id: int) -> MicroBatch:
         ids[i, : len(r.input_ids)] = r.input_ids
         labels[i, : len(r.labels)] = r.labels
     mb = MicroBatch(
-        torch.from_numpy(ids), torch.from_numpy(labels), torch.arange(T).expand(b, T).contiguous()
+        torch.from_numpy(ids),
+        torch.from_numpy(labels),
+        torch.arange(T).expand(b, T).contiguous(),
+        lengths=torch.tensor([len(r.input_ids) for r in rows], dtype=torch.int64),
     )
     if any(r.doc_ids is not None for r in rows):
         docs = np.stack([_padded_docs(r, T) for r in rows])  # (b, T) int32

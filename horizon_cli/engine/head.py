@@ -4,15 +4,22 @@ Only positions that carry a label are projected to the vocabulary, a chunk of th
 logits memory is one chunk x vocab, never batch x seq x vocab. Each chunk's backward runs right
 after its forward, so the head's weights cross the link once per step (forward and backward
 together) and the logits are freed before the next chunk.
+
+The final norm and the logits transform come from the layer template (engine.template): RMSNorm
+and a plain projection natively; the family's own norm module and soft-capping on the generic path.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..data.batch import IGNORE
-from .layer import rms_norm
+
+Norm = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]  # (h, norm weights) -> normed h
+Logits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x (n, H), lm (V, H)) -> (n, V)
 
 
 def label_index(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,33 +35,34 @@ def label_index(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def head_forward_backward(
     h: torch.Tensor,
-    norm_w: torch.Tensor,
+    norm: Norm,
+    norm_w: dict[str, torch.Tensor],
     lm_w: torch.Tensor,
     idx: torch.Tensor,
     tgt: torch.Tensor,
     inv_n: float,
     chunk: int,
-    eps: float,
-    g_norm: torch.Tensor,
+    g_norm: dict[str, torch.Tensor],
     g_lm: torch.Tensor,
+    logits_fn: Logits = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h (b, T, H) -> (loss_sum fp32 scalar, dh (b, T, H)).
 
     The loss is sum(CE) * inv_n (inv_n = 1 / label tokens of the whole global batch), so the
     gradients of all micro-batches add up to those of the token-level mean. Parameter grads
-    are added in fp32 to g_norm (H,) and g_lm (V, H).
+    are added in fp32 to g_norm (by name) and g_lm (V, H).
     """
     b, T, H = h.shape
     h = h.detach().requires_grad_(True)
-    wn = norm_w.detach().requires_grad_(True)
+    wn = {k: v.detach().requires_grad_(True) for k, v in norm_w.items()}
     W = lm_w.detach().requires_grad_(True)
-    hn = rms_norm(h, wn, eps)  # (b, T, H)
+    hn = norm(h, wn)  # (b, T, H)
     sel = hn[:, :-1].reshape(-1, H).index_select(0, idx)  # (n, H) rows that carry a label
     dsel = torch.empty_like(sel)
     loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
     for a in range(0, sel.shape[0], chunk):
         x = sel[a : a + chunk].detach().requires_grad_(True)
-        logits = F.linear(x, W)  # (c, V) in the compute dtype, as transformers does
+        logits = logits_fn(x, W)  # (c, V) in the compute dtype, as transformers does
         loss = F.cross_entropy(logits.float(), tgt[a : a + chunk], reduction="sum")
         gx, gW = torch.autograd.grad(loss * inv_n, (x, W))
         dsel[a : a + chunk] = gx
@@ -64,26 +72,28 @@ def head_forward_backward(
     if sel.shape[0]:
         torch.autograd.backward(sel, dsel)
     dh = h.grad if h.grad is not None else torch.zeros_like(h)
-    if wn.grad is not None:
-        g_norm.add_(wn.grad)
+    for k, leaf in wn.items():
+        if leaf.grad is not None:
+            g_norm[k].add_(leaf.grad)
     return loss_sum, dh
 
 
 @torch.no_grad()
 def head_loss(
     h: torch.Tensor,
-    norm_w: torch.Tensor,
+    norm: Norm,
+    norm_w: dict[str, torch.Tensor],
     lm_w: torch.Tensor,
     idx: torch.Tensor,
     tgt: torch.Tensor,
     chunk: int,
-    eps: float,
+    logits_fn: Logits = F.linear,
 ) -> torch.Tensor:
     """Forward only (evaluation): summed cross-entropy over labelled positions, chunked."""
     H = h.shape[-1]
-    sel = rms_norm(h, norm_w, eps)[:, :-1].reshape(-1, H).index_select(0, idx)
+    sel = norm(h, norm_w)[:, :-1].reshape(-1, H).index_select(0, idx)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for a in range(0, sel.shape[0], chunk):
-        logits = F.linear(sel[a : a + chunk], lm_w)
+        logits = logits_fn(sel[a : a + chunk], lm_w)
         total += F.cross_entropy(logits.float(), tgt[a : a + chunk], reduction="sum")
     return total

@@ -46,8 +46,9 @@ class UnitState:
             split_(master, self.stream, self.lo)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Named tensor views into any buffer laid out like this unit (host or device)."""
-        return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots}
+        """Named views of the tensors the engine computes with (layout.tensors), into any buffer
+        laid out like this unit (host or device)."""
+        return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.layout.tensors}
 
     def buffers(self) -> dict[str, torch.Tensor]:
         out = {"stream": self.stream, "m": self.m, "v": self.v, "grad": self.grad}

@@ -40,9 +40,34 @@ class MemoryPlan:
 
 def layer_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int) -> int:
     """One layer's forward+backward working set for one micro-batch (tokens = rows * T)."""
+    if spec.generic is not None:
+        return generic_work_bytes(spec, tokens, rows, T, item)
     per_tok = 4 * spec.hidden + spec.q_dim + 2 * spec.kv_dim + 3 * spec.intermediate
     masked = any(w is not None and w < T for w in spec.windows)
     attn = rows * spec.n_heads * T * T * 4 if masked else 0  # explicit masks take SDPA's math path
+    return 2 * tokens * per_tok * item + attn
+
+
+def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int) -> int:
+    """The same estimate for a generic layer, read off its tensor table: every projection's output
+    per token (a matrix (out, in): out; a routed expert tensor (E, a, b): top-k times the side that
+    is not the hidden size), plus the residual stream and norms, held for the backward; attention
+    scores where they are materialised (eager attention, or explicit masks: sliding windows)."""
+    g = spec.generic
+    assert g is not None
+    moe, H = g.get("moe"), spec.hidden
+    per_tok = 0
+    for kind in set(g["layer_kinds"]):
+        n = 4 * H
+        for e in g["kinds"][kind]:
+            shape = e["shape"]
+            if moe and len(shape) == 3 and shape[0] == moe["n_experts"]:
+                n += moe["top_k"] * (shape[1] if shape[2] == H else shape[2]) + H  # + gathered inputs
+            elif len(shape) == 2:
+                n += shape[0]
+        per_tok = max(per_tok, n)
+    masked = g["attn"] == "eager" or any(w is not None and w < T for w in spec.windows)
+    attn = rows * spec.n_heads * T * T * (4 + item) if masked else 0  # fp32 softmax + its input
     return 2 * tokens * per_tok * item + attn
 
 

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from ..config.schema import EngineConfig, OptimConfig
 from ..data.batch import MicroBatch
@@ -30,10 +29,9 @@ from ..optim.worker import OptimizerWorker
 from ..store import DTYPES, Store
 from .head import head_forward_backward, head_loss, label_index
 from .host import HostState
-from .layer import inv_freq, layer_forward, rms_norm
 from .loader import Load, Loader
-from .masks import attn_context
 from .plan import head_work_bytes, layer_work_bytes
+from .template import make_template
 from .trace import Tracer
 from .transport import READY, Event, Promise
 
@@ -49,6 +47,9 @@ class StepResult:
     d2h_bytes: int
     weight_loads: int
     device_peak_bytes: int
+    # MoE (engine.moe): the step's load-balancing loss, and per routed layer max/mean tokens per expert
+    aux_loss: float | None = None
+    expert_imbalance: list[float] = field(default_factory=list)
 
 
 def resolve_device(cfg: EngineConfig) -> str:
@@ -91,8 +92,10 @@ class Engine:
             self.t, self.host, self.layers, ["head"] + (["embed"] if tied else []), engine.prefetch
         )
         self.optimizer = OptimizerWorker(self.host, optim.kernel, self.tracer)
-        self.inv = inv_freq(self.spec).to(self.t.device)
+        self.tmpl = make_template(self.spec, self.t.device)  # native functional layer, or transformers' own
         self._alloc_grad_buffers()
+        # per layer: the tensors that get gradients (frozen buffers such as a routing bias do not)
+        self._trained = {u: [p.name for p in self.host[u].layout.tensors if p.trainable] for u in self.layers}
         self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
         self.staging: dict[str, torch.Tensor] = {}
         self.adam_step = 0
@@ -135,6 +138,7 @@ class Engine:
         self.t.reset_peak()
         self.loader.layer_loads = 0
         loss_sum, tokens, sq = self.forward_backward(mbs)
+        aux, imbalance = self.tmpl.step_stats()
         loss = loss_sum / tokens if tokens else float("nan")
         norm = math.sqrt(sq) if sq >= 0 else float("nan")
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
@@ -153,6 +157,8 @@ class Engine:
             d2h_bytes=self.t.stats.d2h_bytes,
             weight_loads=self.loader.layer_loads,
             device_peak_bytes=self.t.device_peak_bytes(),
+            aux_loss=aux,
+            expert_imbalance=imbalance,
         )
 
     def apply_update(self, lr: float, norm: float) -> None:
@@ -182,7 +188,7 @@ class Engine:
         squared global grad norm)."""
         tokens = sum(mb.label_tokens for mb in mbs)
         inv_n = 1.0 / tokens if tokens else 0.0
-        ctxs = [attn_context(mb, self.spec, self.inv, self.dtype, self.t.device) for mb in mbs]
+        ctxs = [self.tmpl.context(mb, self.dtype, self.t.device) for mb in mbs]
         targets = self._targets(mbs)
         shapes = [(*mb.input_ids.shape, self.spec.hidden) for mb in mbs]
         total = sum(math.prod(s) for s in shapes)
@@ -193,16 +199,27 @@ class Engine:
         self.grad_ready = {}
         sq: list[torch.Tensor] = []
 
+        self.tmpl.begin_step()
         with self.tracer.span("host", "embed"):
-            x = self._embed(mbs)
+            x = self._scale_embed(self._embed(mbs))
         x = self._forward_layers(x, ctxs, saved)
+        self.tmpl.end_forward()  # MoE: every layer's routing is known, the aux loss with it
         loss_sum, dx = self._head(x, targets, inv_n, sq)
-        dx = self._backward_layers(dx, ctxs, shapes, sq)
+        dx = self._scale_embed(self._backward_layers(dx, ctxs, shapes, sq))
         with self.tracer.span("host", "embed grad + norm"):
             host_sq = self._embed_backward(dx, mbs)
             dev_sq = torch.stack(sq).double().sum().item() if sq else 0.0
             loss = float(loss_sum.item())
         return loss, tokens, dev_sq + host_sq
+
+    def _scale_embed(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Families that scale the embedding output (Gemma: by sqrt(hidden), in the compute dtype)
+        scale its gradient by the same factor."""
+        s = self.tmpl.embed_scale
+        if s is None:
+            return x
+        scale = torch.tensor(s, dtype=torch.float32).to(self.dtype).to(self.t.device)
+        return [xm * scale for xm in x]
 
     def _sequence(self, total: int = 0, saved: list[Promise] | None = None) -> list[Load]:
         """The step's loads: forward layers, the head, then (with `saved`) the backward layers
@@ -246,10 +263,7 @@ class Engine:
                 saved[i].set(ev)  # the transport keeps x alive until the copy has read it
             w, _ = self.loader.acquire(f"f{i}")
             with self.t.compute_span(f"fwd {i}"):
-                x = [
-                    layer_forward(w, xm, c, self.spec, self.spec.windows[i])
-                    for xm, c in zip(x, ctxs, strict=True)
-                ]
+                x = [self.tmpl.forward(i, w, xm, c) for xm, c in zip(x, ctxs, strict=True)]
             self.loader.release(f"f{i}")
         return x
 
@@ -263,10 +277,10 @@ class Engine:
         return out
 
     def _acquire_head(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The head's weights and the LM-head matrix (the embedding's, when tied)."""
+        """The final norm's weights (by name) and the LM-head matrix (the embedding's, when tied)."""
         w, _ = self.loader.acquire("head")
         lm = self.loader.acquire("embed")[0]["embed"] if self.spec.tie_embeddings else w["lm_head"]
-        return w, lm
+        return {k: v for k, v in w.items() if k != "lm_head"}, lm
 
     def _release_head(self) -> None:
         self.loader.release("head")
@@ -286,15 +300,16 @@ class Engine:
             for xm, (idx, tgt) in zip(x, targets, strict=True):
                 ls, dh = head_forward_backward(
                     xm,
-                    w["norm"],
+                    self.tmpl.final_norm,
+                    w,
                     lm,
                     idx,
                     tgt,
                     inv_n,
                     self.cfg.loss_chunk,
-                    self.spec.rms_eps,
-                    gh["norm"],
+                    gh,
                     g_lm,
+                    self.tmpl.logits,
                 )
                 loss_sum += ls
                 dx.append(dh)
@@ -302,7 +317,7 @@ class Engine:
         if self.spec.tie_embeddings and not self.t.shares_host:
             ev = self.t.d2h([(self.host["embed"].grad, self.embed_g)], [self.t.record()], "g-lm")
             self.grad_ready["embed"] = ev
-        sq.append(torch.dot(self.head_g, self.head_g))
+        sq.extend(sumsq(self.head_g))
         self.grad_ready["head"] = self._send_grad("head", self.head_g, None)
         return loss_sum, dx
 
@@ -336,9 +351,9 @@ class Engine:
             gv = self._gacc_views.get((k, unit))
             if gv is None:
                 gv = self._gacc_views[(k, unit)] = self.host[unit].views(g)
-            names = list(w)
+            names = self._trained[unit]
             leaves = [w[k_].detach().requires_grad_(True) for k_ in names]  # autograd.grad never fills .grad
-            weights = dict(zip(names, leaves, strict=True))
+            weights = {**w, **dict(zip(names, leaves, strict=True))}  # frozen tensors stay as they are
             off = 0
             with self.t.compute_span(f"bwd {i}"):
                 for m, (shape, c) in enumerate(zip(shapes, ctxs, strict=True)):
@@ -346,13 +361,19 @@ class Engine:
                     xi = saved[off : off + n].view(shape).detach().requires_grad_(True)
                     off += n
                     with torch.enable_grad():
-                        y = layer_forward(weights, xi, c, self.spec, self.spec.windows[i])
-                        grads = torch.autograd.grad(y, [xi, *leaves], dx[m])
+                        y, extra = self.tmpl.objective(i, weights, xi, c)
+                        outs, seeds = (
+                            ([y], [dx[m]]) if extra is None else ([y, extra], [dx[m], torch.ones_like(extra)])
+                        )
+                        grads = torch.autograd.grad(outs, [xi, *leaves], seeds, allow_unused=True)
                     dx[m] = grads[0]
                     for name, gw in zip(names, grads[1:], strict=True):
-                        gv[name].add_(gw)  # fp32 accumulation across micro-batches
+                        if (
+                            gw is not None
+                        ):  # None: a tensor this micro-batch never reached (an unrouted expert bias)
+                            gv[name].add_(gw)  # fp32 accumulation across micro-batches
             self.loader.release(f"b{i}")
-            sq.append(torch.dot(g, g))
+            sq.extend(sumsq(g))
             self.gacc_free[k] = self.grad_ready[unit] = self._send_grad(unit, g, k)
         return dx
 
@@ -372,19 +393,22 @@ class Engine:
             st.grad.zero_()
         ev.host_wait()
         ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
+        rows = host_dx.view(-1, self.spec.hidden).to(torch.float32)
+        if self.spec.padding_idx is not None:  # nn.Embedding(padding_idx): that row gets no gradient
+            rows[ids == self.spec.padding_idx] = 0.0
         table = st.views(st.grad)["embed"]
-        table.index_add_(0, ids, host_dx.view(-1, self.spec.hidden).to(torch.float32))
+        table.index_add_(0, ids, rows)
         self.grad_ready["embed"] = READY
-        return float(torch.dot(st.grad, st.grad).double())
+        return float(torch.stack(sumsq(st.grad)).double().sum())
 
     # -- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
     def forward_hidden(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], dict, torch.Tensor]:
         """Forward only, streaming each layer once: (last hidden states per micro-batch, head
         weights, LM-head matrix). The caller must `_release_head()` afterwards."""
-        ctxs = [attn_context(mb, self.spec, self.inv, self.dtype, self.t.device) for mb in mbs]
+        ctxs = [self.tmpl.context(mb, self.dtype, self.t.device) for mb in mbs]
         self.loader.begin(self._sequence())
-        x = self._forward_layers(self._embed(mbs), ctxs, saved=None)
+        x = self._forward_layers(self._scale_embed(self._embed(mbs)), ctxs, saved=None)
         w, lm = self._acquire_head()
         return x, w, lm
 
@@ -395,7 +419,9 @@ class Engine:
         x, w, lm = self.forward_hidden(mbs)
         total = torch.zeros((), dtype=torch.float32, device=self.t.device)
         for xm, (idx, tgt) in zip(x, targets, strict=True):
-            total += head_loss(xm, w["norm"], lm, idx, tgt, self.cfg.loss_chunk, self.spec.rms_eps)
+            total += head_loss(
+                xm, self.tmpl.final_norm, w, lm, idx, tgt, self.cfg.loss_chunk, self.tmpl.logits
+            )
         self._release_head()
         return float(total.item()), sum(mb.label_tokens for mb in mbs)
 
@@ -403,7 +429,7 @@ class Engine:
     def logits(self, mb: MicroBatch) -> torch.Tensor:
         """Full (b, T, V) fp32 logits of one small micro-batch — for tests and spot checks only."""
         (x,), w, lm = self.forward_hidden([mb])
-        out = F.linear(rms_norm(x, w["norm"], self.spec.rms_eps), lm).float().cpu()
+        out = self.tmpl.logits(self.tmpl.final_norm(x, w), lm).float().cpu()
         self._release_head()
         return out
 
@@ -435,6 +461,12 @@ class Engine:
         tok = max(sh[0] * sh[1] for sh in shapes)
         self.t.memory.set("layer_work", layer_work_bytes(self.spec, tok, rows, T, item))
         self.t.memory.set("head_work", head_work_bytes(self.spec, tok, self.cfg.loss_chunk, item))
+
+
+def sumsq(g: torch.Tensor, chunk: int = 1 << 18) -> list[torch.Tensor]:
+    """Pieces of the squared L2 norm of a flat fp32 buffer, to be summed in fp64: one fp32 dot over
+    10^8 elements (an embedding, an MoE layer) is off by ~1e-2 relative, over 2^18 by ~1e-7."""
+    return [torch.dot(g[a : a + chunk], g[a : a + chunk]) for a in range(0, g.numel(), chunk)]
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -59,7 +59,7 @@ class OptimizerWorker:
         if dep is not None:
             dep.host_wait()
         t0 = time.perf_counter()
-        n = st.stream.numel()
+        n = st.layout.trainable_numel  # frozen tensors (e.g. a routing bias) sit after it, untouched
         for a in range(0, n, SLICE):
             b = min(n, a + SLICE)
             g, m, v = st.grad[a:b], st.m[a:b], st.v[a:b]

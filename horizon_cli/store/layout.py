@@ -4,13 +4,23 @@ A unit (embedding, one decoder layer, head) is one contiguous buffer so that it 
 device in a single copy. Offsets are counted in elements and aligned to ALIGN elements, so the
 same layout serves the streaming copy (bf16) and the fp32 master, moments and gradients, which
 mirror it element for element. Padding elements are zero and stay zero under AdamW.
+
+Two views of one buffer: *slots* are the checkpoint's tensors (what convert writes, export reads
+and checksums cover), *params* the tensors the engine computes with. On the native path they are
+the same. On the generic path a param is transformers' in-memory tensor, and the checkpoint
+tensors that fill it (e.g. every expert's `gate_proj` and `up_proj` for a fused
+`experts.gate_up_proj` (E, 2I, H)) sit back to back inside its region, so the param is a view.
+Frozen params (persistent buffers such as DeepSeek-V3's routing bias) come after every trainable
+one; `trainable_numel` is where the optimizer stops.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..arch import ArchSpec, unit_names, unit_tensors
+from ..arch.names import generic_table, part_name
 
 ALIGN = 64  # elements: 128 B in bf16, 256 B in fp32 — whole cache lines and SIMD vectors
 PAGE = 4096
@@ -26,10 +36,22 @@ class Slot:
 
 
 @dataclass(frozen=True)
+class Param:
+    name: str  # what the engine calls it: native store name, or the module-relative name
+    hf: str  # transformers' in-memory name, e.g. "model.layers.3.mlp.experts.gate_up_proj"
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+    trainable: bool = True
+
+
+@dataclass(frozen=True)
 class UnitLayout:
     name: str
     slots: tuple[Slot, ...]
     numel: int  # padded total, a multiple of ALIGN
+    tensors: tuple[Param, ...] = ()  # the engine's view (= slots on the native path)
+    trainable_numel: int = 0  # elements [0, trainable_numel) are trained; the rest is frozen
 
     def slot(self, name: str) -> Slot:
         for s in self.slots:
@@ -47,14 +69,34 @@ def _round_up(n: int, k: int) -> int:
 
 
 def unit_layout(spec: ArchSpec, unit: str) -> UnitLayout:
+    if spec.generic is not None:
+        return _generic_layout(spec, unit)
     slots, off = [], 0
     for t in unit_tensors(spec, unit):
-        n = 1
-        for d in t.shape:
-            n *= d
+        n = math.prod(t.shape)
         slots.append(Slot(t.name, t.hf, tuple(t.shape), off, n))
         off = _round_up(off + n, ALIGN)
-    return UnitLayout(unit, tuple(slots), max(off, ALIGN))
+    params = tuple(Param(s.name, s.hf, s.shape, s.offset, s.numel) for s in slots)
+    numel = max(off, ALIGN)
+    return UnitLayout(unit, tuple(slots), numel, params, numel)
+
+
+def _generic_layout(spec: ArchSpec, unit: str) -> UnitLayout:
+    """Each in-memory tensor gets an aligned region; its checkpoint tensors fill it back to back."""
+    slots, params, off, trained = [], [], 0, 0
+    for e in generic_table(spec, unit):
+        shape = tuple(e["shape"])
+        n = math.prod(shape)
+        params.append(Param(e["name"], e["hf"], shape, off, n, bool(e["trainable"])))
+        for k, p in enumerate(e["parts"]):
+            slots.append(
+                Slot(part_name(e, k), p["hf"], tuple(p["shape"]), off + p["at"], math.prod(p["shape"]))
+            )
+        off = _round_up(off + n, ALIGN)
+        if e["trainable"]:
+            trained = off
+    slots.sort(key=lambda s: s.offset)
+    return UnitLayout(unit, tuple(slots), max(off, ALIGN), tuple(params), trained)
 
 
 def layouts(spec: ArchSpec) -> list[UnitLayout]:

@@ -16,7 +16,9 @@ from ..arch import ArchSpec
 from ..errors import InputError
 
 FORMAT = "horizon-store"
-VERSION = 1
+VERSION = 1  # native architectures
+VERSION_GENERIC = 2  # `arch` carries the generic path's tensor table (arch.generic)
+READABLE = (VERSION, VERSION_GENERIC)
 MANIFEST = "manifest.json"
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -67,6 +69,7 @@ class Manifest:
     def to_json(self) -> str:
         d = asdict(self)
         d["arch"] = self.arch.to_dict()
+        d["version"] = VERSION_GENERIC if self.arch.generic is not None else VERSION
         return json.dumps(d, indent=1)
 
 
@@ -86,9 +89,9 @@ def read_manifest(root: Path) -> Manifest:
         d = json.loads(path.read_text())
         if d.get("format") != FORMAT:
             raise ValueError(f"format is {d.get('format')!r}, not {FORMAT!r}")
-        if d.get("version") != VERSION:
+        if d.get("version") not in READABLE:
             raise ValueError(
-                f"format version {d.get('version')} is not supported (this horizon reads {VERSION})"
+                f"format version {d.get('version')} is not supported (this horizon reads {', '.join(map(str, READABLE))})"
             )
         if d["dtype"] not in DTYPES:
             raise ValueError(f"unknown dtype {d['dtype']!r}")

@@ -160,6 +160,8 @@ class Trainer:
             "weight_loads": res.weight_loads,
             "device_peak_bytes": res.device_peak_bytes,
             "host_rss_bytes": self.proc.memory_info().rss,
+            "aux_loss": res.aux_loss,  # MoE: load-balancing loss (None for dense models)
+            "expert_imbalance": res.expert_imbalance,  # MoE: max/mean tokens per expert, per routed layer
         }
 
     def _show(self, prog: Progress, task, row: dict) -> None:

@@ -1,0 +1,164 @@
+"""The generic layer template: transformers' own decoder-layer modules, bound to streamed weights.
+
+The CausalLM is built once on the meta device (no memory): its decoder layers are the templates.
+At each load, `torch.func.functional_call` runs layer i with the unit's device views in place of
+its parameters (and frozen buffers), so the arithmetic is transformers' own, op for op, while the
+weights live in the streamed buffer (invariants 1-3 unchanged: the schedule still loads each unit
+twice per step and recomputes one layer under autograd).
+
+Around the layers, the pieces the family's model code computes are rebuilt from data
+(arch.families, arch.generic): rotary tables from the family's own rotary module (one table, or
+one per layer type), attention masks from transformers' mask functions (full / sliding per layer;
+packed rows: positions restart per document, which those functions turn into block-diagonal
+masks), embedding scale, the family's final-norm module and final-logit soft-capping. Router
+outputs are caught with forward hooks on the router modules (the class transformers records as
+`router_logits`) and feed engine.moe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from ..arch import ArchSpec
+from ..arch.generic import hf_config, meta_model
+from ..data.batch import MicroBatch
+from .moe import RouterStats
+
+MASK_KIND = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
+
+
+@dataclass
+class GenericContext:
+    """Per micro-batch: positions, rotary tables per key, masks per kind, real-token mask."""
+
+    pos: torch.Tensor  # (b, T) int64
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # key -> cos, sin (b, T, rotary dim)
+    masks: dict[str, torch.Tensor | None]  # kind -> transformers' mask for this attention impl
+    tokens: torch.Tensor  # (b*T,) fp32: 1 for real tokens, 0 for padding
+
+
+class GenericTemplate:
+    def __init__(self, spec: ArchSpec, device: torch.device):
+        g = spec.generic
+        assert g is not None
+        self.g, self.device = g, device
+        self.cfg = hf_config(g["config"], attn=g["attn"])
+        model = meta_model(g["config"], g["attn"])
+        base = getattr(model, model.base_model_prefix)
+        self.layers = list(base.layers)  # meta modules: templates only, never hold weights
+        self.norm = base.norm
+        self.rotary = None
+        if g["rope"] != "none":
+            self.rotary = type(base.rotary_emb)(config=self.cfg).to(device)  # buffers only: real
+        self.kinds = [self._mask_kind(t) for t in g["layer_types"]]
+        self.rope_keys = [t if g["rope"] == "per_layer_type" else "all" for t in g["layer_types"]]
+        self.embed_scale: float | None = g["embed_scale"]
+        self.softcap: float | None = g["softcap"]
+        self.moe = RouterStats(g["moe"]) if g.get("moe") else None
+        self._caught: dict[int, tuple] = {}
+        if self.moe is not None:
+            self._hook_routers(g["moe"])
+
+    def _mask_kind(self, layer_type: str) -> str:
+        masks = self.g["masks"]
+        if masks == "causal":
+            return "full"
+        if masks == "window":
+            return "sliding" if self.g["sliding_window"] else "full"
+        return MASK_KIND[layer_type]
+
+    def _hook_routers(self, moe: dict) -> None:
+        for i in moe["layers"]:
+            router = next(m for m in self.layers[i].modules() if type(m).__name__ == moe["router"])
+
+            def catch(_mod, _inp, out, i=i):
+                self._caught[i] = out if isinstance(out, tuple) else (out,)
+
+            router.register_forward_hook(catch)
+
+    # -- per micro-batch ---------------------------------------------------------------------
+    def context(self, mb: MicroBatch, dtype: torch.dtype, device) -> GenericContext:
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_chunked_causal_mask,
+            create_sliding_window_causal_mask,
+        )
+
+        pos = mb.position_ids.to(device)
+        b, T = mb.input_ids.shape
+        like = torch.zeros((), dtype=dtype, device=device).expand(b, T, 1)  # shape, dtype, device only
+        fns = {
+            "full": create_causal_mask,
+            "sliding": create_sliding_window_causal_mask,
+            "chunked": create_chunked_causal_mask,
+        }
+        masks = {
+            k: fns[k](config=self.cfg, inputs_embeds=like, attention_mask=None, cache=None, position_ids=pos)
+            for k in set(self.kinds)
+        }
+        rope = {}
+        if self.rotary is not None:
+            for key in set(self.rope_keys):
+                args = (like, pos) if key == "all" else (like, pos, key)
+                rope[key] = self.rotary(*args)
+        tokens = torch.ones(b, T, dtype=torch.float32)
+        if mb.lengths is not None:
+            tokens = (torch.arange(T)[None, :] < mb.lengths[:, None]).float()
+        return GenericContext(pos, rope, masks, tokens.reshape(-1).to(device))
+
+    # -- layers ------------------------------------------------------------------------------
+    def _call(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
+        kw: dict[str, object] = {"attention_mask": ctx.masks[self.kinds[i]], "position_ids": ctx.pos}
+        if self.rotary is not None:
+            kw["position_embeddings"] = ctx.rope[self.rope_keys[i]]
+        out = functional_call(self.layers[i], w, (x,), kw, strict=True)
+        return out[0] if isinstance(out, tuple) else out
+
+    def forward(self, i: int, w, x: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
+        """x (b, T, H) -> (b, T, H); records router statistics."""
+        y = self._call(i, w, x, ctx)
+        if self.moe is not None and i in self._caught:
+            out = self._caught.pop(i)
+            chosen = out[-1] if len(out) > 1 and not out[-1].is_floating_point() else None
+            self.moe.record(i, out[self.g["moe"]["logits_index"]], chosen, ctx.tokens)
+        return y
+
+    def objective(
+        self, i: int, w, x: torch.Tensor, ctx: GenericContext
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Recompute under autograd: (output, extra scalar whose gradient is this layer's share of
+        the auxiliary loss, or None)."""
+        y = self._call(i, w, x, ctx)
+        if self.moe is None or i not in self._caught:
+            return y, None
+        out = self._caught.pop(i)
+        return y, self.moe.objective(out[self.g["moe"]["logits_index"]], ctx.tokens)
+
+    # -- step --------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._caught.clear()
+        if self.moe is not None:
+            self.moe.begin_step()
+
+    def end_forward(self) -> None:
+        if self.moe is not None:
+            self.moe.end_forward()
+
+    def step_stats(self) -> tuple[float | None, list[float]]:
+        return self.moe.result() if self.moe is not None else (None, [])
+
+    # -- head --------------------------------------------------------------------------------
+    def final_norm(self, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The family's own final norm module (e.g. Gemma's (1 + w) RMSNorm)."""
+        return functional_call(self.norm, {k[len("norm.") :]: v for k, v in w.items()}, (h,), strict=True)
+
+    def logits(self, x: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
+        """(n, H) -> (n, V) in the compute dtype, soft-capped as the family's ForCausalLM does."""
+        out = F.linear(x, lm)
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out

@@ -1,0 +1,60 @@
+"""The layer template the schedule runs: one object per architecture, chosen from the store.
+
+  native   engine.layer's functional decoder layer (Llama, Mistral, Qwen2, Qwen3): RoPE tables and
+           masks from engine.masks, RMSNorm head, plain logits
+  generic  transformers' own decoder-layer modules (engine.generic), for every other family
+
+The schedule calls the same methods on either (per micro-batch `context`; per layer `forward` and,
+in the backward recompute, `objective`, which may add a per-layer auxiliary term; the head's
+`final_norm` and `logits`; the step hooks `begin_step` / `end_forward` / `step_stats`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..arch import ArchSpec
+from ..data.batch import MicroBatch
+from .layer import AttnContext, inv_freq, layer_forward, rms_norm
+from .masks import attn_context
+
+
+class NativeTemplate:
+    embed_scale: float | None = None
+
+    def __init__(self, spec: ArchSpec, device: torch.device):
+        self.spec = spec
+        self.inv = inv_freq(spec).to(device)
+
+    def context(self, mb: MicroBatch, dtype: torch.dtype, device) -> AttnContext:
+        return attn_context(mb, self.spec, self.inv, dtype, device)
+
+    def forward(self, i: int, w, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        return layer_forward(w, x, ctx, self.spec, self.spec.windows[i])
+
+    def objective(self, i: int, w, x: torch.Tensor, ctx: AttnContext) -> tuple[torch.Tensor, None]:
+        return self.forward(i, w, x, ctx), None
+
+    def begin_step(self) -> None:
+        pass
+
+    def end_forward(self) -> None:
+        pass
+
+    def step_stats(self) -> tuple[float | None, list[float]]:
+        return None, []
+
+    def final_norm(self, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        return rms_norm(h, w["norm"], self.spec.rms_eps)
+
+    def logits(self, x: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, lm)
+
+
+def make_template(spec: ArchSpec, device: torch.device):
+    if spec.generic is None:
+        return NativeTemplate(spec, device)
+    from .generic import GenericTemplate
+
+    return GenericTemplate(spec, device)
