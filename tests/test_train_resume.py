@@ -89,12 +89,13 @@ def test_full_disk_keeps_the_previous_checkpoint(tiny_store, tmp_path, monkeypat
 
     from horizon_cli.errors import HorizonError
     from horizon_cli.store import Store
+    from horizon_cli.store import checkpoint as ckpt
     from horizon_cli.train import checkpoint
 
     eng = make_engine(Store.open(tiny_store))
     try:
         trainer = {"step": 2, "adam_step": 0}
-        first = checkpoint.save(eng, tmp_path, 2, trainer, Store.open(tiny_store), keep_last=2)
+        first = checkpoint.save(eng, tmp_path, 2, trainer, "", Store.open(tiny_store), keep_last=2)
         before = {p.name: p.read_bytes() for p in first.rglob("*") if p.is_file()}
 
         def full(path, t):
@@ -102,8 +103,8 @@ def test_full_disk_keeps_the_previous_checkpoint(tiny_store, tmp_path, monkeypat
 
         monkeypatch.setattr(checkpoint, "_write_raw", full)
         with pytest.raises(HorizonError, match="No space left"):
-            checkpoint.save(eng, tmp_path, 4, {**trainer, "step": 4}, Store.open(tiny_store), keep_last=2)
-        assert checkpoint.latest(tmp_path) == first
+            checkpoint.save(eng, tmp_path, 4, {**trainer, "step": 4}, "", Store.open(tiny_store), keep_last=2)
+        assert ckpt.latest(tmp_path) == first
         assert {p.name: p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
         assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_2"]
     finally:
