@@ -7,8 +7,9 @@ writes, pruning, export. Two environment variables turn the marks into test hook
                                     only, when given); with `+ms`, that many milliseconds after
                                     reaching it, from a timer thread, so the kill lands at a
                                     random moment inside whatever follows the point
-  HORIZON_PHASES=file               append "name step" to `file` at every mark, so a test can
-                                    tell where an outside kill landed (the last line written)
+  HORIZON_PHASES=file               append "name step time" to `file` at every mark (step "-"
+                                    when none; time.monotonic()), so a test can tell where an
+                                    outside kill landed: in the phase of the last line written
 
 Unset, a mark costs one string test.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 _SPEC = os.environ.get("HORIZON_FAULT", "")
 _PHASES = os.environ.get("HORIZON_PHASES", "")
@@ -27,23 +29,24 @@ def phase(name: str, step: int | None = None) -> None:
     if _PHASES:
         fd = os.open(_PHASES, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, f"{name} {'-' if step is None else step}\n".encode())
+            os.write(fd, f"{name} {'-' if step is None else step} {time.monotonic():.4f}\n".encode())
         finally:
             os.close(fd)
     if _SPEC:
-        maybe_die(name, step)
+        _maybe_die(name, step)
 
 
-def maybe_die(point: str, step: int | None = None) -> None:
+def _maybe_die(point: str, step: int | None = None) -> None:
     if not _SPEC:
         return
     where, _, delay = _SPEC.partition("+")
     name, _, at = where.partition(":")
     if name != point or (at and step is not None and int(at) != step):
         return
-    if not delay:
+    ms = float(delay or 0)
+    if ms <= 0:
         _kill()
-    t = threading.Timer(float(delay) / 1000, _kill)
+    t = threading.Timer(ms / 1000, _kill)
     t.daemon = True
     t.start()
 

@@ -71,6 +71,7 @@ def _write(engine, tmp: Path, trainer: dict, config_yaml: str, model_store: Stor
         w.finish(extra={"step": trainer["step"]})
     finally:
         w.close()
+    phase("checkpoint-store", trainer["step"])
     if (model_store.root / "hf").is_dir():
         shutil.copytree(model_store.root / "hf", tmp / "hf")
     state = tmp / "state"

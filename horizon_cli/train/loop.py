@@ -67,7 +67,12 @@ class Trainer:
 
     # -- setup -------------------------------------------------------------------------------
     def run(self) -> dict:
-        if self.rd.trained:  # killed after its last checkpoint: only the finish is left to do
+        if self.rd.trained:  # killed after its last checkpoint: only the finish may be left to do
+            ck = self.rd.candidates[0]
+            why = ckpt.check(ck, deep=True)  # the engine that would have checked it is not built
+            if why is not None:
+                self.rd.damaged_at_load(ck, why)
+        if self.rd.trained:
             self.rd.begin()
             return self._finish(self.rd.resume_step)
         self.data = load_data(self.cfg, self.store, self.run_dir / "cache", self.console)

@@ -48,6 +48,7 @@ def run_training(
     if cfg.log.tensorboard:
         tensorboard_writer(None)  # fail now, not after loading the model
     with RunDir.claim(cfg, store, console) as rd:
+        phase("locked")
         if rd.finished():
             console.print(
                 f"{rd.path}: complete at step {rd.resume_step} (train.steps {cfg.train.steps}); nothing to do",
