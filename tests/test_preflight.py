@@ -52,10 +52,10 @@ def test_dry_run_checks_the_data_and_positions_and_writes_nothing(cfg, tmp_path)
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"nothing": "here"}])
     assert "bad.jsonl" in error_line(horizon("train", cfg, f"data.path={bad}", "--dry-run"))
     assert "max_seq_len" in error_line(horizon("train", cfg, "data.max_seq_len=4096", "--dry-run"))
-    r = horizon("train", cfg, "--dry-run")
+    r = horizon("train", cfg, "--dry-run", f"data.cache_dir={tmp_path / 'cache'}")
     assert r.exit_code == 0, r.output
     assert "a new run" in r.output and "fits" in r.output
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
 
 def test_dry_run_refuses_a_resume_with_changed_settings(cfg, tmp_path):

@@ -250,11 +250,10 @@ def test_debris_of_dead_processes_is_swept_and_live_ones_kept(run):
 
 def test_keep_last_holds_after_a_kill_between_rename_and_prune(run):
     run_dir, cfg = run
-    for s in (1, 3):  # as if killed after renaming each into place, before pruning
-        shutil.copytree(run_dir / "checkpoints" / "step_2", run_dir / "checkpoints" / f"step_{s}")
-    r = horizon("train", cfg, "train.steps=5", "output.keep_last=2")
+    (run_dir / "finished.json").unlink()  # killed after renaming step_4 into place, before pruning
+    r = horizon("train", cfg, "output.keep_last=1")  # nothing left to train: only the finish runs
     assert r.exit_code == 0, r.output
-    assert steps_in(run_dir) == ["step_4", "step_5"]
+    assert steps_in(run_dir) == ["step_4"]
 
 
 def test_atomic_dir_leaves_nothing_when_interrupted_right_after_creating_it(tmp_path, monkeypatch):
@@ -352,6 +351,7 @@ def _failing_open(needle: str, err: int):
 
     def fake(path, mode="r", *a, **kw):
         if needle in str(path) and ("w" in mode or "a" in mode):
+            real(path, mode).close()  # the file exists, as on a real disk; its write fails
             return _FullFile(err)
         return real(path, mode, *a, **kw)
 

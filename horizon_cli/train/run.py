@@ -11,6 +11,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -47,7 +48,7 @@ def run_training(
     check_fits(plan, device == "cpu")
     if cfg.log.tensorboard:
         tensorboard_writer(None)  # fail now, not after loading the model
-    with RunDir.claim(cfg, store, console) as rd:
+    with stop_signals(), RunDir.claim(cfg, store, console) as rd:
         phase("locked")
         if rd.finished():
             console.print(
@@ -55,7 +56,7 @@ def run_training(
                 highlight=False,
             )
             return {"step": rd.resume_step, "checkpoint": str(rd.candidates[0]), "complete": True}
-        with stop_signals(), runtime_failures():
+        with runtime_failures():
             return Trainer(cfg, store, rd, console).run()
 
 
@@ -77,8 +78,9 @@ def plan_for(cfg: Config, store: Store) -> MemoryPlan:
 # -- dry run -------------------------------------------------------------------------------------
 def dry_run_report(cfg: Config, store: Store, plan: MemoryPlan, device: str, console: Console) -> None:
     """The checks of a real start that write nothing: the data is read and tokenized (not
-    cached), the run dir's resume point checked against this config."""
-    load_data(cfg, store, None, console)
+    cached, not even where data.cache_dir says), the run dir's resume point checked against
+    this config."""
+    load_data(replace(cfg, data=replace(cfg.data, cache_dir=None)), store, None, console)
     run_dir = run_dir_status(cfg, store)
     console.print(Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default"))
     console.print(plan_table(plan, store))

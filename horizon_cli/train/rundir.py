@@ -75,6 +75,7 @@ class RunDir:
 
     def inspect(self) -> None:
         """Which checkpoint a start resumes, and whether this config may resume it (read-only)."""
+        compat.check_accept_keys(self.cfg)
         self.candidates, self.damaged = ckpt.intact(self.path)
         if self.candidates:
             self.check_resumable(self.candidates[0])
