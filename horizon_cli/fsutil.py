@@ -81,7 +81,7 @@ def atomic_dir(dst: Path, force: bool = False, sync: bool = True) -> Iterator[Pa
     try:
         os.mkdir(tmp, 0o777)  # the umask applies: a normal dir's mode
         yield tmp
-        phase("atomic-dir-filled")
+        phase("atomic-dir-filled")  # a crash-test mark: everything written, nothing renamed yet
         if sync:
             fsync_tree(tmp)
         replace_dir(tmp, dst)
@@ -96,7 +96,9 @@ def atomic_dir(dst: Path, force: bool = False, sync: bool = True) -> Iterator[Pa
 def replace_dir(src: Path, dst: Path) -> None:
     """Rename src to dst. An existing dst is swapped with src in one atomic step where the file
     system allows it (Linux renameat2 RENAME_EXCHANGE), so dst names either the old or the new
-    tree at every instant; elsewhere it is moved aside first. The old tree is removed last."""
+    tree at every instant; elsewhere it is moved aside first. The old tree is removed last.
+    src is an owner-named temp (owner.temp_name): after a swap it holds the old tree under that
+    name, so a kill during the removal leaves debris the next sweep recognises."""
     src, dst = Path(src), Path(dst)
     if not os.path.lexists(dst):
         os.rename(src, dst)
