@@ -70,9 +70,10 @@ def command(fn):
                 raise
             console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
-        except KeyboardInterrupt:
-            console.print("[yellow]interrupted[/]")
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as e:  # ctrl-c, or SIGTERM where a command maps it (errors.Terminated)
+            code = getattr(e, "exit_code", 130)
+            console.print("[yellow]interrupted[/]" if code == 130 else "[yellow]terminated[/]")
+            raise typer.Exit(code) from None
 
     return wrapper
 

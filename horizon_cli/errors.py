@@ -23,3 +23,9 @@ class ConfigError(InputError):
         self.source = source
         where = f"{source}: " if source else ""
         super().__init__(where + "; ".join(problems))
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so the command unwinds as on ctrl-c; exit status 143."""
+
+    exit_code = 143

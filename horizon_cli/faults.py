@@ -1,17 +1,55 @@
-"""Fault injection for crash tests: `HORIZON_FAULT=point[:step]` kills the process with SIGKILL
-when it reaches that point (and, with :step, only at that training step). Costs one dict lookup."""
+"""Fault injection and phase tracing for crash tests (tests/test_train_resume.py, the soak).
+
+Commands mark their phases with `phase(name, step)`: start-up, each training step, checkpoint
+writes, pruning, export. Two environment variables turn the marks into test hooks:
+
+  HORIZON_FAULT=point[:step][+ms]   SIGKILL this process at `point` (at training step `step`
+                                    only, when given); with `+ms`, that many milliseconds after
+                                    reaching it, from a timer thread, so the kill lands at a
+                                    random moment inside whatever follows the point
+  HORIZON_PHASES=file               append "name step time" to `file` at every mark (step "-"
+                                    when none; time.monotonic()), so a test can tell where an
+                                    outside kill landed: in the phase of the last line written
+
+Unset, a mark costs one string test.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 _SPEC = os.environ.get("HORIZON_FAULT", "")
+_PHASES = os.environ.get("HORIZON_PHASES", "")
 
 
-def maybe_die(point: str, step: int | None = None) -> None:
+def phase(name: str, step: int | None = None) -> None:
+    if _PHASES:
+        fd = os.open(_PHASES, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{name} {'-' if step is None else step} {time.monotonic():.4f}\n".encode())
+        finally:
+            os.close(fd)
+    if _SPEC:
+        _maybe_die(name, step)
+
+
+def _maybe_die(point: str, step: int | None = None) -> None:
     if not _SPEC:
         return
-    name, _, at = _SPEC.partition(":")
-    if name == point and (not at or step is None or int(at) == step):
-        os.kill(os.getpid(), signal.SIGKILL)
+    where, _, delay = _SPEC.partition("+")
+    name, _, at = where.partition(":")
+    if name != point or (at and step is not None and int(at) != step):
+        return
+    ms = float(delay or 0)
+    if ms <= 0:
+        _kill()
+    t = threading.Timer(ms / 1000, _kill)
+    t.daemon = True
+    t.start()
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -7,11 +7,12 @@ import ctypes
 import errno
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from . import owner
 from .errors import HorizonError, InputError
+from .faults import phase
 
 
 def fsync_dir(path: Path) -> None:
@@ -71,13 +72,16 @@ def check_not_inside(src: Path, dst: Path) -> None:
 def atomic_dir(dst: Path, force: bool = False, sync: bool = True) -> Iterator[Path]:
     """Yield a temp dir beside dst; on success fsync it and rename it to dst (replacing dst when
     force). On any exception the temp dir (and any parent folder made for it) is removed and dst
-    is untouched."""
+    is untouched. The temp dir's name records its owner, so what a killed process leaves is
+    swept by the next command writing into the same folder (this one sweeps first)."""
     dst = Path(dst)
     created = check_destination(dst, force)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    owner.sweep(dst.parent)
+    tmp = dst.parent / owner.temp_name(dst.name)  # named before it exists: no window leaves it behind
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; give it a normal dir's mode
+        os.mkdir(tmp, 0o777)  # the umask applies: a normal dir's mode
         yield tmp
+        phase("atomic-dir-filled")  # a crash-test mark: everything written, nothing renamed yet
         if sync:
             fsync_tree(tmp)
         replace_dir(tmp, dst)
@@ -89,37 +93,25 @@ def atomic_dir(dst: Path, force: bool = False, sync: bool = True) -> Iterator[Pa
         raise
 
 
-def _umask() -> int:
-    """The process umask, read without setting it (os.umask would race other threads)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
-
-
 def replace_dir(src: Path, dst: Path) -> None:
     """Rename src to dst. An existing dst is swapped with src in one atomic step where the file
     system allows it (Linux renameat2 RENAME_EXCHANGE), so dst names either the old or the new
-    tree at every instant; elsewhere it is moved aside first. The old tree is removed last."""
+    tree at every instant; elsewhere it is moved aside first. The old tree is removed last.
+    src is an owner-named temp (owner.temp_name): after a swap it holds the old tree under that
+    name, so a kill during the removal leaves debris the next sweep recognises."""
     src, dst = Path(src), Path(dst)
     if not os.path.lexists(dst):
         os.rename(src, dst)
         fsync_dir(dst.parent)
         return
     if _exchange(src, dst):
-        old = src  # src now holds the old tree
+        old = src  # src now holds the old tree (under its temp name: a sweep knows its owner)
     else:
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        old = dst.parent / owner.temp_name(dst.name, "old")
         os.rename(dst, old)
         os.rename(src, dst)
     fsync_dir(dst.parent)
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        old.unlink(missing_ok=True)
+    owner.remove(old)
 
 
 RENAME_EXCHANGE = 2
@@ -142,13 +134,22 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temp sibling, fsync, rename over `path`. On failure (a full disk...)
+    the temp file is removed, `path` is as it was, and the OSError names `path`."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(owner.temp_name(path.name))
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(e, OSError) and e.filename != str(path):
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
 
 
 def read_exact(path: Path, buf: memoryview) -> None:

@@ -56,14 +56,18 @@ def test_many_shards(store, model, tmp_path, monkeypatch):
 
 def test_run_dir_exports_its_latest_checkpoint(store, tmp_path):
     """A run dir's checkpoints/step_N is a store (plus state/); export takes the newest complete one."""
+    from horizon_cli.store.checkpoint import write_sums
+
     run = tmp_path / "run"
-    for step in (2, 10, 4):
+    for step in (2, 10, 4, 14):
         shutil.copytree(store, run / "checkpoints" / f"step_{step}")
         (run / "checkpoints" / f"step_{step}" / "state").mkdir()
         (run / "checkpoints" / f"step_{step}" / "state" / "trainer.json").write_text("{}")
+        write_sums(run / "checkpoints" / f"step_{step}", {})
     shutil.copytree(store, run / "checkpoints" / ".step_12.tmp-x")  # a half-written one: ignored
-    (run / "checkpoints" / "step_11").mkdir()  # no manifest: not complete
-    shutil.copytree(store, run / "checkpoints" / "step_13")  # no training state: not complete
+    (run / "checkpoints" / "step_11").mkdir()  # no checksums file: not complete
+    shutil.copytree(store, run / "checkpoints" / "step_13")  # no checksums file: not complete
+    (run / "checkpoints" / "step_14" / "state" / "trainer.json").write_text("{} ")  # damaged
     assert resolve_source(run) == run / "checkpoints" / "step_10"
     res = RUNNER.invoke(app, ["export", str(run), str(tmp_path / "dst")])
     assert res.exit_code == 0, res.stderr

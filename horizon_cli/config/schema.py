@@ -44,6 +44,7 @@ class TrainConfig:
     eval_every: int = _f(0, min=0)
     eval_batches: int = _f(4, min=1)  # global batches per evaluation
     max_bad_steps: int = _f(3, min=1)  # consecutive non-finite steps that stop the run
+    accept_changes: list[str] = _f([])  # resume despite these changed keys (train/compat.py)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from ..errors import InputError
 from ..fsutil import atomic_dir, check_not_inside, io_failures
 from ..progress import byte_progress
 from ..store import Store
+from ..store.checkpoint import latest as latest_checkpoint
 from ..store.manifest import MANIFEST
 from .safetensors import write_shard
 
@@ -31,9 +32,7 @@ def resolve_source(src: Path) -> Path:
     if not src.exists():
         raise InputError(f"{src}: not found")
     if (src / "checkpoints").is_dir():
-        from ..train.checkpoint import latest  # the one definition of a complete checkpoint
-
-        found = latest(src)
+        found = latest_checkpoint(src)  # store.checkpoint: the one definition of an intact checkpoint
         if found is not None:
             return found
         raise InputError(f"{src}: run dir has no complete checkpoint yet")

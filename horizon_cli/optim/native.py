@@ -9,11 +9,16 @@ tests/test_kernel_adamw.py). Nothing here raises on a machine that cannot build 
 The extension is compiled once with torch.utils.cpp_extension and cached under
 $TORCH_EXTENSIONS_DIR/horizon, else $XDG_CACHE_HOME/horizon/kernels (~/.cache/horizon/kernels).
 Its module name carries a hash of the sources, the flags and the torch/Python versions, so a
-changed source or a new torch builds afresh and never loads a stale library.
+changed source or a new torch builds afresh and never loads a stale library. Each process builds
+in a private, owner-named directory and publishes it by one rename, so a build killed midway
+never leaves a lock for later runs to wait on (they sweep it and build again), and a build that
+cannot finish makes `available()` False: the optimizer falls back to the torch path and the
+trainer prints a warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import io
@@ -21,13 +26,13 @@ import os
 import shutil
 import sys
 import threading
-import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from .. import owner
 from .adamw import AdamWHyper
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
@@ -35,7 +40,7 @@ SOURCES = ("adamw.cpp", "adamw_impl.h")  # all of them hashed; adamw.cpp is the 
 # -ffp-contract=off is part of the contract: the kernel must round like torch (see adamw.cpp).
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
-_STALE_LOCK_S = 600  # a build takes well under a minute; an older lock was left by a killed build
+DONE = "loaded-ok"  # in a published build dir: the library was built and imported successfully
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -128,32 +133,56 @@ def _load() -> ModuleType:
     if missing:
         raise FileNotFoundError(f"kernel source missing: {KERNEL_DIR / missing[0]}")
     name = _module_name()
-    build_dir = _build_root() / name
-    done = build_dir / "loaded-ok"  # written once a build has been imported successfully
-    if done.is_file():  # fast path: skips ninja and the compiler checks (~1 s) in later processes
-        return _import_library(name, build_dir / f"{name}.so")
+    root = _build_root()
+    final = root / name
+    if (final / DONE).is_file():  # fast path: skips ninja and the compiler checks (~1 s)
+        return _import_library(name, final / f"{name}.so")
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ({cxx!r} not on PATH)")
-    build_dir.mkdir(parents=True, exist_ok=True)
-    _clear_stale_lock(build_dir / "lock")
+    root.mkdir(parents=True, exist_ok=True)
+    owner.sweep(root)  # private build dirs of builds that were killed
+    build = root / owner.temp_name(name, "build")
+    try:
+        os.mkdir(build)
+        module = _compile(name, build)
+        (build / DONE).touch()
+        _publish(build, final)
+    finally:
+        owner.remove(build)  # gone already when published
+    return module
+
+
+def _compile(name: str, build: Path) -> ModuleType:
+    """Build and import the extension in `build`, a directory private to this process: a build
+    killed midway leaves only an owner-named dir that the next build sweeps, never a lock or a
+    half-written library where other processes look."""
     from torch.utils.cpp_extension import load
 
     # cpp_extension logs through Python; keep a successful build silent.
     sink = io.StringIO()
     with redirect_stdout(sink), redirect_stderr(sink):
-        module = load(
+        return load(
             name=name,
             sources=[str(KERNEL_DIR / "adamw.cpp")],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
-            build_directory=str(build_dir),
+            build_directory=str(build),
             verbose=False,
         )
-    # Only now: a library left half-written by a killed build must never take the fast path
-    # (dlopen of a truncated file dies with SIGBUS instead of raising).
-    done.touch()
-    return module
+
+
+def _publish(build: Path, final: Path) -> None:
+    """Rename the finished build to its shared name in one step. Another process may have
+    published first (keep theirs); a directory there without the DONE marker is left from an
+    older layout or a killed build, and is replaced."""
+    if final.exists() and not (final / DONE).is_file():
+        aside = final.with_name(owner.temp_name(final.name, "del"))
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(final, aside)
+        owner.remove(aside)
+    with contextlib.suppress(OSError):  # ENOTEMPTY/EEXIST: a concurrent build won; same bytes
+        os.rename(build, final)
 
 
 def _import_library(name: str, path: Path) -> ModuleType:
@@ -163,12 +192,3 @@ def _import_library(name: str, path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _clear_stale_lock(lock: Path) -> None:
-    """torch waits forever on a lock file left by a killed build; drop one that is clearly stale."""
-    try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            lock.unlink()
-    except FileNotFoundError:
-        pass

@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .. import preflight
 from ..config import load_config
 from ..config.schema import EngineConfig, OptimConfig
 from ..data.batch import MicroBatch
@@ -35,6 +36,8 @@ def run_profile(
     config: Path | None, json_out=None, trace=None, plot=None, console: Console | None = None
 ) -> dict:
     console = console or Console()
+    for path, opt in ((json_out, "--json"), (trace, "--trace"), (plot, "--plot")):
+        preflight.check_output_file(path, opt)  # before minutes of measuring, not after
     with tempfile.TemporaryDirectory(prefix="horizon-profile-") as tmp:
         store, ecfg, ocfg, batch, micro, seq = _setup(config, Path(tmp), console)
         tracer = Tracer(enabled=True)
@@ -72,6 +75,7 @@ def _setup(config: Path | None, tmp: Path, console: Console):
     if config is not None:
         cfg = load_config(config)
         store = Store.open(cfg.model.path)
+        preflight.check_device(cfg.engine)
         seq = min(cfg.data.max_seq_len, store.arch.max_positions)
         return store, cfg.engine, cfg.optim, cfg.train.batch_size, cfg.train.micro_batch_size, seq
     console.print("no config given: profiling a built-in tiny Llama (8 layers, hidden 512) on random weights")

@@ -81,8 +81,10 @@ def unit_file(unit: str) -> str:
 
 def read_manifest(root: Path) -> Manifest:
     path = Path(root) / MANIFEST
-    if not Path(root).is_dir():
+    if not Path(root).exists():
         raise InputError(f"{root}: not found (expected a store made by `horizon convert`)")
+    if not Path(root).is_dir():
+        raise InputError(f"{root}: not a horizon store (a file, not a directory made by `horizon convert`)")
     if not path.is_file():
         raise InputError(f"{root}: not a horizon store (no {MANIFEST}; make one with `horizon convert`)")
     try:

@@ -1,15 +1,12 @@
-"""Checkpoints: complete, self-describing, written atomically, pruned to `keep_last`.
+"""Saving and restoring the engine's training state as a checkpoint (the on-disk definition,
+checks, pruning and sweeping live beside the store, in store/checkpoint.py).
 
-    checkpoints/step_N/
-      manifest.json, units/, hf/   a store of the trained weights (the streaming copy, engine dtype):
-                                   `horizon export` and `model.path` both accept it
-      state/<unit>.<buf>.bin       the rest of the training state, raw: `lo` (bf16 runs: the fp32
-                                   master's low half), `m` and `v` (AdamW moments)
-      state/trainer.json           step, optimizer step count, RNG, data position, model
-                                   fingerprint, and a checksum of every state file
+    state/<unit>.<buf>.bin   raw buffers: `lo` (bf16 runs: the fp32 master's low half), `m`, `v`
+    state/trainer.json       step, optimizer step count, RNG, model fingerprint, ...
+    state/config.yaml        the resolved config of the run that wrote it
 
-Written into a temp dir beside the others, fsynced, then renamed: a crash or a full disk leaves
-the previous checkpoints as they were. Only directories named step_N with a trainer.json count.
+Written into an owner-named temp dir beside the others, with the checksums file last, fsynced,
+then renamed to step_N: a crash or a full disk leaves the previous checkpoints as they were.
 """
 
 from __future__ import annotations
@@ -18,58 +15,41 @@ import ast
 import json
 import os
 import random
-import re
 import shutil
-import tempfile
 import zlib
 from pathlib import Path
 
 import torch
 
-from ..errors import HorizonError, InputError
-from ..faults import maybe_die
+from .. import owner
+from ..errors import HorizonError
+from ..faults import phase
 from ..fsutil import fsync_tree, read_exact, replace_dir
 from ..store import Store, StoreWriter
-from ..store.manifest import MANIFEST
+from ..store import checkpoint as ckpt
 from ..store.writer import tensor_bytes
 
 STATE_BUFFERS = ("lo", "m", "v")
 
 
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [
-        p
-        for p in root.iterdir()
-        if re.fullmatch(r"step_\d+", p.name)
-        and (p / "state" / "trainer.json").is_file()
-        and (p / MANIFEST).is_file()
-    ]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
-
-
-def latest(run_dir: Path) -> Path | None:
-    dirs = checkpoint_dirs(run_dir)
-    return dirs[-1] if dirs else None
-
-
-def save(engine, run_dir: Path, step: int, trainer: dict, model_store: Store, keep_last: int) -> Path:
-    """Write checkpoint step_N for the engine's current (fully updated) state."""
+def save(
+    engine, run_dir: Path, step: int, trainer: dict, config_yaml: str, model_store: Store, keep_last: int
+) -> Path:
+    """Write checkpoint step_N for the engine's current (fully updated) state, then prune."""
     engine.wait()
+    phase("checkpoint", step)
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.tmp-", dir=root))
+    tmp = root / owner.temp_name(final.name)  # named before it exists: no window leaves it behind
     try:
-        _write(engine, tmp, trainer, model_store)
-        maybe_die("checkpoint-written", step)
+        os.mkdir(tmp, 0o777)  # the umask applies, as to any directory the user makes
+        _write(engine, tmp, trainer, config_yaml, model_store)
+        phase("checkpoint-written", step)
         fsync_tree(tmp)
-        maybe_die("checkpoint-synced", step)
+        phase("checkpoint-synced", step)
         replace_dir(tmp, final)
-        maybe_die("checkpoint-renamed", step)
+        phase("checkpoint-renamed", step)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise HorizonError(
@@ -78,11 +58,11 @@ def save(engine, run_dir: Path, step: int, trainer: dict, model_store: Store, ke
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    prune(run_dir, keep_last)
+    ckpt.prune(run_dir, keep_last)
     return final
 
 
-def _write(engine, tmp: Path, trainer: dict, model_store: Store) -> None:
+def _write(engine, tmp: Path, trainer: dict, config_yaml: str, model_store: Store) -> None:
     dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[engine.dtype]
     w = StoreWriter(tmp, engine.spec, dtype, source=model_store.manifest.source or str(model_store.root))
     try:
@@ -91,6 +71,7 @@ def _write(engine, tmp: Path, trainer: dict, model_store: Store) -> None:
         w.finish(extra={"step": trainer["step"]})
     finally:
         w.close()
+    phase("checkpoint-store", trainer["step"])
     if (model_store.root / "hf").is_dir():
         shutil.copytree(model_store.root / "hf", tmp / "hf")
     state = tmp / "state"
@@ -101,9 +82,10 @@ def _write(engine, tmp: Path, trainer: dict, model_store: Store) -> None:
         for key in STATE_BUFFERS:
             if key in bufs:
                 fname = f"{name}.{key}.bin"
-                sums[fname] = _write_raw(state / fname, bufs[key])
-    trainer = {**trainer, "files": sums, "rng": _rng_state()}
-    (state / "trainer.json").write_text(json.dumps(trainer, indent=1))
+                sums[f"state/{fname}"] = _write_raw(state / fname, bufs[key])
+    (tmp / ckpt.CONFIG).write_text(config_yaml)
+    (tmp / ckpt.TRAINER).write_text(json.dumps({**trainer, "rng": _rng_state()}, indent=1))
+    ckpt.write_sums(tmp, sums)
 
 
 def _write_raw(path: Path, t: torch.Tensor) -> int:
@@ -113,23 +95,22 @@ def _write_raw(path: Path, t: torch.Tensor) -> int:
     return zlib.crc32(data)
 
 
-def load(engine, ckpt: Path) -> dict:
-    """Restore the engine's master, moments and step count from `ckpt`; returns trainer.json.
+def load(engine, ck: Path) -> dict:
+    """Restore the engine's master, moments and step count from `ck`; returns trainer.json.
+    CheckpointDamaged when a file is missing or fails its checksum.
 
     The streaming weights come from the checkpoint's store (the engine is built on it)."""
-    trainer = json.loads((ckpt / "state" / "trainer.json").read_text())
+    sums = ckpt.read_sums(ck)
+    trainer = ckpt.read_trainer(ck)
     for name, st in engine.host.units.items():
         bufs = st.buffers()
         for key in STATE_BUFFERS:
             if key not in bufs:
                 continue
-            fname = f"{name}.{key}.bin"
-            path = ckpt / "state" / fname
-            if fname not in trainer["files"] or not path.is_file():
-                raise InputError(
-                    f"{ckpt}: checkpoint lacks {fname} (was it written by another engine.dtype?)"
-                )
-            _read_raw(path, bufs[key], trainer["files"][fname])
+            rel = f"state/{name}.{key}.bin"
+            if rel not in sums or not (ck / rel).is_file():
+                raise ckpt.CheckpointDamaged(f"{ck}: checkpoint lacks {rel}")
+            _read_raw(ck / rel, bufs[key], sums[rel][1])
     engine.adam_step = trainer["adam_step"]
     _set_rng_state(trainer["rng"])
     return trainer
@@ -138,20 +119,12 @@ def load(engine, ckpt: Path) -> dict:
 def _read_raw(path: Path, out: torch.Tensor, crc: int) -> None:
     buf = tensor_bytes(out)
     if os.path.getsize(path) != len(buf):
-        raise InputError(f"{path}: size {os.path.getsize(path)} does not match the model ({len(buf)} bytes)")
+        raise ckpt.CheckpointDamaged(
+            f"{path}: size {os.path.getsize(path)} does not match the model ({len(buf)} bytes)"
+        )
     read_exact(path, buf)
     if zlib.crc32(buf) != crc:
-        raise InputError(f"{path}: checksum mismatch (checkpoint is corrupt)")
-
-
-def prune(run_dir: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` checkpoints; also sweep temp dirs left by a killed run."""
-    for old in checkpoint_dirs(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    root = Path(run_dir) / "checkpoints"
-    for p in root.iterdir() if root.is_dir() else []:
-        if p.name.startswith(".step_"):
-            shutil.rmtree(p, ignore_errors=True)
+        raise ckpt.CheckpointDamaged(f"{path}: checksum mismatch (checkpoint is corrupt)")
 
 
 def _rng_state() -> dict:

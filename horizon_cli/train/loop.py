@@ -12,27 +12,21 @@ from pathlib import Path
 
 import psutil
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import Progress
 
-from ..config import Config
-from ..data import batch_rows, collate, prepare_data
+from ..config import Config, dump_yaml
+from ..data import PreparedData, batch_rows, collate, prepare_data
 from ..engine.schedule import Engine, StepResult
 from ..errors import HorizonError, InputError
-from ..faults import maybe_die
+from ..faults import phase
 from ..inspect import fmt_bytes
 from ..optim.schedules import lr_at
-from ..progress import byte_progress
+from ..progress import byte_progress, train_columns
 from ..store import Store
+from ..store import checkpoint as ckpt
 from . import checkpoint
 from .metrics import MetricsLog, plot_loss, read_metrics
-from .run import model_fingerprint
+from .rundir import RunDir
 
 
 def load_tokenizer(store: Store, fmt: str):
@@ -51,39 +45,83 @@ def load_tokenizer(store: Store, fmt: str):
     return AutoTokenizer.from_pretrained(str(hf))
 
 
+def load_data(cfg: Config, store: Store, cache_dir: Path | None, console: Console) -> PreparedData:
+    """The data of the run, tokenized (through the cache at `cache_dir` when given)."""
+    return prepare_data(
+        cfg.data,
+        load_tokenizer(store, cfg.data.format),
+        seed=cfg.train.seed,
+        model_max_len=store.arch.max_positions,
+        vocab_size=store.arch.vocab,
+        cache_dir=cache_dir,
+        log=lambda s: console.print(s, highlight=False),
+    )
+
+
 class Trainer:
-    def __init__(self, cfg: Config, store: Store, run_dir: Path, console: Console):
-        self.cfg, self.store, self.run_dir, self.console = cfg, store, run_dir, console
+    def __init__(self, cfg: Config, store: Store, rd: RunDir, console: Console):
+        self.cfg, self.store, self.rd, self.console = cfg, store, rd, console
+        self.run_dir = rd.path
         self.proc = psutil.Process()
+        self._engine: Engine | None = None
+        self.saved = -1  # the step of the last checkpoint this process wrote or resumed
 
     # -- setup -------------------------------------------------------------------------------
     def run(self) -> dict:
-        cfg = self.cfg
-        tok = load_tokenizer(self.store, cfg.data.format)
-        self.data = prepare_data(
-            cfg.data,
-            tok,
-            seed=cfg.train.seed,
-            model_max_len=self.store.arch.max_positions,
-            vocab_size=self.store.arch.vocab,
-            cache_dir=self.run_dir / "cache",
-            log=lambda s: self.console.print(s, highlight=False),
-        )
-        ck = checkpoint.latest(self.run_dir)
-        self.engine = self._build_engine(ck)
+        if self.rd.trained:  # killed after its last checkpoint: only the finish may be left to do
+            ck = self.rd.candidates[0]
+            why = ckpt.check(ck, deep=True)  # the engine that would have checked it is not built
+            if why is not None:
+                self.rd.damaged_at_load(ck, why)
+        if self.rd.trained:
+            self.rd.begin()
+            return self._finish(self.rd.resume_step)
+        self.data = load_data(self.cfg, self.store, self.run_dir / "cache", self.console)
         try:
-            state = checkpoint.load(self.engine, ck) if ck else {"step": 0, "bad_steps": 0}
-            if ck:
-                self.console.print(f"[bold]resuming[/] from {ck} (step {state['step']})")
+            state = self._resume()
+            self.rd.begin()  # everything is checked and loaded: from here on the run dir changes
             self.bad = state.get("bad_steps", 0)
-            self.metrics = MetricsLog(self.run_dir, state["step"], cfg.log.tensorboard)
+            self.metrics = MetricsLog(self.run_dir, state["step"], self.cfg.log.tensorboard, self.console)
             try:
                 last = self._loop(state["step"])
             finally:
                 self.metrics.close()
             return self._finish(last)
         finally:
-            self.engine.close()
+            self._close_engine()
+
+    def _resume(self) -> dict:
+        """Build the engine on the newest checkpoint that loads intact (a damaged one is set
+        aside and the one before it tried), or on the model when there is none."""
+        while self.rd.candidates:
+            ck = self.rd.candidates[0]
+            phase("load", ckpt.step_of(ck))
+            try:
+                self._engine = self._build_engine(ck)
+                state = checkpoint.load(self._engine, ck)
+            except InputError:
+                self._close_engine()
+                why = ckpt.check(ck, deep=True)
+                if why is None:
+                    raise
+                self.rd.damaged_at_load(ck, why)  # reported and renamed aside by rd.begin()
+                continue
+            self.console.print(f"[bold]resuming[/] from {ck} (step {state['step']})")
+            self.saved = state["step"]
+            return state
+        phase("load", 0)
+        self._engine = self._build_engine(None)
+        return {"step": 0, "bad_steps": 0}
+
+    @property
+    def engine(self) -> Engine:
+        assert self._engine is not None, "no engine before _resume"
+        return self._engine
+
+    def _close_engine(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
 
     def _build_engine(self, ck: Path | None) -> Engine:
         src = Store.open(ck) if ck else self.store
@@ -94,7 +132,7 @@ class Trainer:
         with byte_progress(self.console, "load weights", src.nbytes()) as advance:
             engine = Engine(src, self.cfg.engine, self.cfg.optim, progress=advance)
         if engine.optimizer.note:
-            self.console.print(f"[yellow]note:[/] {engine.optimizer.note}")
+            self.console.print(f"[yellow]warning:[/] {engine.optimizer.note}")
         self.console.print(
             f"engine: {engine.t.kind} {engine.t.device}, {self.cfg.engine.dtype}, prefetch {self.cfg.engine.prefetch}, "
             f"AdamW kernel {engine.optimizer.kernel_name}, host state {fmt_bytes(sum(engine.host.nbytes().values()))}"
@@ -105,20 +143,12 @@ class Trainer:
     def _loop(self, start: int) -> int:
         cfg, t = self.cfg, self.cfg.train
         step = start
-        cols = (
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn(
-                "loss [cyan]{task.fields[loss]}[/] lr {task.fields[lr]} {task.fields[tps]} tok/s RAM {task.fields[ram]}"
-            ),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-        )
-        with Progress(*cols, console=self.console) as prog:
+        fields = "loss [cyan]{task.fields[loss]}[/] lr {task.fields[lr]} {task.fields[tps]} tok/s RAM {task.fields[ram]}"
+        with Progress(*train_columns(t.steps, fields), console=self.console) as prog:
             task = prog.add_task("train", total=t.steps, completed=start, loss="-", lr="-", tps="-", ram="-")
             t_prev = time.perf_counter()
             while step < t.steps:
+                phase("step", step + 1)
                 row = self._step(step)
                 now = time.perf_counter()
                 row["step_s"] = now - t_prev
@@ -129,7 +159,7 @@ class Trainer:
                     row["eval_loss"] = self.evaluate()
                 self.metrics.write(row)
                 self._show(prog, task, row)
-                maybe_die("after-step", step)
+                phase("after-step", step)
                 if row["skipped"]:
                     self._bad_step(row)
                 if cfg.output.save_every and step % cfg.output.save_every == 0 and step < t.steps:
@@ -212,19 +242,28 @@ class Trainer:
             "adam_step": self.engine.adam_step,
             "bad_steps": self.bad,
             "dtype": self.cfg.engine.dtype,
-            "model_fingerprint": model_fingerprint(self.store),
+            "model_fingerprint": ckpt.model_fingerprint(self.store),
             "seed": self.cfg.train.seed,
         }
         path = checkpoint.save(
-            self.engine, self.run_dir, step, trainer, self.store, self.cfg.output.keep_last
+            self.engine,
+            self.run_dir,
+            step,
+            trainer,
+            dump_yaml(self.cfg),
+            self.store,
+            self.cfg.output.keep_last,
         )
+        self.saved = step
         self.console.print(f"saved checkpoint {path}", highlight=False)
         return path
 
     def _finish(self, step: int) -> dict:
-        ck = checkpoint.latest(self.run_dir)
-        if ck is None or int(ck.name.split("_")[1]) != step:
+        """The last checkpoint, the loss plot, the export; then finished.json, written last."""
+        if self._engine is not None and self.saved != step:
             ck = self.save(step)
+        else:
+            ck = self.run_dir / "checkpoints" / f"step_{step}"
         rows = read_metrics(self.run_dir / "metrics.jsonl")
         out = {"step": step, "checkpoint": str(ck), "final_loss": rows[-1]["loss"] if rows else None}
         if self.cfg.log.plot and rows:
@@ -232,9 +271,12 @@ class Trainer:
         if self.cfg.output.export:
             from ..export import export
 
+            phase("export")
             dst = self.run_dir / "export"
             export(ck, dst, force=True, console=self.console)
             out["export"] = str(dst)
+        self.rd.record_finished(ck, exported=self.cfg.output.export)
+        phase("finished")
         self.console.print(
             f"[green]done[/]: {step} steps, final loss {out['final_loss']}, checkpoint {ck}"
             + (f", HF export {out['export']}" if "export" in out else ""),

@@ -2,47 +2,80 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import InputError
+from .. import owner
+from ..errors import HorizonError, InputError
 from ..fsutil import write_text_atomic
 
 
 class MetricsLog:
-    """Appends one JSON object per optimizer step; on resume, drops lines past the checkpoint."""
+    """Appends one JSON object per optimizer step. On resume it keeps exactly the lines of steps
+    up to the checkpoint's, by step number: a line garbled by a crash is dropped (and counted),
+    never the history after it."""
 
-    def __init__(self, run_dir: Path, resume_step: int, tensorboard: bool):
+    def __init__(self, run_dir: Path, resume_step: int, tensorboard: bool, console=None):
         self.path = Path(run_dir) / "metrics.jsonl"
-        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step] if resume_step else []
-        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        self.f = open(self.path, "a")  # noqa: SIM115 - held open for the whole run
+        rows, bad = read_metrics_counted(self.path)
+        kept = [r for r in rows if r.get("step", 0) <= resume_step] if resume_step else []
+        if bad and console is not None:
+            console.print(
+                f"[yellow]warning:[/] {self.path}: dropped {bad} unreadable line(s)", highlight=False
+            )
+        with io_failure(self.path):
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            self.f = open(self.path, "a")  # noqa: SIM115 - held open for the whole run
         self.tb = tensorboard_writer(Path(run_dir) / "tensorboard") if tensorboard else None
 
     def write(self, row: dict) -> None:
-        self.f.write(json.dumps(row) + "\n")
-        self.f.flush()
+        with io_failure(self.path):
+            self.f.write(json.dumps(row) + "\n")
+            self.f.flush()
         if self.tb is not None:
             for k, v in row.items():
                 if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
                     self.tb.add_scalar(k, v, row["step"])
 
     def close(self) -> None:
-        self.f.close()
+        with contextlib.suppress(OSError):  # a failed flush was already reported by write()
+            self.f.close()
         if self.tb is not None:
             self.tb.close()
 
 
+@contextlib.contextmanager
+def io_failure(path: Path) -> Iterator[None]:
+    """A failed write of a run output (disk full, file too large) is one line naming the file,
+    exit status 1."""
+    try:
+        yield
+    except OSError as e:
+        raise HorizonError(f"{path}: {e.strerror or e}") from None
+
+
 def read_metrics(path: Path) -> list[dict]:
+    return read_metrics_counted(path)[0]
+
+
+def read_metrics_counted(path: Path) -> tuple[list[dict], int]:
+    """(rows that parse as JSON objects with a step, number of lines that do not)."""
     if not Path(path).is_file():
-        return []
-    rows = []
-    for line in Path(path).read_text().splitlines():
+        return [], 0
+    rows, bad = [], 0
+    for line in Path(path).read_text(errors="replace").splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            break  # a line cut short by a crash: everything after it is discarded too
-    return rows
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+        elif line.strip():
+            bad += 1
+    return rows, bad
 
 
 def tensorboard_writer(logdir: Path | None):
@@ -81,6 +114,14 @@ def plot_loss(rows: list[dict], out: Path, title: str = "") -> Path | None:
     ax.legend(lines[0] + lr_lines[0], lines[1] + lr_lines[1], loc="upper right")
     ax.set_title(title or "horizon training")
     fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return Path(out)
+    out = Path(out)
+    tmp = out.with_name(owner.temp_name(out.name))
+    try:
+        with io_failure(out):
+            fig.savefig(tmp, format="png")
+            os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return out

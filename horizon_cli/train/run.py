@@ -1,48 +1,63 @@
-"""`horizon train`: config -> checks -> (resume) -> data -> engine -> loop -> checkpoint -> export.
+"""`horizon train`: config -> checks -> run dir (lock, resume) -> data -> engine -> loop -> export.
 
 Everything that can be checked before training is checked first, so that bad input exits 2
-before any time is spent: the config, the store, the run dir, the memory plan, the data.
+before anything is written: the config, the store, the device, the memory plan, the run dir and
+whether this config may resume it, the data. `--dry-run` runs the same checks and writes nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
-import psutil
 from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
+from .. import owner, preflight
 from ..config import Config, dump_yaml, load_config
+from ..data.prepare import check_lengths
 from ..engine.plan import MemoryPlan, memory_plan
-from ..errors import InputError
-from ..fsutil import write_text_atomic
+from ..errors import HorizonError, InputError, Terminated
+from ..faults import phase
 from ..inspect import fmt_bytes
 from ..store import Store
-from . import checkpoint
+from ..store import checkpoint as ckpt
+from . import compat
+from .loop import Trainer, load_data
 from .metrics import tensorboard_writer
+from .rundir import RunDir
 
 
 def run_training(
     config_path: Path, overrides: list[str], dry_run: bool = False, console: Console | None = None
 ):
     console = console or Console()
+    phase("startup")
     cfg = load_config(config_path, overrides)
     store = Store.open(cfg.model.path)
+    check_lengths(cfg.data, store.arch.max_positions)
+    device = preflight.check_device(cfg.engine)
     plan = plan_for(cfg, store)
     if dry_run:
-        show_dry_run(cfg, store, plan, console)
-        return None
-    check_fits(plan, device_is_host(cfg))
+        return dry_run_report(cfg, store, plan, device, console)
+    check_fits(plan, device == "cpu")
     if cfg.log.tensorboard:
         tensorboard_writer(None)  # fail now, not after loading the model
-    run_dir = prepare_run_dir(cfg, store)
-    from .loop import Trainer
-
-    return Trainer(cfg, store, run_dir, console).run()
+    with stop_signals(), RunDir.claim(cfg, store, console) as rd:
+        phase("locked")
+        if rd.finished():
+            console.print(
+                f"{rd.path}: complete at step {rd.resume_step} (train.steps {cfg.train.steps}); nothing to do",
+                highlight=False,
+            )
+            return {"step": rd.resume_step, "checkpoint": str(rd.candidates[0]), "complete": True}
+        with runtime_failures():
+            return Trainer(cfg, store, rd, console).run()
 
 
 def plan_for(cfg: Config, store: Store) -> MemoryPlan:
@@ -60,11 +75,35 @@ def plan_for(cfg: Config, store: Store) -> MemoryPlan:
     )
 
 
-def show_dry_run(cfg: Config, store: Store, plan: MemoryPlan, console: Console) -> None:
+# -- dry run -------------------------------------------------------------------------------------
+def dry_run_report(cfg: Config, store: Store, plan: MemoryPlan, device: str, console: Console) -> None:
+    """The checks of a real start that write nothing: the data is read and tokenized (not
+    cached, not even where data.cache_dir says), the run dir's resume point checked against
+    this config."""
+    load_data(replace(cfg, data=replace(cfg.data, cache_dir=None)), store, None, console)
+    run_dir = run_dir_status(cfg, store)
     console.print(Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default"))
     console.print(plan_table(plan, store))
-    ok, why = fits(plan, device_is_host(cfg))
+    ok, why = fits(plan, device == "cpu")
     console.print(("[green]fits[/]: " if ok else "[red]does not fit[/]: ") + why)
+    console.print(f"output.dir: {run_dir}", highlight=False)
+
+
+def run_dir_status(cfg: Config, store: Store) -> str:
+    path = Path(cfg.output.dir)
+    compat.check_accept_keys(cfg)
+    holder = owner.probe(path)
+    if holder:
+        return f"{path} is in use by {holder}: a real start would stop here"
+    good, _ = ckpt.intact(path)
+    if not good:
+        return f"{path}: a new run"
+    probe = RunDir(cfg, store, Console(quiet=True))
+    probe.candidates = good
+    probe.check_resumable(good[0])
+    if probe.trained:
+        return f"{path}: complete at step {probe.resume_step}"
+    return f"{path}: resumes from {good[0].name}"
 
 
 def plan_table(plan: MemoryPlan, store: Store) -> Table:
@@ -82,19 +121,14 @@ def plan_table(plan: MemoryPlan, store: Store) -> Table:
     return t
 
 
+# -- host memory ---------------------------------------------------------------------------------
 def fits(plan: MemoryPlan, device_is_host: bool = False) -> tuple[bool, str]:
-    """On `device: cpu` the device's buffers live in host RAM too."""
-    avail = psutil.virtual_memory().available
+    """Against what this process may allocate (free RAM, RLIMIT_AS, the cgroup's limit). On
+    `device: cpu` the device's buffers live in host RAM too."""
+    avail, limit = preflight.host_available()
     need = plan.host_total + (plan.device_total if device_is_host else 0)
-    ok = need <= avail
     what = "host + device (both in RAM)" if device_is_host else "host"
-    return ok, f"{what} needs {fmt_bytes(need)}, {fmt_bytes(avail)} available"
-
-
-def device_is_host(cfg: Config) -> bool:
-    from ..engine.schedule import resolve_device
-
-    return resolve_device(cfg.engine) == "cpu"
+    return need <= avail, f"{what} needs {fmt_bytes(need)}, {fmt_bytes(avail)} available ({limit})"
 
 
 def check_fits(plan: MemoryPlan, on_host: bool) -> None:
@@ -105,35 +139,40 @@ def check_fits(plan: MemoryPlan, on_host: bool) -> None:
         )
 
 
-def model_fingerprint(store: Store) -> str:
-    """Identity of the starting model: its architecture and every tensor checksum."""
-    h = hashlib.sha256(json.dumps(store.arch.to_dict(), sort_keys=True).encode())
-    for u in store.units:
-        for t in u.tensors:
-            h.update(f"{t.hf}:{t.crc32};".encode())
-    return h.hexdigest()[:16]
+# -- stopping ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGTERM stops the run like SIGINT: an exception unwinds it (temp dirs removed, the last
+    checkpoint kept) and the command exits 143."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
+    def on_term(signum, frame):
+        raise Terminated()
 
-def prepare_run_dir(cfg: Config, store: Store) -> Path:
-    run_dir = Path(cfg.output.dir)
+    old = signal.signal(signal.SIGTERM, on_term)
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def runtime_failures() -> Iterator[None]:
+    """Failures of the machine while training (a full disk, no memory, no threads) are one
+    `error:` line and exit status 1, not a traceback."""
+    try:
+        yield
+    except HorizonError:
+        raise
+    except MemoryError:
+        raise HorizonError("out of host memory (MemoryError); the last checkpoint is intact") from None
     except OSError as e:
-        raise InputError(f"output.dir: {run_dir} is not writable ({e.strerror or e})") from None
-    ck = checkpoint.latest(run_dir)
-    if ck is not None:
-        trainer = json.loads((ck / "state" / "trainer.json").read_text())
-        if trainer.get("model_fingerprint") != model_fingerprint(store):
-            raise InputError(
-                f"output.dir: {run_dir} holds a checkpoint of a different model ({ck.name}); "
-                "use another output.dir or remove the run dir"
-            )
-        if trainer.get("dtype") != cfg.engine.dtype:
-            raise InputError(
-                f"engine.dtype: {cfg.engine.dtype} differs from the checkpoint's {trainer.get('dtype')} in {ck}"
-            )
-    write_text_atomic(run_dir / "config.yaml", dump_yaml(cfg))
-    return run_dir
+        raise HorizonError(f"{e.filename or 'I/O'}: {e.strerror or e}") from None
+    except RuntimeError as e:
+        if "can't start new thread" in str(e):
+            raise HorizonError(f"cannot start a thread ({e}); the last checkpoint is intact") from None
+        if "out of memory" in str(e).lower():
+            raise HorizonError(f"{str(e).splitlines()[0]}; the last checkpoint is intact") from None
+        raise

@@ -1,0 +1,87 @@
+"""May a run resume with this config? Which settings changed since its checkpoint was written.
+
+A checkpoint stores the resolved config it was trained with (state/config.yaml). Resuming with
+a setting that changes the run's trajectory (data, batch sizes, seed, optimizer, schedule,
+max_seq_len, packing, dtype, ...) is refused with the list of changed keys, unless the config
+accepts exactly those keys: `train.accept_changes: [optim.lr]` (a section name accepts all of its
+keys). Every key is a trajectory key except the FREE ones below: how long to train, how often
+to log, evaluate and save, where to write, and how the same arithmetic is carried out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from ..config import Config, to_dict
+from ..errors import InputError
+
+FREE = (
+    "train.steps",  # may grow: the run continues; at or below the checkpoint's step it is complete
+    "train.eval_every",
+    "train.eval_batches",
+    "train.max_bad_steps",
+    "train.accept_changes",
+    "model.path",  # the model itself is compared by fingerprint, wherever it lives
+    "data.cache_dir",
+    "engine.device",
+    "engine.prefetch",
+    "engine.compute_threads",
+    "engine.link_gbps",
+    "engine.loss_chunk",
+    "optim.kernel",
+    "output",
+    "log",
+)
+
+
+def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _under(key: str, prefixes) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every trajectory key that differs. Keys present on
+    one side only (a config written by another horizon version) are not compared."""
+    a, b = flat(old), flat(new)
+    return [(k, a[k], b[k]) for k in b if k in a and a[k] != b[k] and not _under(k, FREE)]
+
+
+def check_accept_keys(cfg: Config) -> None:
+    known = flat(to_dict(cfg))
+    sections = {k.split(".")[0] for k in known}
+    for e in cfg.train.accept_changes:
+        if e not in known and e not in sections:
+            raise InputError(f"train.accept_changes: {e!r} is not a config key (e.g. optim.lr)")
+
+
+def check_resume(old_config_text: str | None, cfg: Config, where: str) -> list[str]:
+    """Refuse (InputError) unless every trajectory change is accepted; returns the accepted
+    changes as printable lines."""
+    if old_config_text is None:
+        return []
+    old = yaml.safe_load(old_config_text) or {}
+    diff = changes(old, to_dict(cfg))
+    refused = [d for d in diff if not _under(d[0], cfg.train.accept_changes)]
+    if refused:
+        listing = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in refused)
+        keys = ",".join(k for k, _, _ in refused)
+        raise InputError(
+            f"output.dir: {where} was trained with other settings that change the run: {listing}; "
+            f"to resume with them anyway add train.accept_changes=[{keys}], or use another output.dir"
+        )
+    return [f"{k} {_show(a)} -> {_show(b)}" for k, a, b in diff]
+
+
+def _show(v: Any) -> str:
+    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()

@@ -1,0 +1,155 @@
+"""The run dir of `horizon train`: one owner at a time, what a start resumes, and the rule that a
+start that fails changes nothing.
+
+    claim()   lock the dir (a second `horizon train` exits 2 naming the holder), pick the newest
+              intact checkpoint and check that this config may resume it (compat.py). Reads only.
+    begin()   called once the resume point is loaded and the run really starts: rename damaged
+              checkpoints aside, sweep what killed processes left, write config.yaml, prune.
+    release   on the way out: unlock, and remove the dir again if this start made it and
+              nothing was written into it.
+
+    <run>/.lock           held (flock) while a process trains here; removed on exit
+    <run>/finished.json   written last by a run that finished: its step and what it exported
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from .. import owner
+from ..config import Config, dump_yaml
+from ..errors import InputError
+from ..fsutil import write_text_atomic
+from ..store import Store
+from ..store import checkpoint as ckpt
+from . import compat
+
+FINISHED = "finished.json"
+
+
+class RunDir:
+    def __init__(self, cfg: Config, store: Store, console: Console):
+        self.cfg, self.store, self.console = cfg, store, console
+        self.path = Path(cfg.output.dir)
+        self.lock: owner.DirLock | None = None
+        self.made: list[Path] = []  # folders this start created (outermost first)
+        self.candidates: list[Path] = []  # intact checkpoints, newest first
+        self.damaged: list[tuple[Path, str]] = []
+        self.accepted: list[str] = []  # trajectory changes the config accepts
+
+    # -- claim: checks only --------------------------------------------------------------------
+    @classmethod
+    @contextlib.contextmanager
+    def claim(cls, cfg: Config, store: Store, console: Console) -> Iterator[RunDir]:
+        rd = cls(cfg, store, console)
+        rd._lock()
+        try:
+            rd.inspect()
+            yield rd
+        finally:
+            rd._release()
+
+    def _lock(self) -> None:
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise InputError(f"output.dir: {p} is not a directory")
+        self.made = [d for d in (p, *p.parents) if not os.path.lexists(d)][::-1]
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+            self.lock = owner.DirLock.acquire(p)
+        except owner.Locked as e:
+            self._remove_made()
+            raise InputError(
+                f"output.dir: {p} is in use by {e.holder} (one `horizon train` per run dir)"
+            ) from None
+        except OSError as e:
+            self._remove_made()
+            raise InputError(f"output.dir: {p} is not writable ({e.strerror or e})") from None
+
+    def inspect(self) -> None:
+        """Which checkpoint a start resumes, and whether this config may resume it (read-only)."""
+        compat.check_accept_keys(self.cfg)
+        self.candidates, self.damaged = ckpt.intact(self.path)
+        if self.candidates:
+            self.check_resumable(self.candidates[0])
+
+    def check_resumable(self, ck: Path) -> None:
+        trainer = ckpt.read_trainer(ck)
+        if trainer.get("model_fingerprint") != ckpt.model_fingerprint(self.store):
+            raise InputError(
+                f"output.dir: {self.path} holds a checkpoint of a different model ({ck.name}); "
+                "use another output.dir or remove the run dir"
+            )
+        if trainer.get("dtype") != self.cfg.engine.dtype:
+            raise InputError(
+                f"engine.dtype: {self.cfg.engine.dtype} differs from the checkpoint's "
+                f"{trainer.get('dtype')} in {ck} (its optimizer state has another layout)"
+            )
+        self.accepted = compat.check_resume(ckpt.read_config_text(ck), self.cfg, str(ck))
+
+    @property
+    def resume_step(self) -> int:
+        return ckpt.step_of(self.candidates[0]) if self.candidates else 0
+
+    @property
+    def trained(self) -> bool:
+        """The newest checkpoint is at or past train.steps: nothing left to train."""
+        return bool(self.candidates) and self.resume_step >= self.cfg.train.steps
+
+    def finished(self) -> bool:
+        """Trained, and the finish (plot, export) of that very checkpoint completed."""
+        if not self.trained:
+            return False
+        try:
+            rec = json.loads((self.path / FINISHED).read_text())
+        except (OSError, ValueError):
+            return False
+        return rec.get("checkpoint") == self.candidates[0].name and (
+            rec.get("export") or not self.cfg.output.export
+        )
+
+    def damaged_at_load(self, ck: Path, why: str) -> None:
+        """`ck` failed its deep check while loading: drop it, and check the next one may resume."""
+        self.candidates.remove(ck)
+        self.damaged.append((ck, why))
+        if self.candidates:
+            self.check_resumable(self.candidates[0])
+
+    # -- begin: the run starts, the dir is written ---------------------------------------------
+    def begin(self) -> None:
+        for ck, why in self.damaged:
+            aside = ckpt.quarantine(ck)
+            self.console.print(
+                f"[yellow]warning:[/] {escape(why)}; kept as {escape(str(aside))}", highlight=False
+            )
+        self.damaged = []
+        ckpt.sweep(self.path)
+        write_text_atomic(self.path / "config.yaml", dump_yaml(self.cfg))
+        ckpt.prune(self.path, self.cfg.output.keep_last)
+        self.made = []  # the run dir is in use now: never removed on the way out
+        for line in self.accepted:
+            self.console.print(f"[yellow]note:[/] resuming with a changed setting: {escape(line)}")
+
+    def record_finished(self, ck: Path, exported: bool) -> None:
+        rec = {"step": ckpt.step_of(ck), "checkpoint": ck.name, "export": exported}
+        write_text_atomic(self.path / FINISHED, json.dumps(rec) + "\n")
+
+    # -- release -------------------------------------------------------------------------------
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+        self._remove_made()
+
+    def _remove_made(self) -> None:
+        for d in reversed(self.made):
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only while still empty
+        self.made = []
