@@ -84,7 +84,8 @@ def test_pre_tokenized_data_trains_without_tokenizer_files(cfg, tmp_path, store_
     assert r.exit_code == 0, r.output
     assert "format tokens (auto-detected" in r.output
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": "hello"}])
-    msg = one_error_line(horizon("train", cfg(text, store_without_tokenizer)))
+    fresh = {"dir": str(tmp_path / "run2")}  # the first run's dir would refuse the new data first
+    msg = one_error_line(horizon("train", cfg(text, store_without_tokenizer, output=fresh)))
     assert "model.path: the store has no tokenizer files, and format 'text' needs a tokenizer" in msg
 
 
