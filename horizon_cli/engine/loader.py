@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .events import READY, Event
 from .host import HostState
-from .transport import READY, Event
 
 
 @dataclass
@@ -68,9 +68,14 @@ class Loader:
     def extra_bytes(self) -> int:
         return sum(s.extra.numel() * s.extra.element_size() for s in self.ring if s.extra is not None)
 
-    def begin(self, seq: list[Load]) -> None:
-        """Start a new sequence of loads (the previous one must be fully consumed)."""
+    def begin(self, seq: list[Load], ahead: int | None = None) -> None:
+        """Start a new sequence of loads (the previous one must be fully consumed), issuing at most
+        `ahead` of them for now (`fill` issues the rest as buffers allow)."""
         self.seq, self.pos, self.by_key = seq, 0, {}
+        self._issue(ahead)
+
+    def fill(self) -> None:
+        """Issue loads up to the free buffers."""
         self._issue()
 
     def _free_slot(self, load: Load) -> Slot | None:
@@ -82,8 +87,8 @@ class Loader:
                 return s
         return None
 
-    def _issue(self) -> None:
-        while self.pos < len(self.seq):
+    def _issue(self, limit: int | None = None) -> None:
+        while self.pos < len(self.seq) and (limit is None or len(self.by_key) < limit):
             load = self.seq[self.pos]
             slot = self._free_slot(load)
             if slot is None:

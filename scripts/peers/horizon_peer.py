@@ -147,7 +147,7 @@ def run(job: dict) -> dict:
 
     res = run_cli(job) if job.get("driver", "cli") == "cli" else run_engine(job)
     if "kernel" not in res:
-        from horizon_cli.optim.worker import pick_kernel
+        from horizon_cli.optim.kernel import pick_kernel
 
         res["kernel"] = pick_kernel("auto")[1]  # what optim.kernel auto chose (cached: no rebuild)
     plan = res["plan"]
