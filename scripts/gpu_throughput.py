@@ -68,7 +68,10 @@ def main() -> None:
             f"store of {store.manifest.params / 1e9:.2f}B parameters in {time.time() - t0:.0f}s", flush=True
         )
         eng = Engine(
-            store, EngineConfig(device="cuda", dtype="bfloat16", loss_chunk=4096), OptimConfig(lr=1e-5)
+            store,
+            EngineConfig(device="cuda", dtype="bfloat16", loss_chunk=4096),
+            OptimConfig(lr=1e-5),
+            max_tokens=args.batch * args.seq,
         )
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, LLAMA_1B["vocab_size"], (args.batch, args.seq), generator=g)

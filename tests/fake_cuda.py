@@ -173,6 +173,8 @@ class FakeCuda:
             if getattr(self.local, "error", 0):
                 self.problem(f"{func} launched with pending CUDA error {self.local.error}")
             self.check_device(str(func))
+            if not on_copy_stream:  # what compute writes is device memory (a CUDA op cannot write the host)
+                self.device_keys.update(_key(t) for t, write in acc if write and _key(t))
             self.issue(stream)
             stream.vc[stream.name] += 1
             pos = stream.vc[stream.name]

@@ -43,13 +43,24 @@ class Slot:
 
 class Loader:
     def __init__(
-        self, transport, host: HostState, ring_units: list[str], own_units: list[str], prefetch: int
+        self,
+        transport,
+        host: HostState,
+        ring_units: list[str],
+        own_units: list[str],
+        prefetch: int,
+        extra_numel: int = 0,
     ):
+        """extra_numel: elements of the extra tensors one load brings at most (the saved inputs of a
+        whole step), so their device buffers are allocated once; 0: they grow on demand."""
         self.t, self.host = transport, host
         # with shared memory (CPU, no emulated link) a load lends the host buffers: no device copies
         self.lend = transport.shares_host
         numel = 0 if self.lend else max(host[u].layout.numel for u in ring_units)
         self.ring = [Slot(transport.device_empty(numel, host.dtype), str(i)) for i in range(prefetch)]
+        if extra_numel and not self.lend:
+            for s in self.ring:
+                s.extra = transport.device_empty(extra_numel, host.dtype)
         self.own = {
             u: Slot(transport.device_empty(0 if self.lend else host[u].layout.numel, host.dtype), u)
             for u in own_units

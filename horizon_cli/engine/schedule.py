@@ -96,14 +96,24 @@ class Engine:
         self.host = HostState(store, self.dtype, self.t.host_empty, progress, self.grad_dtype)
         self.layers = [f"layer.{i}" for i in range(self.spec.n_layers)]
         tied = self.spec.tie_embeddings
+        step_numel = max_tokens * self.spec.hidden  # one layer's inputs, whole step (0: unknown)
         self.loader = Loader(
-            self.t, self.host, self.layers, ["head"] + (["embed"] if tied else []), engine.prefetch
+            self.t,
+            self.host,
+            self.layers,
+            ["head"] + (["embed"] if tied else []),
+            engine.prefetch,
+            extra_numel=step_numel,
         )
         self.optimizer = OptimizerWorker(self.host, optim.kernel, self.tracer, self.t.thread_init)
         self.inv = inv_freq(self.spec).to(self.t.device)
         self._alloc_grad_buffers()
         self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
         self.staging: dict[str, torch.Tensor] = {}
+        if step_numel:  # sized once: pinning and unpinning L buffers mid-run doubles them for a while
+            self._ensure_ckpt(step_numel)
+            self._stage("embed_rows", step_numel, self.dtype)
+            self._stage("embed_dx", step_numel, self.dtype)
         self.adam_step = 0
         self.grad_ready: dict[str, Event] = {}  # unit -> its gradient is on the host (this step)
         self.t.memory.set("weights", self.loader.weight_bytes())
@@ -451,7 +461,7 @@ class Engine:
 
     # -- buffers -----------------------------------------------------------------------------
     def _ensure_ckpt(self, total: int) -> None:
-        """Host buffers for each layer's saved inputs (grow-only)."""
+        """Host buffers for each layer's saved inputs: sized once from max_tokens, else grow-only."""
         if self.ckpt and self.ckpt[0].numel() >= total:
             return
         for old in self.ckpt:

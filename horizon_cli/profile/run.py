@@ -38,7 +38,7 @@ def run_profile(
     with tempfile.TemporaryDirectory(prefix="horizon-profile-") as tmp:
         store, ecfg, ocfg, batch, micro, seq = _setup(config, Path(tmp), console)
         tracer = Tracer(enabled=True)
-        engine = Engine(store, ecfg, ocfg, tracer=tracer)
+        engine = Engine(store, ecfg, ocfg, tracer=tracer, max_tokens=batch * seq)
         try:
             link = bandwidth.measure(engine.t, sizes=_sizes(store))
             mbs = _batches(store.arch.vocab, batch, micro, seq)

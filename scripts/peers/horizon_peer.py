@@ -99,7 +99,7 @@ def run_engine(job: dict) -> dict:
     cfg_path = write_config(job, Path(job["work"]) / "horizon-run")  # the settings the CLI would use
     cfg = load_config(cfg_path, [])
     torch.set_num_threads(cfg.engine.compute_threads)
-    engine = Engine(Store.open(cfg.model.path), cfg.engine, cfg.optim)
+    engine = Engine(Store.open(cfg.model.path), cfg.engine, cfg.optim, max_tokens=job["batch"] * job["seq"])
     trim = _malloc_trim if job.get("malloc_trim") else lambda: None
     trim()
     o = job["optim"]
