@@ -19,6 +19,8 @@ from rich.table import Table
 from ..config import load_config
 from ..config.schema import EngineConfig, OptimConfig
 from ..data.batch import MicroBatch
+from ..engine.fit import check_device_fit
+from ..engine.plan import memory_plan
 from ..engine.schedule import Engine
 from ..engine.trace import Tracer
 from ..inspect import fmt_bytes
@@ -37,6 +39,12 @@ def run_profile(
     console = console or Console()
     with tempfile.TemporaryDirectory(prefix="horizon-profile-") as tmp:
         store, ecfg, ocfg, batch, micro, seq = _setup(config, Path(tmp), console)
+        check_device_fit(
+            memory_plan(
+                store.arch, ecfg.dtype, ecfg.grad_dtype, batch, micro, seq, ecfg.prefetch, ecfg.loss_chunk
+            ),
+            ecfg,
+        )
         tracer = Tracer(enabled=True)
         engine = Engine(store, ecfg, ocfg, tracer=tracer, max_tokens=batch * seq)
         try:

@@ -17,6 +17,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from ..config import Config, dump_yaml, load_config
+from ..engine.fit import check_device_fit
 from ..engine.plan import MemoryPlan, memory_plan
 from ..errors import InputError
 from ..fsutil import write_text_atomic
@@ -37,6 +38,7 @@ def run_training(
         show_dry_run(cfg, store, plan, console)
         return None
     check_fits(plan, device_is_host(cfg))
+    check_device_fit(plan, cfg.engine)
     if cfg.log.tensorboard:
         tensorboard_writer(None)  # fail now, not after loading the model
     run_dir = prepare_run_dir(cfg, store)
