@@ -132,3 +132,13 @@ def test_saved_input_buffers_are_sized_once(stores):
         eng.step(micro_batches(rows, 2), 1e-3)
     assert fake.registrations == pinned and not fake.unregistered
     eng.close()
+
+
+def test_an_error_that_will_not_clear_is_reported():
+    fake = FakeCuda(fail_register=lambda nbytes: True)
+    fake.last_error = lambda clear: 712  # cudaGetLastError does not reset it
+    t = cuda(fake)
+    with pytest.raises(HorizonError, match="CUDA error state not clean after a failed cudaHostRegister"):
+        t.host_empty(1000, torch.float32)
+    assert t.host_empty(0, torch.float32).numel() == 0
+    t.close()
