@@ -142,3 +142,29 @@ def test_an_error_that_will_not_clear_is_reported():
         t.host_empty(1000, torch.float32)
     assert t.host_empty(0, torch.float32).numel() == 0
     t.close()
+
+
+def test_after_a_sticky_cuda_error_close_raises_nothing_new(stores):
+    """The error that stopped the engine is the one the user sees, even when the device keeps
+    failing afterwards (a sticky error makes every later synchronize raise it again)."""
+    from test_engine_robust import fail_at
+
+    fake = FakeCuda()
+    t = cuda(fake)
+    eng = Engine(
+        stores["float32"],
+        EngineConfig(device="cpu", dtype="float32", prefetch=3),
+        OptimConfig(kernel="torch"),
+        transport=t,
+    )
+    illegal = RuntimeError("CUDA error: an illegal memory access was encountered")
+    fail_at(t, "fwd 1", illegal)
+
+    def sync():
+        raise illegal
+
+    fake.synchronize = sync
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        eng.step(micro_batches(random_rows(4, VOCAB), 2), 1e-3)
+    eng.close()
+    assert all(p._shutdown for p in t._pools.values())

@@ -201,7 +201,11 @@ class Engine:
                 self.wait()
         finally:
             self.optimizer.close()
-            self.t.close()
+            if self.poison.error is None:
+                self.t.close()
+            else:
+                with contextlib.suppress(Exception):  # e.g. a sticky CUDA error raised again
+                    self.t.close()
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
