@@ -12,7 +12,10 @@ between the implementations, so a busy neighbour on a shared machine hits both a
                (horizon's backward: recompute + backward; HF's with gradient checkpointing)
   attn, mlp    the same fwd+bwd, for the attention half (norm, q/k/v, RoPE, SDPA, o) and the
                MLP half (norm, SwiGLU) alone
-  rope, norm   forward of RoPE on q and k, and of one RMSNorm
+  rope, norm   forward of RoPE on q and k (both the query's shape here), and of one RMSNorm
+
+With --kv-heads below the head count (grouped-query attention) "horizon-expand" is horizon's layer
+with K/V expanded to every query head by copying before SDPA, as it was before engine/attend.py.
 
 HF runs as `make bench` runs it: fp32 weights, in bf16 under CPU autocast ("hf"), and also with
 its weights cast to bf16 ("hf-pure", the same arithmetic dtype as horizon's bf16 layer).
@@ -149,9 +152,12 @@ def cases(s: dict, dtype: str) -> dict[str, dict[str, object]]:
         ),
     }
     q = torch.randn(xh.shape[0], spec.n_heads, xh.shape[1], spec.head_dim).to(dt)
-    ours["rope"] = lambda: apply_rope(q, ctx.cos, ctx.sin)
+    ours["rope"] = lambda: (apply_rope(q, ctx.cos, ctx.sin), apply_rope(q, ctx.cos, ctx.sin))  # q and k
     ours["norm"] = lambda: rms_norm(xh, w["attn_norm"], spec.rms_eps)
     out = {ph: {"horizon": fn} for ph, fn in ours.items()}
+    if spec.n_kv_heads < spec.n_heads:
+        for ph in ("fwd", "fwd+bwd", "attn"):
+            out[ph]["horizon-expand"] = expanded(ours[ph])
     for name, layer, pure in (("hf", s["hf"], False), ("hf-pure", s["hf_pure"], True)):
         if pure and not bf16:
             continue
@@ -162,6 +168,29 @@ def cases(s: dict, dtype: str) -> dict[str, dict[str, object]]:
     out["rope"]["hf"] = lambda: apply_rotary_pos_emb(q, q, s["cos"].to(dt), s["sin"].to(dt))
     out["norm"]["hf"] = lambda: (s["hf_pure"] if bf16 else s["hf"]).input_layernorm(xh)
     return out
+
+
+def expanded(fn):
+    """fn, with grouped-query K/V expanded by copying before the kernel (horizon before attend.py)."""
+    import horizon_cli.engine.layer as layer_mod
+
+    def attend_expanded(q, k, v, mask, scale):
+        b, kv, T, hd = k.shape
+        rep = q.shape[1] // kv
+        k = k[:, :, None].expand(b, kv, rep, T, hd).reshape(b, kv * rep, T, hd)
+        v = v[:, :, None].expand(b, kv, rep, T, hd).reshape(b, kv * rep, T, hd)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
+        )
+
+    def run():
+        real, layer_mod.attend = layer_mod.attend, attend_expanded
+        try:
+            fn()
+        finally:
+            layer_mod.attend = real
+
+    return run
 
 
 def main(argv=None) -> list[dict]:
