@@ -32,6 +32,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -193,6 +194,39 @@ def expanded(fn):
     return run
 
 
+def op_log(fn) -> Counter:
+    """The aten ops fn runs (views excluded), with their tensors' shapes, dtypes and strides."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: Counter = Counter()
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                sig = tuple(
+                    (tuple(a.shape), str(a.dtype), a.stride()) for a in args if isinstance(a, torch.Tensor)
+                )
+                seen[(str(func), sig)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        fn()
+    return seen
+
+
+def check_ops(table: dict, size: str, dtype: str) -> None:
+    """Does horizon's layer run the same ops as transformers' (pure bf16 / fp32) one?"""
+    ref = "hf-pure" if "hf-pure" in table["fwd+bwd"] else "hf"
+    a, b = op_log(table["fwd+bwd"]["horizon"]), op_log(table["fwd+bwd"][ref])
+    extra, missing = a - b, b - a
+    print(f"{size} {dtype} fwd+bwd: {sum(a.values())} ops; horizon vs {ref}: "
+          f"{sum(extra.values())} extra, {sum(missing.values())} missing")  # fmt: skip
+    for (op, sig), n in list(extra.items())[:10]:
+        print(f"  + {n} x {op} {sig}")
+    for (op, sig), n in list(missing.items())[:10]:
+        print(f"  - {n} x {op} {sig}")
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="30m,120m")
@@ -204,6 +238,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--clock", choices=CLOCK, default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="compute threads (0: 1 with --clock cpu, else 2)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--check-ops", action="store_true", help="compare the layers' aten ops, then exit")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or (1 if args.clock == "cpu" else 2))
     clock = CLOCK[args.clock]
@@ -212,6 +247,9 @@ def main(argv=None) -> list[dict]:
         for dtype in args.dtypes.split(","):
             s = setup(size, dtype, args.batch, args.seq, args.kv_heads or None)
             table = cases(s, dtype)
+            if args.check_ops:
+                check_ops(table, size, dtype)
+                continue
             for fns in table.values():  # warm-up: oneDNN builds its kernels per shape
                 for fn in fns.values():
                     fn()
