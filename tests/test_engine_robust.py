@@ -124,7 +124,7 @@ def test_layer_0_does_not_wait_for_the_update_of_layer_1(store, monkeypatch, lin
     update = OptimizerWorker._update
 
     def holding_update(self, st, h, dep):
-        if st.name == "layer.1" and not tracer.started.wait(timeout=5.0):
+        if st.name == "layer.1" and not tracer.started.wait(timeout=10.0):
             held_too_long.append(st.name)
         return update(self, st, h, dep)
 
