@@ -17,6 +17,10 @@ first --warmup step(s). Peak RSS: the process's high-water mark (ru_maxrss), set
 B/param: peak RSS / parameters; horizon's plan figure is engine.plan.memory_plan's state bytes
 per parameter. Loss agreement: each peer's per-step loss against hf's at the same dtype.
 
+Then one decoder layer alone, horizon's functional layer against transformers' own
+(scripts/bench_layer.py, --layer-repeat rounds, 0 skips it): the per-phase comparison, timed by one
+compute thread's CPU time so that other work on a shared machine does not decide it.
+
 Writes --json (default bench_out/bench.json) and prints markdown tables.
 """
 
@@ -72,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--horizon-malloc-trim",
         action="store_true",
         help="experiment, --horizon-driver engine only: glibc malloc_trim(0) after setup and each step",
+    )
+    ap.add_argument(
+        "--layer-repeat", type=int, default=20, help="rounds of the one-layer comparison (0: skip)"
     )
     ap.add_argument("--report", type=Path, help="print the tables of an earlier --json file and exit")
     ap.add_argument("--limit-gib", type=float, default=20.0, help="kill a peer whose RSS passes this")
@@ -200,10 +207,40 @@ def plan_table(res: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def layer_table(rows: list[dict]) -> str:
+    """One decoder layer: horizon against transformers ("hf": fp32 weights, bf16 autocast in bf16
+    runs, as in the peer table; "hf-pure": weights cast to bf16), per phase, in ms."""
+    lines = ["| size | dtype | phase | horizon ms | hf ms | hf ÷ horizon | hf-pure ms | hf-pure ÷ horizon |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        pure = r.get("hf-pure")
+        lines.append(
+            f"| {r['size']} | {r['dtype']} | {r['phase']} | {r['horizon']:.2f} | {fmt(r.get('hf'), '.2f')} "
+            f"| {fmt(r['hf'] / r['horizon'] if r.get('hf') else None, '.2f')} | {fmt(pure, '.2f')} "
+            f"| {fmt(pure / r['horizon'] if pure else None, '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def run_layer_bench(args, sizes: list[str], dtypes: list[str]) -> list[dict]:
+    out = args.json.parent / "layer.json"
+    cmd = [sys.executable, str(ROOT / "scripts/bench_layer.py"), "--sizes", ",".join(sizes), "--dtypes",
+           ",".join(dtypes), "--batch", str(args.batch), "--seq", str(args.seq), "--repeat",
+           str(args.layer_repeat), "--json", str(out)]  # fmt: skip
+    c = run_child(cmd, args.work / "layer.log", child_env(1))
+    if c.rc != 0 or not out.is_file():
+        print(f"layer benchmark failed: see {args.work / 'layer.log'}")
+        return []
+    return json.loads(out.read_text())["rows"]
+
+
 def report(path: Path, warmup: int) -> None:
-    res = json.loads(path.read_text())["runs"]
+    data = json.loads(path.read_text())
+    res = data["runs"]
     summarize(res, warmup)
     print(speed_table(res) + "\n\nhorizon memory plan against peak RSS:\n\n" + plan_table(res))
+    if data.get("layer"):
+        print("\none decoder layer (CPU time of one compute thread):\n\n" + layer_table(data["layer"]))
 
 
 def main(argv=None) -> None:
@@ -243,6 +280,7 @@ def main(argv=None) -> None:
     every = res
     res = best_runs(res, args.warmup)
     summarize(res, args.warmup)
+    layer = run_layer_bench(args, sizes, dtypes) if args.layer_repeat else []
     out = {
         "command": " ".join(
             [".venv/bin/python", "scripts/bench.py", *(argv if argv is not None else sys.argv[1:])]
@@ -255,10 +293,13 @@ def main(argv=None) -> None:
         "all_runs": [{k: v for k, v in r.items() if k != "traceback"} for r in every]
         if args.repeat > 1
         else [],
+        "layer": layer,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
     print("\n" + speed_table(res) + "\n\nhorizon memory plan against peak RSS:\n\n" + plan_table(res))
+    if layer:
+        print("\none decoder layer (CPU time of one compute thread):\n\n" + layer_table(layer))
     print(f"\nwrote {args.json} ({out['wall_s']:.0f} s)")
 
 

@@ -1,37 +1,49 @@
 #!/usr/bin/env bash
-# On a machine with a CUDA GPU, in about 8 minutes, results in one folder:
-#   1. the engine oracles (logits, loss, gradients, 20-step AdamW parity, micro-batch invariance,
-#      event ordering) on the GPU
-#   2. throughput of a ~1.2B-parameter Llama-shaped model at seq 2048, with MFU
-#   3. horizon profile of that shape's little sibling, with a trace and a timeline
-#   4. host memory kinds against the link (registered / pinned / staging / pageable)
+# One command on a machine with one CUDA GPU (an H200: about 6 minutes, at most 9.5), results in
+# one folder:
+#   1. parity: the engine oracles on the GPU (logits, loss, gradients against transformers; 20-step
+#      AdamW parity; micro-batch invariance; event ordering on the timeline) and the CUDA-only
+#      checks (tests/test_cuda_gpu.py: a failed registration leaves no error, pinned fallback,
+#      flex block masks against dense masks forward and backward, the device fit check)
+#   2. throughput: tokens/s and MFU at Llama-3.1-8B's layer shape (4 layers, vocab 128256, seq
+#      4096), peak device memory against the plan
+#   3. profile: `horizon profile` of that store: link bandwidth, per-layer times, overlap, a trace
+#      and a timeline
+#   4. pinned: host memory kinds against the link (registered / pinned / staging / pageable)
 #
 #   bash scripts/gpu_check.sh [OUT]          (OUT: default $OUT, else gpu_check_out)
 #
 # Runs from a checkout with the GPU machine's own python3 (torch, transformers); the package is
-# used from the source tree, not installed.
+# used from the source tree, not installed. The 4 GB random store lives in a temp dir.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu_check_out}}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
 status=0
 run() {  # run NAME TIMEOUT CMD...: log to OUT/NAME.txt, keep going on failure
   local name=$1 limit=$2; shift 2
   echo "== $name" | tee -a "$OUT/summary.txt"
+  local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
   local rc=$?
   tail -n 3 "$OUT/$name.txt" | tee -a "$OUT/summary.txt"
-  echo "rc=$rc" | tee -a "$OUT/summary.txt"
+  echo "rc=$rc ($((SECONDS - t0)) s)" | tee -a "$OUT/summary.txt"
   [ $rc -eq 0 ] || status=1
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/summary.txt" 2>&1
-$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> "$OUT/summary.txt" 2>&1
-run parity 200 env HORIZON_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" >> "$OUT/summary.txt" 2>&1
+run parity 180 env HORIZON_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider -m 'gpu or not gpu' \
   tests/test_engine_parity.py tests/test_engine_training.py "tests/test_pipeline.py::test_schedule_ordering" \
-  tests/test_generic_parity.py tests/test_generic_training.py
-run throughput 200 $PY scripts/gpu_throughput.py --json "$OUT/throughput.json"
-run profile 100 $PY -m horizon_cli.cli profile --json "$OUT/profile.json" --plot "$OUT/timeline.png"
+  tests/test_cuda_gpu.py tests/test_generic_parity.py tests/test_generic_training.py
+run throughput 210 $PY scripts/gpu_throughput.py --store "$WORK/store" --profile-config "$WORK/profile.yaml" \
+  --json "$OUT/throughput.json"
+if [ -f "$WORK/profile.yaml" ]; then
+  run profile 120 $PY -m horizon_cli.cli profile "$WORK/profile.yaml" --json "$OUT/profile.json" \
+    --trace "$OUT/trace.json" --plot "$OUT/timeline.png"
+fi
 run pinned 60 $PY scripts/gpu_pinned.py --json "$OUT/pinned.json"
 exit $status

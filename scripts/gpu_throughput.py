@@ -1,13 +1,19 @@
-"""Throughput of horizon on a CUDA GPU: a ~1.2B-parameter Llama-shaped random model at seq 2048.
+"""Throughput of horizon on a CUDA GPU at an 8B-class layer shape, with MFU and peak device memory
+against the plan.
 
-    python3 scripts/gpu_throughput.py [--json FILE] [--steps N] [--batch B] [--micro M]
+    python3 scripts/gpu_throughput.py [--json FILE] [--layers 4] [--batch 16] [--micro 4] [--seq 4096]
+        [--steps 4] [--store DIR] [--profile-config FILE]
+
+The model has Llama-3.1-8B's layers and vocabulary (hidden 4096, intermediate 14336, 32 query and
+8 key/value heads, vocab 128256, untied) but only --layers of them, so its random store builds in
+seconds; per-layer compute, the link and the loss head are those of the real 8B model. --store
+keeps the store for a later `horizon profile` (--profile-config writes a config that profiles it).
 
 Model FLOPs per token (MFU's numerator) count the matmuls of every layer and the LM head,
 forward and backward (6 x those parameters), plus causal attention's score and value products
-(6 x 2 x layers x hidden x seq, halved for causality) — padding excluded (every token here is
-real). Hardware FLOPs add the recompute forward of every layer (2 x layer parameters + its
-attention): horizon does that work, but it is not model progress. Peak: the H200's dense bf16
-datasheet figure (989 TFLOP/s); the measured matmul ceiling here was ~790 (device/KINDS.md).
+(3 x 2 x 2 x layers x q_dim x seq / 2) — every token here is real. Hardware FLOPs add the recompute
+forward of every layer: horizon does that work, but it is not model progress. Peak: the H200's
+dense bf16 datasheet figure (989 TFLOP/s).
 """
 
 from __future__ import annotations
@@ -24,22 +30,26 @@ from synthetic import random_store
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.data.batch import MicroBatch
+from horizon_cli.engine.plan import memory_plan
 from horizon_cli.engine.schedule import Engine
-from horizon_cli.store import layouts
+from horizon_cli.store import Store, layouts
 
-LLAMA_1B = dict(
-    model_type="llama",
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    tie_word_embeddings=True,
-)
 PEAK = 989e12
+
+
+def llama_8b_layers(n: int) -> dict:
+    return dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=n,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
 
 
 def flops_per_token(spec, seq: int) -> tuple[float, float]:
@@ -53,25 +63,48 @@ def flops_per_token(spec, seq: int) -> tuple[float, float]:
     return model, hardware
 
 
+def profile_config(path: Path, store: Path, args) -> None:
+    """A config for `horizon profile` of the same store and shapes (profile reads no data)."""
+    data = path.with_suffix(".jsonl")
+    data.write_text('{"text": "unused"}\n')
+    path.write_text(
+        f"# horizon profile {path}\n"
+        f"model: {{path: {store}}}\n"
+        f"data: {{path: {data.resolve()}, max_seq_len: {args.seq}}}\n"
+        f"train: {{batch_size: {args.batch}, micro_batch_size: {args.micro}}}\n"
+        "engine: {device: cuda, dtype: bfloat16, loss_chunk: 4096}\n"
+        "optim: {lr: 1.0e-5}\n"
+        f"output: {{dir: {path.parent.resolve() / 'profile-run'}}}\n"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--store", type=Path, help="build the store here (kept), or reuse it")
+    ap.add_argument("--profile-config", type=Path)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        root = args.store or Path(tmp) / "store"
         t0 = time.time()
-        store = random_store(Path(tmp) / "store", LLAMA_1B)
+        cfg = llama_8b_layers(args.layers)
+        store = Store.open(root) if (root / "manifest.json").is_file() else random_store(root, cfg)
         print(
             f"store of {store.manifest.params / 1e9:.2f}B parameters in {time.time() - t0:.0f}s", flush=True
         )
-        eng = Engine(
-            store, EngineConfig(device="cuda", dtype="bfloat16", loss_chunk=4096), OptimConfig(lr=1e-5)
-        )
+        if args.profile_config:
+            profile_config(args.profile_config, root.resolve(), args)
+        ecfg = EngineConfig(device="cuda", dtype="bfloat16", loss_chunk=4096)
+        t0 = time.time()
+        eng = Engine(store, ecfg, OptimConfig(lr=1e-5), max_tokens=args.batch * args.seq)
+        print(f"engine ready in {time.time() - t0:.0f}s (AdamW: {eng.optimizer.kernel_name})", flush=True)
         g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, LLAMA_1B["vocab_size"], (args.batch, args.seq), generator=g)
+        ids = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq), generator=g)
         pos = torch.arange(args.seq).expand(args.batch, args.seq)
         mbs = [
             MicroBatch(ids[i : i + args.micro], ids[i : i + args.micro], pos[i : i + args.micro])
@@ -88,7 +121,11 @@ def main() -> None:
     step = sorted(times[1:])[len(times[1:]) // 2]
     tokens = args.batch * args.seq
     model_f, hw_f = flops_per_token(store.arch, args.seq)
+    plan = memory_plan(store.arch, "bfloat16", "auto", args.batch, args.micro, args.seq, 2, 4096)
+    peak = max(r.device_peak_bytes for r in results[1:])
     out = {
+        "shape": "Llama-3.1-8B layers",
+        "layers": args.layers,
         "params": store.manifest.params,
         "tokens_per_step": tokens,
         "step_s": step,
@@ -97,7 +134,9 @@ def main() -> None:
         "hardware_tflops": hw_f * tokens / step / 1e12,
         "mfu": model_f * tokens / step / PEAK,
         "hfu": hw_f * tokens / step / PEAK,
-        "device_peak_bytes": results[-1].device_peak_bytes,
+        "device_peak_bytes": peak,
+        "plan_device_bytes": plan.device_total,
+        "peak_over_plan": peak / plan.device_total,
         "h2d_bytes": results[-1].h2d_bytes,
         "d2h_bytes": results[-1].d2h_bytes,
         "weight_loads": results[-1].weight_loads,

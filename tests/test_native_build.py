@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from horizon_cli import owner
 from horizon_cli.cli import app
-from horizon_cli.optim import native, worker
+from horizon_cli.optim import kernel, native
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_a_build_that_cannot_finish_falls_back_to_torch_with_a_warning(
 
     monkeypatch.setattr(native, "_compile", compile_)
     assert not native.available() and "interrupted" in native.reason()
-    impl, name, note = worker.pick_kernel("auto")
+    impl, name, note = kernel.pick_kernel("auto")
     assert name == "torch" and "unavailable" in note
     assert [p.name for p in fresh.iterdir()] == []  # its private build dir is gone too
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))

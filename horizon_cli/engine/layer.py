@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch import ArchSpec
+from .attend import Mask, attend
 
 Weights = dict[str, torch.Tensor]
 
@@ -71,13 +72,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class AttnContext:
     """Per micro-batch tensors every layer shares: RoPE tables and attention masks.
 
-    masks maps a window (None = full attention) to a bool mask (b, 1, T, T), True = attend, or to
-    None when plain causal attention is exact (no packing, no window shorter than T).
+    masks maps a window (None = full attention) to its mask (engine/attend.py: a bool (b, 1, T, T)
+    tensor, True = attend, or a flex block mask), or to None when plain causal attention is exact.
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
-    masks: dict[int | None, torch.Tensor | None]
+    masks: dict[int | None, Mask]
 
 
 def _linear(x: torch.Tensor, w: Weights, wname: str, bname: str) -> torch.Tensor:
@@ -97,12 +98,7 @@ def attention(
         q, k = rms_norm(q, w["q_norm"], spec.rms_eps), rms_norm(k, w["k_norm"], spec.rms_eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, T, hd)
     q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-    rep = spec.n_heads // spec.n_kv_heads
-    if rep > 1:  # grouped-query attention: share each kv head across `rep` query heads
-        k = k[:, :, None].expand(b, spec.n_kv_heads, rep, T, hd).reshape(b, spec.n_heads, T, hd)
-        v = v[:, :, None].expand(b, spec.n_kv_heads, rep, T, hd).reshape(b, spec.n_heads, T, hd)
-    mask = ctx.masks.get(window)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=hd**-0.5)
+    out = attend(q, k, v, ctx.masks.get(window), hd**-0.5)  # grouped-query K/V shared, not copied
     out = out.transpose(1, 2).reshape(b, T, spec.q_dim)
     return _linear(out, w, "wo", "bo")
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .events import READY, Event
 from .host import HostState
-from .transport import READY, Event
 
 
 @dataclass
@@ -43,13 +43,24 @@ class Slot:
 
 class Loader:
     def __init__(
-        self, transport, host: HostState, ring_units: list[str], own_units: list[str], prefetch: int
+        self,
+        transport,
+        host: HostState,
+        ring_units: list[str],
+        own_units: list[str],
+        prefetch: int,
+        extra_numel: int = 0,
     ):
+        """extra_numel: elements of the extra tensors one load brings at most (the saved inputs of a
+        whole step), so their device buffers are allocated once; 0: they grow on demand."""
         self.t, self.host = transport, host
         # with shared memory (CPU, no emulated link) a load lends the host buffers: no device copies
         self.lend = transport.shares_host
         numel = 0 if self.lend else max(host[u].layout.numel for u in ring_units)
         self.ring = [Slot(transport.device_empty(numel, host.dtype), str(i)) for i in range(prefetch)]
+        if extra_numel and not self.lend:
+            for s in self.ring:
+                s.extra = transport.device_empty(extra_numel, host.dtype)
         self.own = {
             u: Slot(transport.device_empty(0 if self.lend else host[u].layout.numel, host.dtype), u)
             for u in own_units
@@ -68,9 +79,14 @@ class Loader:
     def extra_bytes(self) -> int:
         return sum(s.extra.numel() * s.extra.element_size() for s in self.ring if s.extra is not None)
 
-    def begin(self, seq: list[Load]) -> None:
-        """Start a new sequence of loads (the previous one must be fully consumed)."""
+    def begin(self, seq: list[Load], ahead: int | None = None) -> None:
+        """Start a new sequence of loads (the previous one must be fully consumed), issuing at most
+        `ahead` of them for now (`fill` issues the rest as buffers allow)."""
         self.seq, self.pos, self.by_key = seq, 0, {}
+        self._issue(ahead)
+
+    def fill(self) -> None:
+        """Issue loads up to the free buffers."""
         self._issue()
 
     def _free_slot(self, load: Load) -> Slot | None:
@@ -82,8 +98,8 @@ class Loader:
                 return s
         return None
 
-    def _issue(self) -> None:
-        while self.pos < len(self.seq):
+    def _issue(self, limit: int | None = None) -> None:
+        while self.pos < len(self.seq) and (limit is None or len(self.by_key) < limit):
             load = self.seq[self.pos]
             slot = self._free_slot(load)
             if slot is None:

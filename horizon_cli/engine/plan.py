@@ -44,7 +44,7 @@ def layer_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int) 
         return generic_work_bytes(spec, tokens, rows, T, item)
     per_tok = 4 * spec.hidden + spec.q_dim + 2 * spec.kv_dim + 3 * spec.intermediate
     masked = any(w is not None and w < T for w in spec.windows)
-    attn = rows * spec.n_heads * T * T * 4 if masked else 0  # explicit masks take SDPA's math path
+    attn = rows * T * T if masked else 0  # the CPU's dense bool mask (CUDA: a flex block mask, far smaller)
     return 2 * tokens * per_tok * item + attn
 
 

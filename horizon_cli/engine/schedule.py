@@ -16,24 +16,27 @@ of micro-batches (invariant 2). See docs/engine.md.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config.schema import EngineConfig, OptimConfig
 from ..data.batch import MicroBatch
+from ..errors import HorizonError
 from ..optim.adamw import AdamWHyper
-from ..optim.worker import OptimizerWorker
 from ..store import DTYPES, Store
+from .events import READY, Event, Poison, Promise
 from .head import head_forward_backward, head_loss, label_index
 from .host import HostState
 from .loader import Load, Loader
+from .optimizer import OptimizerWorker
 from .plan import head_work_bytes, layer_work_bytes
 from .template import make_template
 from .trace import Tracer
-from .transport import READY, Event, Promise
 
 
 @dataclass
@@ -79,25 +82,41 @@ class Engine:
         *,
         tracer: Tracer | None = None,
         progress=lambda n: None,
+        max_tokens: int = 0,
+        transport=None,
     ):
+        """max_tokens: the most tokens a step will hold (train.batch_size x data.max_seq_len); the
+        buffers for saved inputs are then sized once (0: they grow with the longest step seen).
+        transport: one made by the caller (tests), instead of the one engine.device names."""
         self.spec, self.cfg, self.ocfg = store.arch, engine, optim
         self.dtype = DTYPES[engine.dtype]
         self.grad_dtype = self.dtype if engine.grad_dtype == "auto" else DTYPES[engine.grad_dtype]
         self.tracer = tracer or Tracer(enabled=False)
-        self.t = make_transport(engine, self.tracer)
+        self.t = transport or make_transport(engine, self.tracer)
+        self.poison = Poison()  # an error anywhere fails every pending promise (engine/events.py)
         self.host = HostState(store, self.dtype, self.t.host_empty, progress, self.grad_dtype)
         self.layers = [f"layer.{i}" for i in range(self.spec.n_layers)]
         tied = self.spec.tie_embeddings
+        step_numel = max_tokens * self.spec.hidden  # one layer's inputs, whole step (0: unknown)
         self.loader = Loader(
-            self.t, self.host, self.layers, ["head"] + (["embed"] if tied else []), engine.prefetch
+            self.t,
+            self.host,
+            self.layers,
+            ["head"] + (["embed"] if tied else []),
+            engine.prefetch,
+            extra_numel=step_numel,
         )
-        self.optimizer = OptimizerWorker(self.host, optim.kernel, self.tracer)
+        self.optimizer = OptimizerWorker(self.host, optim.kernel, self.tracer, self.t.thread_init)
         self.tmpl = make_template(self.spec, self.t.device)  # native functional layer, or transformers' own
         self._alloc_grad_buffers()
         # per layer: the tensors that get gradients (frozen buffers such as a routing bias do not)
         self._trained = {u: [p.name for p in self.host[u].layout.tensors if p.trainable] for u in self.layers}
         self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
         self.staging: dict[str, torch.Tensor] = {}
+        if step_numel:  # sized once: pinning and unpinning L buffers mid-run doubles them for a while
+            self._ensure_ckpt(step_numel)
+            self._stage("embed_rows", step_numel, self.dtype)
+            self._stage("embed_dx", step_numel, self.dtype)
         self.adam_step = 0
         self.grad_ready: dict[str, Event] = {}  # unit -> its gradient is on the host (this step)
         self.t.memory.set("weights", self.loader.weight_bytes())
@@ -133,19 +152,20 @@ class Engine:
     def step(self, mbs: list[MicroBatch], lr: float) -> StepResult:
         """Forward, backward and (unless non-finite) the AdamW update for one global batch."""
         t0 = time.perf_counter()
-        self.t.mark()
-        self.t.stats.reset()
-        self.t.reset_peak()
-        self.loader.layer_loads = 0
-        loss_sum, tokens, sq = self.forward_backward(mbs)
-        aux, imbalance = self.tmpl.step_stats()
-        loss = loss_sum / tokens if tokens else float("nan")
-        norm = math.sqrt(sq) if sq >= 0 else float("nan")
-        skipped = not (math.isfinite(loss) and math.isfinite(norm))
-        if not skipped:
-            self.apply_update(lr, norm)
-        self.t.synchronize()
-        self.t.flush_trace()
+        with self._guard():
+            self.t.mark()
+            self.t.stats.reset()
+            self.t.reset_peak()
+            self.loader.layer_loads = 0
+            loss_sum, tokens, sq = self.forward_backward(mbs)
+            aux, imbalance = self.tmpl.step_stats()
+            loss = loss_sum / tokens if tokens else float("nan")
+            norm = math.sqrt(sq) if sq >= 0 else float("nan")
+            skipped = not (math.isfinite(loss) and math.isfinite(norm))
+            if not skipped:
+                self.apply_update(lr, norm)
+            self.t.synchronize()
+            self.t.flush_trace()
         self.tracer.add("step", f"step {self.adam_step}", t0, time.perf_counter())
         return StepResult(
             loss=loss,
@@ -174,13 +194,39 @@ class Engine:
 
     def wait(self) -> None:
         """Block until every queued update has landed in the host store (before eval or save)."""
-        self.optimizer.wait()
-        self.t.synchronize()
+        with self._guard():
+            self.optimizer.wait()
+            self.t.synchronize()
 
     def close(self) -> None:
-        self.wait()
-        self.optimizer.close()
-        self.t.close()
+        """Let queued updates land, stop the workers and release pinned memory. After an error the
+        pipeline is already poisoned: queued copies fail fast, and nothing new is raised here, so
+        the error that stopped the engine is the one the user sees."""
+        try:
+            if self.poison.error is None:
+                self.wait()
+        finally:
+            self.optimizer.close()
+            if self.poison.error is None:
+                self.t.close()
+            else:
+                with contextlib.suppress(Exception):  # e.g. a sticky CUDA error raised again
+                    self.t.close()
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Around every public operation: an error (or Ctrl-C) poisons the pipeline, so no worker
+        waits for ever on work the main thread will now never issue; a device out-of-memory
+        becomes one line. The engine is unusable afterwards."""
+        if self.poison.error is not None:
+            raise HorizonError(f"the engine stopped at an earlier error ({self.poison.error!r})")
+        try:
+            yield
+        except BaseException as e:
+            self.poison.poison(e)
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                raise HorizonError(oom_message(e)) from e
+            raise
 
     # -- the step ----------------------------------------------------------------------------
     def forward_backward(self, mbs: list[MicroBatch]) -> tuple[float, int, float]:
@@ -193,15 +239,13 @@ class Engine:
         shapes = [(*mb.input_ids.shape, self.spec.hidden) for mb in mbs]
         total = sum(math.prod(s) for s in shapes)
         self._ensure_ckpt(total)
-        saved = [Promise() for _ in self.layers]
-        self.loader.begin(self._sequence(total, saved))
+        saved = self.poison.promises(len(self.layers))
         self._account(shapes)
         self.grad_ready = {}
         sq: list[torch.Tensor] = []
 
         self.tmpl.begin_step()
-        with self.tracer.span("host", "embed"):
-            x = self._scale_embed(self._embed(mbs))
+        x = self._scale_embed(self._start(mbs, self._sequence(total, saved)))
         x = self._forward_layers(x, ctxs, saved)
         self.tmpl.end_forward()  # MoE: every layer's routing is known, the aux loss with it
         loss_sum, dx = self._head(x, targets, inv_n, sq)
@@ -232,6 +276,17 @@ class Engine:
             for i in reversed(range(len(self.layers))):
                 seq.append(Load(f"b{i}", self.layers[i], [self.ckpt[i][:total]], [saved[i]]))
         return seq
+
+    def _start(self, mbs: list[MicroBatch], seq: list[Load]) -> list[torch.Tensor]:
+        """Begin the step's loads and send the embedded inputs. Layer 0's compute needs only its
+        weights and the embedding rows, so the rows' copy is queued right behind W_0, before W_1
+        (whose load waits for layer 1's update, which the CPU optimizer runs after the
+        embedding's): on the in-order copy queue it must not wait for that update."""
+        self.loader.begin(seq, ahead=1)
+        with self.tracer.span("host", "embed"):
+            x = self._embed(mbs)
+        self.loader.fill()
+        return x
 
     def _embed(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         """Gather embedding rows on the host (no weight transfer) and send the activations."""
@@ -407,35 +462,36 @@ class Engine:
         """Forward only, streaming each layer once: (last hidden states per micro-batch, head
         weights, LM-head matrix). The caller must `_release_head()` afterwards."""
         ctxs = [self.tmpl.context(mb, self.dtype, self.t.device) for mb in mbs]
-        self.loader.begin(self._sequence())
-        x = self._forward_layers(self._scale_embed(self._embed(mbs)), ctxs, saved=None)
+        x = self._forward_layers(self._scale_embed(self._start(mbs, self._sequence())), ctxs, saved=None)
         w, lm = self._acquire_head()
         return x, w, lm
 
     @torch.no_grad()
     def eval_loss(self, mbs: list[MicroBatch]) -> tuple[float, int]:
         """(summed cross-entropy, label tokens) of a forward pass; logits bounded by a chunk."""
-        targets = self._targets(mbs)
-        x, w, lm = self.forward_hidden(mbs)
-        total = torch.zeros((), dtype=torch.float32, device=self.t.device)
-        for xm, (idx, tgt) in zip(x, targets, strict=True):
-            total += head_loss(
-                xm, self.tmpl.final_norm, w, lm, idx, tgt, self.cfg.loss_chunk, self.tmpl.logits
-            )
-        self._release_head()
-        return float(total.item()), sum(mb.label_tokens for mb in mbs)
+        with self._guard():
+            targets = self._targets(mbs)
+            x, w, lm = self.forward_hidden(mbs)
+            total = torch.zeros((), dtype=torch.float32, device=self.t.device)
+            for xm, (idx, tgt) in zip(x, targets, strict=True):
+                total += head_loss(
+                    xm, self.tmpl.final_norm, w, lm, idx, tgt, self.cfg.loss_chunk, self.tmpl.logits
+                )
+            self._release_head()
+            return float(total.item()), sum(mb.label_tokens for mb in mbs)
 
     @torch.no_grad()
     def logits(self, mb: MicroBatch) -> torch.Tensor:
         """Full (b, T, V) fp32 logits of one small micro-batch — for tests and spot checks only."""
-        (x,), w, lm = self.forward_hidden([mb])
-        out = self.tmpl.logits(self.tmpl.final_norm(x, w), lm).float().cpu()
-        self._release_head()
-        return out
+        with self._guard():
+            (x,), w, lm = self.forward_hidden([mb])
+            out = self.tmpl.logits(self.tmpl.final_norm(x, w), lm).float().cpu()
+            self._release_head()
+            return out
 
     # -- buffers -----------------------------------------------------------------------------
     def _ensure_ckpt(self, total: int) -> None:
-        """Host buffers for each layer's saved inputs (grow-only)."""
+        """Host buffers for each layer's saved inputs: sized once from max_tokens, else grow-only."""
         if self.ckpt and self.ckpt[0].numel() >= total:
             return
         for old in self.ckpt:
@@ -471,3 +527,11 @@ def sumsq(g: torch.Tensor, chunk: int = 1 << 18) -> list[torch.Tensor]:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def oom_message(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
+    return (
+        f"device out of memory during the step ({first}); lower train.micro_batch_size, "
+        "data.max_seq_len or engine.prefetch (`horizon train CONFIG --dry-run` shows the device plan)"
+    )

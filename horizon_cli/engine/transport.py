@@ -5,6 +5,14 @@ CUDA (engine.cuda: copy streams and CUDA events) and on the CPU, where "device" 
 ordinary tensors, copies run on one worker thread per direction (a duplex link) and can be
 throttled to `link_gbps` to emulate PCIe. Compute runs on the calling thread, so on the CPU a
 compute event is complete as soon as it is recorded.
+
+The contract every transport keeps (docs/engine.md, "Ordering"):
+  * `h2d`/`d2h` return an event; the copy starts after every event in `deps` and after all
+    compute issued before the call (so a copy never touches a device buffer that compute issued
+    earlier still reads or writes, freshly allocated buffers included);
+  * `wait(ev)` orders the compute issued afterwards behind `ev`, `record()` marks the compute
+    issued so far;
+  * `thread_init` runs first in every thread that waits on the transport's events.
 """
 
 from __future__ import annotations
@@ -12,60 +20,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from .events import READY, Event, FutureEvent
 from .trace import Tracer
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (dst, src)
-
-
-class Event:
-    """Completion of some work. `host_wait` blocks the calling thread until it is complete."""
-
-    def host_wait(self) -> None:
-        pass
-
-    def done(self) -> bool:
-        return True
-
-
-READY = Event()
-
-
-class FutureEvent(Event):
-    def __init__(self, fut: Future):
-        self.fut = fut
-
-    def host_wait(self) -> None:
-        self.fut.result()
-
-    def done(self) -> bool:
-        return self.fut.done()
-
-
-class Promise(Event):
-    """An event known later: `set` it once the work it stands for has been issued."""
-
-    def __init__(self) -> None:
-        self._set = threading.Event()
-        self.ev: Event = READY
-
-    def set(self, ev: Event) -> None:
-        self.ev = ev
-        self._set.set()
-
-    def resolve(self) -> Event:
-        self._set.wait()
-        return self.ev
-
-    def host_wait(self) -> None:
-        self.resolve().host_wait()
-
-    def done(self) -> bool:
-        return self._set.is_set() and self.ev.done()
 
 
 class LinkStats:
@@ -125,6 +88,9 @@ class CpuTransport:
         self.memory = DeviceMemory()
         self.tracer = tracer or Tracer(enabled=False)
         self._pools = {d: ThreadPoolExecutor(1, thread_name_prefix=f"horizon-{d}") for d in ("h2d", "d2h")}
+
+    def thread_init(self) -> None:
+        """Per-thread set-up for threads that wait on this transport's events (none on the CPU)."""
 
     # -- memory -------------------------------------------------------------------------------
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -192,5 +158,7 @@ class CpuTransport:
             pool.submit(lambda: None).result()
 
     def close(self) -> None:
+        """Wait for the copies in flight and stop the workers. After an error the engine has
+        poisoned its promises first, so queued copies fail fast instead of waiting for ever."""
         for pool in self._pools.values():
             pool.shutdown(wait=True)

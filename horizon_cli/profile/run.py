@@ -20,6 +20,8 @@ from .. import preflight
 from ..config import load_config
 from ..config.schema import EngineConfig, OptimConfig
 from ..data.batch import MicroBatch
+from ..engine.fit import check_device_fit
+from ..engine.plan import memory_plan
 from ..engine.schedule import Engine
 from ..engine.trace import Tracer
 from ..inspect import fmt_bytes
@@ -40,8 +42,14 @@ def run_profile(
         preflight.check_output_file(path, opt)  # before minutes of measuring, not after
     with tempfile.TemporaryDirectory(prefix="horizon-profile-") as tmp:
         store, ecfg, ocfg, batch, micro, seq = _setup(config, Path(tmp), console)
+        check_device_fit(
+            memory_plan(
+                store.arch, ecfg.dtype, ecfg.grad_dtype, batch, micro, seq, ecfg.prefetch, ecfg.loss_chunk
+            ),
+            ecfg,
+        )
         tracer = Tracer(enabled=True)
-        engine = Engine(store, ecfg, ocfg, tracer=tracer)
+        engine = Engine(store, ecfg, ocfg, tracer=tracer, max_tokens=batch * seq)
         try:
             link = bandwidth.measure(engine.t, sizes=_sizes(store))
             mbs = _batches(store.arch.vocab, batch, micro, seq)

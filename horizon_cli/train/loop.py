@@ -130,7 +130,8 @@ class Trainer:
 
             torch.set_num_threads(self.cfg.engine.compute_threads)
         with byte_progress(self.console, "load weights", src.nbytes()) as advance:
-            engine = Engine(src, self.cfg.engine, self.cfg.optim, progress=advance)
+            tokens = self.cfg.train.batch_size * min(self.cfg.data.max_seq_len, src.arch.max_positions)
+            engine = Engine(src, self.cfg.engine, self.cfg.optim, progress=advance, max_tokens=tokens)
         if engine.optimizer.note:
             self.console.print(f"[yellow]warning:[/] {engine.optimizer.note}")
         self.console.print(

@@ -21,6 +21,7 @@ from rich.table import Table
 from .. import owner, preflight
 from ..config import Config, dump_yaml, load_config
 from ..data.prepare import check_lengths
+from ..engine.fit import check_device_fit, device_fit
 from ..engine.plan import MemoryPlan, memory_plan
 from ..errors import HorizonError, InputError, Terminated
 from ..faults import phase
@@ -46,6 +47,7 @@ def run_training(
     if dry_run:
         return dry_run_report(cfg, store, plan, device, console)
     check_fits(plan, device == "cpu")
+    check_device_fit(plan, cfg.engine)
     if cfg.log.tensorboard:
         tensorboard_writer(None)  # fail now, not after loading the model
     with stop_signals(), RunDir.claim(cfg, store, console) as rd:
@@ -86,6 +88,9 @@ def dry_run_report(cfg: Config, store: Store, plan: MemoryPlan, device: str, con
     console.print(plan_table(plan, store))
     ok, why = fits(plan, device == "cpu")
     console.print(("[green]fits[/]: " if ok else "[red]does not fit[/]: ") + why)
+    dev_fit = device_fit(plan, cfg.engine)  # None on the CPU: the host line above counts the device
+    if dev_fit is not None:
+        console.print(("[green]device fits[/]: " if dev_fit[0] else "[red]device does not fit[/]: ") + dev_fit[1])
     console.print(f"output.dir: {run_dir}", highlight=False)
 
 

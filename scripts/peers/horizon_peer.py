@@ -99,7 +99,7 @@ def run_engine(job: dict) -> dict:
     cfg_path = write_config(job, Path(job["work"]) / "horizon-run")  # the settings the CLI would use
     cfg = load_config(cfg_path, [])
     torch.set_num_threads(cfg.engine.compute_threads)
-    engine = Engine(Store.open(cfg.model.path), cfg.engine, cfg.optim)
+    engine = Engine(Store.open(cfg.model.path), cfg.engine, cfg.optim, max_tokens=job["batch"] * job["seq"])
     trim = _malloc_trim if job.get("malloc_trim") else lambda: None
     trim()
     o = job["optim"]
@@ -147,7 +147,7 @@ def run(job: dict) -> dict:
 
     res = run_cli(job) if job.get("driver", "cli") == "cli" else run_engine(job)
     if "kernel" not in res:
-        from horizon_cli.optim.worker import pick_kernel
+        from horizon_cli.optim.kernel import pick_kernel
 
         res["kernel"] = pick_kernel("auto")[1]  # what optim.kernel auto chose (cached: no rebuild)
     plan = res["plan"]

@@ -1,49 +1,43 @@
-"""The CPU optimizer: AdamW unit by unit on a worker thread, overlapped with device work.
+"""The optimize stage: AdamW on the CPU, unit by unit on a worker thread, overlapped with device work.
 
 The engine submits every unit once the step's clip coefficient is known, in the order the next
-step's forward will load them (embedding, layers 0..L-1, head); each unit's completion is an
-event the loader waits on before streaming that unit again. Units are updated in slices so the
-pure-torch path's temporaries stay small.
+step's forward will load them (layer 0 first); each unit's completion is an event the loader
+waits on before streaming that unit again. Units are updated in slices so the pure-torch path's
+temporaries stay small. The arithmetic lives below the pipeline, in optim/ (adamw, native).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..engine.host import HostState, UnitState
-from ..engine.trace import Tracer
-from ..engine.transport import Event, FutureEvent
-from . import adamw as torch_adamw
-from .adamw import AdamWHyper
+from ..optim import adamw as torch_adamw
+from ..optim.adamw import AdamWHyper
+from ..optim.kernel import pick_kernel
+from .events import Event, FutureEvent
+from .host import HostState, UnitState
+from .trace import Tracer
 
 SLICE = 1 << 22  # elements per update call (16 MiB of fp32)
 
 
-def pick_kernel(kind: str):
-    """-> (module with adamw_fp32_/adamw_split_, name, note). kind: auto | torch | native."""
-    if kind == "torch":
-        return torch_adamw, "torch", ""
-    from . import native
-
-    why = "" if native.available() else native.reason()
-    if not why:
-        return native, "native", ""
-    if kind == "native":
-        from ..errors import InputError
-
-        raise InputError(f"optim.kernel: native AdamW kernel unavailable ({why})")
-    return torch_adamw, "torch", f"native AdamW kernel unavailable, using the torch path ({why})"
-
-
 class OptimizerWorker:
-    def __init__(self, host: HostState, kernel: str = "auto", tracer: Tracer | None = None):
+    def __init__(
+        self,
+        host: HostState,
+        kernel: str = "auto",
+        tracer: Tracer | None = None,
+        thread_init: Callable[[], None] = lambda: None,
+    ):
         self.host = host
         self.impl, self.kernel_name, self.note = pick_kernel(kernel)
         self.tracer = tracer or Tracer(enabled=False)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="horizon-optim")
+        # thread_init: the transport's per-thread set-up (on CUDA: the current device, because
+        # this thread waits on CUDA events)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="horizon-optim", initializer=thread_init)
         self.pending: list[Event] = []
 
     def submit(self, units: list[str], h: AdamWHyper, deps: dict[str, Event]) -> dict[str, Event]:

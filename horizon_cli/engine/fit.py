@@ -1,0 +1,62 @@
+"""The device fit check: before anything is loaded, the device plan against the device's free memory.
+
+An oversized micro-batch would otherwise fail as an out-of-memory error in the middle of the
+first step, after minutes of loading. On CUDA the plan's device bytes (engine/plan.py) are
+compared with what `cudaMemGetInfo` reports free, less a reserve for what the plan does not
+count (cuBLAS workspaces, kernels' scratch, allocator rounding). On the CPU the device's buffers
+are host RAM, and the host check (train/run.py `fits`) already counts them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config.schema import EngineConfig
+from ..errors import InputError
+from .plan import MemoryPlan
+
+RESERVE = 1 << 30  # bytes kept free for CUDA's own use
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def cuda_index(device: str) -> int:
+    """The CUDA device `device` ("cuda" or "cuda:N") names; exit 2 if there is none such."""
+    if not torch.cuda.is_available():
+        raise InputError(f"engine.device: {device}, but no CUDA device is available")
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index >= torch.cuda.device_count():
+        raise InputError(f"engine.device: {device}, but there are {torch.cuda.device_count()} CUDA device(s)")
+    return index
+
+
+def device_fit(plan: MemoryPlan, ecfg: EngineConfig) -> tuple[bool, str] | None:
+    """(fits, why) on CUDA; None on the CPU."""
+    from .schedule import resolve_device
+
+    dev = resolve_device(ecfg)
+    if not dev.startswith("cuda"):
+        return None
+    index = cuda_index(dev)
+    free, total = torch.cuda.mem_get_info(index)
+    need = plan.device_total
+    top = sorted(plan.device.items(), key=lambda kv: -kv[1])[:3]
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in top)
+    why = (
+        f"cuda:{index} needs {_gib(need)} ({parts}, ...) plus {_gib(RESERVE)} for CUDA's own use; "
+        f"{_gib(free)} of {_gib(total)} are free"
+    )
+    return need + RESERVE <= free, why
+
+
+def check_device_fit(plan: MemoryPlan, ecfg: EngineConfig) -> None:
+    """Refuse (exit 2) a run whose device plan does not fit the device's free memory."""
+    fit = device_fit(plan, ecfg)
+    if fit is not None and not fit[0]:
+        raise InputError(
+            f"device memory plan does not fit: {fit[1]}; lower train.micro_batch_size, data.max_seq_len "
+            "or engine.prefetch (see `horizon train CONFIG --dry-run`)"
+        )
