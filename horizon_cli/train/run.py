@@ -90,7 +90,9 @@ def dry_run_report(cfg: Config, store: Store, plan: MemoryPlan, device: str, con
     console.print(("[green]fits[/]: " if ok else "[red]does not fit[/]: ") + why)
     dev_fit = device_fit(plan, cfg.engine)  # None on the CPU: the host line above counts the device
     if dev_fit is not None:
-        console.print(("[green]device fits[/]: " if dev_fit[0] else "[red]device does not fit[/]: ") + dev_fit[1])
+        console.print(
+            ("[green]device fits[/]: " if dev_fit[0] else "[red]device does not fit[/]: ") + dev_fit[1]
+        )
     console.print(f"output.dir: {run_dir}", highlight=False)
 
 
