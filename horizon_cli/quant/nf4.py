@@ -1,0 +1,170 @@
+"""NF4: 4-bit NormalFloat blocks with double-quantized scales, as QLoRA defines them.
+
+Used by convert (quantize a tensor as it streams into the store), by the engine (dequantize a
+streamed layer on the device) and by export (dequantize back to the compute dtype). The format
+is torchao's NF4Tensor (tests check bitwise equality with it):
+
+  * the flattened tensor is cut into blocks of BLOCK = 64 elements; each block is scaled by its
+    absolute maximum and every element becomes the index of the nearest of the 16 NF4 code
+    values (ties: the lower index), two indices per byte, the even element in the high nibble;
+  * double quantization: the block absmaxes (one per block) have their mean subtracted and are
+    quantized to int8 in groups of GROUP = 256 blocks, each group with the factor
+    256 / (2 * group absmax);
+  * dequantization: scale_b = int8_b / factor_g + mean, element = code_value * scale_b, all in
+    the tensor's dtype (bf16 stores compute in bf16, as torchao does for a bf16 tensor).
+
+A tensor of n elements (n a multiple of BLOCK) is stored as four parts, each starting on an
+ALIGN-byte boundary (`parts`): codes (n/2 bytes, uint8), scales (n/64 int8), factors
+(ceil(n/64/256) values of the dtype), mean (one value of the dtype). A last group with fewer than
+256 blocks is allowed (torchao refuses it): its factor is computed over the blocks it has.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 64  # elements per absmax block
+GROUP = 256  # blocks per double-quantization group
+ALIGN = 64  # bytes: each part of a quantized tensor starts on this boundary
+
+# The 16 NF4 code values (QLoRA appendix E, rounded to 4 decimals as torchao and QLoRA list them)
+CODES = (
+    -1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
+    0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0,
+)  # fmt: skip
+
+
+def _up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+def quantizable(shape: tuple[int, ...]) -> bool:
+    """Matrices (and stacked matrices) whose element count is whole blocks."""
+    n = 1
+    for d in shape:
+        n *= d
+    return len(shape) >= 2 and n > 0 and n % BLOCK == 0
+
+
+def parts(numel: int, itemsize: int) -> dict[str, tuple[int, int]]:
+    """Byte (offset, length) of each part of a quantized tensor of `numel` elements."""
+    blocks = numel // BLOCK
+    groups = -(-blocks // GROUP)
+    out, off = {}, 0
+    for name, n in (("codes", numel // 2), ("scales", blocks), ("factors", groups * itemsize), ("mean", itemsize)):
+        out[name] = (off, n)
+        off = _up(off + n, ALIGN)
+    return out
+
+
+def nbytes(numel: int, itemsize: int) -> int:
+    """Bytes of a quantized tensor, its last part padded to ALIGN."""
+    p = parts(numel, itemsize)["mean"]
+    return _up(p[0] + p[1], ALIGN)
+
+
+_TABLES: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+
+
+def code_table(dtype: torch.dtype, device=None) -> torch.Tensor:
+    """The 16 code values in `dtype` on `device` (made once per pair: no copy per layer)."""
+    k = (dtype, str(torch.device(device) if device is not None else "cpu"))
+    if k not in _TABLES:
+        _TABLES[k] = torch.tensor(CODES, dtype=dtype).to(k[1])
+    return _TABLES[k]
+
+
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (n,) (n a multiple of BLOCK) -> (packed codes (n/2,) uint8, block absmax (n/64,) x.dtype).
+
+    Nearest code by bisection on the midpoints, then the exact torchao comparison
+    |x/absmax - code| (in x's dtype) among the found code and its two neighbours, so rounding
+    in the dtype picks the same index as a comparison against all 16 codes would."""
+    lut = code_table(x.dtype, x.device)
+    blocks = x.view(-1, BLOCK)
+    absmax = blocks.abs().amax(dim=1)
+    scaled = (blocks / absmax.unsqueeze(1)).reshape(-1)  # (n,) in x.dtype, as torchao divides
+    scaled = torch.where(torch.isnan(scaled), torch.zeros_like(scaled), scaled)  # an all-zero block
+    mid = ((lut[1:].float() + lut[:-1].float()) / 2).to(x.device)
+    near = torch.bucketize(scaled.float(), mid)  # (n,) index of the nearest code, exact arithmetic
+    best = None
+    for cand in (near - 1, near, near + 1):  # ascending: a tie keeps the lower index
+        c = cand.clamp(0, 15)
+        d = (scaled - lut[c]).abs()
+        if best is None:
+            best, best_d = c, d
+        else:
+            better = d < best_d
+            best = torch.where(better, c, best)
+            best_d = torch.where(better, d, best_d)
+    assert best is not None
+    idx = best.to(torch.uint8)
+    return (idx[0::2] << 4) | idx[1::2], absmax
+
+
+def double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block absmaxes (nb,) -> (int8 scales (nb,), factors (ceil(nb/256),), mean ()), in absmax's
+    dtype, as torchao's double_quantize_scalers (which needs nb to be a multiple of 256)."""
+    mean = absmax.mean()
+    centred = absmax - mean
+    nb = centred.numel()
+    groups = -(-nb // GROUP)
+    padded = torch.zeros(groups * GROUP, dtype=centred.dtype, device=centred.device)
+    padded[:nb] = centred  # zeros do not change a group's absmax
+    gmax = padded.view(groups, GROUP).abs().amax(dim=1)
+    gmax = torch.where(gmax == 0, torch.ones_like(gmax), gmax)  # every scale equal to the mean
+    factor = 256 / (2 * gmax)
+    q = (padded.view(groups, GROUP) * factor.unsqueeze(1)).round().clamp(-128, 127)
+    return q.reshape(-1)[:nb].to(torch.int8), factor.contiguous(), mean
+
+
+def dequantize_scales(scales: torch.Tensor, factors: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """(nb,) int8, (groups,), () -> (nb,) block scales in the factors' dtype (torchao's formula)."""
+    nb = scales.numel()
+    groups = factors.numel()
+    padded = torch.zeros(groups * GROUP, dtype=torch.int8, device=scales.device)
+    padded[:nb] = scales
+    s = (padded.view(groups, GROUP) / factors.unsqueeze(-1)).reshape(-1)[:nb].to(factors.dtype)
+    return s + mean
+
+
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, mean: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Packed codes (n/2,) uint8 and the scale parts -> `out` (n,) in the factors' dtype."""
+    lut = code_table(factors.dtype, codes.device)
+    s = dequantize_scales(scales, factors, mean).unsqueeze(-1)  # (nb, 1)
+    pairs = out.view(-1, BLOCK // 2, 2)  # (nb, 32, 2): even elements in the high nibble
+    hi = lut[(codes >> 4).long()].view(-1, BLOCK // 2)
+    lo = lut[(codes & 0xF).long()].view(-1, BLOCK // 2)
+    torch.mul(hi, s, out=pairs[:, :, 0])
+    torch.mul(lo, s, out=pairs[:, :, 1])
+    return out
+
+
+def quantize(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A whole tensor (any shape, numel a multiple of BLOCK) -> its four parts."""
+    codes, absmax = quantize_blocks(x.reshape(-1).contiguous())
+    scales, factors, mean = double_quantize(absmax)
+    return {"codes": codes, "scales": scales, "factors": factors, "mean": mean.reshape(1)}
+
+
+def pack(q: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+    """Write the parts into `out` (nbytes,) uint8 at their offsets."""
+    numel = q["codes"].numel() * 2
+    item = q["factors"].element_size()
+    for name, (off, n) in parts(numel, item).items():
+        out[off : off + n] = q[name].reshape(-1).view(torch.uint8)
+
+
+def unpack(buf: torch.Tensor, numel: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Views of the parts inside a quantized tensor's bytes (uint8)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    p = parts(numel, item)
+    view = {"codes": torch.uint8, "scales": torch.int8, "factors": dtype, "mean": dtype}
+    return {k: buf[o : o + n].view(view[k]) for k, (o, n) in p.items()}
+
+
+def dequantize_packed(buf: torch.Tensor, numel: int, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+    q = unpack(buf, numel, dtype)
+    return dequantize(q["codes"], q["scales"], q["factors"], q["mean"].reshape(()), out)
