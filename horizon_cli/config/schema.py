@@ -87,7 +87,9 @@ class LoraConfig:
     dropout: float = _f(0.0, min=0.0, max=0.9)  # on the adapter's input, as PEFT
     # PEFT target_modules: a list (exact module names or name suffixes) or one regex string that
     # must match the whole module name; "all-linear": every linear layer of the decoder layers
-    targets: list[str] | str = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    targets: list[str] | str = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     use_rslora: bool = _f(False)
     init: str | None = _f(None)  # a PEFT adapter dir to start from (its r, alpha, targets must match)
 

@@ -115,7 +115,9 @@ class AdapterState(HostState):
             lo = torch.zeros(n, dtype=torch.int16) if dtype == torch.bfloat16 else None
             grad = alloc(n, grad_dtype)
             grad.zero_()
-            self.units[lay.name] = UnitState(lay.name, lay, alloc(n, dtype), lo, torch.zeros(n), torch.zeros(n), grad)
+            self.units[lay.name] = UnitState(
+                lay.name, lay, alloc(n, dtype), lo, torch.zeros(n), torch.zeros(n), grad
+            )
         self.set_tensors(weights if weights is not None else initial_adapters(setup))
 
     def set_tensors(self, tensors: dict[str, torch.Tensor]) -> None:

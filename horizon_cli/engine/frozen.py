@@ -84,7 +84,11 @@ class FrozenState:
                 if sd == out.dtype:
                     nf4.dequantize_packed(src, p.numel, sd, dst)
                 else:
-                    dst.copy_(nf4.dequantize_packed(src, p.numel, sd, torch.empty(p.numel, dtype=sd, device=out.device)))
+                    dst.copy_(
+                        nf4.dequantize_packed(
+                            src, p.numel, sd, torch.empty(p.numel, dtype=sd, device=out.device)
+                        )
+                    )
             else:
                 dst.copy_(src.view(sd))
         return {q.name: out[q.offset : q.offset + q.numel].view(q.shape) for q in st.layout.tensors}

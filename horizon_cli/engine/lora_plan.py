@@ -44,7 +44,9 @@ def lora_memory_plan(
     lays = {lay.name: lay for lay in layouts(spec)}
     base = base_bytes(spec, dtype, quant)
     n_adapt = adapter_params(targets, r)
-    per_layer = max((sum(r * (t.in_features + t.out_features) for t in layer) for layer in targets), default=0)
+    per_layer = max(
+        (sum(r * (t.in_features + t.out_features) for t in layer) for layer in targets), default=0
+    )
     acts = batch * seq * spec.hidden * item
     p = MemoryPlan(sum(lay.params for lay in lays.values()))
     p.host[f"base weights (frozen{', NF4 layers' if quant else ''})"] = sum(base.values())

@@ -114,7 +114,9 @@ class Engine:
             self.base = FrozenState(store, self.dtype, self.t.host_empty, progress)
             self.host = AdapterState(lora, self.dtype, self.t.host_empty, self.grad_dtype)
             units = {**self.base.units, **self.host.units}
-            self.trained = [unit_name(i) if unit_name(i) in self.host.units else None for i in range(len(self.layers))]
+            self.trained = [
+                unit_name(i) if unit_name(i) in self.host.units else None for i in range(len(self.layers))
+            ]
         self.units = units
         tied = self.spec.tie_embeddings
         step_numel = max_tokens * self.spec.hidden  # one layer's inputs, whole step (0: unknown)
@@ -134,11 +136,15 @@ class Engine:
         self._alloc_grad_buffers()
         # per trained unit: the tensors that get gradients (frozen buffers such as a routing bias do not)
         self._trained = {
-            u: [p.name for p in self.host[u].layout.tensors if p.trainable] for u in self.trained if u is not None
+            u: [p.name for p in self.host[u].layout.tensors if p.trainable]
+            for u in self.trained
+            if u is not None
         }
         self.dequant: torch.Tensor | None = None  # NF4 base: one layer, dequantized on the device
         if self.base is not None and self.base.packed:
-            self.dequant = self.t.device_empty(max(self.units[u].layout.numel for u in self.layers), self.dtype)
+            self.dequant = self.t.device_empty(
+                max(self.units[u].layout.numel for u in self.layers), self.dtype
+            )
             self.dequant.zero_()  # padding elements are never written
             self.t.memory.set("dequantized layer", _nbytes(self.dequant))
         self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
@@ -344,7 +350,9 @@ class Engine:
             leaves = [views[n] for n in self._trained[u]]
         cfg = self.lora.cfg
         seed = step_seed(self.lora.seed, self.adam_step, i) if train else None
-        lora = LayerLora.from_views(views, self.lora.targets[i], scaling=self.lora.scale, dropout=cfg.dropout, seed=seed)
+        lora = LayerLora.from_views(
+            views, self.lora.targets[i], scaling=self.lora.scale, dropout=cfg.dropout, seed=seed
+        )
         return lora, leaves
 
     def _start(self, mbs: list[MicroBatch], seq: list[Load]) -> list[torch.Tensor]:
@@ -426,7 +434,9 @@ class Engine:
         if self.head_g is not None:  # a trained head (not LoRA)
             gh = self.host["head"].views(self.head_g)
             self.head_g.zero_()
-            g_lm = self.host["embed"].views(self.embed_g)["embed"] if self.embed_g is not None else gh["lm_head"]
+            g_lm = (
+                self.host["embed"].views(self.embed_g)["embed"] if self.embed_g is not None else gh["lm_head"]
+            )
             if self.embed_g is not None:
                 self.embed_g.zero_()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.t.device)
@@ -488,7 +498,10 @@ class Engine:
                 lora, leaves = self._layer_lora(i, extras, train=True, grad=True)
                 if lora is None and unit is not None:  # full fine-tuning: the layer's own weights
                     leaves = [w[k_].detach().requires_grad_(True) for k_ in self._trained[unit]]
-                    w = {**w, **dict(zip(self._trained[unit], leaves, strict=True))}  # frozen ones as they are
+                    w = {
+                        **w,
+                        **dict(zip(self._trained[unit], leaves, strict=True)),
+                    }  # frozen ones as they are
                 # LoRA: nothing below layer 0 needs its input gradient
                 want_dx = self.lora is None or i > 0
                 if want_dx or leaves:
@@ -525,7 +538,9 @@ class Engine:
                 lora.mb = m
             with torch.enable_grad():
                 y, extra = self.tmpl.objective(i, w, xi, c, lora)
-                outs, seeds = ([y], [dx[m]]) if extra is None else ([y, extra], [dx[m], torch.ones_like(extra)])
+                outs, seeds = (
+                    ([y], [dx[m]]) if extra is None else ([y, extra], [dx[m], torch.ones_like(extra)])
+                )
                 inputs = [xi, *leaves] if want_dx else list(leaves)
                 grads = torch.autograd.grad(outs, inputs, seeds, allow_unused=True)
             if want_dx:

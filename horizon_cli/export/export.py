@@ -42,7 +42,12 @@ def resolve_source(src: Path) -> Path:
 
 
 def export(
-    src: str | Path, dst: str | Path, force: bool = False, console=None, verify: bool = True, adapter: bool = False
+    src: str | Path,
+    dst: str | Path,
+    force: bool = False,
+    console=None,
+    verify: bool = True,
+    adapter: bool = False,
 ) -> dict:
     """adapter: write a LoRA run's adapter alone (PEFT files); otherwise a LoRA run exports its
     base with the adapters merged (export/lora.py)."""

@@ -80,7 +80,9 @@ def write_adapter(
         "alpha_pattern": {},
     }
     (Path(dst) / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(dst) / WEIGHTS), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(Path(dst) / WEIGHTS), metadata={"format": "pt"}
+    )
 
 
 def read_config(src: Path, where: str = "lora.init") -> dict:
@@ -93,7 +95,9 @@ def read_config(src: Path, where: str = "lora.init") -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
-        raise InputError(f"{path}: peft_type is {cfg.get('peft_type') if isinstance(cfg, dict) else None!r}, not 'LORA'")
+        raise InputError(
+            f"{path}: peft_type is {cfg.get('peft_type') if isinstance(cfg, dict) else None!r}, not 'LORA'"
+        )
     for k, bad in (("use_dora", True), ("fan_in_fan_out", True)):
         if cfg.get(k) == bad:
             raise InputError(f"{path}: {k} is set: not supported")
@@ -103,7 +107,9 @@ def read_config(src: Path, where: str = "lora.init") -> dict:
     if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
         raise InputError(f"{path}: adapter biases are not supported (bias must be 'none')")
     if cfg.get("modules_to_save"):
-        raise InputError(f"{path}: modules_to_save {cfg['modules_to_save']} (fully trained modules): not supported")
+        raise InputError(
+            f"{path}: modules_to_save {cfg['modules_to_save']} (fully trained modules): not supported"
+        )
     return cfg
 
 
@@ -132,9 +138,13 @@ def read_weights(src: Path, expected: dict[str, tuple[int, int]]) -> dict[str, t
     missing = sorted(k for k in expected if k not in sd)
     extra = sorted(k for k in sd if k not in expected)
     if missing:
-        raise InputError(f"{path}: tensor {missing[0]} is missing ({len(missing)} missing): the adapter does not cover lora.targets")
+        raise InputError(
+            f"{path}: tensor {missing[0]} is missing ({len(missing)} missing): the adapter does not cover lora.targets"
+        )
     if extra:
-        raise InputError(f"{path}: unexpected tensor {extra[0]} ({len(extra)} extra): not one of lora.targets' adapters")
+        raise InputError(
+            f"{path}: unexpected tensor {extra[0]} ({len(extra)} extra): not one of lora.targets' adapters"
+        )
     for k, shape in expected.items():
         if tuple(sd[k].shape) != shape:
             raise InputError(f"{path}: tensor {k} has shape {tuple(sd[k].shape)}, expected {shape}")

@@ -32,7 +32,9 @@ class Target:
     layer: int
     module: str  # full module name, e.g. "model.layers.3.self_attn.q_proj" (PEFT's key)
     rel: str  # relative to the decoder layer, e.g. "self_attn.q_proj"
-    weight: str  # the engine's name of its weight in the layer unit ("wq"; generic: "self_attn.q_proj.weight")
+    weight: (
+        str  # the engine's name of its weight in the layer unit ("wq"; generic: "self_attn.q_proj.weight")
+    )
     in_features: int
     out_features: int
 
@@ -107,7 +109,9 @@ def matches(targets: list[str] | str, name: str) -> bool:
     return name in targets or any(name.endswith("." + t) for t in targets)
 
 
-def resolve_targets(targets: list[str] | str, spec: ArchSpec, where: str = "lora.targets") -> list[list[Target]]:
+def resolve_targets(
+    targets: list[str] | str, spec: ArchSpec, where: str = "lora.targets"
+) -> list[list[Target]]:
     """Per decoder layer, the adapted linear layers in module order; InputError naming the module
     when a target matches something that is not a decoder layer's linear layer, or nothing."""
     mods, linear = generic_modules(spec) if spec.generic is not None else native_modules(spec)

@@ -13,6 +13,9 @@ is torchao's NF4Tensor (tests check bitwise equality with it):
   * dequantization: scale_b = int8_b / factor_g + mean, element = code_value * scale_b, all in
     the tensor's dtype (bf16 stores compute in bf16, as torchao does for a bf16 tensor).
 
+One deliberate difference: a block of zeros (absmax 0) is stored as code 0.0 (torchao divides 0 by
+0 and stores the code -1.0, which dequantizes to minus the block's double-quantized scale).
+
 A tensor of n elements (n a multiple of BLOCK) is stored as four parts, each starting on an
 ALIGN-byte boundary (`parts`): codes (n/2 bytes, uint8), scales (n/64 int8), factors
 (ceil(n/64/256) values of the dtype), mean (one value of the dtype). A last group with fewer than
@@ -51,7 +54,12 @@ def parts(numel: int, itemsize: int) -> dict[str, tuple[int, int]]:
     blocks = numel // BLOCK
     groups = -(-blocks // GROUP)
     out, off = {}, 0
-    for name, n in (("codes", numel // 2), ("scales", blocks), ("factors", groups * itemsize), ("mean", itemsize)):
+    for name, n in (
+        ("codes", numel // 2),
+        ("scales", blocks),
+        ("factors", groups * itemsize),
+        ("mean", itemsize),
+    ):
         out[name] = (off, n)
         off = _up(off + n, ALIGN)
     return out

@@ -132,7 +132,9 @@ def intact(run_dir: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
 
 def is_lora(ck: Path) -> bool:
     """A LoRA run's checkpoint: adapters, no store (the frozen base is named in trainer.json)."""
-    return (Path(ck) / "adapter" / "adapter_config.json").is_file() and not (Path(ck) / "manifest.json").is_file()
+    return (Path(ck) / "adapter" / "adapter_config.json").is_file() and not (
+        Path(ck) / "manifest.json"
+    ).is_file()
 
 
 def latest(run_dir: Path) -> Path | None:

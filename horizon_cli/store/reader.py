@@ -60,9 +60,14 @@ class Store:
             if path.stat().st_size < u.nbytes or u.nbytes < self.unit_bytes(u.name):
                 raise InputError(f"{path}: truncated ({path.stat().st_size} of {u.nbytes} bytes)")
             lay, dt = self.layouts[u.name], self.manifest.dtype
-            want = [(s.name, s.hf, list(s.shape), s.offset * itemsize, s.numel * itemsize, dt) for s in lay.slots]
+            want = [
+                (s.name, s.hf, list(s.shape), s.offset * itemsize, s.numel * itemsize, dt) for s in lay.slots
+            ]
             if u.name in self.packed:
-                want = [(s.name, s.hf, list(s.shape), s.offset, s.nbytes, s.quant or dt) for s in self.packed[u.name].slots]
+                want = [
+                    (s.name, s.hf, list(s.shape), s.offset, s.nbytes, s.quant or dt)
+                    for s in self.packed[u.name].slots
+                ]
             got = [(t.name, t.hf, list(t.shape), t.offset, t.nbytes, t.dtype) for t in u.tensors]
             if lay.numel != u.numel or got != want:
                 raise InputError(

@@ -60,7 +60,9 @@ def load_data(cfg: Config, store: Store, cache_dir: Path | None, console: Consol
 
 
 class Trainer:
-    def __init__(self, cfg: Config, store: Store, rd: RunDir, console: Console, lora: LoraSetup | None = None):
+    def __init__(
+        self, cfg: Config, store: Store, rd: RunDir, console: Console, lora: LoraSetup | None = None
+    ):
         self.cfg, self.store, self.rd, self.console = cfg, store, rd, console
         self.lora = lora  # LoRA: the frozen base is `store` itself, checkpoints hold the adapters
         self.run_dir = rd.path
