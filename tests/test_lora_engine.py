@@ -220,3 +220,44 @@ def test_dropout_masks_are_the_same_in_the_recompute(tmp_path):
         if drop:
             assert any((v[0] == 0).float().mean() > 0.2 for v in seen.values())
     assert any(not torch.equal(grads[0.0][u], grads[0.3][u]) for u in grads[0.0])
+
+
+@pytest.mark.parametrize("quantize", ["", "nf4"])
+def test_lora_on_the_cuda_transport_equals_the_cpu_one(tmp_path, quantize):
+    """The CUDA transport's logic through the fake CUDA (tests/fake_cuda.py): adapters riding with
+    their layer's load and NF4 layers dequantized on the compute stream, in stream order, bitwise
+    as on the CPU."""
+    import test_cuda_transport as tc
+    from fake_cuda import FakeCuda
+
+    model, store = make_store(tmp_path, "llama", True, dtype="bfloat16", quantize=quantize, num_hidden_layers=3)
+    peft_model(model, ["q_proj", "v_proj", "up_proj"]).save_pretrained(tmp_path / "init")
+    rows = random_rows(12, model.config.vocab_size, seed=3)
+
+    def run(transport):
+        eng = Engine(
+            store,
+            EngineConfig(device="cpu", dtype="bfloat16", loss_chunk=16),
+            OptimConfig(kernel="torch", **HP),
+            transport=transport,
+            lora=lora_setup(
+                LoraConfig(r=4, alpha=8, targets=["q_proj", "v_proj", "up_proj"], init=str(tmp_path / "init")),
+                store.arch,
+            ),
+        )
+        try:
+            losses = [eng.step(micro_batches(rows[4 * s : 4 * s + 4], 2), 1e-3).loss for s in range(2)]
+            logits = eng.logits(micro_batches(rows[-2:], 2)[0])
+            eng.wait()
+            return losses, logits, eng.host.tensors()
+        finally:
+            eng.close()
+
+    fake = FakeCuda(index=1)
+    with fake.watching():
+        got = run(tc.cuda(fake))
+    want = run(None)
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+    assert all(torch.equal(got[2][k], want[2][k]) for k in want[2])
+    assert fake.problems == []
+    assert fake.registrations > 0 and not fake.registered

@@ -88,9 +88,8 @@ def run(*args):
 
 def test_cli_inspect_export_and_the_refused_full_finetune(tmp_path):
     from conftest import chat_rows, write_config, write_jsonl
-    from transformers import AutoModelForCausalLM
-
     from rich.console import Console
+    from transformers import AutoModelForCausalLM
 
     from horizon_cli.export import export
     from horizon_cli.inspect import inspect_store

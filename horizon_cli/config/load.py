@@ -117,7 +117,7 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
         if key not in fields:
             allowed = ", ".join(fields)
             problems.append(f"{prefix}{key}: unknown key (allowed: {allowed})")
-    values = {}
+    values: dict[str, Any] = {}
     for name, f in fields.items():
         if name not in raw:
             continue

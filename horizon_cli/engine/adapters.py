@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -56,9 +57,10 @@ def lora_setup(cfg: LoraConfig, spec: ArchSpec, seed: int = 0, read_init: bool =
     targets = resolve_targets(cfg.targets, spec)
     setup = LoraSetup(cfg, targets, scale(cfg.alpha, cfg.r, cfg.use_rslora), seed)
     if cfg.init and read_init:
-        pcfg = peft.read_config(cfg.init)
-        peft.check_config(pcfg, cfg.init, cfg.r, cfg.alpha, cfg.use_rslora)
-        setup.init = peft.read_weights(cfg.init, setup.expected())
+        init = Path(cfg.init)
+        pcfg = peft.read_config(init)
+        peft.check_config(pcfg, init, cfg.r, cfg.alpha, cfg.use_rslora)
+        setup.init = peft.read_weights(init, setup.expected())
     return setup
 
 

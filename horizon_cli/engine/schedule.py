@@ -108,8 +108,9 @@ class Engine:
         self.base: FrozenState | None = None
         if lora is None:  # every unit is trained: host state in full
             self.host = HostState(store, self.dtype, self.t.host_empty, progress, self.grad_dtype)
-            units = dict(self.host.units)
-            self.trained = list(self.layers)  # per layer: the unit whose gradient it produces
+            units: dict = dict(self.host.units)
+            # per layer: the unit whose gradient it produces (LoRA: its adapters, or None)
+            self.trained: list[str | None] = list(self.layers)
         else:  # a frozen base (streaming copies only) and the adapters, trained
             self.base = FrozenState(store, self.dtype, self.t.host_empty, progress)
             self.host = AdapterState(lora, self.dtype, self.t.host_empty, self.grad_dtype)
@@ -174,7 +175,7 @@ class Engine:
         share = narrow and not self.t.shares_host
         self.wire = [self.t.device_empty(n_layer, self.grad_dtype) for _ in range(2)] if share else None
         self.head_g: torch.Tensor | None = None
-        self.embed_g = None
+        self.embed_g: torch.Tensor | None = None
         if self.lora is None:
             self._alloc_head_grads()
         hosts = {id(st.grad) for st in self.host.units.values()}

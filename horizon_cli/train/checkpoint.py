@@ -135,7 +135,7 @@ def load(engine, ck: Path) -> dict:
     The streaming weights come from the checkpoint's store (the engine is built on it)."""
     sums = ckpt.read_sums(ck)
     trainer = ckpt.read_trainer(ck)
-    keys = STATE_BUFFERS
+    keys: tuple[str, ...] = STATE_BUFFERS
     if engine.lora is not None:  # the masters from the adapter file, checked against its checksum
         keys = LORA_BUFFERS
         rel = f"adapter/{peft.WEIGHTS}"
