@@ -64,6 +64,21 @@ def lora_setup(cfg: LoraConfig, spec: ArchSpec, seed: int = 0, read_init: bool =
     return setup
 
 
+def lora_for(lora: LoraConfig | None, store, seed: int = 0) -> LoraSetup | None:
+    """A run's lora section resolved against its store (None: full fine-tuning). A 4-bit store
+    cannot be fully fine-tuned: without a lora section it is refused."""
+    from ..errors import InputError
+
+    if lora is None:
+        if store.quant:
+            raise InputError(
+                f"model.path: {store.root} is a 4-bit ({store.quant}) store, which cannot be fully "
+                "fine-tuned: add a lora: section (or convert without --quantize)"
+            )
+        return None
+    return lora_setup(lora, store.arch, seed)
+
+
 def unit_name(i: int) -> str:
     return f"lora.{i}"
 

@@ -67,6 +67,8 @@ def lora_memory_plan(
     p.device["saved inputs in flight"] = prefetch * acts
     p.device["activations"] = 2 * acts
     tok = micro_batch * seq
-    p.device["layer working set"] = layer_work_bytes(spec, tok, micro_batch, seq, item)
+    # the adapters add, per token and adapted layer, A's output (r) and B's (out) held for the add
+    widest = max((sum(r + t.out_features for t in layer) for layer in targets), default=0)
+    p.device["layer working set"] = layer_work_bytes(spec, tok, micro_batch, seq, item) + tok * widest * item
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
     return p

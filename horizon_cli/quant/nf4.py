@@ -82,31 +82,59 @@ def code_table(dtype: torch.dtype, device=None) -> torch.Tensor:
     return _TABLES[k]
 
 
-def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (n,) (n a multiple of BLOCK) -> (packed codes (n/2,) uint8, block absmax (n/64,) x.dtype).
+def _midpoints(dtype: torch.dtype) -> list[float]:
+    """The 15 midpoints between consecutive code values (as rounded to `dtype`), in fp32."""
+    lut = code_table(dtype).float()
+    return ((lut[1:] + lut[:-1]) / 2).tolist()
 
-    Nearest code by bisection on the midpoints, then the exact torchao comparison
-    |x/absmax - code| (in x's dtype) among the found code and its two neighbours, so rounding
-    in the dtype picks the same index as a comparison against all 16 codes would."""
-    lut = code_table(x.dtype, x.device)
+
+_BY_VALUE: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+
+
+def _code_by_value(dtype: torch.dtype, device) -> torch.Tensor:
+    """16-bit dtypes: the code of every one of the 65536 values, by torchao's own comparison
+    (|value - code| in the dtype, the first minimum), so quantizing is one table look-up."""
+    k = (dtype, str(device))
+    if k not in _BY_VALUE:
+        v = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
+        v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+        _BY_VALUE[k] = (v.unsqueeze(-1) - code_table(dtype)).abs().min(dim=-1).indices.to(torch.uint8).to(device)
+    return _BY_VALUE[k]
+
+
+def _nearest(scaled: torch.Tensor) -> torch.Tensor:
+    """(n,) values in [-1, 1] -> (n,) code indices, as torchao's comparison against all 16 codes."""
+    if scaled.element_size() == 2:
+        bits = scaled.view(torch.int16).to(torch.int32) & 0xFFFF
+        return _code_by_value(scaled.dtype, scaled.device)[bits]
+    # fp32: the nearest code in exact arithmetic (how many midpoints lie below), then torchao's
+    # comparison in the dtype among it and its neighbours (a tie keeps the lower index)
+    lut = code_table(scaled.dtype, scaled.device)
+    sf = scaled.float()
+    near = torch.zeros(sf.shape, dtype=torch.uint8, device=scaled.device)
+    for m in _midpoints(scaled.dtype):
+        near += sf > m
+    base = near.long()
+    best, best_d = None, None
+    for cand in (base - 1, base, base + 1):  # ascending
+        c = cand.clamp(0, 15)
+        d = (scaled - lut[c]).abs()
+        if best is None or best_d is None:
+            best, best_d = c, d
+        else:
+            better = d < best_d
+            best, best_d = torch.where(better, c, best), torch.where(better, d, best_d)
+    assert best is not None
+    return best.to(torch.uint8)
+
+
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (n,) (n a multiple of BLOCK) -> (packed codes (n/2,) uint8, block absmax (n/64,) x.dtype)."""
     blocks = x.view(-1, BLOCK)
     absmax = blocks.abs().amax(dim=1)
     scaled = (blocks / absmax.unsqueeze(1)).reshape(-1)  # (n,) in x.dtype, as torchao divides
     scaled = torch.where(torch.isnan(scaled), torch.zeros_like(scaled), scaled)  # an all-zero block
-    mid = ((lut[1:].float() + lut[:-1].float()) / 2).to(x.device)
-    near = torch.bucketize(scaled.float(), mid)  # (n,) index of the nearest code, exact arithmetic
-    best = None
-    for cand in (near - 1, near, near + 1):  # ascending: a tie keeps the lower index
-        c = cand.clamp(0, 15)
-        d = (scaled - lut[c]).abs()
-        if best is None:
-            best, best_d = c, d
-        else:
-            better = d < best_d
-            best = torch.where(better, c, best)
-            best_d = torch.where(better, d, best_d)
-    assert best is not None
-    idx = best.to(torch.uint8)
+    idx = _nearest(scaled)
     return (idx[0::2] << 4) | idx[1::2], absmax
 
 

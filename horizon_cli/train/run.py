@@ -21,7 +21,7 @@ from rich.table import Table
 from .. import owner, preflight
 from ..config import Config, dump_yaml, load_config
 from ..data.prepare import check_lengths
-from ..engine.adapters import LoraSetup, lora_setup
+from ..engine.adapters import LoraSetup, lora_for
 from ..engine.fit import check_device_fit, device_fit
 from ..engine.lora_plan import lora_memory_plan
 from ..engine.plan import MemoryPlan, memory_plan
@@ -43,7 +43,7 @@ def run_training(
     phase("startup")
     cfg = load_config(config_path, overrides)
     store = Store.open(cfg.model.path)
-    lora = check_lora(cfg, store)
+    lora = lora_for(cfg.lora, store, cfg.train.seed)  # targets and lora.init checked before any write
     check_lengths(cfg.data, store.arch.max_positions)
     device = preflight.check_device(cfg.engine)
     plan = plan_for(cfg, store, lora)
@@ -63,19 +63,6 @@ def run_training(
             return {"step": rd.resume_step, "checkpoint": str(rd.candidates[0]), "complete": True}
         with runtime_failures():
             return Trainer(cfg, store, rd, console, lora).run()
-
-
-def check_lora(cfg: Config, store: Store) -> LoraSetup | None:
-    """The lora section resolved against the model (targets, lora.init read strictly), before
-    anything is written; a 4-bit store without it is refused."""
-    if cfg.lora is None:
-        if store.quant:
-            raise InputError(
-                f"model.path: {store.root} is a 4-bit ({store.quant}) store, which cannot be fully "
-                "fine-tuned: add a lora: section (or convert without --quantize)"
-            )
-        return None
-    return lora_setup(cfg.lora, store.arch, cfg.train.seed)
 
 
 def plan_for(cfg: Config, store: Store, lora: LoraSetup | None = None) -> MemoryPlan:
