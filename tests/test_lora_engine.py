@@ -118,6 +118,7 @@ def test_lora_on_an_nf4_base_matches_peft_on_the_dequantized_base(tmp_path):
     [
         ("llama", ["q_proj", "v_proj"]),
         ("llama", ["layers.1.self_attn.k_proj", "up_proj"]),  # suffixes with dots
+        ("llama", ["proj", "q_proj"]),  # a suffix matches after a dot only: "proj" matches nothing
         ("llama", r"model\.layers\.0\.self_attn\.(q|v)_proj"),  # a regex string: whole name
         ("llama", "all-linear"),
         ("qwen2", ["model.layers.0.mlp.down_proj"]),  # an exact full name
@@ -230,7 +231,9 @@ def test_lora_on_the_cuda_transport_equals_the_cpu_one(tmp_path, quantize):
     import test_cuda_transport as tc
     from fake_cuda import FakeCuda
 
-    model, store = make_store(tmp_path, "llama", True, dtype="bfloat16", quantize=quantize, num_hidden_layers=3)
+    model, store = make_store(
+        tmp_path, "llama", True, dtype="bfloat16", quantize=quantize, num_hidden_layers=3
+    )
     peft_model(model, ["q_proj", "v_proj", "up_proj"]).save_pretrained(tmp_path / "init")
     rows = random_rows(12, model.config.vocab_size, seed=3)
 
@@ -241,7 +244,9 @@ def test_lora_on_the_cuda_transport_equals_the_cpu_one(tmp_path, quantize):
             OptimConfig(kernel="torch", **HP),
             transport=transport,
             lora=lora_setup(
-                LoraConfig(r=4, alpha=8, targets=["q_proj", "v_proj", "up_proj"], init=str(tmp_path / "init")),
+                LoraConfig(
+                    r=4, alpha=8, targets=["q_proj", "v_proj", "up_proj"], init=str(tmp_path / "init")
+                ),
                 store.arch,
             ),
         )

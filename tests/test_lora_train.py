@@ -21,7 +21,7 @@ peft = pytest.importorskip("peft")
 
 HORIZON = [sys.executable, "-m", "horizon_cli.cli"]
 SECTIONS = dict(
-    lora={"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"], "use_rslora": True},
+    lora={"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"], "use_rslora": True, "dropout": 0.1},
     output={"export": True, "keep_last": 1, "save_every": 2},
 )
 
@@ -80,7 +80,7 @@ def test_peft_loads_the_adapter_and_matches_the_merged_export(tiny_store, refere
 
     _, run = reference
     cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())
-    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["use_rslora"] is True
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["use_rslora"] is True and cfg["lora_dropout"] == 0.1
     assert cfg["target_modules"] == ["q_proj", "v_proj", "down_proj"]
     keys = set(load_file(str(run / "adapter" / "adapter_model.safetensors")))
     want = {

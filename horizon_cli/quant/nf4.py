@@ -98,7 +98,9 @@ def _code_by_value(dtype: torch.dtype, device) -> torch.Tensor:
     if k not in _BY_VALUE:
         v = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
         v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
-        _BY_VALUE[k] = (v.unsqueeze(-1) - code_table(dtype)).abs().min(dim=-1).indices.to(torch.uint8).to(device)
+        _BY_VALUE[k] = (
+            (v.unsqueeze(-1) - code_table(dtype)).abs().min(dim=-1).indices.to(torch.uint8).to(device)
+        )
     return _BY_VALUE[k]
 
 
