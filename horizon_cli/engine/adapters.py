@@ -31,6 +31,7 @@ from ..config.schema import LoraConfig
 from ..lora import peft
 from ..lora.targets import Target, resolve_targets, scale
 from ..store.layout import ALIGN, Param, Slot, UnitLayout
+from .frozen import FrozenState
 from .host import HostState, UnitState
 
 
@@ -155,6 +156,17 @@ class AdapterState(HostState):
         return out
 
 
+def lora_state(
+    store, setup: LoraSetup, dtype, grad_dtype, alloc, progress
+) -> tuple[FrozenState, AdapterState, list]:
+    """A LoRA run's host state: the frozen base, the adapters, and per decoder layer its adapter
+    unit (None where no linear layer is adapted)."""
+    base = FrozenState(store, dtype, alloc, progress)
+    host = AdapterState(setup, dtype, alloc, grad_dtype)
+    trained = [u if u in host.units else None for u in map(unit_name, range(store.arch.n_layers))]
+    return base, host, trained
+
+
 class LayerLora:
     """One decoder layer's adapters on the device, called on each adapted linear layer's output."""
 
@@ -189,6 +201,23 @@ class LayerLora:
     def from_views(views: dict[str, torch.Tensor], targets: list[Target], **kw) -> LayerLora:
         ab = {t.weight: (views[f"{t.weight}.lora_A"], views[f"{t.weight}.lora_B"]) for t in targets}
         return LayerLora(ab, **kw)
+
+
+def layer_lora(
+    setup: LoraSetup, st: UnitState, i: int, flat: torch.Tensor, step: int, train: bool, grad: bool
+) -> tuple[LayerLora, list[torch.Tensor]]:
+    """Layer i's adapters on the device (flat: unit lora.{i} as loaded), with their autograd leaves
+    in layout order when `grad`; dropout only when `train` (seeded by the optimizer step)."""
+    views = st.views(flat)
+    leaves: list[torch.Tensor] = []
+    if grad:  # autograd.grad never fills .grad: leaves of their own, views of the loaded buffer
+        views = {k: v.detach().requires_grad_(True) for k, v in views.items()}
+        leaves = [views[p.name] for p in st.layout.tensors]
+    seed = step_seed(setup.seed, step, i) if train else None
+    lora = LayerLora.from_views(
+        views, setup.targets[i], scaling=setup.scale, dropout=setup.cfg.dropout, seed=seed
+    )
+    return lora, leaves
 
 
 def step_seed(seed: int, step: int, layer: int) -> int:

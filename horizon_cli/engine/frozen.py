@@ -64,12 +64,27 @@ class FrozenState:
             self.units[u.name] = FrozenUnit(u.name, lay, buf, packed)
             progress(u.nbytes)
 
+        self.scratch: torch.Tensor | None = None  # the device buffer a packed layer expands into
+
     def __getitem__(self, unit: str) -> FrozenUnit:
         return self.units[unit]
 
-    @property
-    def packed(self) -> bool:
-        return any(u.packed is not None for u in self.units.values())
+    def attach(self, device_empty: Callable[[int, torch.dtype], torch.Tensor], dtype: torch.dtype) -> int:
+        """Allocate the device buffer packed layers are dequantized into (the largest layer's dense
+        layout, zeroed: padding is never written); its bytes (0: nothing is packed)."""
+        packed = [u.layout.numel for u in self.units.values() if u.packed is not None]
+        if not packed:
+            return 0
+        self.scratch = device_empty(max(packed), dtype)
+        self.scratch.zero_()
+        return self.scratch.numel() * self.scratch.element_size()
+
+    def weights(self, unit: str, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A loaded unit's tensors by name: a packed one dequantized into the scratch buffer first."""
+        if PACKED not in w:
+            return w
+        assert self.scratch is not None
+        return self.dequantize(unit, w[PACKED], self.scratch)
 
     def dequantize(self, unit: str, raw: torch.Tensor, out: torch.Tensor) -> dict[str, torch.Tensor]:
         """A packed unit's bytes on the device -> its tensors, dense, in `out` ((numel,), compute

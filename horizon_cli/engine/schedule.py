@@ -34,9 +34,9 @@ from ..data.batch import MicroBatch
 from ..errors import HorizonError
 from ..optim.adamw import AdamWHyper
 from ..store import DTYPES, Store
-from .adapters import AdapterState, LayerLora, LoraSetup, step_seed, unit_name
+from .adapters import LoraSetup, layer_lora, lora_state
 from .events import READY, Event, Poison, Promise
-from .frozen import PACKED, FrozenState
+from .frozen import FrozenState
 from .head import head_forward_backward, head_loss, label_index
 from .host import HostState
 from .loader import Load, Loader
@@ -105,19 +105,16 @@ class Engine:
         self.poison = Poison()  # an error anywhere fails every pending promise (engine/events.py)
         self.layers = [f"layer.{i}" for i in range(self.spec.n_layers)]
         self.lora = lora
+        # host state; per layer the unit whose gradient it produces (LoRA: its adapters, or None)
         self.base: FrozenState | None = None
+        self.trained: list[str | None] = list(self.layers)
         if lora is None:  # every unit is trained: host state in full
             self.host = HostState(store, self.dtype, self.t.host_empty, progress, self.grad_dtype)
-            units: dict = dict(self.host.units)
-            # per layer: the unit whose gradient it produces (LoRA: its adapters, or None)
-            self.trained: list[str | None] = list(self.layers)
         else:  # a frozen base (streaming copies only) and the adapters, trained
-            self.base = FrozenState(store, self.dtype, self.t.host_empty, progress)
-            self.host = AdapterState(lora, self.dtype, self.t.host_empty, self.grad_dtype)
-            units = {**self.base.units, **self.host.units}
-            self.trained = [
-                unit_name(i) if unit_name(i) in self.host.units else None for i in range(len(self.layers))
-            ]
+            self.base, self.host, self.trained = lora_state(
+                store, lora, self.dtype, self.grad_dtype, self.t.host_empty, progress
+            )
+        units: dict = {**(self.base.units if self.base else {}), **self.host.units}
         self.units = units
         tied = self.spec.tie_embeddings
         step_numel = max_tokens * self.spec.hidden  # one layer's inputs, whole step (0: unknown)
@@ -137,17 +134,10 @@ class Engine:
         self._alloc_grad_buffers()
         # per trained unit: the tensors that get gradients (frozen buffers such as a routing bias do not)
         self._trained = {
-            u: [p.name for p in self.host[u].layout.tensors if p.trainable]
-            for u in self.trained
-            if u is not None
+            u: [p.name for p in self.host[u].layout.tensors if p.trainable] for u in self.host.units
         }
-        self.dequant: torch.Tensor | None = None  # NF4 base: one layer, dequantized on the device
-        if self.base is not None and self.base.packed:
-            self.dequant = self.t.device_empty(
-                max(self.units[u].layout.numel for u in self.layers), self.dtype
-            )
-            self.dequant.zero_()  # padding elements are never written
-            self.t.memory.set("dequantized layer", _nbytes(self.dequant))
+        if self.base is not None and (n := self.base.attach(self.t.device_empty, self.dtype)):
+            self.t.memory.set("dequantized layer", n)  # NF4: one layer, dequantized on the device
         self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
         self.staging: dict[str, torch.Tensor] = {}
         if step_numel:  # sized once: pinning and unpinning L buffers mid-run doubles them for a while
@@ -333,28 +323,14 @@ class Engine:
 
     def _weights(self, i: int, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A layer's weights by name: an NF4 layer is dequantized on the device first."""
-        if PACKED not in w:
-            return w
-        assert self.base is not None and self.dequant is not None
-        return self.base.dequantize(self.layers[i], w[PACKED], self.dequant)
+        return w if self.base is None else self.base.weights(self.layers[i], w)
 
     def _layer_lora(self, i: int, extras: list[torch.Tensor], train: bool, grad: bool = False):
         """(LayerLora or None, its leaf tensors). train: dropout on; grad: A and B as autograd leaves."""
         u = self.trained[i] if self.lora is not None else None
-        if u is None:
+        if u is None or self.lora is None:
             return None, []
-        assert self.lora is not None
-        views = self.host[u].views(extras[0])
-        leaves = []
-        if grad:
-            views = {k: v.detach().requires_grad_(True) for k, v in views.items()}
-            leaves = [views[n] for n in self._trained[u]]
-        cfg = self.lora.cfg
-        seed = step_seed(self.lora.seed, self.adam_step, i) if train else None
-        lora = LayerLora.from_views(
-            views, self.lora.targets[i], scaling=self.lora.scale, dropout=cfg.dropout, seed=seed
-        )
-        return lora, leaves
+        return layer_lora(self.lora, self.host[u], i, extras[0], self.adam_step, train, grad)
 
     def _start(self, mbs: list[MicroBatch], seq: list[Load]) -> list[torch.Tensor]:
         """Begin the step's loads and send the embedded inputs. Layer 0's compute needs only its
@@ -498,11 +474,9 @@ class Engine:
                 w = self._weights(i, w)
                 lora, leaves = self._layer_lora(i, extras, train=True, grad=True)
                 if lora is None and unit is not None:  # full fine-tuning: the layer's own weights
-                    leaves = [w[k_].detach().requires_grad_(True) for k_ in self._trained[unit]]
-                    w = {
-                        **w,
-                        **dict(zip(self._trained[unit], leaves, strict=True)),
-                    }  # frozen ones as they are
+                    names = self._trained[unit]
+                    leaves = [w[k_].detach().requires_grad_(True) for k_ in names]
+                    w = {**w, **dict(zip(names, leaves, strict=True))}  # frozen ones as they are
                 # LoRA: nothing below layer 0 needs its input gradient
                 want_dx = self.lora is None or i > 0
                 if want_dx or leaves:
