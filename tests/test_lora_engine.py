@@ -153,7 +153,7 @@ def test_targets_follow_peft(family, targets):
     "targets,says",
     [
         (["mlp"], "not a linear layer"),
-        ("lm_head", "lm head"),
+        ("lm_head", "LM head"),
         (["nothing_here"], "matches no module"),
         ("mlp", "no module"),
     ],

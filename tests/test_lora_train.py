@@ -21,7 +21,13 @@ peft = pytest.importorskip("peft")
 
 HORIZON = [sys.executable, "-m", "horizon_cli.cli"]
 SECTIONS = dict(
-    lora={"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"], "use_rslora": True, "dropout": 0.1},
+    lora={
+        "r": 4,
+        "alpha": 8,
+        "targets": ["q_proj", "v_proj", "down_proj"],
+        "use_rslora": True,
+        "dropout": 0.1,
+    },
     output={"export": True, "keep_last": 1, "save_every": 2},
 )
 
@@ -80,7 +86,12 @@ def test_peft_loads_the_adapter_and_matches_the_merged_export(tiny_store, refere
 
     _, run = reference
     cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())
-    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["use_rslora"] is True and cfg["lora_dropout"] == 0.1
+    assert (
+        cfg["peft_type"] == "LORA"
+        and cfg["r"] == 4
+        and cfg["use_rslora"] is True
+        and cfg["lora_dropout"] == 0.1
+    )
     assert cfg["target_modules"] == ["q_proj", "v_proj", "down_proj"]
     keys = set(load_file(str(run / "adapter" / "adapter_model.safetensors")))
     want = {
@@ -101,6 +112,9 @@ def test_peft_loads_the_adapter_and_matches_the_merged_export(tiny_store, refere
         )
     assert float((a - b).abs().max() / b.abs().max()) < 1e-5
     assert not torch.allclose(plain.logits, b, atol=1e-4)  # the adapters did change the model
+    export(run, tmp_path / "again")  # the run dir (its latest checkpoint), as `horizon export RUN DST`
+    for f in (run / "export").glob("*.safetensors"):
+        assert (tmp_path / "again" / f.name).read_bytes() == f.read_bytes()
     export(run, tmp_path / "adapter-only", adapter=True)
     assert sorted(p.name for p in (tmp_path / "adapter-only").iterdir()) == [
         "adapter_config.json",

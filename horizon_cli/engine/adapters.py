@@ -1,6 +1,6 @@
 """LoRA adapters in the engine: their host training state, and their arithmetic on the device.
 
-Where they live (docs/engine.md, "LoRA"): on the host, one unit `lora.{i}` per adapted decoder
+Where they live (docs/engine.md, "LoRA on a streamed base", says why): on the host, one unit `lora.{i}` per adapted decoder
 layer, with the full training state of a unit (streaming copy, exact fp32 master, AdamW moments,
 gradient: engine.host's UnitState), streamed to the device *with their layer* (a load's extra
 tensors) and updated by the CPU AdamW worker like any unit. So the device holds one layer's
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..arch import ArchSpec
 from ..config.schema import LoraConfig
+from ..errors import InputError
 from ..lora import peft
 from ..lora.targets import Target, resolve_targets, scale
 from ..store.layout import ALIGN, Param, Slot, UnitLayout
@@ -53,11 +54,11 @@ class LoraSetup:
         return peft.expected_shapes(self.targets, self.cfg.r)
 
 
-def lora_setup(cfg: LoraConfig, spec: ArchSpec, seed: int = 0, read_init: bool = True) -> LoraSetup:
+def lora_setup(cfg: LoraConfig, spec: ArchSpec, seed: int = 0) -> LoraSetup:
     """Resolve lora.targets (InputError naming what is wrong) and read lora.init (strictly)."""
     targets = resolve_targets(cfg.targets, spec)
     setup = LoraSetup(cfg, targets, scale(cfg.alpha, cfg.r, cfg.use_rslora), seed)
-    if cfg.init and read_init:
+    if cfg.init:
         init = Path(cfg.init)
         pcfg = peft.read_config(init)
         peft.check_config(pcfg, init, cfg.r, cfg.alpha, cfg.use_rslora)
@@ -68,8 +69,6 @@ def lora_setup(cfg: LoraConfig, spec: ArchSpec, seed: int = 0, read_init: bool =
 def lora_for(lora: LoraConfig | None, store, seed: int = 0) -> LoraSetup | None:
     """A run's lora section resolved against its store (None: full fine-tuning). A 4-bit store
     cannot be fully fine-tuned: without a lora section it is refused."""
-    from ..errors import InputError
-
     if lora is None:
         if store.quant:
             raise InputError(
@@ -121,7 +120,6 @@ class AdapterState(HostState):
         dtype: torch.dtype,
         alloc: Callable[[int, torch.dtype], torch.Tensor],
         grad_dtype: torch.dtype = torch.float32,
-        weights: dict[str, torch.Tensor] | None = None,
     ):
         self.dtype, self.grad_dtype = dtype, grad_dtype
         self.units: dict[str, UnitState] = {}
@@ -136,7 +134,7 @@ class AdapterState(HostState):
             self.units[lay.name] = UnitState(
                 lay.name, lay, alloc(n, dtype), lo, torch.zeros(n), torch.zeros(n), grad
             )
-        self.set_tensors(weights if weights is not None else initial_adapters(setup))
+        self.set_tensors(initial_adapters(setup))
 
     def set_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set every adapter's fp32 master (streaming copy and remainder with it), PEFT keys."""

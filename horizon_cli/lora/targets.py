@@ -23,6 +23,7 @@ from ..arch.names import layer_tensors
 from ..errors import InputError
 
 ALL_LINEAR = "all-linear"
+KIND = {"embedding": "input embedding", "lm_head": "LM head"}
 
 
 @dataclass(frozen=True)
@@ -122,12 +123,12 @@ def resolve_targets(
     for m in chosen:
         if m.kind in ("embedding", "lm_head"):
             raise InputError(
-                f"{where}: {targets!r} matches {m.name} (the {m.kind.replace('_', ' ')}): horizon adapts "
+                f"{where}: {targets!r} matches {m.name} (the {KIND[m.kind]}): horizon adapts "
                 "the linear layers of the decoder layers only"
             )
         if m.kind != "linear":
             raise InputError(
-                f"{where}: {targets!r} matches {m.name}, a {m.kind}, not a linear layer (PEFT refuses it too)"
+                f"{where}: {targets!r} matches {m.name} ({m.kind}), not a linear layer (PEFT refuses it too)"
             )
     if not chosen:
         raise InputError(f"{where}: {targets!r} matches no module of the model (e.g. q_proj, v_proj)")

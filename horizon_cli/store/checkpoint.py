@@ -131,10 +131,11 @@ def intact(run_dir: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
 
 
 def is_lora(ck: Path) -> bool:
-    """A LoRA run's checkpoint: adapters, no store (the frozen base is named in trainer.json)."""
-    return (Path(ck) / "adapter" / "adapter_config.json").is_file() and not (
-        Path(ck) / "manifest.json"
-    ).is_file()
+    """A LoRA run's checkpoint: adapters and trainer state, no store (trainer.json names the
+    frozen base). A run dir's own adapter/ (the finished run's copy) does not make it one."""
+    ck = Path(ck)
+    adapter, trainer = (ck / "adapter" / "adapter_config.json").is_file(), (ck / TRAINER).is_file()
+    return adapter and trainer and not (ck / "manifest.json").is_file()
 
 
 def latest(run_dir: Path) -> Path | None:
