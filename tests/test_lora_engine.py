@@ -108,7 +108,7 @@ def load_dequantized(model, store) -> None:
     [
         ("llama", ["q_proj", "v_proj"], False, STEPS),
         ("llama", "all-linear", True, STEPS),
-        ("qwen3_moe", ["q_proj", "o_proj"], False, 8),  # the generic path: hooks on transformers' modules
+        ("qwen3_moe", ["q_proj", "o_proj"], False, 5),  # the generic path: hooks on transformers' modules
     ],
 )
 def test_lora_steps_match_peft(tmp_path, family, targets, rslora, steps):
@@ -233,8 +233,7 @@ def test_dropout_masks_are_the_same_in_the_recompute(tmp_path):
     assert any(not torch.equal(grads[0.0][u], grads[0.3][u]) for u in grads[0.0])
 
 
-@pytest.mark.parametrize("quantize", ["", "nf4"])
-def test_lora_on_the_cuda_transport_equals_the_cpu_one(tmp_path, quantize):
+def test_lora_on_the_cuda_transport_equals_the_cpu_one(tmp_path, quantize="nf4"):
     """The CUDA transport's logic through the fake CUDA (tests/fake_cuda.py): adapters riding with
     their layer's load and NF4 layers dequantized on the compute stream, in stream order, bitwise
     as on the CPU."""
