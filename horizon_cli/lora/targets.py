@@ -89,18 +89,10 @@ def generic_modules(spec: ArchSpec) -> tuple[list[Module], dict[str, Target]]:
             kind = "linear"
             i_str, rel = name[len(prefix) :].split(".", 1)
             linear[name] = Target(int(i_str), name, rel, rel + ".weight", m.in_features, m.out_features)
-            if m.bias is not None and rel + ".bias" not in _params(spec, int(i_str)):
-                raise InputError(f"{name}: bias not in the store's table")
         else:
             kind = type(m).__name__
         mods.append(Module(name, kind))
     return mods, linear
-
-
-def _params(spec: ArchSpec, i: int) -> set[str]:
-    from ..arch.names import generic_table
-
-    return {e["name"] for e in generic_table(spec, f"layer.{i}")}
 
 
 def matches(targets: list[str] | str, name: str) -> bool:
