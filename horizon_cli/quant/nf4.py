@@ -166,17 +166,26 @@ def dequantize_scales(scales: torch.Tensor, factors: torch.Tensor, mean: torch.T
     return s + mean
 
 
+_PAIRS: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+
+
+def _pair_table(dtype: torch.dtype, device) -> torch.Tensor:
+    """(256, 2): the two code values a packed byte holds (high nibble first), in `dtype`."""
+    k = (dtype, str(device))
+    if k not in _PAIRS:
+        lut, b = code_table(dtype), torch.arange(256)
+        _PAIRS[k] = torch.stack([lut[b >> 4], lut[b & 0xF]], dim=-1).to(device)
+    return _PAIRS[k]
+
+
 def dequantize(
     codes: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, mean: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    """Packed codes (n/2,) uint8 and the scale parts -> `out` (n,) in the factors' dtype."""
-    lut = code_table(factors.dtype, codes.device)
+    """Packed codes (n/2,) uint8 and the scale parts -> `out` (n,) in the factors' dtype: each
+    byte looked up as its two code values at once, times its block's scale (torchao's products)."""
     s = dequantize_scales(scales, factors, mean).unsqueeze(-1)  # (nb, 1)
-    pairs = out.view(-1, BLOCK // 2, 2)  # (nb, 32, 2): even elements in the high nibble
-    hi = lut[(codes >> 4).long()].view(-1, BLOCK // 2)
-    lo = lut[(codes & 0xF).long()].view(-1, BLOCK // 2)
-    torch.mul(hi, s, out=pairs[:, :, 0])
-    torch.mul(lo, s, out=pairs[:, :, 1])
+    values = _pair_table(factors.dtype, codes.device)[codes.to(torch.int32)].view(-1, BLOCK)  # (nb, 64)
+    torch.mul(values, s, out=out.view(-1, BLOCK))
     return out
 
 
