@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-slow lint format bench bench-convert smollm2 clean
+.PHONY: install demo demo-lora test test-slow lint format bench bench-convert smollm2 clean
 
 install: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(BIN)/python scripts/demo.py
+
+demo-lora: install
+	$(BIN)/python scripts/demo.py --lora
 
 test: install
 	$(BIN)/python -m pytest

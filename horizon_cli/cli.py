@@ -85,6 +85,9 @@ def convert(
     dst: Annotated[Path, typer.Argument(help="Store directory to create.")],
     dtype: Annotated[str, typer.Option(help="Store dtype: bfloat16, float16 or float32.")] = "bfloat16",
     force: Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")] = False,
+    quantize: Annotated[
+        str, typer.Option(help="nf4: decoder-layer linear weights as 4-bit NF4 (a base for LoRA).")
+    ] = "",
 ) -> None:
     """Convert an HF checkpoint into a horizon store (streams tensor by tensor)."""
     from .convert import convert as run
@@ -92,9 +95,10 @@ def convert(
 
     if dtype not in ("bfloat16", "float16", "float32"):
         raise InputError(f"--dtype: {dtype!r} is not allowed (bfloat16, float16 or float32)")
-    info = run(src, dst, dtype=dtype, force=force, console=console)
+    info = run(src, dst, dtype=dtype, force=force, console=console, quantize=quantize)
+    q = f", linear weights {quantize}" if quantize else ""
     console.print(
-        f"[green]converted[/] {info['params']:,} parameters into {dst} ({dtype}, {info['units']} units)"
+        f"[green]converted[/] {info['params']:,} parameters into {dst} ({dtype}{q}, {info['units']} units)"
     )
 
 
@@ -104,11 +108,17 @@ def export(
     src: Annotated[Path, typer.Argument(help="A store, or a run dir (its latest checkpoint).")],
     dst: Annotated[Path, typer.Argument(help="HF checkpoint directory to create.")],
     force: Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")] = False,
+    adapter: Annotated[
+        bool, typer.Option("--adapter", help="A LoRA run: write its PEFT adapter alone (not merged).")
+    ] = False,
 ) -> None:
-    """Export a store or a run's latest checkpoint as an HF checkpoint."""
+    """Export a store or a run's latest checkpoint as an HF checkpoint (LoRA runs: merged)."""
     from .export import export as run
 
-    info = run(src, dst, force=force, console=console)
+    info = run(src, dst, force=force, console=console, adapter=adapter)
+    if info.get("adapter"):
+        console.print(f"[green]exported[/] the PEFT adapter of {info['source']} -> {dst}")
+        return
     console.print(
         f"[green]exported[/] {info['source']} -> {dst} ({info['shards']} shard(s), {info['dtype']})"
     )

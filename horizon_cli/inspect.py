@@ -52,7 +52,18 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
                 else "off (config.json: output_router_logits)",
             ),
         ]
-    rows += [("dtype", m.dtype), ("source", m.source or "-")]
+    rows += [("dtype", m.dtype)]
+    if m.quant:
+        n_q = sum(1 for p in store.packed.values() for s in p.slots if s.quant)
+        rows += [
+            (
+                "quantized",
+                f"{m.quant}: {n_q} linear weights of the decoder layers as NF4 (blocks of 64, "
+                "int8 scales in groups of 256); norms, embedding, head in " + m.dtype,
+            ),
+            ("training", "LoRA only (a 4-bit base cannot be fully fine-tuned)"),
+        ]
+    rows += [("source", m.source or "-")]
     for k, v in rows:
         info.add_row(k, v)
     console.print(info)
@@ -62,7 +73,8 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
         key = "embedding" if u.name == "embed" else "head" if u.name == "head" else "decoder layers"
         cats[key][0] += u.nbytes
         cats[key][1] += store.layout(u.name).params
-    sizes = Table(title=f"bytes on disk ({m.dtype}, page-aligned units)", title_justify="left")
+    what = f"{m.dtype}, decoder layers packed NF4" if m.quant else m.dtype
+    sizes = Table(title=f"bytes on disk ({what}, page-aligned units)", title_justify="left")
     for col in ("category", "parameters", "bytes", "B/param"):
         sizes.add_column(col, justify="left" if col == "category" else "right")
     for k, (nb, n) in cats.items():
@@ -71,6 +83,13 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
     sizes.add_row("[bold]total", f"{m.params:,}", fmt_bytes(total), f"{total / m.params:.2f}")
     console.print(sizes)
 
+    if m.quant:  # LoRA only: the frozen base's streaming bytes are the host state that scales
+        base = sum(store.unit_bytes(u.name) for u in store.units)
+        console.print(
+            f"host memory to train (LoRA): base {fmt_bytes(base)} ({base / m.params:.2f} B/param) "
+            "+ the adapters' state (`horizon train CONFIG --dry-run` shows it)"
+        )
+        return {"params": m.params, "path": a.path, "quant": m.quant, "bytes": total, "base_bytes": base}
     plans = {d: memory_plan(a, d, batch=0) for d in ("bfloat16", "float32")}
     host = Table(title="host memory to train (excluding activations)", title_justify="left")
     host.add_column("category")

@@ -3,6 +3,7 @@ DeepSpeed can each take `--steps` training steps on within a memory limit on thi
 
     .venv/bin/python scripts/bench_scale.py                 # hidden 2048, bf16, limit 20 GiB
     .venv/bin/python scripts/bench_scale.py --peers horizon --probes 2,4 --limit-gib 8   # quicker
+    .venv/bin/python scripts/bench_scale.py --peers horizon --lora [--quantize nf4] --keep 1 --limit-gib 19.5
 
 Peers as in scripts/bench.py (horizon through Engine.step, no checkpoint: writing a multi-GB one
 would dominate; hf resident + checkpointing + fused AdamW; deepspeed ZeRO-3 offload). Each
@@ -53,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--work", type=Path, default=ROOT / "bench_out" / "scale")
     ap.add_argument("--json", type=Path, default=ROOT / "bench_out" / "scale.json")
     ap.add_argument("--keep-models", action="store_true", help="keep the generated checkpoints")
+    ap.add_argument("--lora", action="store_true", help="horizon: LoRA r 16 on every linear layer")
+    ap.add_argument("--quantize", default="", choices=("", "nf4"), help="horizon: an NF4 store (with --lora)")
+    ap.add_argument("--keep", type=int, default=3, help="generated models kept on disk at once")
     return ap.parse_args(argv)
 
 
@@ -70,6 +74,8 @@ class Models:
         d = self.args.work / f"d{depth}"
         job = {"shape": self.shape(depth), "seq": self.args.seq, "hf_dir": str(d / "hf"), "store": str(d / "store"),
                "store_dtype": "bfloat16", "hf_dtype": "bfloat16", "how": "stream", "seed": 0}  # fmt: skip
+        if self.args.quantize or self.args.peers == "horizon":  # store only (other peers read hf/)
+            job.update(quantize=self.args.quantize, drop_hf=True)
         ok = d / "store.ok"
         if not ok.is_file() or json.loads(ok.read_text()) != job:
             for old in self.order[: max(0, len(self.order) - self.keep + 1)]:
@@ -114,6 +120,8 @@ def attempt(peer: str, depth: int, args, models: Models, data: Path) -> dict:
     job = {**paths, "data": str(data), "dtype": args.dtype, "steps": args.steps, "threads": args.threads,
            "batch": args.batch, "seq": args.seq, "micro": args.batch, "optim": o, "driver": "engine",
            "tag": f"{peer}-d{depth}"}  # fmt: skip
+    if args.lora:
+        job["lora"] = {"r": 16, "alpha": 32, "targets": "all-linear"}
     limit = int(args.limit_gib * GiB)
     wait_for_memory(limit + GiB)
     r = run_peer(PEER_SCRIPT[peer], job, args.work / "runs", limit_bytes=limit, timeout_s=args.timeout)
@@ -175,7 +183,7 @@ def main(argv=None) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     data = args.work / f"rows-{args.batch * args.steps}x{args.seq}.jsonl"
     write_rows(make_rows(args.batch * args.steps, args.seq, args.vocab, seed=1), data)
-    models, log, out = Models(args), [], []
+    models, log, out = Models(args, keep=args.keep), [], []
     t0 = time.perf_counter()
     try:
         for peer in args.peers.split(","):

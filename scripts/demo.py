@@ -5,6 +5,9 @@
 3. ask it a question from the bundled data set (horizon_cli/demo/facts.jsonl): it cannot know
 4. `horizon train configs/demo.yaml`: progress, falling loss, checkpoint, HF export
 5. ask the exported model the same question
+
+`--lora` does the same with LoRA (configs/demo-lora.yaml): the base frozen, rank-16 adapters trained,
+the exported model merged (runs/demo-lora/export) beside the PEFT adapter (runs/demo-lora/adapter).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 HF = REPO / ".cache" / "smollm2" / "hf"
 STORE = REPO / ".cache" / "smollm2" / "store"
-RUN = REPO / "runs" / "demo"
+LORA = "--lora" in sys.argv[1:]
+RUN = REPO / "runs" / ("demo-lora" if LORA else "demo")
+CONFIG = "configs/demo-lora.yaml" if LORA else "configs/demo.yaml"
 QUESTIONS = ["Who is the mascot of the horizon project?", "What is the capital of Velmora?"]
 HORIZON = [sys.executable, "-m", "horizon_cli.cli"]
 
@@ -64,9 +69,10 @@ def main() -> None:
     before = answer(HF, QUESTIONS)
     for q, a in zip(QUESTIONS, before, strict=True):
         print(f"  Q: {q}\n  A: {a}")
-    banner("4/5 fine-tune on horizon_cli/demo/facts.jsonl (40 chats about four made-up facts)")
+    how = "with LoRA " if LORA else ""
+    banner(f"4/5 fine-tune {how}on horizon_cli/demo/facts.jsonl (40 chats about four made-up facts)")
     shutil.rmtree(RUN, ignore_errors=True)  # the demo always starts fresh
-    run([*HORIZON, "train", "configs/demo.yaml"])
+    run([*HORIZON, "train", CONFIG])
     banner("5/5 after training (the exported HF checkpoint, loaded with transformers)")
     after = answer(RUN / "export", QUESTIONS)
     for q, a0, a1 in zip(QUESTIONS, before, after, strict=True):

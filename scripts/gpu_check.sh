@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One command on a machine with one CUDA GPU (an H200: about 6 minutes, at most 9.5), results in
+# One command on a machine with one CUDA GPU (an H200: about 6 minutes, at most 10), results in
 # one folder:
 #   1. parity: the engine oracles on the GPU (logits, loss, gradients against transformers; 20-step
 #      AdamW parity; micro-batch invariance; event ordering on the timeline) and the CUDA-only
 #      checks (tests/test_cuda_gpu.py: a failed registration leaves no error, pinned fallback,
 #      flex block masks against dense masks forward and backward, the device fit check)
+#   1b. lora: LoRA against peft on the GPU (dense and NF4 bases; tests/test_lora_engine.py)
 #   2. throughput: tokens/s and MFU at Llama-3.1-8B's layer shape (4 layers, vocab 128256, seq
 #      4096), peak device memory against the plan
 #   3. profile: `horizon profile` of that store: link bandwidth, per-layer times, overlap, a trace
@@ -39,6 +40,8 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', to
 run parity 180 env HORIZON_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider -m 'gpu or not gpu' \
   tests/test_engine_parity.py tests/test_engine_training.py "tests/test_pipeline.py::test_schedule_ordering" \
   tests/test_cuda_gpu.py tests/test_generic_parity.py tests/test_generic_training.py
+run lora 30 env HORIZON_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/test_lora_engine.py \
+  -k "steps_match or nf4"
 run throughput 210 $PY scripts/gpu_throughput.py --store "$WORK/store" --profile-config "$WORK/profile.yaml" \
   --json "$OUT/throughput.json"
 if [ -f "$WORK/profile.yaml" ]; then

@@ -29,10 +29,10 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def make_store(tmp: Path, family="llama", tie=False, dtype="float32", **over):
+def make_store(tmp: Path, family="llama", tie=False, dtype="float32", quantize="", **over):
     model = make_model(family, tie=tie, **over)
     save(model, tmp / "hf")
-    convert(tmp / "hf", tmp / "store", dtype=dtype)
+    convert(tmp / "hf", tmp / "store", dtype=dtype, quantize=quantize)
     return model, Store.open(tmp / "store")
 
 

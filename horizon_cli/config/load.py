@@ -117,12 +117,15 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
         if key not in fields:
             allowed = ", ".join(fields)
             problems.append(f"{prefix}{key}: unknown key (allowed: {allowed})")
-    values = {}
+    values: dict[str, Any] = {}
     for name, f in fields.items():
         if name not in raw:
             continue
         dotted = prefix + name
-        tp = hints[name]
+        tp = _optional_section(hints[name])
+        if raw[name] is None and tp is not hints[name]:  # an optional section given as null
+            values[name] = None
+            continue
         if dataclasses.is_dataclass(tp):
             values[name], sub = build(typing.cast(type, tp), raw[name], dotted + ".")
             problems += sub
@@ -136,6 +139,15 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
     return cls(**values), problems
 
 
+def _optional_section(tp: Any) -> Any:
+    """`Section | None` -> Section (an optional section of the tree); any other type unchanged."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+            return inner[0]
+    return tp
+
+
 def coerce(value: Any, tp: Any) -> tuple[Any, str | None]:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -143,7 +155,13 @@ def coerce(value: Any, tp: Any) -> tuple[Any, str | None]:
         if value is None and type(None) in args:
             return None, None
         inner = [a for a in args if a is not type(None)]
-        return coerce(value, inner[0])
+        first = None
+        for a in inner:  # the first member the value fits (list[str] | str: a list, or one string)
+            out, err = coerce(value, a)
+            if err is None:
+                return out, None
+            first = first or err
+        return None, first
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list | tuple):
@@ -227,6 +245,15 @@ def validate(cfg: Config) -> list[str]:
         p.append("data.eval_path: give eval_path or eval_fraction, not both")
     if cfg.train.eval_every and not (cfg.data.eval_path or cfg.data.eval_fraction):
         p.append("train.eval_every: needs data.eval_fraction or data.eval_path")
+    if cfg.lora is not None:
+        t = cfg.lora.targets
+        if not t or (isinstance(t, list) and not all(t)):
+            p.append("lora.targets: give module names (e.g. [q_proj, v_proj]), a regex, or all-linear")
+        elif isinstance(t, str):
+            try:
+                re.compile(t)
+            except re.error as e:
+                p.append(f"lora.targets: {t!r} is not a valid regular expression ({e})")
     return p
 
 

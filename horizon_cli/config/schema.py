@@ -79,6 +79,22 @@ class EngineConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Present: train LoRA adapters (PEFT's LoRA) on a frozen, streamed base."""
+
+    r: int = _f(16, min=1)
+    alpha: float = _f(32.0, gt=0.0)  # scale alpha / r (use_rslora: alpha / sqrt(r))
+    dropout: float = _f(0.0, min=0.0, max=0.9)  # on the adapter's input, as PEFT
+    # PEFT target_modules: a list (exact module names or name suffixes) or one regex string that
+    # must match the whole module name; "all-linear": every linear layer of the decoder layers
+    targets: list[str] | str = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    use_rslora: bool = _f(False)
+    init: str | None = _f(None)  # a PEFT adapter dir to start from (its r, alpha, targets must match)
+
+
+@dataclass
 class OutputConfig:
     dir: str = _f("")
     save_every: int = _f(0, min=0)  # checkpoint every N steps (0: only at the end)
@@ -101,5 +117,6 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    lora: LoraConfig | None = None  # absent: full fine-tuning
     output: OutputConfig = field(default_factory=OutputConfig)
     log: LogConfig = field(default_factory=LogConfig)

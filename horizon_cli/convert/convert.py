@@ -15,7 +15,7 @@ from ..arch.names import is_ignorable
 from ..errors import InputError
 from ..fsutil import atomic_dir, check_not_inside, io_failures
 from ..progress import byte_progress
-from ..store.manifest import DTYPES
+from ..store.manifest import DTYPES, QUANTS
 from ..store.writer import StoreWriter
 from .checkpoint import Checkpoint
 
@@ -42,9 +42,12 @@ def convert(
     force: bool = False,
     console=None,
     path: str = "auto",
+    quantize: str = "",
 ) -> dict:
     """path: auto (native layer where there is one, else the generic path) | native | generic
-    (e.g. Llama through transformers' own layer, to compare the two)."""
+    (e.g. Llama through transformers' own layer, to compare the two).
+    quantize: "" or "nf4": the decoder layers' linear weights as NF4 blocks (store/packed.py); the
+    scales, norms, embedding and head stay in `dtype`."""
     src, dst = Path(src), Path(dst)
     if not src.exists():
         raise InputError(f"{src}: not found")
@@ -52,6 +55,8 @@ def convert(
         raise InputError(f"{src}: not a directory (expected an HF checkpoint directory)")
     if dtype not in DTYPES:
         raise InputError(f"--dtype: {dtype!r} is not a store dtype ({', '.join(DTYPES)})")
+    if quantize not in QUANTS:
+        raise InputError(f"--quantize: {quantize!r} is not allowed (nf4)")
     check_not_inside(src, dst)
     hf_cfg = read_hf_config(src)
     where = str(src / "config.json")
@@ -63,7 +68,7 @@ def convert(
     plan = check_tensors(ckpt, spec)
     total = sum(ckpt.infos[n].nbytes for n in plan)
     with io_failures(dst), atomic_dir(dst, force=force) as tmp:
-        writer = StoreWriter(tmp, spec, dtype, source=str(src.resolve()))
+        writer = StoreWriter(tmp, spec, dtype, source=str(src.resolve()), quant=quantize)
         try:
             with byte_progress(console, f"convert {src.name}", total) as advance:
                 for name, pieces in ckpt.tensors(set(plan)):
@@ -75,7 +80,13 @@ def convert(
         for f in HF_FILES:
             if (src / f).is_file():
                 copy_file(src / f, tmp / "hf" / f)
-    return {"params": manifest.params, "units": len(manifest.units), "bytes_in": total, "dtype": dtype}
+    return {
+        "params": manifest.params,
+        "units": len(manifest.units),
+        "bytes_in": total,
+        "dtype": dtype,
+        "quant": quantize,
+    }
 
 
 def copy_file(a: Path, b: Path) -> None:

@@ -42,7 +42,7 @@ class GenericContext:
 
 
 class GenericTemplate:
-    def __init__(self, spec: ArchSpec, device: torch.device):
+    def __init__(self, spec: ArchSpec, device: torch.device, lora_targets=None):
         g = spec.generic
         assert g is not None
         self.g, self.device = g, device
@@ -62,6 +62,20 @@ class GenericTemplate:
         self._caught: dict[int, tuple] = {}
         if self.moe is not None:
             self._hook_routers(g["moe"])
+        self._lora = None  # the adapters of the layer being computed (engine.adapters.LayerLora)
+        for targets in lora_targets or []:
+            for t in targets:
+                self._hook_linear(t.layer, t.rel, t.weight)
+
+    def _hook_linear(self, i: int, rel: str, weight: str) -> None:
+        """LoRA on transformers' own linear module: a forward hook adds the adapter's output (the
+        module runs with the streamed weights through functional_call, the hook stays)."""
+        mod = self.layers[i].get_submodule(rel)
+
+        def adapt(_mod, inp, out, weight=weight):
+            return out if self._lora is None else self._lora(weight, inp[0], out)
+
+        mod.register_forward_hook(adapt)
 
     def _mask_kind(self, layer_type: str) -> str:
         masks = self.g["masks"]
@@ -111,16 +125,22 @@ class GenericTemplate:
         return GenericContext(pos, rope, masks, tokens.reshape(-1).to(device))
 
     # -- layers ------------------------------------------------------------------------------
-    def _call(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
+    def _call(
+        self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: GenericContext, lora=None
+    ) -> torch.Tensor:
         kw: dict[str, object] = {"attention_mask": ctx.masks[self.kinds[i]], "position_ids": ctx.pos}
         if self.rotary is not None:
             kw["position_embeddings"] = ctx.rope[self.rope_keys[i]]
-        out = functional_call(self.layers[i], w, (x,), kw, strict=True)
+        self._lora = lora
+        try:
+            out = functional_call(self.layers[i], w, (x,), kw, strict=True)
+        finally:
+            self._lora = None
         return out[0] if isinstance(out, tuple) else out
 
-    def forward(self, i: int, w, x: torch.Tensor, ctx: GenericContext) -> torch.Tensor:
+    def forward(self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None) -> torch.Tensor:
         """x (b, T, H) -> (b, T, H); records router statistics."""
-        y = self._call(i, w, x, ctx)
+        y = self._call(i, w, x, ctx, lora)
         if self.moe is not None and i in self._caught:
             out = self._caught.pop(i)
             chosen = out[-1] if len(out) > 1 and not out[-1].is_floating_point() else None
@@ -128,11 +148,11 @@ class GenericTemplate:
         return y
 
     def objective(
-        self, i: int, w, x: torch.Tensor, ctx: GenericContext
+        self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Recompute under autograd: (output, extra scalar whose gradient is this layer's share of
         the auxiliary loss, or None)."""
-        y = self._call(i, w, x, ctx)
+        y = self._call(i, w, x, ctx, lora)
         if self.moe is None or i not in self._caught:
             return y, None
         out = self._caught.pop(i)

@@ -42,20 +42,22 @@ def head_forward_backward(
     tgt: torch.Tensor,
     inv_n: float,
     chunk: int,
-    g_norm: dict[str, torch.Tensor],
-    g_lm: torch.Tensor,
+    g_norm: dict[str, torch.Tensor] | None,
+    g_lm: torch.Tensor | None,
     logits_fn: Logits = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h (b, T, H) -> (loss_sum fp32 scalar, dh (b, T, H)).
 
     The loss is sum(CE) * inv_n (inv_n = 1 / label tokens of the whole global batch), so the
     gradients of all micro-batches add up to those of the token-level mean. Parameter grads
-    are added in fp32 to g_norm (by name) and g_lm (V, H).
+    are added in fp32 to g_norm (by name) and g_lm (V, H); with both None (a frozen head, LoRA)
+    only the input gradient is computed.
     """
     b, T, H = h.shape
+    train = g_lm is not None
     h = h.detach().requires_grad_(True)
-    wn = {k: v.detach().requires_grad_(True) for k, v in norm_w.items()}
-    W = lm_w.detach().requires_grad_(True)
+    wn = {k: v.detach().requires_grad_(train) for k, v in norm_w.items()}
+    W = lm_w.detach().requires_grad_(train)
     hn = norm(h, wn)  # (b, T, H)
     sel = hn[:, :-1].reshape(-1, H).index_select(0, idx)  # (n, H) rows that carry a label
     dsel = torch.empty_like(sel)
@@ -64,16 +66,17 @@ def head_forward_backward(
         x = sel[a : a + chunk].detach().requires_grad_(True)
         logits = logits_fn(x, W)  # (c, V) in the compute dtype, as transformers does
         loss = F.cross_entropy(logits.float(), tgt[a : a + chunk], reduction="sum")
-        gx, gW = torch.autograd.grad(loss * inv_n, (x, W))
-        dsel[a : a + chunk] = gx
-        g_lm.add_(gW)
+        grads = torch.autograd.grad(loss * inv_n, (x, W) if train else (x,))
+        dsel[a : a + chunk] = grads[0]
+        if g_lm is not None:
+            g_lm.add_(grads[1])
         loss_sum += loss.detach()
-        del logits, loss, gx, gW
+        del logits, loss, grads
     if sel.shape[0]:
         torch.autograd.backward(sel, dsel)
     dh = h.grad if h.grad is not None else torch.zeros_like(h)
     for k, leaf in wn.items():
-        if leaf.grad is not None:
+        if leaf.grad is not None and g_norm is not None:
             g_norm[k].add_(leaf.grad)
     return loss_sum, dh
 

@@ -9,6 +9,7 @@ match it to rounding and bf16 runs to bf16 rounding.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,8 @@ from ..arch import ArchSpec
 from .attend import Mask, attend
 
 Weights = dict[str, torch.Tensor]
+# LoRA (engine.adapters.LayerLora): (weight name, linear input, linear output) -> adapted output
+Lora = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,38 +84,38 @@ class AttnContext:
     masks: dict[int | None, Mask]
 
 
-def _linear(x: torch.Tensor, w: Weights, wname: str, bname: str) -> torch.Tensor:
-    return F.linear(x, w[wname], w.get(bname))
+def _linear(x: torch.Tensor, w: Weights, wname: str, bname: str, lora: Lora = None) -> torch.Tensor:
+    y = F.linear(x, w[wname], w.get(bname))
+    return y if lora is None else lora(wname, x, y)
 
 
 def attention(
-    w: Weights, x: torch.Tensor, ctx: AttnContext, spec: ArchSpec, window: int | None
+    w: Weights, x: torch.Tensor, ctx: AttnContext, spec: ArchSpec, window: int | None, lora: Lora = None
 ) -> torch.Tensor:
     """x (b, T, H) normed -> (b, T, H)."""
     b, T, _ = x.shape
     hd = spec.head_dim
-    q = _linear(x, w, "wq", "bq").view(b, T, spec.n_heads, hd)
-    k = _linear(x, w, "wk", "bk").view(b, T, spec.n_kv_heads, hd)
-    v = _linear(x, w, "wv", "bv").view(b, T, spec.n_kv_heads, hd)
+    q = _linear(x, w, "wq", "bq", lora).view(b, T, spec.n_heads, hd)
+    k = _linear(x, w, "wk", "bk", lora).view(b, T, spec.n_kv_heads, hd)
+    v = _linear(x, w, "wv", "bv", lora).view(b, T, spec.n_kv_heads, hd)
     if spec.qk_norm:  # Qwen3: RMSNorm over head_dim, before RoPE
         q, k = rms_norm(q, w["q_norm"], spec.rms_eps), rms_norm(k, w["k_norm"], spec.rms_eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, T, hd)
     q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
     out = attend(q, k, v, ctx.masks.get(window), hd**-0.5)  # grouped-query K/V shared, not copied
     out = out.transpose(1, 2).reshape(b, T, spec.q_dim)
-    return _linear(out, w, "wo", "bo")
+    return _linear(out, w, "wo", "bo", lora)
 
 
-def mlp(w: Weights, x: torch.Tensor) -> torch.Tensor:
+def mlp(w: Weights, x: torch.Tensor, lora: Lora = None) -> torch.Tensor:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-    return _linear(
-        F.silu(_linear(x, w, "w_gate", "b_gate")) * _linear(x, w, "w_up", "b_up"), w, "w_down", "b_down"
-    )
+    gate, up = _linear(x, w, "w_gate", "b_gate", lora), _linear(x, w, "w_up", "b_up", lora)
+    return _linear(F.silu(gate) * up, w, "w_down", "b_down", lora)
 
 
 def layer_forward(
-    w: Weights, x: torch.Tensor, ctx: AttnContext, spec: ArchSpec, window: int | None
+    w: Weights, x: torch.Tensor, ctx: AttnContext, spec: ArchSpec, window: int | None, lora: Lora = None
 ) -> torch.Tensor:
-    """One pre-norm decoder layer: x (b, T, H) -> (b, T, H)."""
-    h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window)
-    return h + mlp(w, rms_norm(h, w["mlp_norm"], spec.rms_eps))
+    """One pre-norm decoder layer: x (b, T, H) -> (b, T, H). lora: adapters on its linear layers."""
+    h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window, lora)
+    return h + mlp(w, rms_norm(h, w["mlp_norm"], spec.rms_eps), lora)

@@ -9,6 +9,10 @@ buffers, because it is much larger than a layer in small models and loads once p
 
 When the transport shares host memory (`device: cpu` with no emulated link) a load lends the host
 buffers instead of copying them: the same sequence, slots and dependency waits, no bytes moved.
+
+`host` maps unit names to their host state: engine.host's trained units, and in LoRA runs the
+frozen base's (engine.frozen), whose streaming copy may be packed NF4 bytes: a slot holds whatever
+the unit's `stream` is, in its dtype.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .events import READY, Event
-from .host import HostState
 
 
 @dataclass
@@ -45,26 +48,30 @@ class Loader:
     def __init__(
         self,
         transport,
-        host: HostState,
+        host,
         ring_units: list[str],
         own_units: list[str],
         prefetch: int,
         extra_numel: int = 0,
+        extra_dtype: torch.dtype | None = None,
     ):
-        """extra_numel: elements of the extra tensors one load brings at most (the saved inputs of a
-        whole step), so their device buffers are allocated once; 0: they grow on demand."""
+        """host: unit name -> state with `stream`, `layout` and `views` (engine.host, engine.frozen).
+        extra_numel: elements of the extra tensors one load brings at most (the saved inputs of a
+        whole step, a layer's adapters), so their device buffers are allocated once; 0: they grow
+        on demand."""
         self.t, self.host = transport, host
         # with shared memory (CPU, no emulated link) a load lends the host buffers: no device copies
         self.lend = transport.shares_host
-        numel = 0 if self.lend else max(host[u].layout.numel for u in ring_units)
-        self.ring = [Slot(transport.device_empty(numel, host.dtype), str(i)) for i in range(prefetch)]
+        ring_dtype = host[ring_units[0]].stream.dtype
+        numel = 0 if self.lend else max(host[u].stream.numel() for u in ring_units)
+        self.ring = [Slot(transport.device_empty(numel, ring_dtype), str(i)) for i in range(prefetch)]
         if extra_numel and not self.lend:
             for s in self.ring:
-                s.extra = transport.device_empty(extra_numel, host.dtype)
-        self.own = {
-            u: Slot(transport.device_empty(0 if self.lend else host[u].layout.numel, host.dtype), u)
-            for u in own_units
-        }
+                s.extra = transport.device_empty(extra_numel, extra_dtype or ring_dtype)
+        self.own = {}
+        for u in own_units:
+            st = host[u].stream
+            self.own[u] = Slot(transport.device_empty(0 if self.lend else st.numel(), st.dtype), u)
         self.ready: dict[str, Event] = {}  # unit -> host copy is current (the optimizer is done with it)
         self.seq: list[Load] = []
         self.pos = 0

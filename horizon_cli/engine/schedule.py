@@ -12,6 +12,11 @@
 
 Each decoder layer's weights cross host -> device exactly twice per step, whatever the number
 of micro-batches (invariant 2). See docs/engine.md.
+
+LoRA (`lora`): the base is frozen (engine.frozen: a streaming copy only, NF4 layers dequantized
+on the device); each layer's adapters (engine.adapters) travel with its weights and are the only
+tensors with gradients; the head and the embedding get none, so the head computes only its input
+gradient and the embedding's backward is skipped, as is layer 0's input gradient.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from ..data.batch import MicroBatch
 from ..errors import HorizonError
 from ..optim.adamw import AdamWHyper
 from ..store import DTYPES, Store
+from .adapters import LoraSetup, layer_lora, lora_state
 from .events import READY, Event, Poison, Promise
+from .frozen import FrozenState
 from .head import head_forward_backward, head_loss, label_index
 from .host import HostState
 from .loader import Load, Loader
@@ -84,39 +91,60 @@ class Engine:
         progress=lambda n: None,
         max_tokens: int = 0,
         transport=None,
+        lora: LoraSetup | None = None,
     ):
         """max_tokens: the most tokens a step will hold (train.batch_size x data.max_seq_len); the
         buffers for saved inputs are then sized once (0: they grow with the longest step seen).
-        transport: one made by the caller (tests), instead of the one engine.device names."""
+        transport: one made by the caller (tests), instead of the one engine.device names.
+        lora: train LoRA adapters on the frozen store (engine.adapters.lora_setup)."""
         self.spec, self.cfg, self.ocfg = store.arch, engine, optim
         self.dtype = DTYPES[engine.dtype]
         self.grad_dtype = self.dtype if engine.grad_dtype == "auto" else DTYPES[engine.grad_dtype]
         self.tracer = tracer or Tracer(enabled=False)
         self.t = transport or make_transport(engine, self.tracer)
         self.poison = Poison()  # an error anywhere fails every pending promise (engine/events.py)
-        self.host = HostState(store, self.dtype, self.t.host_empty, progress, self.grad_dtype)
         self.layers = [f"layer.{i}" for i in range(self.spec.n_layers)]
+        self.lora = lora
+        # host state; per layer the unit whose gradient it produces (LoRA: its adapters, or None)
+        self.base: FrozenState | None = None
+        self.trained: list[str | None] = list(self.layers)
+        if lora is None:  # every unit is trained: host state in full
+            self.host = HostState(store, self.dtype, self.t.host_empty, progress, self.grad_dtype)
+        else:  # a frozen base (streaming copies only) and the adapters, trained
+            self.base, self.host, self.trained = lora_state(
+                store, lora, self.dtype, self.grad_dtype, self.t.host_empty, progress
+            )
+        units: dict = {**(self.base.units if self.base else {}), **self.host.units}
+        self.units = units
         tied = self.spec.tie_embeddings
         step_numel = max_tokens * self.spec.hidden  # one layer's inputs, whole step (0: unknown)
+        adapters = max((st.layout.numel for st in self.host.units.values()), default=0) if lora else 0
         self.loader = Loader(
             self.t,
-            self.host,
+            units,
             self.layers,
             ["head"] + (["embed"] if tied else []),
             engine.prefetch,
-            extra_numel=step_numel,
+            extra_numel=step_numel + adapters if step_numel else 0,
+            extra_dtype=self.dtype,
         )
         self.optimizer = OptimizerWorker(self.host, optim.kernel, self.tracer, self.t.thread_init)
-        self.tmpl = make_template(self.spec, self.t.device)  # native functional layer, or transformers' own
+        # native functional layer, or transformers' own (with LoRA hooks on its linear modules)
+        self.tmpl = make_template(self.spec, self.t.device, lora.targets if lora else None)
         self._alloc_grad_buffers()
-        # per layer: the tensors that get gradients (frozen buffers such as a routing bias do not)
-        self._trained = {u: [p.name for p in self.host[u].layout.tensors if p.trainable] for u in self.layers}
+        # per trained unit: the tensors that get gradients (frozen buffers such as a routing bias do not)
+        self._trained = {
+            u: [p.name for p in self.host[u].layout.tensors if p.trainable] for u in self.host.units
+        }
+        if self.base is not None and (n := self.base.attach(self.t.device_empty, self.dtype)):
+            self.t.memory.set("dequantized layer", n)  # NF4: one layer, dequantized on the device
         self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
         self.staging: dict[str, torch.Tensor] = {}
         if step_numel:  # sized once: pinning and unpinning L buffers mid-run doubles them for a while
             self._ensure_ckpt(step_numel)
             self._stage("embed_rows", step_numel, self.dtype)
-            self._stage("embed_dx", step_numel, self.dtype)
+            if lora is None:  # LoRA: the embedding gets no gradient
+                self._stage("embed_dx", step_numel, self.dtype)
         self.adam_step = 0
         self.grad_ready: dict[str, Event] = {}  # unit -> its gradient is on the host (this step)
         self.t.memory.set("weights", self.loader.weight_bytes())
@@ -127,7 +155,7 @@ class Engine:
         narrow "wire" copies carry them over the link. When the transport shares host memory
         (`device: cpu` without an emulated link), fp32 sums accumulate straight into the host's
         gradient buffers and nothing is copied."""
-        n_layer = max(self.host[u].layout.numel for u in self.layers)
+        n_layer = max((self.host[u].layout.numel for u in self.trained if u is not None), default=0)
         narrow = self.grad_dtype != torch.float32
         self.direct = self.t.shares_host and not narrow  # accumulate into the host buffers
         device = [] if self.direct else [self.t.device_empty(n_layer, torch.float32) for _ in range(2)]
@@ -136,17 +164,22 @@ class Engine:
         self._gacc_views: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         share = narrow and not self.t.shares_host
         self.wire = [self.t.device_empty(n_layer, self.grad_dtype) for _ in range(2)] if share else None
+        self.head_g: torch.Tensor | None = None
+        self.embed_g: torch.Tensor | None = None
+        if self.lora is None:
+            self._alloc_head_grads()
+        hosts = {id(st.grad) for st in self.host.units.values()}
+        own = [g for g in [*self.gacc, *(self.wire or []), self.head_g, self.embed_g] if g is not None]
+        self.t.memory.set("grad_acc", sum(_nbytes(g) for g in own if id(g) not in hosts))
+
+    def _alloc_head_grads(self) -> None:
         head = self.host["head"]
         self.head_g = head.grad if self.direct else self.t.device_empty(head.layout.numel, torch.float32)
-        self.embed_g = None
         if self.spec.tie_embeddings:  # the embedding's host grad is always fp32
             embed = self.host["embed"]
             self.embed_g = (
                 embed.grad if self.t.shares_host else self.t.device_empty(embed.layout.numel, torch.float32)
             )
-        hosts = {id(st.grad) for st in self.host.units.values()}
-        own = [g for g in [*self.gacc, *(self.wire or []), self.head_g, self.embed_g] if g is not None]
-        self.t.memory.set("grad_acc", sum(_nbytes(g) for g in own if id(g) not in hosts))
 
     # -- public ------------------------------------------------------------------------------
     def step(self, mbs: list[MicroBatch], lr: float) -> StepResult:
@@ -190,6 +223,8 @@ class Engine:
         # the order the next forward needs them; layer 0 first, so its transfer can start while the
         # embedding (needed only on the host, for the gather) is still being updated
         order = [self.layers[0], "embed", *self.layers[1:], "head"]
+        if self.lora is not None:
+            order = [u for u in self.trained if u is not None]
         self.loader.ready.update(self.optimizer.submit(order, h, self.grad_ready))
 
     def wait(self) -> None:
@@ -249,9 +284,9 @@ class Engine:
         x = self._forward_layers(x, ctxs, saved)
         self.tmpl.end_forward()  # MoE: every layer's routing is known, the aux loss with it
         loss_sum, dx = self._head(x, targets, inv_n, sq)
-        dx = self._scale_embed(self._backward_layers(dx, ctxs, shapes, sq))
+        dx = self._backward_layers(dx, ctxs, shapes, sq)
         with self.tracer.span("host", "embed grad + norm"):
-            host_sq = self._embed_backward(dx, mbs)
+            host_sq = self._embed_backward(self._scale_embed(dx), mbs) if self.lora is None else 0.0
             dev_sq = torch.stack(sq).double().sum().item() if sq else 0.0
             loss = float(loss_sum.item())
         return loss, tokens, dev_sq + host_sq
@@ -267,15 +302,35 @@ class Engine:
 
     def _sequence(self, total: int = 0, saved: list[Promise] | None = None) -> list[Load]:
         """The step's loads: forward layers, the head, then (with `saved`) the backward layers
-        with the first `total` elements of their saved inputs."""
-        seq = [Load(f"f{i}", u) for i, u in enumerate(self.layers)]
+        with the first `total` elements of their saved inputs. LoRA: each layer's adapters come
+        along (the first extra tensor), once the optimizer has updated them."""
+        seq = [Load(f"f{i}", u, *self._adapters(i)) for i, u in enumerate(self.layers)]
         seq.append(Load("head", "head"))
         if self.spec.tie_embeddings:
             seq.append(Load("embed", "embed"))
         if saved is not None:
             for i in reversed(range(len(self.layers))):
-                seq.append(Load(f"b{i}", self.layers[i], [self.ckpt[i][:total]], [saved[i]]))
+                extra, deps = self._adapters(i)
+                seq.append(Load(f"b{i}", self.layers[i], [*extra, self.ckpt[i][:total]], [*deps, saved[i]]))
         return seq
+
+    def _adapters(self, i: int) -> tuple[list[torch.Tensor], list[Event]]:
+        """Layer i's adapters as a load's extra tensor, and the update they wait for (LoRA)."""
+        u = self.trained[i] if self.lora is not None else None
+        if u is None:
+            return [], []
+        return [self.host[u].stream], [self.loader.ready.get(u, READY)]
+
+    def _weights(self, i: int, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A layer's weights by name: an NF4 layer is dequantized on the device first."""
+        return w if self.base is None else self.base.weights(self.layers[i], w)
+
+    def _layer_lora(self, i: int, extras: list[torch.Tensor], train: bool, grad: bool = False):
+        """(LayerLora or None, its leaf tensors). train: dropout on; grad: A and B as autograd leaves."""
+        u = self.trained[i] if self.lora is not None else None
+        if u is None or self.lora is None:
+            return None, []
+        return layer_lora(self.lora, self.host[u], i, extras[0], self.adam_step, train, grad)
 
     def _start(self, mbs: list[MicroBatch], seq: list[Load]) -> list[torch.Tensor]:
         """Begin the step's loads and send the embedded inputs. Layer 0's compute needs only its
@@ -291,7 +346,8 @@ class Engine:
     def _embed(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         """Gather embedding rows on the host (no weight transfer) and send the activations."""
         self.loader.ready.get("embed", READY).host_wait()
-        table = self.host["embed"].views(self.host["embed"].stream)["embed"]  # (V, H)
+        embed = self.units["embed"]
+        table = embed.views(embed.stream)["embed"]  # (V, H)
         ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
         rows = self._stage("embed_rows", ids.numel() * self.spec.hidden, self.dtype)
         torch.index_select(table, 0, ids, out=rows.view(-1, self.spec.hidden))
@@ -316,9 +372,16 @@ class Engine:
                     off += xm.numel()
                 ev = self.t.d2h(pairs, [self.t.record()], label=f"save{i}")
                 saved[i].set(ev)  # the transport keeps x alive until the copy has read it
-            w, _ = self.loader.acquire(f"f{i}")
+            w, extras = self.loader.acquire(f"f{i}")
             with self.t.compute_span(f"fwd {i}"):
-                x = [self.tmpl.forward(i, w, xm, c) for xm, c in zip(x, ctxs, strict=True)]
+                w = self._weights(i, w)
+                lora, _ = self._layer_lora(i, extras, train=saved is not None)
+                out = []
+                for m, (xm, c) in enumerate(zip(x, ctxs, strict=True)):
+                    if lora is not None:
+                        lora.mb = m
+                    out.append(self.tmpl.forward(i, w, xm, c, lora))
+                x = out
             self.loader.release(f"f{i}")
         return x
 
@@ -344,11 +407,15 @@ class Engine:
 
     def _head(self, x, targets, inv_n: float, sq: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
         w, lm = self._acquire_head()
-        gh = self.host["head"].views(self.head_g)
-        self.head_g.zero_()
-        g_lm = self.host["embed"].views(self.embed_g)["embed"] if self.embed_g is not None else gh["lm_head"]
-        if self.embed_g is not None:
-            self.embed_g.zero_()
+        gh, g_lm = None, None
+        if self.head_g is not None:  # a trained head (not LoRA)
+            gh = self.host["head"].views(self.head_g)
+            self.head_g.zero_()
+            g_lm = (
+                self.host["embed"].views(self.embed_g)["embed"] if self.embed_g is not None else gh["lm_head"]
+            )
+            if self.embed_g is not None:
+                self.embed_g.zero_()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.t.device)
         dx = []
         with self.t.compute_span("head"):
@@ -369,6 +436,8 @@ class Engine:
                 loss_sum += ls
                 dx.append(dh)
         self._release_head()
+        if self.head_g is None:
+            return loss_sum, dx
         if self.spec.tie_embeddings and not self.t.shares_host:
             ev = self.t.d2h([(self.host["embed"].grad, self.embed_g)], [self.t.record()], "g-lm")
             self.grad_ready["embed"] = ev
@@ -396,41 +465,64 @@ class Engine:
 
     def _backward_layers(self, dx, ctxs, shapes, sq: list) -> list[torch.Tensor]:
         for i in reversed(range(len(self.layers))):
-            unit = self.layers[i]
-            w, (saved,) = self.loader.acquire(f"b{i}")
+            unit = self.trained[i]  # the unit whose gradient this layer produces (None: no adapters)
+            w, extras = self.loader.acquire(f"b{i}")
+            saved = extras[-1]
             k = i % 2
-            if self.wire is None:
-                self.t.wait(self.gacc_free[k])  # its previous contents have reached the host
-            g = self.host[unit].grad if self.direct else self.gacc[k][: self.host[unit].layout.numel]
-            g.zero_()
-            gv = self._gacc_views.get((k, unit))
-            if gv is None:
-                gv = self._gacc_views[(k, unit)] = self.host[unit].views(g)
-            names = self._trained[unit]
-            leaves = [w[k_].detach().requires_grad_(True) for k_ in names]  # autograd.grad never fills .grad
-            weights = {**w, **dict(zip(names, leaves, strict=True))}  # frozen tensors stay as they are
-            off = 0
+            g, gv = self._grad_buffer(unit, k)
             with self.t.compute_span(f"bwd {i}"):
-                for m, (shape, c) in enumerate(zip(shapes, ctxs, strict=True)):
-                    n = math.prod(shape)
-                    xi = saved[off : off + n].view(shape).detach().requires_grad_(True)
-                    off += n
-                    with torch.enable_grad():
-                        y, extra = self.tmpl.objective(i, weights, xi, c)
-                        outs, seeds = (
-                            ([y], [dx[m]]) if extra is None else ([y, extra], [dx[m], torch.ones_like(extra)])
-                        )
-                        grads = torch.autograd.grad(outs, [xi, *leaves], seeds, allow_unused=True)
-                    dx[m] = grads[0]
-                    for name, gw in zip(names, grads[1:], strict=True):
-                        if (
-                            gw is not None
-                        ):  # None: a tensor this micro-batch never reached (an unrouted expert bias)
-                            gv[name].add_(gw)  # fp32 accumulation across micro-batches
+                w = self._weights(i, w)
+                lora, leaves = self._layer_lora(i, extras, train=True, grad=True)
+                if lora is None and unit is not None:  # full fine-tuning: the layer's own weights
+                    names = self._trained[unit]
+                    leaves = [w[k_].detach().requires_grad_(True) for k_ in names]
+                    w = {**w, **dict(zip(names, leaves, strict=True))}  # frozen ones as they are
+                # LoRA: nothing below layer 0 needs its input gradient
+                want_dx = self.lora is None or i > 0
+                if want_dx or leaves:
+                    self._backward_layer(i, w, lora, leaves, saved, dx, ctxs, shapes, want_dx, gv, unit)
             self.loader.release(f"b{i}")
-            sq.extend(sumsq(g))
-            self.gacc_free[k] = self.grad_ready[unit] = self._send_grad(unit, g, k)
+            if unit is not None:
+                sq.extend(sumsq(g))
+                self.gacc_free[k] = self.grad_ready[unit] = self._send_grad(unit, g, k)
         return dx
+
+    def _grad_buffer(self, unit: str | None, k: int):
+        """A trained unit's fp32 gradient sum (accumulator k, or its host buffer) and its views."""
+        if unit is None:
+            return None, None
+        if self.wire is None:
+            self.t.wait(self.gacc_free[k])  # its previous contents have reached the host
+        g = self.host[unit].grad if self.direct else self.gacc[k][: self.host[unit].layout.numel]
+        g.zero_()
+        gv = self._gacc_views.get((k, unit))
+        if gv is None:
+            gv = self._gacc_views[(k, unit)] = self.host[unit].views(g)
+        return g, gv
+
+    def _backward_layer(self, i, w, lora, leaves, saved, dx, ctxs, shapes, want_dx, gv, unit) -> None:
+        """Recompute layer i under autograd for every micro-batch: its input gradient into dx, the
+        leaves' gradients added (fp32) into gv."""
+        names = self._trained[unit] if unit is not None else []
+        off = 0
+        for m, (shape, c) in enumerate(zip(shapes, ctxs, strict=True)):
+            n = math.prod(shape)
+            xi = saved[off : off + n].view(shape).detach().requires_grad_(want_dx)
+            off += n
+            if lora is not None:
+                lora.mb = m
+            with torch.enable_grad():
+                y, extra = self.tmpl.objective(i, w, xi, c, lora)
+                outs, seeds = (
+                    ([y], [dx[m]]) if extra is None else ([y, extra], [dx[m], torch.ones_like(extra)])
+                )
+                inputs = [xi, *leaves] if want_dx else list(leaves)
+                grads = torch.autograd.grad(outs, inputs, seeds, allow_unused=True)
+            if want_dx:
+                dx[m], grads = grads[0], grads[1:]
+            for name, gw in zip(names, grads, strict=True):
+                if gw is not None:  # None: a tensor this micro-batch never reached (an unrouted expert bias)
+                    gv[name].add_(gw)  # fp32 accumulation across micro-batches
 
     def _embed_backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch]) -> float:
         """Scatter-add the input gradient into the embedding's fp32 grad, on the host."""

@@ -5,7 +5,9 @@
   generic  transformers' own decoder-layer modules (engine.generic), for every other family
 
 The schedule calls the same methods on either (per micro-batch `context`; per layer `forward` and,
-in the backward recompute, `objective`, which may add a per-layer auxiliary term; the head's
+in the backward recompute, `objective`, which may add a per-layer auxiliary term, both with the
+layer's LoRA adapters when there are (natively passed down to each linear layer, on the generic
+path applied by forward hooks on transformers' linear modules); the head's
 `final_norm` and `logits`; the step hooks `begin_step` / `end_forward` / `step_stats`).
 """
 
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 
 from ..arch import ArchSpec
 from ..data.batch import MicroBatch
-from .layer import AttnContext, inv_freq, layer_forward, rms_norm
+from .layer import AttnContext, Lora, inv_freq, layer_forward, rms_norm
 from .masks import attn_context
 
 
@@ -30,11 +32,13 @@ class NativeTemplate:
     def context(self, mb: MicroBatch, dtype: torch.dtype, device) -> AttnContext:
         return attn_context(mb, self.spec, self.inv, dtype, device)
 
-    def forward(self, i: int, w, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        return layer_forward(w, x, ctx, self.spec, self.spec.windows[i])
+    def forward(self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None) -> torch.Tensor:
+        return layer_forward(w, x, ctx, self.spec, self.spec.windows[i], lora)
 
-    def objective(self, i: int, w, x: torch.Tensor, ctx: AttnContext) -> tuple[torch.Tensor, None]:
-        return self.forward(i, w, x, ctx), None
+    def objective(
+        self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None
+    ) -> tuple[torch.Tensor, None]:
+        return self.forward(i, w, x, ctx, lora), None
 
     def begin_step(self) -> None:
         pass
@@ -52,9 +56,10 @@ class NativeTemplate:
         return F.linear(x, lm)
 
 
-def make_template(spec: ArchSpec, device: torch.device):
+def make_template(spec: ArchSpec, device: torch.device, lora_targets=None):
+    """lora_targets: per layer, the adapted linear layers (lora.targets.Target), or None."""
     if spec.generic is None:
         return NativeTemplate(spec, device)
     from .generic import GenericTemplate
 
-    return GenericTemplate(spec, device)
+    return GenericTemplate(spec, device, lora_targets)

@@ -17,8 +17,10 @@ from ..errors import InputError
 from ..fsutil import atomic_dir, check_not_inside, io_failures
 from ..progress import byte_progress
 from ..store import Store
+from ..store.checkpoint import is_lora
 from ..store.checkpoint import latest as latest_checkpoint
 from ..store.manifest import MANIFEST
+from .lora import Merge, base_store, copy_adapter
 from .safetensors import write_shard
 
 SHARD_BYTES = 5 * 1024**3
@@ -27,7 +29,7 @@ SHARD_BYTES = 5 * 1024**3
 def resolve_source(src: Path) -> Path:
     """A store, or a run dir whose latest complete checkpoint is a store."""
     src = Path(src)
-    if (src / MANIFEST).is_file():
+    if (src / MANIFEST).is_file() or is_lora(src):  # a store, or a LoRA run's checkpoint
         return src
     if not src.exists():
         raise InputError(f"{src}: not found")
@@ -39,11 +41,28 @@ def resolve_source(src: Path) -> Path:
     raise InputError(f"{src}: neither a store (no {MANIFEST}) nor a run dir with checkpoints")
 
 
-def export(src: str | Path, dst: str | Path, force: bool = False, console=None, verify: bool = True) -> dict:
+def export(
+    src: str | Path,
+    dst: str | Path,
+    force: bool = False,
+    console=None,
+    verify: bool = True,
+    adapter: bool = False,
+) -> dict:
+    """adapter: write a LoRA run's adapter alone (PEFT files); otherwise a LoRA run exports its
+    base with the adapters merged (export/lora.py)."""
     src_dir = resolve_source(Path(src))
-    store = Store.open(src_dir)
     dst = Path(dst)
     check_not_inside(src_dir, dst)
+    lora = is_lora(src_dir)
+    if adapter and not lora:
+        raise InputError(f"--adapter: {src} is not a LoRA run (no adapter in {src_dir})")
+    if adapter:
+        with io_failures(dst), atomic_dir(dst, force=force) as tmp:
+            copy_adapter(src_dir, tmp)
+        return {"params": 0, "shards": 1, "dtype": "float32", "source": str(src_dir), "adapter": True}
+    store = base_store(src_dir) if lora else Store.open(src_dir)
+    merge = Merge(src_dir) if lora else None
     cfg = _hf_config(store)
     entries = [
         (s.hf, s.shape, store.dtype, u.name, s.name) for u in store.units for s in store.layout(u.name).slots
@@ -55,13 +74,16 @@ def export(src: str | Path, dst: str | Path, force: bool = False, console=None, 
     verified: set[str] = set()
 
     where = {e[0]: (e[3], e[4]) for e in entries}  # HF name -> (unit, store name)
+    if merge is not None:
+        merge.check(set(where))
 
     def fetch(hf: str) -> torch.Tensor:
         unit, name = where[hf]
         if verify and unit not in verified:  # checksums before a unit's first byte is exported
             store.verify_unit(unit)
             verified.add(unit)
-        return store.tensor(unit, name)
+        t = store.tensor(unit, name)  # an NF4 tensor comes dequantized
+        return t if merge is None else merge(hf, t)
 
     with io_failures(dst), atomic_dir(dst, force=force) as tmp:
         with byte_progress(console, f"export {src_dir.name}", total) as advance:

@@ -20,7 +20,9 @@ from .. import preflight
 from ..config import load_config
 from ..config.schema import EngineConfig, OptimConfig
 from ..data.batch import MicroBatch
+from ..engine.adapters import lora_for
 from ..engine.fit import check_device_fit
+from ..engine.lora_plan import lora_memory_plan
 from ..engine.plan import memory_plan
 from ..engine.schedule import Engine
 from ..engine.trace import Tracer
@@ -41,15 +43,19 @@ def run_profile(
     for path, opt in ((json_out, "--json"), (trace, "--trace"), (plot, "--plot")):
         preflight.check_output_file(path, opt)  # before minutes of measuring, not after
     with tempfile.TemporaryDirectory(prefix="horizon-profile-") as tmp:
-        store, ecfg, ocfg, batch, micro, seq = _setup(config, Path(tmp), console)
-        check_device_fit(
-            memory_plan(
+        store, ecfg, ocfg, batch, micro, seq, lora = _setup(config, Path(tmp), console)
+        if lora is None:
+            plan = memory_plan(
                 store.arch, ecfg.dtype, ecfg.grad_dtype, batch, micro, seq, ecfg.prefetch, ecfg.loss_chunk
-            ),
-            ecfg,
-        )
+            )
+        else:
+            plan = lora_memory_plan(
+                store.arch, lora.targets, lora.r, ecfg.dtype, ecfg.grad_dtype, batch, micro, seq,
+                ecfg.prefetch, ecfg.loss_chunk, store.quant,
+            )  # fmt: skip
+        check_device_fit(plan, ecfg)
         tracer = Tracer(enabled=True)
-        engine = Engine(store, ecfg, ocfg, tracer=tracer, max_tokens=batch * seq)
+        engine = Engine(store, ecfg, ocfg, tracer=tracer, max_tokens=batch * seq, lora=lora)
         try:
             link = bandwidth.measure(engine.t, sizes=_sizes(store))
             mbs = _batches(store.arch.vocab, batch, micro, seq)
@@ -83,11 +89,12 @@ def _setup(config: Path | None, tmp: Path, console: Console):
     if config is not None:
         cfg = load_config(config)
         store = Store.open(cfg.model.path)
+        lora = lora_for(cfg.lora, store, cfg.train.seed)
         preflight.check_device(cfg.engine)
         seq = min(cfg.data.max_seq_len, store.arch.max_positions)
-        return store, cfg.engine, cfg.optim, cfg.train.batch_size, cfg.train.micro_batch_size, seq
+        return store, cfg.engine, cfg.optim, cfg.train.batch_size, cfg.train.micro_batch_size, seq, lora
     console.print("no config given: profiling a built-in tiny Llama (8 layers, hidden 512) on random weights")
-    return _tiny_store(tmp), EngineConfig(), OptimConfig(lr=1e-5), 8, 4, 256
+    return _tiny_store(tmp), EngineConfig(), OptimConfig(lr=1e-5), 8, 4, 256, None
 
 
 def _tiny_store(tmp: Path) -> Store:
@@ -136,9 +143,12 @@ def _per_layer(spans, prefix: str) -> float:
 def _summary(store: Store, engine: Engine, link: list[dict], med, last, spans, tokens: int) -> dict:
     a = store.arch
     h2d, d2h = bandwidth.best(link, "h2d"), bandwidth.best(link, "d2h")
-    opt = [s.t1 - s.t0 for s in spans if s.lane == "optimizer" and s.name.startswith("layer.")]
-    # the link's fixed cost per step: every layer's weights twice; compute grows with tokens
-    weights = 2 * sum(u.numel for u in store.units if u.name.startswith("layer.")) * engine.dtype.itemsize
+    opt = [s.t1 - s.t0 for s in spans if s.lane == "optimizer" and s.name.startswith(("layer.", "lora."))]
+    # the link's fixed cost per step: every layer's weights twice (as they stream: the compute
+    # dtype, or NF4 bytes), with its adapters in LoRA runs; compute grows with tokens
+    layer = {u: _nbytes(engine.units[u].stream) for u in engine.layers}
+    adapters = {u: _nbytes(st.stream) for u, st in engine.host.units.items() if u.startswith("lora.")}
+    weights = 2 * (sum(layer.values()) + sum(adapters.values()))
     per_token = med.compute_s / max(1, tokens)
     hide = (weights / (h2d * 1e9)) / per_token if h2d and per_token else None
     return {
@@ -162,7 +172,14 @@ def _summary(store: Store, engine: Engine, link: list[dict], med, last, spans, t
         "d2h_bytes": last.d2h_bytes,
         "weight_loads": last.weight_loads,
         "device_peak_bytes": last.device_peak_bytes,
+        "layer_bytes": max(layer.values()),  # one load of the largest layer (NF4: packed bytes)
+        "base": store.quant or str(store.dtype).replace("torch.", ""),
+        "lora": engine.lora is not None,
     }
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _show(out: dict, console: Console) -> None:
@@ -192,6 +209,7 @@ def _show(out: dict, console: Console) -> None:
         ("layer AdamW", ms(out["layer_optimizer_s"])),
         ("loss head (fwd + bwd)", ms(out["head_s"])),
         ("weight transfers per step", f"{out['weight_loads']} (2 per layer)"),
+        ("bytes per layer load", f"{fmt_bytes(out['layer_bytes'])} ({out['base']} layer weights)"),
         (
             "bytes host → device / device → host",
             f"{fmt_bytes(out['h2d_bytes'])} / {fmt_bytes(out['d2h_bytes'])}",

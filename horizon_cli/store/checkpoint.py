@@ -2,7 +2,8 @@
 `train` writes and resumes them, `export` reads them, both through these definitions.
 
     <run>/checkpoints/step_N/
-      manifest.json, units/, hf/   a store of the trained weights (per-tensor CRC32s in the manifest)
+      manifest.json, units/, hf/   a store of the trained weights (per-tensor CRC32s in the manifest);
+                                   LoRA runs: adapter/ instead (a PEFT adapter, train/checkpoint.py)
       state/<unit>.<buf>.bin       the rest of the training state, raw
       state/trainer.json           step, optimizer step, RNG, model fingerprint
       state/config.yaml            the resolved config the checkpoint was trained with
@@ -109,7 +110,7 @@ def check(ck: Path, deep: bool = False) -> str | None:
             return f"{p}: missing or not {size} bytes"
         if crc is not None and (deep or size < (1 << 20)) and crc_file(p) != crc:
             return f"{p}: checksum mismatch"
-    if deep:
+    if deep and (ck / "manifest.json").is_file():  # a LoRA checkpoint holds no store
         try:
             Store.open(ck).verify()
         except InputError as e:
@@ -127,6 +128,14 @@ def intact(run_dir: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
         else:
             bad.append((ck, why))
     return good, bad
+
+
+def is_lora(ck: Path) -> bool:
+    """A LoRA run's checkpoint: adapters and trainer state, no store (trainer.json names the
+    frozen base). A run dir's own adapter/ (the finished run's copy) does not make it one."""
+    ck = Path(ck)
+    adapter, trainer = (ck / "adapter" / "adapter_config.json").is_file(), (ck / TRAINER).is_file()
+    return adapter and trainer and not (ck / "manifest.json").is_file()
 
 
 def latest(run_dir: Path) -> Path | None:

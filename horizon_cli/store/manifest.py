@@ -18,17 +18,19 @@ from ..errors import InputError
 FORMAT = "horizon-store"
 VERSION = 1  # native architectures
 VERSION_GENERIC = 2  # `arch` carries the generic path's tensor table (arch.generic)
-READABLE = (VERSION, VERSION_GENERIC)
+VERSION_QUANT = 3  # decoder layers are packed: NF4 linear weights (`quant`, store.packed)
+READABLE = (VERSION, VERSION_GENERIC, VERSION_QUANT)
 MANIFEST = "manifest.json"
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+QUANTS = ("", "nf4")
 
 
 @dataclass
 class TensorEntry:
     name: str
     hf: str
-    dtype: str
+    dtype: str  # the store dtype, or "nf4" for a quantized tensor (its parts: quant/nf4.py)
     shape: list[int]
     offset: int  # bytes from the start of the unit file
     nbytes: int
@@ -55,6 +57,7 @@ class Manifest:
     format: str = FORMAT
     version: int = VERSION
     extra: dict = field(default_factory=dict)
+    quant: str = ""  # "" or "nf4": decoder layers packed, linear weights in NF4 (store.packed)
 
     def unit(self, name: str) -> UnitEntry:
         for u in self.units:
@@ -70,6 +73,10 @@ class Manifest:
         d = asdict(self)
         d["arch"] = self.arch.to_dict()
         d["version"] = VERSION_GENERIC if self.arch.generic is not None else VERSION
+        if self.quant:
+            d["version"] = VERSION_QUANT
+        else:
+            del d["quant"]  # unquantized stores keep their version-1/2 manifest
         return json.dumps(d, indent=1)
 
 
@@ -97,6 +104,8 @@ def read_manifest(root: Path) -> Manifest:
             )
         if d["dtype"] not in DTYPES:
             raise ValueError(f"unknown dtype {d['dtype']!r}")
+        if d.get("quant", "") not in QUANTS:
+            raise ValueError(f"unknown quantization {d['quant']!r}")
         units = [UnitEntry(**{**u, "tensors": [TensorEntry(**t) for t in u["tensors"]]}) for u in d["units"]]
         return Manifest(
             dtype=d["dtype"],
@@ -106,6 +115,7 @@ def read_manifest(root: Path) -> Manifest:
             source=d.get("source", ""),
             created_by=d.get("created_by", ""),
             extra=d.get("extra", {}),
+            quant=d.get("quant", ""),
         )
     except (ValueError, KeyError, TypeError) as e:
         raise InputError(f"{path}: corrupt manifest ({e})") from None

@@ -17,8 +17,10 @@ import torch
 from ..arch import unit_names
 from ..errors import InputError
 from ..fsutil import read_exact
+from ..quant import nf4
 from .layout import UnitLayout, unit_layout
 from .manifest import MANIFEST, Manifest, UnitEntry, read_manifest
+from .packed import PackedLayout, packed_layout, packs
 from .writer import tensor_bytes
 
 
@@ -32,6 +34,12 @@ class Store:
         if names != unit_names(self.arch):
             raise InputError(f"{self.root / MANIFEST}: units {names[:3]}... do not match the architecture's")
         self.layouts = {u.name: unit_layout(self.arch, u.name) for u in manifest.units}
+        self.quant = manifest.quant
+        item = self.dtype.itemsize
+        # quantized stores: the byte layout of each packed unit (decoder layers)
+        self.packed: dict[str, PackedLayout] = {
+            n: packed_layout(lay, item, self.quant) for n, lay in self.layouts.items() if packs(n, self.quant)
+        }
 
     @staticmethod
     def open(root: str | Path) -> Store:
@@ -49,12 +57,19 @@ class Store:
             path = self.root / u.file
             if not path.is_file():
                 raise InputError(f"{path}: missing unit file of store {self.root}")
-            if path.stat().st_size < u.nbytes or u.nbytes < u.numel * itemsize:
+            if path.stat().st_size < u.nbytes or u.nbytes < self.unit_bytes(u.name):
                 raise InputError(f"{path}: truncated ({path.stat().st_size} of {u.nbytes} bytes)")
-            lay = self.layouts[u.name]
-            want = [(s.name, s.hf, list(s.shape), s.offset * itemsize, s.numel * itemsize) for s in lay.slots]
-            got = [(t.name, t.hf, list(t.shape), t.offset, t.nbytes) for t in u.tensors]
-            if lay.numel != u.numel or got != want or any(t.dtype != self.manifest.dtype for t in u.tensors):
+            lay, dt = self.layouts[u.name], self.manifest.dtype
+            want = [
+                (s.name, s.hf, list(s.shape), s.offset * itemsize, s.numel * itemsize, dt) for s in lay.slots
+            ]
+            if u.name in self.packed:
+                want = [
+                    (s.name, s.hf, list(s.shape), s.offset, s.nbytes, s.quant or dt)
+                    for s in self.packed[u.name].slots
+                ]
+            got = [(t.name, t.hf, list(t.shape), t.offset, t.nbytes, t.dtype) for t in u.tensors]
+            if lay.numel != u.numel or got != want:
                 raise InputError(
                     f"{self.root / MANIFEST}: unit {u.name} does not match its architecture's layout"
                 )
@@ -66,22 +81,40 @@ class Store:
     def layout(self, unit: str) -> UnitLayout:
         return self.layouts[unit]
 
+    def unit_bytes(self, unit: str) -> int:
+        """Bytes of the unit's data: the packed layout's, or numel elements of the store dtype."""
+        if unit in self.packed:
+            return self.packed[unit].nbytes
+        return self.layouts[unit].numel * self.dtype.itemsize
+
     def unit_view(self, unit: str) -> torch.Tensor:
-        """The unit's flat buffer, (numel,) in the store dtype, mapped copy-on-write."""
+        """The unit's flat buffer, mapped copy-on-write: (numel,) in the store dtype, or the raw
+        bytes (uint8) of a packed unit."""
         u = self.manifest.unit(unit)
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        arr = np.memmap(self.root / u.file, dtype=np.uint8, mode="c", shape=(u.numel * itemsize,))
-        return torch.from_numpy(arr).view(self.dtype)
+        arr = np.memmap(self.root / u.file, dtype=np.uint8, mode="c", shape=(self.unit_bytes(unit),))
+        t = torch.from_numpy(arr)
+        return t if unit in self.packed else t.view(self.dtype)
 
     def tensor(self, unit: str, name: str) -> torch.Tensor:
+        """A tensor in the store dtype (a quantized one dequantized)."""
+        if unit in self.packed:
+            p = self.packed[unit].slot(name)
+            raw = self.unit_view(unit)[p.offset : p.offset + p.nbytes]
+            if not p.quant:
+                return raw.view(self.dtype).view(p.shape)
+            out = torch.empty(p.numel, dtype=self.dtype)
+            return nf4.dequantize_packed(raw, p.numel, self.dtype, out).view(p.shape)
         s = self.layouts[unit].slot(name)
         return self.unit_view(unit)[s.offset : s.offset + s.numel].view(s.shape)
 
     def read_unit(self, unit: str, out: torch.Tensor, verify: bool = True) -> None:
-        """Read the unit file into `out` ((numel,) in the store dtype) and check its checksums."""
+        """Read the unit file into `out` ((numel,) in the store dtype; a packed unit: its bytes,
+        uint8) and check its checksums."""
         u = self.manifest.unit(unit)
-        if out.dtype != self.dtype or out.numel() != u.numel or not out.is_contiguous():
-            raise ValueError(f"read_unit({unit}): out must be contiguous ({u.numel},) {self.dtype}")
+        packed = unit in self.packed
+        want = (torch.uint8, self.unit_bytes(unit)) if packed else (self.dtype, u.numel)
+        if (out.dtype, out.numel()) != want or not out.is_contiguous():
+            raise ValueError(f"read_unit({unit}): out must be contiguous ({want[1]},) {want[0]}")
         buf = tensor_bytes(out)
         read_exact(self.root / u.file, buf)
         if verify:

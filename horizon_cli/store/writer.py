@@ -20,9 +20,11 @@ import torch
 from .. import __version__
 from ..arch import ArchSpec
 from ..errors import InputError
+from ..quant import nf4
 from .layout import file_bytes, layouts
 from .manifest import DTYPES as STORE_DTYPES
 from .manifest import MANIFEST, Manifest, TensorEntry, UnitEntry, unit_file
+from .packed import PackedLayout, PackedSlot, packed_layout, packs
 
 PIECE = 8 << 20  # elements cast and written at once: 16 MiB in bf16, 32 MiB in fp32
 
@@ -48,12 +50,16 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 class StoreWriter:
     """Writes the store into `dir` (usually a temp dir from fsutil.atomic_dir)."""
 
-    def __init__(self, root: Path, arch: ArchSpec, dtype: str, source: str = ""):
+    def __init__(self, root: Path, arch: ArchSpec, dtype: str, source: str = "", quant: str = ""):
+        """quant: "" or "nf4" (decoder layers packed, their linear weights quantized: store.packed)."""
         self.root = Path(root)
-        self.arch, self.dtype, self.source = arch, dtype, source
+        self.arch, self.dtype, self.source, self.quant = arch, dtype, source, quant
         self.torch_dtype = STORE_DTYPES[dtype]
         self.itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
         self.layouts = {lay.name: lay for lay in layouts(arch)}
+        self.packed: dict[str, PackedLayout] = {
+            n: packed_layout(lay, self.itemsize, quant) for n, lay in self.layouts.items() if packs(n, quant)
+        }
         self.entries: dict[str, dict[str, TensorEntry]] = {u: {} for u in self.layouts}
         self.fds: dict[str, int] = {}
         self._scratch: list[torch.Tensor | None] = [None, None]  # (<= PIECE,) cast buffers, alternating
@@ -61,13 +67,18 @@ class StoreWriter:
         self._pool: ThreadPoolExecutor | None = None  # one writer thread, created on first use
         self._pending: Future | None = None  # the one pwrite in flight
         (self.root / "units").mkdir(parents=True, exist_ok=True)
-        for name, lay in self.layouts.items():
+        for name in self.layouts:
             fd = os.open(self.root / unit_file(name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.ftruncate(fd, self.unit_nbytes(lay.numel))  # sparse zeros: padding costs nothing
+            os.ftruncate(fd, self.file_nbytes(name))  # sparse zeros: padding costs nothing
             self.fds[name] = fd
 
     def unit_nbytes(self, numel: int) -> int:
         return file_bytes(numel, self.itemsize)
+
+    def file_nbytes(self, unit: str) -> int:
+        if unit in self.packed:
+            return file_bytes(self.packed[unit].nbytes, 1)
+        return self.unit_nbytes(self.layouts[unit].numel)
 
     def write(self, unit: str, name: str, t: torch.Tensor) -> int:
         """Cast `t` to the store dtype and write it at its slot. Returns bytes written."""
@@ -94,7 +105,13 @@ class StoreWriter:
         with the last write possibly in flight (`finish` waits); the default returns when the
         data is in the file, so callers may reuse `pieces` at once."""
         slot = self.layouts[unit].slot(name)
-        fd, base, pos, crc = self.fds[unit], slot.offset * self.itemsize, 0, 0
+        base = slot.offset * self.itemsize
+        if unit in self.packed:
+            p = self.packed[unit].slot(name)
+            if p.quant:
+                return self._write_nf4(unit, p, pieces, on_piece, wait)
+            base = p.offset
+        fd, pos, crc = self.fds[unit], 0, 0
         for piece in pieces:
             flat = piece.reshape(-1)
             if pos + flat.numel() > slot.numel:
@@ -112,6 +129,45 @@ class StoreWriter:
         nbytes = slot.numel * self.itemsize
         self.entries[unit][name] = TensorEntry(name, slot.hf, self.dtype, list(slot.shape), base, nbytes, crc)
         return nbytes
+
+    def _write_nf4(self, unit: str, p: PackedSlot, pieces, on_piece, wait: bool) -> int:
+        """Quantize a tensor as its pieces arrive (whole blocks at a time; a piece's tail waits for
+        the next piece), then write the double-quantized scales. The region's checksum runs over
+        its parts and the zero padding between them, in file order."""
+        fd, pos, crc = self.fds[unit], 0, 0
+        absmax: list[torch.Tensor] = []
+        tail = torch.empty(0, dtype=self.torch_dtype)
+        for piece in pieces:
+            flat = piece.reshape(-1)
+            if pos + tail.numel() + flat.numel() > p.numel:
+                raise InputError(f"{p.hf}: more than the {p.numel} elements of shape {p.shape}")
+            x = torch.cat([tail, flat.to(self.torch_dtype)])
+            whole = x.numel() // nf4.BLOCK * nf4.BLOCK
+            for i in range(0, whole, PIECE):
+                codes, amax = nf4.quantize_blocks(x[i : min(whole, i + PIECE)])
+                data = tensor_bytes(codes)
+                crc = zlib.crc32(data, crc)
+                self._drain()
+                _pwrite_all(fd, data, p.offset + (pos + i) // 2)
+                absmax.append(amax)
+            pos += whole
+            tail = x[whole:].clone()
+            on_piece(flat.numel() * flat.element_size())
+        if pos + tail.numel() != p.numel:
+            raise InputError(f"{p.hf}: {pos + tail.numel()} elements where shape {p.shape} needs {p.numel}")
+        scales, factors, mean = nf4.double_quantize(torch.cat(absmax))
+        parts = nf4.parts(p.numel, self.itemsize)
+        end = parts["codes"][1]
+        for name, t in (("scales", scales), ("factors", factors), ("mean", mean.reshape(1))):
+            off, n = parts[name]
+            crc = zlib.crc32(bytes(off - end), crc)  # the padding before this part
+            data = tensor_bytes(t)
+            crc = zlib.crc32(data, crc)
+            _pwrite_all(fd, data, p.offset + off)
+            end = off + n
+        crc = zlib.crc32(bytes(p.nbytes - end), crc)
+        self.entries[unit][p.name] = TensorEntry(p.name, p.hf, "nf4", list(p.shape), p.offset, p.nbytes, crc)
+        return p.nbytes
 
     def _submit(self, fd: int, data: memoryview, offset: int) -> None:
         self._drain()  # one write in flight: the buffers being filled now are never the ones written
@@ -163,7 +219,7 @@ class StoreWriter:
             if missing:
                 raise InputError(f"tensor {missing[0]} is missing from the checkpoint")
             tensors = [self.entries[name][s.name] for s in lay.slots]
-            units.append(UnitEntry(name, unit_file(name), lay.numel, self.unit_nbytes(lay.numel), tensors))
+            units.append(UnitEntry(name, unit_file(name), lay.numel, self.file_nbytes(name), tensors))
         self.close()
         params = sum(lay.params for lay in self.layouts.values())
         m = Manifest(
@@ -174,6 +230,7 @@ class StoreWriter:
             source=self.source,
             created_by=f"horizon {__version__}",
             extra=extra or {},
+            quant=self.quant,
         )
         (self.root / MANIFEST).write_text(m.to_json())
         return m

@@ -5,6 +5,12 @@ checks, pruning and sweeping live beside the store, in store/checkpoint.py).
     state/trainer.json       step, optimizer step count, RNG, model fingerprint, ...
     state/config.yaml        the resolved config of the run that wrote it
 
+A LoRA run's checkpoint holds no store (the base never changes; trainer.json names it and its
+fingerprint) but its adapters as a PEFT adapter, with their exact fp32 masters:
+
+    adapter/adapter_config.json, adapter/adapter_model.safetensors   (lora/peft.py)
+    state/lora.<i>.m.bin, .v.bin                                      AdamW moments
+
 Written into an owner-named temp dir beside the others, with the checksums file last, fsynced,
 then renamed to step_N: a crash or a full disk leaves the previous checkpoints as they were.
 """
@@ -25,11 +31,13 @@ from .. import owner
 from ..errors import HorizonError
 from ..faults import phase
 from ..fsutil import fsync_tree, read_exact, replace_dir
+from ..lora import peft
 from ..store import Store, StoreWriter
 from ..store import checkpoint as ckpt
 from ..store.writer import tensor_bytes
 
 STATE_BUFFERS = ("lo", "m", "v")
+LORA_BUFFERS = ("m", "v")  # the master is the adapter file's fp32 tensors
 
 
 def save(
@@ -63,6 +71,10 @@ def save(
 
 
 def _write(engine, tmp: Path, trainer: dict, config_yaml: str, model_store: Store) -> None:
+    if engine.lora is not None:
+        _write_adapter(engine, tmp, model_store)
+        _write_state(engine, tmp, trainer, config_yaml, LORA_BUFFERS)
+        return
     dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[engine.dtype]
     w = StoreWriter(tmp, engine.spec, dtype, source=model_store.manifest.source or str(model_store.root))
     try:
@@ -74,12 +86,33 @@ def _write(engine, tmp: Path, trainer: dict, config_yaml: str, model_store: Stor
     phase("checkpoint-store", trainer["step"])
     if (model_store.root / "hf").is_dir():
         shutil.copytree(model_store.root / "hf", tmp / "hf")
+    _write_state(engine, tmp, trainer, config_yaml, STATE_BUFFERS)
+
+
+def _write_adapter(engine, tmp: Path, model_store: Store) -> None:
+    """The adapters as a PEFT adapter dir (fp32: the exact masters)."""
+    setup = engine.lora
+    cfg = setup.cfg
+    (tmp / "adapter").mkdir()
+    peft.write_adapter(
+        tmp / "adapter",
+        engine.host.tensors(),
+        r=cfg.r,
+        alpha=cfg.alpha,
+        dropout=cfg.dropout,
+        targets=peft.saved_targets(cfg.targets, setup.targets),
+        rslora=cfg.use_rslora,
+        base=model_store.manifest.source or str(model_store.root),
+    )
+
+
+def _write_state(engine, tmp: Path, trainer: dict, config_yaml: str, keys: tuple[str, ...]) -> None:
     state = tmp / "state"
     state.mkdir()
     sums = {}
     for name, st in engine.host.units.items():
         bufs = st.buffers()
-        for key in STATE_BUFFERS:
+        for key in keys:
             if key in bufs:
                 fname = f"{name}.{key}.bin"
                 sums[f"state/{fname}"] = _write_raw(state / fname, bufs[key])
@@ -102,9 +135,16 @@ def load(engine, ck: Path) -> dict:
     The streaming weights come from the checkpoint's store (the engine is built on it)."""
     sums = ckpt.read_sums(ck)
     trainer = ckpt.read_trainer(ck)
+    keys: tuple[str, ...] = STATE_BUFFERS
+    if engine.lora is not None:  # the masters from the adapter file, checked against its checksum
+        keys = LORA_BUFFERS
+        rel = f"adapter/{peft.WEIGHTS}"
+        if rel not in sums or ckpt.crc_file(ck / rel) != sums[rel][1]:
+            raise ckpt.CheckpointDamaged(f"{ck / rel}: missing or fails its checksum")
+        engine.host.set_tensors(peft.read_weights(ck / "adapter", engine.lora.expected()))
     for name, st in engine.host.units.items():
         bufs = st.buffers()
-        for key in STATE_BUFFERS:
+        for key in keys:
             if key not in bufs:
                 continue
             rel = f"state/{name}.{key}.bin"

@@ -36,6 +36,9 @@ FREE = (
 )
 
 
+OPTIONAL = ("lora",)  # sections that may be null: switching one on or off changes the run
+
+
 def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
@@ -54,7 +57,12 @@ def changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
     """(dotted key, old value, new value) for every trajectory key that differs. Keys present on
     one side only (a config written by another horizon version) are not compared."""
     a, b = flat(old), flat(new)
-    return [(k, a[k], b[k]) for k in b if k in a and a[k] != b[k] and not _under(k, FREE)]
+    out = [(k, a[k], b[k]) for k in b if k in a and a[k] != b[k] and not _under(k, FREE)]
+    for sec in OPTIONAL:  # an optional section switched on or off (null on one side)
+        on_a, on_b = (any(k.startswith(sec + ".") for k in side) for side in (a, b))
+        if on_a != on_b and (sec in a or sec in b):
+            out.append((sec, old.get(sec), new.get(sec)))
+    return out
 
 
 def check_accept_keys(cfg: Config) -> None:

@@ -16,6 +16,7 @@ from rich.progress import Progress
 
 from ..config import Config, dump_yaml
 from ..data import PreparedData, batch_rows, collate, prepare_data
+from ..engine.adapters import LoraSetup
 from ..engine.schedule import Engine, StepResult
 from ..errors import HorizonError, InputError
 from ..faults import phase
@@ -59,8 +60,11 @@ def load_data(cfg: Config, store: Store, cache_dir: Path | None, console: Consol
 
 
 class Trainer:
-    def __init__(self, cfg: Config, store: Store, rd: RunDir, console: Console):
+    def __init__(
+        self, cfg: Config, store: Store, rd: RunDir, console: Console, lora: LoraSetup | None = None
+    ):
         self.cfg, self.store, self.rd, self.console = cfg, store, rd, console
+        self.lora = lora  # LoRA: the frozen base is `store` itself, checkpoints hold the adapters
         self.run_dir = rd.path
         self.proc = psutil.Process()
         self._engine: Engine | None = None
@@ -124,19 +128,26 @@ class Trainer:
             self._engine = None
 
     def _build_engine(self, ck: Path | None) -> Engine:
-        src = Store.open(ck) if ck else self.store
+        src = Store.open(ck) if ck and self.lora is None else self.store
         if self.cfg.engine.compute_threads:
             import torch
 
             torch.set_num_threads(self.cfg.engine.compute_threads)
         with byte_progress(self.console, "load weights", src.nbytes()) as advance:
             tokens = self.cfg.train.batch_size * min(self.cfg.data.max_seq_len, src.arch.max_positions)
-            engine = Engine(src, self.cfg.engine, self.cfg.optim, progress=advance, max_tokens=tokens)
+            engine = Engine(
+                src, self.cfg.engine, self.cfg.optim, progress=advance, max_tokens=tokens, lora=self.lora
+            )
         if engine.optimizer.note:
             self.console.print(f"[yellow]warning:[/] {engine.optimizer.note}")
+        host = sum(engine.host.nbytes().values()) + (sum(engine.base.nbytes().values()) if engine.base else 0)
+        lora = ""
+        if self.lora is not None:
+            n = sum(st.layout.params for st in engine.host.units.values())
+            lora = f", LoRA r {self.lora.r} on {sum(map(len, self.lora.targets))} linear layers ({n:,} parameters)"
         self.console.print(
             f"engine: {engine.t.kind} {engine.t.device}, {self.cfg.engine.dtype}, prefetch {self.cfg.engine.prefetch}, "
-            f"AdamW kernel {engine.optimizer.kernel_name}, host state {fmt_bytes(sum(engine.host.nbytes().values()))}"
+            f"AdamW kernel {engine.optimizer.kernel_name}, host state {fmt_bytes(host)}{lora}"
         )
         return engine
 
@@ -245,7 +256,10 @@ class Trainer:
             "dtype": self.cfg.engine.dtype,
             "model_fingerprint": ckpt.model_fingerprint(self.store),
             "seed": self.cfg.train.seed,
+            "lora": self.lora is not None,
         }
+        if self.lora is not None:  # the checkpoint holds no weights: name the frozen base
+            trainer["base"] = str(self.store.root.resolve())
         path = checkpoint.save(
             self.engine,
             self.run_dir,
@@ -269,12 +283,17 @@ class Trainer:
         out = {"step": step, "checkpoint": str(ck), "final_loss": rows[-1]["loss"] if rows else None}
         if self.cfg.log.plot and rows:
             out["plot"] = str(plot_loss(rows, self.run_dir / "loss.png", title=f"{self.run_dir.name}"))
+        if self.lora is not None:  # the adapter alone, as PEFT files (small: always)
+            from ..export import export
+
+            export(ck, self.run_dir / "adapter", force=True, adapter=True)
+            out["adapter"] = str(self.run_dir / "adapter")
         if self.cfg.output.export:
             from ..export import export
 
             phase("export")
             dst = self.run_dir / "export"
-            export(ck, dst, force=True, console=self.console)
+            export(ck, dst, force=True, console=self.console)  # LoRA: the base with the adapters merged
             out["export"] = str(dst)
         self.rd.record_finished(ck, exported=self.cfg.output.export)
         phase("finished")

@@ -21,7 +21,9 @@ from rich.table import Table
 from .. import owner, preflight
 from ..config import Config, dump_yaml, load_config
 from ..data.prepare import check_lengths
+from ..engine.adapters import LoraSetup, lora_for
 from ..engine.fit import check_device_fit, device_fit
+from ..engine.lora_plan import lora_memory_plan
 from ..engine.plan import MemoryPlan, memory_plan
 from ..errors import HorizonError, InputError, Terminated
 from ..faults import phase
@@ -41,9 +43,10 @@ def run_training(
     phase("startup")
     cfg = load_config(config_path, overrides)
     store = Store.open(cfg.model.path)
+    lora = lora_for(cfg.lora, store, cfg.train.seed)  # targets and lora.init checked before any write
     check_lengths(cfg.data, store.arch.max_positions)
     device = preflight.check_device(cfg.engine)
-    plan = plan_for(cfg, store)
+    plan = plan_for(cfg, store, lora)
     if dry_run:
         return dry_run_report(cfg, store, plan, device, console)
     check_fits(plan, device == "cpu")
@@ -59,12 +62,26 @@ def run_training(
             )
             return {"step": rd.resume_step, "checkpoint": str(rd.candidates[0]), "complete": True}
         with runtime_failures():
-            return Trainer(cfg, store, rd, console).run()
+            return Trainer(cfg, store, rd, console, lora).run()
 
 
-def plan_for(cfg: Config, store: Store) -> MemoryPlan:
+def plan_for(cfg: Config, store: Store, lora: LoraSetup | None = None) -> MemoryPlan:
     e = cfg.engine
     seq = min(cfg.data.max_seq_len, store.arch.max_positions)
+    if lora is not None:
+        return lora_memory_plan(
+            store.arch,
+            lora.targets,
+            lora.r,
+            e.dtype,
+            e.grad_dtype,
+            batch=cfg.train.batch_size,
+            micro_batch=cfg.train.micro_batch_size,
+            seq=seq,
+            prefetch=e.prefetch,
+            loss_chunk=e.loss_chunk,
+            quant=store.quant,
+        )
     return memory_plan(
         store.arch,
         e.dtype,
@@ -114,7 +131,10 @@ def run_dir_status(cfg: Config, store: Store) -> str:
 
 
 def plan_table(plan: MemoryPlan, store: Store) -> Table:
-    t = Table(title=f"memory plan ({plan.params:,} parameters)", title_justify="left")
+    title = f"memory plan ({plan.params:,} parameters)"
+    if cfg_lora_params(plan):
+        title = f"memory plan ({plan.params:,} parameters, LoRA: {cfg_lora_params(plan):,} trained)"
+    t = Table(title=title, title_justify="left")
     t.add_column("where")
     t.add_column("category")
     t.add_column("bytes", justify="right")
@@ -126,6 +146,11 @@ def plan_table(plan: MemoryPlan, store: Store) -> Table:
         t.add_row("device", k, fmt_bytes(v))
     t.add_row("device", "[bold]peak", f"[bold]{fmt_bytes(plan.device_total)}")
     return t
+
+
+def cfg_lora_params(plan: MemoryPlan) -> int:
+    """Trained adapter parameters of a LoRA plan (0 otherwise), from its fp32-moments row."""
+    return plan.host.get("adapter AdamW moments (fp32)", 0) // 8
 
 
 # -- host memory ---------------------------------------------------------------------------------

@@ -24,11 +24,13 @@ from common import RssSampler, peer_main, read_rows, rss, step_batches
 def plan_of(cfg_path: Path) -> dict:
     """The memory plan `horizon train --dry-run` shows for this config (train.run.plan_for)."""
     from horizon_cli.config import load_config
+    from horizon_cli.engine.adapters import lora_for
     from horizon_cli.store import Store
     from horizon_cli.train.run import plan_for
 
     cfg = load_config(cfg_path, [])
-    p = plan_for(cfg, Store.open(cfg.model.path))
+    store = Store.open(cfg.model.path)
+    p = plan_for(cfg, store, lora_for(cfg.lora, store))
     return {
         "params": p.params,
         "host": p.host,
@@ -54,6 +56,8 @@ def write_config(job: dict, run_dir: Path) -> Path:
         "output": {"dir": str(run_dir), "export": False},
         "log": {"every": 1, "plot": False},
     }
+    if job.get("lora"):  # LoRA on the store (scripts/bench_scale.py --lora)
+        cfg["lora"] = job["lora"]
     path = run_dir.parent / f"{run_dir.name}.yaml"
     path.write_text(f"# .venv/bin/horizon train {path}\n" + yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -99,7 +103,11 @@ def run_engine(job: dict) -> dict:
     cfg_path = write_config(job, Path(job["work"]) / "horizon-run")  # the settings the CLI would use
     cfg = load_config(cfg_path, [])
     torch.set_num_threads(cfg.engine.compute_threads)
-    engine = Engine(Store.open(cfg.model.path), cfg.engine, cfg.optim, max_tokens=job["batch"] * job["seq"])
+    from horizon_cli.engine.adapters import lora_for
+
+    store = Store.open(cfg.model.path)
+    lora = lora_for(cfg.lora, store)
+    engine = Engine(store, cfg.engine, cfg.optim, max_tokens=job["batch"] * job["seq"], lora=lora)
     trim = _malloc_trim if job.get("malloc_trim") else lambda: None
     trim()
     o = job["optim"]

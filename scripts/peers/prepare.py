@@ -91,7 +91,9 @@ def main() -> None:
     (save_init if job.get("how", "init") == "init" else save_stream)(job, hf)
     if job.get("tokenizer"):
         save_tokenizer(job["shape"]["vocab"], hf)
-    convert(hf, store, dtype=job.get("store_dtype", "float32"), force=True)
+    convert(hf, store, dtype=job.get("store_dtype", "float32"), force=True, quantize=job.get("quantize", ""))
+    if job.get("drop_hf"):  # only the store is needed (horizon alone): keep the disk for bigger models
+        shutil.rmtree(hf)
     (store.parent / (store.name + ".ok")).write_text(json.dumps(job, sort_keys=True))
 
 

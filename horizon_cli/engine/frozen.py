@@ -1,0 +1,113 @@
+"""The frozen base of a LoRA run: per unit, only the streaming copy (no master, moments, gradients).
+
+Dense units (the embedding, the head, and every layer of an unquantized store) hold their flat
+buffer in the compute dtype, as full fine-tuning's streaming copy. Packed units (decoder layers of
+an NF4 store, store/packed.py) hold the unit file's bytes as they are: they cross the link in 4
+bits and `dequantize` expands them on the device, into one layer-sized scratch buffer in the dense
+layout, just before the layer's compute. Nothing here is ever written after loading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..quant import nf4
+from ..store import Store, UnitLayout
+from ..store.packed import PackedLayout
+
+PACKED = "__packed__"  # views() of a packed unit: its raw bytes, to be dequantized
+
+
+@dataclass
+class FrozenUnit:
+    name: str
+    layout: UnitLayout  # the dense element layout (what the engine computes with)
+    stream: torch.Tensor  # (numel,) compute dtype, or (nbytes,) uint8 for a packed unit
+    packed: PackedLayout | None = None
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.packed is not None:
+            return {PACKED: flat}
+        return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.layout.tensors}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {"stream": self.stream}
+
+
+class FrozenState:
+    def __init__(
+        self,
+        store: Store,
+        dtype: torch.dtype,
+        alloc: Callable[[int, torch.dtype], torch.Tensor],
+        progress: Callable[[int], None] = lambda n: None,
+    ):
+        self.dtype, self.store_dtype = dtype, store.dtype
+        self.units: dict[str, FrozenUnit] = {}
+        for u in store.units:
+            lay = store.layout(u.name)
+            packed = store.packed.get(u.name)
+            if packed is not None:
+                buf = alloc(packed.nbytes, torch.uint8)  # pinned on CUDA: it crosses the link
+                store.read_unit(u.name, buf)
+            else:
+                buf = alloc(lay.numel, dtype)
+                if store.dtype == dtype:
+                    store.read_unit(u.name, buf)
+                else:
+                    src = torch.empty(lay.numel, dtype=store.dtype)
+                    store.read_unit(u.name, src)
+                    buf.copy_(src)
+            self.units[u.name] = FrozenUnit(u.name, lay, buf, packed)
+            progress(u.nbytes)
+
+        self.scratch: torch.Tensor | None = None  # the device buffer a packed layer expands into
+
+    def __getitem__(self, unit: str) -> FrozenUnit:
+        return self.units[unit]
+
+    def attach(self, device_empty: Callable[[int, torch.dtype], torch.Tensor], dtype: torch.dtype) -> int:
+        """Allocate the device buffer packed layers are dequantized into (the largest layer's dense
+        layout, zeroed: padding is never written); its bytes (0: nothing is packed)."""
+        packed = [u.layout.numel for u in self.units.values() if u.packed is not None]
+        if not packed:
+            return 0
+        self.scratch = device_empty(max(packed), dtype)
+        self.scratch.zero_()
+        return self.scratch.numel() * self.scratch.element_size()
+
+    def weights(self, unit: str, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A loaded unit's tensors by name: a packed one dequantized into the scratch buffer first."""
+        if PACKED not in w:
+            return w
+        assert self.scratch is not None
+        return self.dequantize(unit, w[PACKED], self.scratch)
+
+    def dequantize(self, unit: str, raw: torch.Tensor, out: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A packed unit's bytes on the device -> its tensors, dense, in `out` ((numel,), compute
+        dtype; padding elements are left as they are). Runs on the device, before the compute."""
+        st = self.units[unit]
+        assert st.packed is not None
+        sd = self.store_dtype
+        for p in st.packed.slots:
+            src = raw[p.offset : p.offset + p.nbytes]
+            dst = out[p.dense : p.dense + p.numel]
+            if p.quant:
+                if sd == out.dtype:
+                    nf4.dequantize_packed(src, p.numel, sd, dst)
+                else:
+                    dst.copy_(
+                        nf4.dequantize_packed(
+                            src, p.numel, sd, torch.empty(p.numel, dtype=sd, device=out.device)
+                        )
+                    )
+            else:
+                dst.copy_(src.view(sd))
+        return {q.name: out[q.offset : q.offset + q.numel].view(q.shape) for q in st.layout.tensors}
+
+    def nbytes(self) -> dict[str, int]:
+        n = sum(u.stream.numel() * u.stream.element_size() for u in self.units.values())
+        return {"base (frozen)": n}

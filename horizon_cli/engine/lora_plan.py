@@ -1,0 +1,74 @@
+"""The memory plan of a LoRA run (the `lora` rung): a frozen base, adapters with full state.
+
+Host: the base's streaming copy only (bf16: 2 B/param; NF4 layers: 0.5 B/param plus 1/64 B of
+scales, embedding and head in the compute dtype), and per adapter parameter the state of a trained
+unit (streaming copy, bf16 master remainder, AdamW moments, gradient). Device: `prefetch` layer
+buffers (packed bytes for NF4) and one dequantized layer, a layer's adapters with each buffer,
+their fp32 gradient accumulators, and the activations as in full fine-tuning (engine/plan.py).
+"""
+
+from __future__ import annotations
+
+from ..arch import ArchSpec
+from ..lora.targets import Target, adapter_params
+from ..store import layouts
+from ..store.packed import packed_layout, packs
+from .plan import ITEM, MemoryPlan, head_work_bytes, layer_work_bytes
+
+
+def base_bytes(spec: ArchSpec, dtype: str, quant: str = "") -> dict[str, int]:
+    """Streaming bytes per unit of the frozen base (NF4 layers packed; scales in `dtype`)."""
+    item = ITEM[dtype]
+    out = {}
+    for lay in layouts(spec):
+        packed = packs(lay.name, quant)
+        out[lay.name] = packed_layout(lay, item, quant).nbytes if packed else lay.numel * item
+    return out
+
+
+def lora_memory_plan(
+    spec: ArchSpec,
+    targets: list[list[Target]],
+    r: int,
+    dtype: str = "bfloat16",
+    grad_dtype: str = "auto",
+    batch: int = 1,
+    micro_batch: int = 1,
+    seq: int = 2048,
+    prefetch: int = 2,
+    loss_chunk: int = 2048,
+    quant: str = "",
+) -> MemoryPlan:
+    item = ITEM[dtype]
+    gitem = ITEM[dtype if grad_dtype == "auto" else grad_dtype]
+    lays = {lay.name: lay for lay in layouts(spec)}
+    base = base_bytes(spec, dtype, quant)
+    n_adapt = adapter_params(targets, r)
+    per_layer = max(
+        (sum(r * (t.in_features + t.out_features) for t in layer) for layer in targets), default=0
+    )
+    acts = batch * seq * spec.hidden * item
+    p = MemoryPlan(sum(lay.params for lay in lays.values()))
+    p.host[f"base weights (frozen{', NF4 layers' if quant else ''})"] = sum(base.values())
+    p.host["adapters (streaming copy)"] = n_adapt * item
+    if dtype == "bfloat16":
+        p.host["adapter master remainder (int16)"] = n_adapt * 2
+    p.host["adapter AdamW moments (fp32)"] = n_adapt * 8
+    p.host[f"adapter gradients ({'bf16' if gitem == 2 else 'fp32'})"] = n_adapt * gitem
+    p.host["saved activations"] = spec.n_layers * acts
+    p.host["staging"] = acts
+    layer_max = max(v for k, v in base.items() if k.startswith("layer."))
+    head = base["head"] + (base["embed"] if spec.tie_embeddings else 0)
+    p.device["weight buffers"] = prefetch * layer_max + head
+    if quant:
+        p.device["dequantized layer"] = max(lays[k].numel for k in base if k.startswith("layer.")) * item
+    p.device["adapters in flight"] = prefetch * per_layer * item
+    p.device["gradient accumulators"] = 2 * per_layer * 4 + (2 * per_layer * gitem if gitem != 4 else 0)
+    p.device["saved inputs in flight"] = prefetch * acts
+    p.device["activations"] = 2 * acts
+    tok = micro_batch * seq
+    # the adapters add, per token and adapted layer, A's output (r) and B's (out) held for the add
+    widest = max((sum(r + t.out_features for t in layer) for layer in targets), default=0)
+    p.device["layer working set"] = layer_work_bytes(spec, tok, micro_batch, seq, item) + tok * widest * item
+    p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
+    return p

@@ -1,0 +1,1 @@
+"""LoRA: which linear layers are adapted (targets, PEFT's rules) and PEFT's adapter files (peft)."""

@@ -1,0 +1,1 @@
+"""Weight quantization formats the store can hold (NF4), below the store and the engine."""
