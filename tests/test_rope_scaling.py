@@ -1,4 +1,5 @@
-"""Llama-3.1 ("llama3") RoPE scaling with frequencies inside its smoothing band, as in the real 8B.
+"""RoPE scaling on the native layer: Llama-3.1 ("llama3") with frequencies inside its smoothing band,
+as in the real 8B, and linear scaling.
 
 The scaling leaves short wavelengths alone (< original_max / high_freq_factor), divides long ones
 by `factor` (> original_max / low_freq_factor), and blends the two in between. The parity family
@@ -90,5 +91,23 @@ def test_logits_and_grads_match_transformers_far_into_the_sequence(model_store):
             grads = st.views(st.grad)
             for s in st.layout.slots:
                 assert rel_err(grads[s.name], hf[s.hf].grad) < 1e-5, s.hf
+    finally:
+        eng.close()
+
+
+LINEAR = dict(rope_scaling={"rope_type": "linear", "factor": 4.0}, rope_theta=10000.0)
+
+
+def test_linear_rope_scaling_matches_transformers(tmp_path):
+    """Linear scaling (positions divided by `factor`) on the native layer: no other native test
+    model scales its RoPE linearly."""
+    model, store = make_store(tmp_path, "llama", False, **LINEAR)
+    assert store.arch.rope["rope_type"] == "linear"
+    assert rel_err(inv_freq(store.arch), model.model.rotary_emb.inv_freq) < 1e-6
+    eng = make_engine(store)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    mb = MicroBatch(ids, ids.clone(), torch.arange(24).expand(2, 24).contiguous())
+    try:
+        assert rel_err(eng.logits(mb), model(input_ids=ids).logits.detach()) < 1e-5
     finally:
         eng.close()
