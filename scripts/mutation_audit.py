@@ -311,6 +311,10 @@ MUTATIONS: list[Mutation] = [
       'p.host["AdamW moments (fp32)"] = numel * 4',
       ["tests/test_inspect_store.py"],
       "memory plan counts one moment instead of two (inspect's B/param)"),
+    M("plan-embed-grad", "optim", "horizon_cli/engine/plan.py",
+      "    ].numel * 4",
+      "    ].numel * gitem",
+      ["tests/test_inspect_store.py"], "memory plan counts the embedding's gradient in bf16 (it is fp32 on the host)"),
     # ---- data ------------------------------------------------------------------------------------------
     M("pack-boundary-label", "data", "horizon_cli/data/pack.py",
       "labels[0] = IGNORE  # the previous document's last token must not predict this one",
