@@ -9,10 +9,10 @@ buffers of its own (no lending), as a GPU run does; those and the host state are
 before the measured step, so what a step adds on top is its transient device memory: activations,
 saved inputs in flight, one layer's working set, the loss head.
 
-Checked: that growth is the same for 4 and for 32 layers (a per-layer leak of even half a layer's
-activations fails), and stays below the engine's reported device peak (the accounting covers
-what is really allocated). Samples at span boundaries miss peaks inside a layer's compute; a
-deterministic count, unaffected by other processes on the machine.
+Checked: that growth is the same for 4 and for 32 layers (within one layer's activations: a
+per-layer leak of 1/28 of them fails), and stays below the engine's reported device peak (the
+accounting covers what is really allocated). Samples at span boundaries miss peaks inside a
+layer's compute; a deterministic count, unaffected by other processes on the machine.
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ def test_measured_device_memory_does_not_grow_with_depth(tmp_path, dtype):
     deep, reported32, _ = step_growth(tmp_path / "32", 32, dtype)
     assert shallow > act  # the measurement sees the step's activations at all
     # 28 more layers: the step's own bookkeeping (events, norm pieces) adds ~0.5 KB per layer
-    assert deep - shallow < act / 2, (shallow, deep, act)
+    # (measured: 11-15 KB in all); anything kept per layer beyond 1/28 of a layer's activations fails
+    assert deep - shallow < act, (shallow, deep, act)
     assert reported32 == reported4
     assert deep <= reported32 and shallow <= reported4
