@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 from rich.console import Console
@@ -11,7 +12,6 @@ from typer.testing import CliRunner
 
 from horizon_cli.cli import app
 from horizon_cli.convert import convert
-from horizon_cli.engine.plan import memory_plan
 from horizon_cli.inspect import inspect_store
 from horizon_cli.store import Store
 
@@ -48,12 +48,35 @@ def test_inspect_reports(tmp_path, family, tie, flag):
 
 
 def test_inspect_numbers(tmp_path):
+    """inspect's figures against what is really there: the unit files on disk, and the host
+    buffers an engine allocates for training (not the memory plan inspect itself reads)."""
+    from horizon_cli.config.schema import EngineConfig, OptimConfig
+    from horizon_cli.engine.schedule import Engine
+
     model = make_model("llama", tie=False)
     convert(save(model, tmp_path / "src"), tmp_path / "store", dtype="float32")
-    info = inspect_store(tmp_path / "store", console=Console(file=io.StringIO()))
-    assert info["params"] == sum(p.numel() for p in model.parameters())
-    assert info["bytes"] >= 4 * info["params"] and info["bytes"] % 4096 == 0
-    # the figures are the engine's memory plan for this architecture (padding included)
-    arch = Store.open(tmp_path / "store").arch
-    for dtype, b in info["bytes_per_param"].items():
-        assert b == memory_plan(arch, dtype, batch=0).bytes_per_param and 12 <= b < 20
+    out = io.StringIO()
+    info = inspect_store(tmp_path / "store", console=Console(file=out, width=200))
+    params = sum(p.numel() for p in model.parameters())
+    assert info["params"] == params
+    assert info["bytes"] == sum(f.stat().st_size for f in (tmp_path / "store" / "units").iterdir())
+    store = Store.open(tmp_path / "store")
+    numel = sum(store.layout(u.name).numel for u in store.units)  # padded to the unit alignment
+    for dtype, per_elem in (("bfloat16", 2 + 2 + 8 + 2), ("float32", 4 + 4 + 8)):
+        eng = Engine(store, EngineConfig(device="cpu", dtype=dtype), OptimConfig(kernel="torch"))
+        try:
+            allocated = sum(eng.host.nbytes().values())
+            really = sum(
+                t.untyped_storage().nbytes() for st in eng.host.units.values() for t in st.buffers().values()
+            )
+        finally:
+            eng.close()
+        assert allocated == really  # nbytes() counts the buffers that exist
+        # the embedding's gradient is fp32 in every run (the host accumulates it row by row)
+        embed = store.layout("embed").numel
+        expected = per_elem * numel + (2 * embed if dtype == "bfloat16" else 0)
+        assert really == expected, dtype
+        assert info["bytes_per_param"][dtype] == pytest.approx(really / params, rel=1e-12), dtype
+    # the host table's last row: "B/param | <bf16> | <fp32>"
+    printed = re.findall(r"B/param\W+([\d.]+)\W+([\d.]+)", out.getvalue())
+    assert printed == [tuple(f"{info['bytes_per_param'][d]:.2f}" for d in ("bfloat16", "float32"))]

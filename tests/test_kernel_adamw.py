@@ -224,12 +224,40 @@ def test_threads_do_not_change_results() -> None:
         assert_bitwise(a, b, "1 thread vs many")
 
 
-def test_empty_unit_is_a_no_op() -> None:
-    empty = [torch.zeros(0) for _ in range(4)]
-    native.adamw_fp32_(*empty, hyper(1))
-    native.adamw_split_(
-        torch.zeros(0, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.int16), *empty[1:], hyper(1)
-    )
+@pytest.mark.parametrize("variant", ["fp32", "split"])
+@pytest.mark.parametrize("n", [0, 1, 7, 16, 33])
+def test_a_call_touches_exactly_its_elements(isa: str, variant: str, n: int) -> None:
+    """The kernel updates views into larger buffers (the optimizer's slices of a unit): it must
+    write exactly their n elements, as the reference does, and nothing beside them. n = 0 (an
+    empty unit) leaves everything as it was."""
+    total, at = n + 64, 29  # the view [at, at + n) with neighbours on both sides
+    gen = torch.Generator().manual_seed(7)
+    g = torch.randn(total, generator=gen)
+    master = torch.randn(total, generator=gen)
+    bufs = {"m": torch.rand(total, generator=gen), "v": torch.rand(total, generator=gen)}
+    if variant == "fp32":
+        bufs["p"] = master.clone()
+    else:
+        bufs["hi"] = torch.empty(total, dtype=torch.bfloat16)
+        bufs["lo"] = torch.empty(total, dtype=torch.int16)
+        split_(master, bufs["hi"], bufs["lo"])
+    ref = {k: t.clone() for k, t in bufs.items()}
+    view = {k: t[at : at + n] for k, t in bufs.items()}
+    rview = {k: t[at : at + n] for k, t in ref.items()}
+    gv = g[at : at + n]
+    if variant == "fp32":
+        native.adamw_fp32_(view["p"], gv, view["m"], view["v"], hyper(2), isa=isa)
+        ieee_reference_(rview["p"], gv, rview["m"], rview["v"], hyper(2))
+    else:
+        native.adamw_split_(view["hi"], view["lo"], gv, view["m"], view["v"], hyper(2), isa=isa)
+        p = join(rview["hi"], rview["lo"])
+        ieee_reference_(p, gv, rview["m"], rview["v"], hyper(2))
+        split_(p, rview["hi"], rview["lo"])
+    for k in bufs:
+        a, b = bufs[k].view(torch.int16 if bufs[k].dtype != torch.float32 else torch.int32), ref[k]
+        assert torch.equal(a, b.view(a.dtype)), (
+            f"{k}: the call wrote outside, or not all of, its {n} elements"
+        )
 
 
 def test_bad_arguments_are_named() -> None:
