@@ -45,15 +45,24 @@ struct Consts {
 // is compiled to fma(value * t1, t2, self) in the torch 2.13 wheels. So m and v are bitwise the
 // reference's. p is too, but for sqrt: torch's CPU sqrt is MKL VML (within 1 ulp, not correctly
 // rounded), this is the IEEE instruction. tests/test_kernel_adamw.py checks all of it.
+// `w` returns sqrt(v), which lean state keeps (quantized) instead of v.
 template <class V>
-__attribute__((always_inline)) inline void adamw_math(typename V::F& p, typename V::F g, typename V::F& m,
-                                                      typename V::F& v, const Consts<V>& k) {
+__attribute__((always_inline)) inline void adamw_math_w(typename V::F& p, typename V::F g, typename V::F& m,
+                                                        typename V::F& v, typename V::F& w, const Consts<V>& k) {
   g = g * k.grad_scale;                                       // clip coefficient folded in
   p = p * k.decay;                                            // decoupled weight decay
   m = V::fma(k.lerp_w, g - m, k.lerp_from_m ? m : g);         // m.lerp_(g, 1 - beta1)
   v = V::fma(k.one_minus_beta2 * g, g, v * k.beta2);          // v.mul_(b2).addcmul_(g, g, 1 - b2)
-  const typename V::F denom = V::sqrt(v) / k.bc2_sqrt + k.eps;
+  w = V::sqrt(v);
+  const typename V::F denom = w / k.bc2_sqrt + k.eps;
   p = p + k.neg_step * m / denom;                             // p.addcdiv_(m, denom, -lr / bc1)
+}
+
+template <class V>
+__attribute__((always_inline)) inline void adamw_math(typename V::F& p, typename V::F g, typename V::F& m,
+                                                      typename V::F& v, const Consts<V>& k) {
+  typename V::F w;
+  adamw_math_w<V>(p, g, m, v, w, k);
 }
 
 // Gradients arrive in fp32, or in bf16 (engine.grad_dtype: half the device -> host traffic).
@@ -93,5 +102,87 @@ static void split_range(uint16_t* hi, int16_t* lo, const G* g, float* m, float* 
     float p = Scalar::join(hi + i, lo + i);
     adamw_math<Scalar>(p, load_grad<Scalar>(g + i), m[i], v[i], ks);
     Scalar::split(p, hi + i, lo + i);
+  }
+}
+
+// ---- lean state (optim/lean.py) ----------------------------------------------------------------
+// Per block of kLeanBlock elements: decode the master (hi, lo8) and the moments (8-bit codes times
+// the block's fp32 scale), run the AdamW update above on the vector type, then re-encode. The
+// decode and encode loops are plain integer and IEEE code over a block held in L1; the compiler
+// vectorizes them under each ISA's target, and their results cannot depend on how it does.
+
+// magnitude code -> value: code 0 is 0, else the fp32 with exponent/mantissa bits (c + (E0 << M)) << (23 - M)
+template <int M>
+static inline float lean_decode(uint32_t c) {
+  const uint32_t u = (c + (kLeanE0 << M)) << (23 - M);
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return c == 0 ? 0.0f : x;
+}
+
+// x in [0, 1] -> its nearest code (ties away from zero); below the smallest binade: 0 or the
+// smallest code, whichever is nearer (keep_nonzero: the smallest code for any x > 0)
+template <int M, bool keep_nonzero>
+static inline uint32_t lean_encode(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const int32_t c = static_cast<int32_t>((u + (1u << (22 - M))) >> (23 - M)) - static_cast<int32_t>(kLeanE0 << M);
+  const float half_smallest = lean_decode<M>(1) * 0.5f;
+  const bool nonzero = keep_nonzero ? x > 0.0f : x >= half_smallest;
+  return c < 1 ? static_cast<uint32_t>(nonzero) : static_cast<uint32_t>(c);
+}
+
+static inline uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+static inline float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// hi: (n,) bf16 bits, lo8: (n,) int8, g: fp32 or bf16 bits, qm, qw: (n,) codes, sm, sw: (n / block,)
+// fp32 scales; n a multiple of kLeanBlock.
+template <class Vec, class G>
+static void lean_range(uint16_t* hi, int8_t* lo8, const G* g, uint8_t* qm, uint8_t* qw, float* sm, float* sw,
+                       int64_t n, const Coeffs& c) {
+  const Consts<Vec> kv(c);
+  alignas(64) float p[kLeanBlock], m[kLeanBlock], w[kLeanBlock];
+  for (int64_t b = 0; b < n / kLeanBlock; ++b) {
+    const int64_t o = b * kLeanBlock;
+    const float smb = sm[b], swb = sw[b];
+    for (int i = 0; i < kLeanBlock; ++i) {
+      p[i] = float_of((static_cast<uint32_t>(hi[o + i]) << 16) +
+                      (static_cast<uint32_t>(static_cast<int32_t>(lo8[o + i])) << 8));
+      const uint32_t cm = qm[o + i];
+      const float mag = lean_decode<kLeanMMant>(cm & 0x7Fu) * smb;
+      m[i] = (cm & 0x80u) ? -mag : mag;
+      w[i] = lean_decode<kLeanWMant>(qw[o + i]) * swb;
+    }
+    for (int i = 0; i < kLeanBlock; i += Vec::W) {
+      typename Vec::F pv = Vec::load(p + i), mv = Vec::load(m + i), wv = Vec::load(w + i);
+      typename Vec::F vv = wv * wv;
+      adamw_math_w<Vec>(pv, load_grad<Vec>(g + o + i), mv, vv, wv, kv);
+      Vec::store(p + i, pv), Vec::store(m + i, mv), Vec::store(w + i, wv);
+    }
+    uint32_t am = 0, aw = 0;  // block maxima: non-negative floats order as their bit patterns
+    for (int i = 0; i < kLeanBlock; ++i) {
+      am = std::max(am, bits_of(m[i]) & 0x7FFFFFFFu);
+      aw = std::max(aw, bits_of(w[i]));
+    }
+    const float amax = float_of(am), wmax = float_of(aw);
+    const float im = amax > 0.0f ? 1.0f / amax : 0.0f, iw = wmax > 0.0f ? 1.0f / wmax : 0.0f;
+    for (int i = 0; i < kLeanBlock; ++i) {
+      const uint32_t r = (bits_of(p[i]) + 0x80u) & 0xFFFFFF00u;  // the master to 16 significant bits
+      hi[o + i] = static_cast<uint16_t>((r + 0x8000u) >> 16);
+      lo8[o + i] = static_cast<int8_t>(static_cast<uint8_t>(r >> 8));
+      const uint32_t cm = lean_encode<kLeanMMant, false>(std::min(float_of(bits_of(m[i]) & 0x7FFFFFFFu) * im, 1.0f));
+      qm[o + i] = static_cast<uint8_t>(cm | ((cm != 0 && (bits_of(m[i]) >> 31)) ? 0x80u : 0u));
+      qw[o + i] = static_cast<uint8_t>(lean_encode<kLeanWMant, true>(std::min(w[i] * iw, 1.0f)));
+    }
+    sm[b] = amax, sw[b] = wmax;
   }
 }

@@ -94,7 +94,7 @@ class Engine:
         self.tracer = tracer or Tracer(enabled=False)
         self.t = transport or make_transport(engine, self.tracer)
         self.poison = Poison()  # an error anywhere fails every pending promise (engine/events.py)
-        self.host = HostState(store, self.dtype, self.t.host_empty, progress, self.grad_dtype)
+        self.host = HostState(store, self.dtype, self.t.host_empty, progress, self.grad_dtype, optim.memory)
         self.layers = [f"layer.{i}" for i in range(self.spec.n_layers)]
         tied = self.spec.tie_embeddings
         step_numel = max_tokens * self.spec.hidden  # one layer's inputs, whole step (0: unknown)

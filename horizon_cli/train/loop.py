@@ -241,6 +241,7 @@ class Trainer:
         trainer = {
             "step": step,
             "adam_step": self.engine.adam_step,
+            "memory": self.cfg.optim.memory,
             "bad_steps": self.bad,
             "dtype": self.cfg.engine.dtype,
             "model_fingerprint": ckpt.model_fingerprint(self.store),
