@@ -164,7 +164,8 @@ using Fp32Fn = void (*)(float*, const G*, float*, float*, int64_t, const Coeffs&
 template <class G>
 using SplitFn = void (*)(uint16_t*, int16_t*, const G*, float*, float*, int64_t, const Coeffs&);
 template <class G>
-using LeanFn = void (*)(uint16_t*, int8_t*, const G*, uint8_t*, uint8_t*, float*, float*, int64_t, const Coeffs&);
+using LeanFn = void (*)(uint16_t*, int8_t*, const G*, uint8_t*, uint8_t*, float*, float*, int64_t, const Coeffs&,
+                        uint32_t, int64_t);
 
 struct Isa {
   const char* name;
@@ -293,7 +294,7 @@ void adamw_split(at::Tensor& hi, at::Tensor& lo, const at::Tensor& g, at::Tensor
 
 void adamw_lean(at::Tensor& hi, at::Tensor& lo8, const at::Tensor& g, at::Tensor& qm, at::Tensor& qw, at::Tensor& sm,
                 at::Tensor& sw, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                double grad_scale, const std::string& isa) {
+                double grad_scale, int64_t seed, int64_t base, const std::string& isa) {
   const int64_t n = hi.numel();
   TORCH_CHECK(n % kLeanBlock == 0, "adamw_lean: ", n, " elements is not a multiple of the block (", kLeanBlock, ")");
   check(hi, "adamw_lean", "hi", at::kBFloat16, n);
@@ -312,16 +313,18 @@ void adamw_lean(at::Tensor& hi, at::Tensor& lo8, const at::Tensor& g, at::Tensor
   uint8_t* wp = qw.data_ptr<uint8_t>();
   float* smp = sm.data_ptr<float>();
   float* swp = sw.data_ptr<float>();
+  const uint32_t key = scalar::hash32(static_cast<uint32_t>(seed));
   // chunks are multiples of the block, so each block's scales belong to one chunk
   if (bf16g) {
     const auto* gp = reinterpret_cast<const uint16_t*>(g.data_ptr<at::BFloat16>());
     parallel_chunks(n, [&](int64_t b, int64_t len) {
-      chosen.lean_bf16g(hp + b, lp + b, gp + b, mp + b, wp + b, smp + b / kLeanBlock, swp + b / kLeanBlock, len, c);
+      chosen.lean_bf16g(hp + b, lp + b, gp + b, mp + b, wp + b, smp + b / kLeanBlock, swp + b / kLeanBlock, len, c, key, base + b);
     });
   } else {
     const float* gp = g.data_ptr<float>();
     parallel_chunks(n, [&](int64_t b, int64_t len) {
-      chosen.lean(hp + b, lp + b, gp + b, mp + b, wp + b, smp + b / kLeanBlock, swp + b / kLeanBlock, len, c);
+      chosen.lean(hp + b, lp + b, gp + b, mp + b, wp + b, smp + b / kLeanBlock, swp + b / kLeanBlock, len, c, key,
+                  base + b);
     });
   }
 }
@@ -345,6 +348,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "In-place AdamW on lean state: bf16 hi + int8 lo8 master, 8-bit m and sqrt(v) codes with fp32 block scales.",
           py::arg("hi"), py::arg("lo8"), py::arg("g"), py::arg("qm"), py::arg("qw"), py::arg("sm"), py::arg("sw"),
           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
-          py::arg("grad_scale") = 1.0, py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>());
+          py::arg("grad_scale") = 1.0, py::arg("seed") = 0, py::arg("base") = 0, py::arg("isa") = "auto",
+          py::call_guard<py::gil_scoped_release>());
   mod.def("isas", &supported_isas, "Paths this CPU supports, best first ('auto' picks the first).");
 }

@@ -132,6 +132,15 @@ static inline uint32_t lean_encode(float x) {
   return c < 1 ? static_cast<uint32_t>(nonzero) : static_cast<uint32_t>(c);
 }
 
+// lowbias32 (optim/lean.py hash32): the stochastic rounding's dither
+static inline uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
 static inline uint32_t bits_of(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);
@@ -145,10 +154,11 @@ static inline float float_of(uint32_t u) {
 }
 
 // hi: (n,) bf16 bits, lo8: (n,) int8, g: fp32 or bf16 bits, qm, qw: (n,) codes, sm, sw: (n / block,)
-// fp32 scales; n a multiple of kLeanBlock.
+// fp32 scales; n a multiple of kLeanBlock. key: the hashed rounding seed; base: the unit offset of
+// element 0, so each element's dither is hash32((base + i) ^ key) >> 24 however the unit is sliced.
 template <class Vec, class G>
 static void lean_range(uint16_t* hi, int8_t* lo8, const G* g, uint8_t* qm, uint8_t* qw, float* sm, float* sw,
-                       int64_t n, const Coeffs& c) {
+                       int64_t n, const Coeffs& c, uint32_t key, int64_t base) {
   const Consts<Vec> kv(c);
   alignas(64) float p[kLeanBlock], m[kLeanBlock], w[kLeanBlock];
   for (int64_t b = 0; b < n / kLeanBlock; ++b) {
@@ -176,7 +186,8 @@ static void lean_range(uint16_t* hi, int8_t* lo8, const G* g, uint8_t* qm, uint8
     const float amax = float_of(am), wmax = float_of(aw);
     const float im = amax > 0.0f ? 1.0f / amax : 0.0f, iw = wmax > 0.0f ? 1.0f / wmax : 0.0f;
     for (int i = 0; i < kLeanBlock; ++i) {
-      const uint32_t r = (bits_of(p[i]) + 0x80u) & 0xFFFFFF00u;  // the master to 16 significant bits
+      const uint32_t dith = hash32(static_cast<uint32_t>(base + o + i) ^ key) >> 24;
+      const uint32_t r = (bits_of(p[i]) + dith) & 0xFFFFFF00u;  // the master to 16 significant bits
       hi[o + i] = static_cast<uint16_t>((r + 0x8000u) >> 16);
       lo8[o + i] = static_cast<int8_t>(static_cast<uint8_t>(r >> 8));
       const uint32_t cm = lean_encode<kLeanMMant, false>(std::min(float_of(bits_of(m[i]) & 0x7FFFFFFFu) * im, 1.0f));

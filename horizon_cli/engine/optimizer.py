@@ -16,6 +16,7 @@ import torch
 
 from ..optim.adamw import AdamWHyper
 from ..optim.kernel import pick_kernel
+from ..optim.lean import rounding_seed
 from .events import Event, FutureEvent
 from .host import LEAN_BLOCK, HostState, Segment, UnitState
 from .trace import Tracer
@@ -67,7 +68,8 @@ class OptimizerWorker:
         if seg.kind == "lean":
             blk = slice(k // LEAN_BLOCK, (k + b - a) // LEAN_BLOCK)
             qm, qw, sm, sw = s["qm"][q], s["qw"][q], s["sm"][blk], s["sw"][blk]
-            self.impl.adamw_lean_(st.stream[a:b], s["lo8"][q], g, qm, qw, sm, sw, h)
+            seed = rounding_seed(st.name, h.step)
+            self.impl.adamw_lean_(st.stream[a:b], s["lo8"][q], g, qm, qw, sm, sw, h, seed, a)
         elif "lo" not in s:  # fp32 runs: the stream is the master
             self.impl.adamw_fp32_(st.stream[a:b], g, s["m"][q], s["v"][q], h)
         else:

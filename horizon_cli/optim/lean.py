@@ -29,6 +29,7 @@ BLOCK = 64 = the store layout's tensor alignment, so no block spans two tensors.
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 
@@ -107,10 +108,33 @@ def join24(hi: torch.Tensor, lo8: torch.Tensor) -> torch.Tensor:
     return u.view(torch.float32)
 
 
-def split24_(master: torch.Tensor, hi: torch.Tensor, lo8: torch.Tensor) -> None:
-    """fp32 -> rounded to 16 significant bits (nearest, ties away from zero) -> (hi, lo8)."""
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32), on int64 tensors holding uint32 values."""
+    m = 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & m
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
+
+
+def dither(seed: int, base: int, n: int) -> torch.Tensor:
+    """(n,) int32 in [0, 256): the stochastic-rounding offsets of elements base .. base + n - 1 of a
+    unit at one step (seed). A pure function of (seed, element): the same for any slicing, thread
+    count or ISA, and on resume."""
+    idx = torch.arange(base, base + n, dtype=torch.int64) & 0xFFFFFFFF
+    key = int(hash32(torch.tensor([seed & 0xFFFFFFFF]))[0])
+    return (hash32(idx ^ key) >> 24).to(torch.int32)
+
+
+def split24_(
+    master: torch.Tensor, hi: torch.Tensor, lo8: torch.Tensor, dith: torch.Tensor | None = None
+) -> None:
+    """fp32 -> (hi, lo8): its bits rounded to 16 significant bits, to nearest (ties away from zero)
+    or, given `dith` (int32 in [0, 256) per element), stochastically: the magnitude rounds up with
+    probability (its low 8 bits) / 256, so the master is unbiased (E[rounded] = master)."""
     u = master.contiguous().view(torch.int32)
-    r = (u + 0x80) & ~0xFF  # the rounded master's bits (a carry may reach the exponent: fine)
+    r = (u + (0x80 if dith is None else dith)) & ~0xFF  # a carry may reach the exponent: fine
     h = (r + 0x8000) >> 16  # hi: the rounded master rounded to bf16, as optim.split does
     lo8.copy_(((r - (h << 16)) >> 8).to(torch.int8))
     hi.view(torch.int16).copy_(h.to(torch.int16))
@@ -119,6 +143,11 @@ def split24_(master: torch.Tensor, hi: torch.Tensor, lo8: torch.Tensor) -> None:
 def init_lean_(master: torch.Tensor, hi: torch.Tensor, lo8: torch.Tensor) -> None:
     """A fresh lean state's master from fp32 weights (a bf16 store: exactly itself, lo8 = 0)."""
     split24_(master, hi, lo8)
+
+
+def rounding_seed(unit: str, step: int) -> int:
+    """The master's stochastic-rounding key for one unit at one optimizer step (uint32)."""
+    return (zlib.crc32(unit.encode()) ^ (step * 0x9E3779B9)) & 0xFFFFFFFF
 
 
 def ieee_sqrt(v: torch.Tensor) -> torch.Tensor:
@@ -135,9 +164,12 @@ def adamw_lean_(
     sm: torch.Tensor,
     sw: torch.Tensor,
     h: AdamWHyper,
+    seed: int = 0,
+    base: int = 0,
 ) -> None:
     """One AdamW step on lean state, in place. hi bf16, lo8 int8, g fp32 or bf16, qm and qw uint8,
-    all (N,) with N a multiple of BLOCK; sm, sw fp32 (N/BLOCK,)."""
+    all (N,) with N a multiple of BLOCK; sm, sw fp32 (N/BLOCK,). seed: the unit and step's rounding
+    key (`rounding_seed`); base: the unit offset of element 0 (the master's dither is per element)."""
     p = join24(hi, lo8)
     m = dequantize_m(qm, sm)
     w = dequantize_w(qw, sw)
@@ -151,6 +183,6 @@ def adamw_lean_(
     w = ieee_sqrt(v)
     denom = (w / bc2_sqrt).add_(h.eps)
     p.addcdiv_(m, denom, value=-h.lr / bc1)
-    split24_(p, hi, lo8)
+    split24_(p, hi, lo8, dither(seed, base, p.numel()))
     quantize_m(m, qm, sm)
     quantize_w(w, qw, sw)

@@ -103,11 +103,13 @@ def adamw_lean_(
     sm: torch.Tensor,
     sw: torch.Tensor,
     h: AdamWHyper,
+    seed: int = 0,
+    base: int = 0,
     *,
     isa: str = "auto",
 ) -> None:
     """optim.lean.adamw_lean_ in one pass over blocks of 64: bitwise equal to it on every path."""
-    _ext().adamw_lean(hi, lo8, g, qm, qw, sm, sw, *_scalars(h), isa=isa)
+    _ext().adamw_lean(hi, lo8, g, qm, qw, sm, sw, *_scalars(h), seed=seed, base=base, isa=isa)
 
 
 def _scalars(h: AdamWHyper) -> tuple[float, float, float, float, float, int, float]:
