@@ -91,14 +91,11 @@ def prepare(args, work: Path) -> None:
 
 
 def run_both(work: Path) -> None:
-    procs = {}
+    procs, env = {}, {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     for memory in ("exact", "lean"):
-        log = open(work / f"{memory}.log", "w")
-        procs[memory] = subprocess.Popen(
-            [str(ROOT / ".venv/bin/horizon"), "train", str(work / f"{memory}.yaml")],
-            stdout=log, stderr=subprocess.STDOUT, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                                                       "PATH": "/usr/bin:/bin"},
-        )  # fmt: skip
+        with open(work / f"{memory}.log", "w") as log:  # the child keeps its own descriptor
+            cmd = [str(ROOT / ".venv/bin/horizon"), "train", str(work / f"{memory}.yaml")]
+            procs[memory] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     for memory, p in procs.items():
         if p.wait() != 0:
             sys.exit(f"error: the {memory} run failed, see {work / f'{memory}.log'}")
@@ -130,7 +127,7 @@ def report(args, work: Path, t0: float) -> dict:
     out = {"command": " ".join([".venv/bin/python", "scripts/quality_lean.py", *sys.argv[1:]]),
            "settings": {k: str(v) for k, v in vars(args).items()}, "eval": curves,
            "final_eval_exact": fe, "final_eval_lean": fl, "relative_difference": (fl - fe) / fe,
-           "max_relative_difference": max(abs(b[1] - a[1]) / a[1] for a, b in zip(curves["exact"], curves["lean"])),
+           "max_relative_difference": max(abs(b[1] - a[1]) / a[1] for a, b in zip(curves["exact"], curves["lean"], strict=True)),
            "wall_s": time.time() - t0}  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))

@@ -27,7 +27,6 @@ Host bytes per parameter: exact bf16 2 + 2 + 4 + 4 + 2 = 14, fp32 4 + 4 + 4 + 4 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,20 +63,27 @@ def segments(layout: UnitLayout, memory: str) -> list[Segment]:
         return [Segment("exact", 0, n, 0)] if n else []
     if n % LEAN_BLOCK:
         raise ValueError(f"{layout.name}: {n} trainable elements is not a multiple of {LEAN_BLOCK}")
-    kinds = ["lean"] * (n // LEAN_BLOCK)  # per block of 64
-    for p in layout.tensors:
-        if p.trainable and stays_exact(p.shape):
-            end = min(n, math.ceil((p.offset + p.numel) / LEAN_BLOCK) * LEAN_BLOCK)
-            for b in range(p.offset // LEAN_BLOCK, end // LEAN_BLOCK):
-                kinds[b] = "exact"
-    out: list[Segment] = []
-    used = {"exact": 0, "lean": 0}
-    for b, kind in enumerate(kinds):
-        if out and out[-1].kind == kind and out[-1].end == b * LEAN_BLOCK:
-            out[-1] = Segment(kind, out[-1].start, (b + 1) * LEAN_BLOCK, out[-1].at)
-        else:
-            out.append(Segment(kind, b * LEAN_BLOCK, (b + 1) * LEAN_BLOCK, used[kind]))
-        used[kind] += LEAN_BLOCK
+    exact = sorted(  # whole blocks: tensors start on block boundaries (the layout's alignment)
+        (p.offset // LEAN_BLOCK * LEAN_BLOCK, min(n, -(-(p.offset + p.numel) // LEAN_BLOCK) * LEAN_BLOCK))
+        for p in layout.tensors
+        if p.trainable and stays_exact(p.shape)
+    )
+    runs: list[tuple[str, int, int]] = []
+    pos = 0
+    for a, b in exact:
+        if a > pos:
+            runs.append(("lean", pos, a))
+        if runs and runs[-1][0] == "exact" and runs[-1][2] >= a:
+            runs[-1] = ("exact", runs[-1][1], max(runs[-1][2], b))
+        elif b > max(a, pos):
+            runs.append(("exact", max(a, pos), b))
+        pos = max(pos, b)
+    if pos < n:
+        runs.append(("lean", pos, n))
+    out, used = [], {"exact": 0, "lean": 0}
+    for kind, a, b in runs:
+        out.append(Segment(kind, a, b, used[kind]))
+        used[kind] += b - a
     return out
 
 
