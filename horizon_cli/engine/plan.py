@@ -74,8 +74,9 @@ def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int
 
 
 def head_work_bytes(spec: ArchSpec, tokens: int, chunk: int, item: int) -> int:
-    """One logits chunk: compute-dtype logits, their fp32 copy and its gradient."""
-    return min(chunk, tokens) * spec.vocab * (item + 8)
+    """One logits chunk: compute-dtype logits, their fp32 copy and its gradient; and the chunk's
+    LM-head weight gradient (vocab, hidden) in the compute dtype before it is added in fp32."""
+    return min(chunk, tokens) * spec.vocab * (item + 8) + spec.vocab * spec.hidden * item
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ def write_config(job: dict, run_dir: Path) -> Path:
         "model": {"path": job["store"]},
         "data": {"path": job["data"], "format": "tokens", "max_seq_len": job["seq"], "shuffle": False},
         "train": {"steps": job["steps"], "batch_size": job["batch"], "micro_batch_size": job["micro"]},
-        "optim": {k: o[k] for k in ("lr", "betas", "eps", "weight_decay", "grad_clip")} | {"kernel": "auto"},
+        "optim": {k: o[k] for k in ("lr", "betas", "eps", "weight_decay", "grad_clip")}
+        | {"kernel": "auto", "memory": o.get("memory", "exact")},
         "schedule": {"kind": "constant"},
         "engine": {"device": "cpu", "dtype": job["dtype"], "compute_threads": job["threads"]},
         "output": {"dir": str(run_dir), "export": False},
