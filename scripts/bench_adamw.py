@@ -46,8 +46,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from horizon_cli.optim import adamw as ref  # noqa: E402
-from horizon_cli.optim import lean  # noqa: E402
-from horizon_cli.optim import native  # noqa: E402
+from horizon_cli.optim import (
+    lean,  # noqa: E402
+    native,  # noqa: E402
+)
 from horizon_cli.optim.split import split_  # noqa: E402
 
 FP32, SPLIT, LEAN = 28, 28, 14  # bytes read + written per element, see the module docstring
