@@ -120,15 +120,18 @@ static inline float lean_decode(uint32_t c) {
   return c == 0 ? 0.0f : x;
 }
 
-// x in [0, 1] -> its nearest code (ties away from zero); below the smallest binade: 0 or the
-// smallest code, whichever is nearer (keep_nonzero: the smallest code for any x > 0)
+// x >= +0 -> min(x, 1) -> its nearest code (ties away from zero); below the smallest binade: 0 or
+// the smallest code, whichever is nearer (keep_nonzero: the smallest code for any x > 0). Every
+// comparison is on the bit pattern (non-negative floats order as integers; NaN counts as > 1):
+// integer selects vectorize, float compares (which may trap) are not if-converted.
 template <int M, bool keep_nonzero>
 static inline uint32_t lean_encode(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);
+  u = u > 0x3F800000u ? 0x3F800000u : u;  // min(x, 1.0)
   const int32_t c = static_cast<int32_t>((u + (1u << (22 - M))) >> (23 - M)) - static_cast<int32_t>(kLeanE0 << M);
-  const float half_smallest = lean_decode<M>(1) * 0.5f;
-  const bool nonzero = keep_nonzero ? x > 0.0f : x >= half_smallest;
+  const uint32_t half_smallest = ((1u + (kLeanE0 << M)) << (23 - M)) - (1u << 23);  // value of code 1, halved
+  const bool nonzero = keep_nonzero ? u != 0 : u >= half_smallest;
   return c < 1 ? static_cast<uint32_t>(nonzero) : static_cast<uint32_t>(c);
 }
 
@@ -157,7 +160,8 @@ static inline float float_of(uint32_t u) {
 // fp32 scales; n a multiple of kLeanBlock. key: the hashed rounding seed; base: the unit offset of
 // element 0, so each element's dither is hash32((base + i) ^ key) >> 24 however the unit is sliced.
 template <class Vec, class G>
-static void lean_range(uint16_t* hi, int8_t* lo8, const G* g, uint8_t* qm, uint8_t* qw, float* sm, float* sw,
+static void lean_range(uint16_t* __restrict hi, int8_t* __restrict lo8, const G* __restrict g,
+                       uint8_t* __restrict qm, uint8_t* __restrict qw, float* __restrict sm, float* __restrict sw,
                        int64_t n, const Coeffs& c, uint32_t key, int64_t base) {
   const Consts<Vec> kv(c);
   alignas(64) float p[kLeanBlock], m[kLeanBlock], w[kLeanBlock];
@@ -185,14 +189,21 @@ static void lean_range(uint16_t* hi, int8_t* lo8, const G* g, uint8_t* qm, uint8
     }
     const float amax = float_of(am), wmax = float_of(aw);
     const float im = amax > 0.0f ? 1.0f / amax : 0.0f, iw = wmax > 0.0f ? 1.0f / wmax : 0.0f;
-    for (int i = 0; i < kLeanBlock; ++i) {
+    alignas(64) uint32_t r[kLeanBlock], cm[kLeanBlock], cw[kLeanBlock];
+    for (int i = 0; i < kLeanBlock; ++i) {  // codes into registers first: a loop that vectorizes
       const uint32_t dith = hash32(static_cast<uint32_t>(base + o + i) ^ key) >> 24;
-      const uint32_t r = (bits_of(p[i]) + dith) & 0xFFFFFF00u;  // the master to 16 significant bits
-      hi[o + i] = static_cast<uint16_t>((r + 0x8000u) >> 16);
-      lo8[o + i] = static_cast<int8_t>(static_cast<uint8_t>(r >> 8));
-      const uint32_t cm = lean_encode<kLeanMMant, false>(std::min(float_of(bits_of(m[i]) & 0x7FFFFFFFu) * im, 1.0f));
-      qm[o + i] = static_cast<uint8_t>(cm | ((cm != 0 && (bits_of(m[i]) >> 31)) ? 0x80u : 0u));
-      qw[o + i] = static_cast<uint8_t>(lean_encode<kLeanWMant, true>(std::min(w[i] * iw, 1.0f)));
+      r[i] = (bits_of(p[i]) + dith) & 0xFFFFFF00u;  // the master to 16 significant bits
+      const uint32_t mb = bits_of(m[i]);
+      const float xm = float_of(mb & 0x7FFFFFFFu) * im, xw = w[i] * iw;
+      const uint32_t c = lean_encode<kLeanMMant, false>(xm);
+      cm[i] = c | ((static_cast<uint32_t>(c != 0) & (mb >> 31)) << 7);  // the sign, unless 0
+      cw[i] = lean_encode<kLeanWMant, true>(xw);
+    }
+    for (int i = 0; i < kLeanBlock; ++i) {
+      hi[o + i] = static_cast<uint16_t>((r[i] + 0x8000u) >> 16);
+      lo8[o + i] = static_cast<int8_t>(static_cast<uint8_t>(r[i] >> 8));
+      qm[o + i] = static_cast<uint8_t>(cm[i]);
+      qw[o + i] = static_cast<uint8_t>(cw[i]);
     }
     sm[b] = amax, sw[b] = wmax;
   }

@@ -40,6 +40,7 @@ E0 = 112  # fp32 biased exponent of the smallest binade: codes span 2^-15 .. 1
 M_MANT, W_MANT = 3, 4  # mantissa bits of the m and w codes
 M_TOP, W_TOP = 15 << M_MANT, 15 << W_MANT  # the codes of 1.0: 120 and 240
 SIGN = 0x80
+ONE = 0x3F800000  # the bits of 1.0
 
 
 def code_values(mant: int) -> torch.Tensor:
@@ -52,11 +53,13 @@ def code_values(mant: int) -> torch.Tensor:
 
 
 def encode(x: torch.Tensor, mant: int, keep_nonzero: bool) -> torch.Tensor:
-    """Nearest code of each x in [0, 1] (fp32) -> int32 codes. keep_nonzero: x > 0 never gets 0."""
-    u = x.view(torch.int32)
+    """Nearest code of each min(x, 1), x >= +0 (fp32) -> int32 codes. keep_nonzero: x > 0 never
+    gets 0. Compares bit patterns, as the kernel does (NaN counts as more than 1)."""
+    u = torch.clamp_max(x.contiguous().view(torch.int32), ONE)
     c = ((u + (1 << (22 - mant))) >> (23 - mant)) - (E0 << mant)  # rounds the mantissa, carries
     below = c < 1  # under the smallest binade: 0, or the smallest code if nearer (or forced)
-    smallest = (x > 0) if keep_nonzero else (x >= code_values(mant)[1] * 0.5)
+    half = (((1 + (E0 << mant)) << (23 - mant)) - (1 << 23)) if not keep_nonzero else 1  # code 1's value / 2
+    smallest = u >= half
     return torch.where(below, smallest.to(torch.int32), c)
 
 
@@ -74,8 +77,8 @@ def quantize_m(m: torch.Tensor, qm: torch.Tensor, sm: torch.Tensor) -> None:
     """m (N,) fp32 -> qm (N,) uint8 sign-magnitude codes, sm (N/BLOCK,) fp32 block absmax."""
     a = _blocks(m.abs())
     amax = a.amax(dim=1)  # (N/B,)
-    inv = torch.where(amax > 0, 1.0 / amax, torch.zeros_like(amax))
-    x = torch.clamp_max(a * inv[:, None], 1.0).contiguous()
+    inv = torch.where(amax > 0, torch.ones_like(amax) / amax, torch.zeros_like(amax))
+    x = (a * inv[:, None]).contiguous()
     c = encode(x, M_MANT, keep_nonzero=False).view(-1)
     neg = (m.view(torch.int32) < 0) & (c != 0)
     qm.copy_((c | torch.where(neg, SIGN, 0)).to(torch.uint8))
@@ -92,8 +95,8 @@ def quantize_w(w: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor) -> None:
     """w = sqrt(v) >= 0, (N,) fp32 -> qw (N,) uint8 codes, sw (N/BLOCK,) fp32 block max."""
     b = _blocks(w)
     wmax = b.amax(dim=1)
-    inv = torch.where(wmax > 0, 1.0 / wmax, torch.zeros_like(wmax))
-    x = torch.clamp_max(b * inv[:, None], 1.0).contiguous()
+    inv = torch.where(wmax > 0, torch.ones_like(wmax) / wmax, torch.zeros_like(wmax))
+    x = (b * inv[:, None]).contiguous()
     qw.copy_(encode(x, W_MANT, keep_nonzero=True).view(-1).to(torch.uint8))
     sw.copy_(wmax)
 
