@@ -189,3 +189,20 @@ def test_lean_resume_is_bitwise(tiny_store, tmp_path):
     with pytest.raises(InputError, match="optim.memory"):
         run_training(cfg, ["train.steps=6"])
     assert resumed.is_dir()
+
+
+def test_lean_needs_bf16_weights_and_gradients(tmp_path):
+    from horizon_cli.config import load_config
+    from horizon_cli.errors import ConfigError
+
+    base = {
+        "model": {"path": "m"},
+        "data": {"path": "d"},
+        "output": {"dir": "o"},
+        "optim": {"memory": "lean"},
+    }
+    load_config(None, base=base)  # bf16 by default: fine
+    with pytest.raises(ConfigError, match="engine.dtype: bfloat16"):
+        load_config(None, ["engine.dtype=float32"], base=base)
+    with pytest.raises(ConfigError, match="grad_dtype: float32"):
+        load_config(None, ["engine.grad_dtype=float32"], base=base)
