@@ -144,13 +144,31 @@ def train(
         list[str] | None, typer.Argument(help="Dotted KEY=VALUE overrides, e.g. optim.lr=2e-5.")
     ] = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Validate, print the config and memory plan, exit.")
+        bool, typer.Option("--dry-run", help="Validate, print the config, memory plan and ladder, exit.")
     ] = False,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="With --dry-run: write the plan and ladder as JSON.")
+    ] = None,
+    host_gib: Annotated[
+        float | None,
+        typer.Option("--host-gib", help="With --dry-run: plan for a machine with this much RAM."),
+    ] = None,
+    device_gib: Annotated[
+        float | None, typer.Option("--device-gib", help="With --dry-run: ...and a CUDA device of this size.")
+    ] = None,
 ) -> None:
     """Train from a config; resumes from the run dir's latest checkpoint when there is one."""
+    from .errors import InputError
     from .train import run_training
 
-    run_training(config, overrides or [], dry_run=dry_run, console=Console())
+    if (host_gib is None) != (device_gib is None):
+        raise InputError("--host-gib and --device-gib go together: they describe the machine to plan for")
+    if json_out is not None and not dry_run:
+        raise InputError("--json writes the plan of a dry run: add --dry-run")
+    machine = (host_gib, device_gib) if host_gib is not None and device_gib is not None else None
+    run_training(
+        config, overrides or [], dry_run=dry_run, console=Console(), json_out=json_out, machine=machine
+    )
 
 
 @app.command()

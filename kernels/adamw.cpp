@@ -77,6 +77,12 @@ inline void split_bits(float x, uint16_t* hi, int16_t* lo) {
   *lo = static_cast<int16_t>(static_cast<uint16_t>(u));
 }
 
+// Lean state (optim/lean.py): blocks of 64 elements (the store's tensor alignment), codes over the
+// binades 2^-15 .. 1 (E0 = 112 is 2^-15's biased exponent), 3 mantissa bits for m, 4 for sqrt(v).
+constexpr int kLeanBlock = 64;
+constexpr uint32_t kLeanE0 = 112;
+constexpr int kLeanMMant = 3, kLeanWMant = 4;
+
 namespace scalar {
 #include "adamw_impl.h"
 using V = Scalar;
@@ -157,6 +163,9 @@ template <class G>
 using Fp32Fn = void (*)(float*, const G*, float*, float*, int64_t, const Coeffs&);
 template <class G>
 using SplitFn = void (*)(uint16_t*, int16_t*, const G*, float*, float*, int64_t, const Coeffs&);
+template <class G>
+using LeanFn = void (*)(uint16_t*, int8_t*, const G*, uint8_t*, uint8_t*, float*, float*, int64_t, const Coeffs&,
+                        uint32_t, int64_t);
 
 struct Isa {
   const char* name;
@@ -165,11 +174,13 @@ struct Isa {
   SplitFn<float> split;
   Fp32Fn<uint16_t> fp32_bf16g;  // the same updates, bf16 gradients
   SplitFn<uint16_t> split_bf16g;
+  LeanFn<float> lean;
+  LeanFn<uint16_t> lean_bf16g;
 };
 
 #define HORIZON_ISA_FNS(ns)                                                               \
   ns::fp32_range<ns::V, float>, ns::split_range<ns::V, float>, ns::fp32_range<ns::V, uint16_t>, \
-      ns::split_range<ns::V, uint16_t>
+      ns::split_range<ns::V, uint16_t>, ns::lean_range<ns::V, float>, ns::lean_range<ns::V, uint16_t>
 
 // Best first. __builtin_cpu_supports also checks that the OS saves the wide registers.
 const Isa kIsas[] = {
@@ -281,6 +292,43 @@ void adamw_split(at::Tensor& hi, at::Tensor& lo, const at::Tensor& g, at::Tensor
   }
 }
 
+void adamw_lean(at::Tensor& hi, at::Tensor& lo8, const at::Tensor& g, at::Tensor& qm, at::Tensor& qw, at::Tensor& sm,
+                at::Tensor& sw, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                double grad_scale, int64_t seed, int64_t base, const std::string& isa) {
+  const int64_t n = hi.numel();
+  TORCH_CHECK(n % kLeanBlock == 0, "adamw_lean: ", n, " elements is not a multiple of the block (", kLeanBlock, ")");
+  check(hi, "adamw_lean", "hi", at::kBFloat16, n);
+  check(lo8, "adamw_lean", "lo8", at::kChar, n);
+  const bool bf16g = check_grad(g, "adamw_lean", n);
+  check(qm, "adamw_lean", "qm", at::kByte, n);
+  check(qw, "adamw_lean", "qw", at::kByte, n);
+  check(sm, "adamw_lean", "sm", at::kFloat, n / kLeanBlock);
+  check(sw, "adamw_lean", "sw", at::kFloat, n / kLeanBlock);
+  check_scalars("adamw_lean", step, beta1, beta2);
+  const Isa& chosen = pick(isa);
+  const Coeffs c = make_coeffs(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+  auto* hp = reinterpret_cast<uint16_t*>(hi.data_ptr<at::BFloat16>());
+  int8_t* lp = lo8.data_ptr<int8_t>();
+  uint8_t* mp = qm.data_ptr<uint8_t>();
+  uint8_t* wp = qw.data_ptr<uint8_t>();
+  float* smp = sm.data_ptr<float>();
+  float* swp = sw.data_ptr<float>();
+  const uint32_t key = scalar::hash32(static_cast<uint32_t>(seed));
+  // chunks are multiples of the block, so each block's scales belong to one chunk
+  if (bf16g) {
+    const auto* gp = reinterpret_cast<const uint16_t*>(g.data_ptr<at::BFloat16>());
+    parallel_chunks(n, [&](int64_t b, int64_t len) {
+      chosen.lean_bf16g(hp + b, lp + b, gp + b, mp + b, wp + b, smp + b / kLeanBlock, swp + b / kLeanBlock, len, c, key, base + b);
+    });
+  } else {
+    const float* gp = g.data_ptr<float>();
+    parallel_chunks(n, [&](int64_t b, int64_t len) {
+      chosen.lean(hp + b, lp + b, gp + b, mp + b, wp + b, smp + b / kLeanBlock, swp + b / kLeanBlock, len, c, key,
+                  base + b);
+    });
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -296,5 +344,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("hi"), py::arg("lo"), py::arg("g"), py::arg("m"), py::arg("v"), py::arg("lr"),
           py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
           py::arg("grad_scale") = 1.0, py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>());
+  mod.def("adamw_lean", &adamw_lean,
+          "In-place AdamW on lean state: bf16 hi + int8 lo8 master, 8-bit m and sqrt(v) codes with fp32 block scales.",
+          py::arg("hi"), py::arg("lo8"), py::arg("g"), py::arg("qm"), py::arg("qw"), py::arg("sm"), py::arg("sw"),
+          py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
+          py::arg("grad_scale") = 1.0, py::arg("seed") = 0, py::arg("base") = 0, py::arg("isa") = "auto",
+          py::call_guard<py::gil_scoped_release>());
   mod.def("isas", &supported_isas, "Paths this CPU supports, best first ('auto' picks the first).");
 }

@@ -7,6 +7,9 @@ Run (the command behind the kernel's reported figures):
 Variants, each timed on one flat unit of N elements, state updated in place every step:
   kernel-fp32[-ISA]   native.adamw_fp32_   p, g, m, v fp32
   kernel-split[-ISA]  native.adamw_split_  master as bf16 hi + int16 lo, g, m, v fp32
+  kernel-lean[-ISA]   native.adamw_lean_   optim.memory lean: bf16 hi + int8 lo8, 8-bit m and sqrt(v)
+                      with fp32 scales per 64, g fp32
+  torch-ref-lean      optim.lean.adamw_lean_ (its pure-torch reference)
   torch-ref-fp32      optim.adamw.adamw_fp32_ (pure torch, ~8 passes)
   torch-ref-split     optim.adamw.adamw_split_
   torch-fused         torch.optim.AdamW(fused=True).step()
@@ -20,7 +23,8 @@ speedup over torch-fused use each variant's best round (median also reported). -
 updates; --cache hot times a unit that the caches already hold.
 
 GB/s counts the bytes a single fused pass must move per element (read + written): fp32 master
-4+4 (p) + 4 (g) + 4+4 (m) + 4+4 (v) = 28; split master 2+2 (hi) + 2+2 (lo) + 4 + 8 + 8 = 28.
+4+4 (p) + 4 (g) + 4+4 (m) + 4+4 (v) = 28; split master 2+2 (hi) + 2+2 (lo) + 4 + 8 + 8 = 28; lean
+2+2 (hi) + 1+1 (lo8) + 4 (g) + 1+1 (qm) + 1+1 (qw) + 0.25 (two fp32 scales per 64, read and written) ~ 14.
 The same count is used for the unfused torch reference, so its figure is an effective rate: it
 really moves several times more.
 """
@@ -42,10 +46,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from horizon_cli.optim import adamw as ref  # noqa: E402
-from horizon_cli.optim import native  # noqa: E402
+from horizon_cli.optim import (
+    lean,  # noqa: E402
+    native,  # noqa: E402
+)
 from horizon_cli.optim.split import split_  # noqa: E402
 
-FP32, SPLIT = 28, 28  # bytes read + written per element, see the module docstring
+FP32, SPLIT, LEAN = 28, 28, 14  # bytes read + written per element, see the module docstring
 HYPER = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -108,6 +115,17 @@ def split_state(n: int) -> tuple[torch.Tensor, ...]:
     return hi, lo, g, m, v
 
 
+def lean_state(n: int) -> tuple[torch.Tensor, ...]:
+    """hi, lo8, g, qm, qw, sm, sw after one step from fp32_state, so the codes are not all zero."""
+    p, g, _, _ = fp32_state(n)
+    hi, lo8 = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.int8)
+    lean.split24_(p, hi, lo8)
+    qm, qw = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    sm, sw = torch.zeros(n // lean.BLOCK), torch.zeros(n // lean.BLOCK)
+    native.adamw_lean_(hi, lo8, g, qm, qw, sm, sw, hyper(1), 1, 0)
+    return hi, lo8, g, qm, qw, sm, sw
+
+
 def torch_adamw(cls: type, n: int, **kw) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
     p, g, _, _ = fp32_state(n)
     param = torch.nn.Parameter(p)
@@ -165,7 +183,17 @@ def variants(n: int, isas: list[str], reference: bool, deepspeed: type | None) -
                 lambda t, isa=isa: native.adamw_split_(hi, lo, g2, m2, v2, hyper(t), isa=isa),
             )
         )
+    ls = lean_state(n)
+    for isa in isas:
+        out.append(
+            Variant(
+                f"kernel-lean-{isa}",
+                LEAN,
+                lambda t, isa=isa: native.adamw_lean_(*ls, hyper(t), t, 0, isa=isa),
+            )
+        )
     if reference:
+        out.append(Variant("torch-ref-lean", LEAN, lambda t: lean.adamw_lean_(*ls, hyper(t), t, 0)))
         out.append(Variant("torch-ref-fp32", FP32, lambda t: ref.adamw_fp32_(p, g, m, v, hyper(t))))
         out.append(
             Variant("torch-ref-split", SPLIT, lambda t: ref.adamw_split_(hi, lo, g2, m2, v2, hyper(t)))

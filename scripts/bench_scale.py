@@ -4,6 +4,7 @@ DeepSpeed can each take `--steps` training steps on within a memory limit on thi
     .venv/bin/python scripts/bench_scale.py                 # hidden 2048, bf16, limit 20 GiB
     .venv/bin/python scripts/bench_scale.py --peers horizon --probes 2,4 --limit-gib 8   # quicker
     .venv/bin/python scripts/bench_scale.py --peers horizon --lora [--quantize nf4] --keep 1 --limit-gib 19.5
+    .venv/bin/python scripts/bench_scale.py --peers horizon --memory lean   # horizon with optim.memory: lean
 
 Peers as in scripts/bench.py (horizon through Engine.step, no checkpoint: writing a multi-GB one
 would dominate; hf resident + checkpointing + fused AdamW; deepspeed ZeRO-3 offload). Each
@@ -43,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--memory", default="exact", choices=("exact", "lean"), help="horizon's optim.memory")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=2)
@@ -116,7 +118,14 @@ def wait_for_memory(need: int, max_wait: float = 600) -> None:
 
 def attempt(peer: str, depth: int, args, models: Models, data: Path) -> dict:
     paths = models.get(depth)
-    o = {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0}
+    o = {
+        "lr": 1e-4,
+        "betas": [0.9, 0.95],
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "grad_clip": 1.0,
+        "memory": args.memory,
+    }
     job = {**paths, "data": str(data), "dtype": args.dtype, "steps": args.steps, "threads": args.threads,
            "batch": args.batch, "seq": args.seq, "micro": args.batch, "optim": o, "driver": "engine",
            "tag": f"{peer}-d{depth}"}  # fmt: skip

@@ -241,6 +241,19 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"engine.device: {cfg.engine.device!r} is not allowed (auto, cpu, cuda or cuda:N)")
     if cfg.engine.link_gbps and cfg.engine.device not in ("cpu", "auto"):
         p.append("engine.link_gbps: only emulates a link with engine.device: cpu")
+    if cfg.optim.memory == "lean" and cfg.engine.dtype != "bfloat16":
+        p.append(
+            "optim.memory: lean keeps a bf16 weight + an 8-bit correction; it needs engine.dtype: bfloat16"
+        )
+    if cfg.optim.memory == "lean" and cfg.engine.grad_dtype == "float32":
+        p.append(
+            "optim.memory: lean holds bf16 gradients (<= 8 B/param); engine.grad_dtype: float32 is not allowed with it"
+        )
+    if cfg.optim.memory == "lean" and cfg.lora is not None:
+        p.append(
+            "optim.memory: lean is for full fine-tuning; a lora: run trains its adapters exactly "
+            "(they are small) and its base has no optimizer state: leave optim.memory: exact"
+        )
     if cfg.data.eval_path and cfg.data.eval_fraction:
         p.append("data.eval_path: give eval_path or eval_fraction, not both")
     if cfg.train.eval_every and not (cfg.data.eval_path or cfg.data.eval_fraction):

@@ -56,6 +56,9 @@ class OptimConfig:
     weight_decay: float = _f(0.0, min=0.0)
     grad_clip: float = _f(1.0, min=0.0)  # global L2 norm; 0 disables
     kernel: str = _f("auto", choices=("auto", "torch", "native"))  # CPU AdamW implementation
+    # exact: fp32 master + fp32 moments (= torch.optim.AdamW); lean: bf16 + 8-bit master correction,
+    # 8-bit moments (optim/lean.py), <= 8 B/param in all
+    memory: str = _f("exact", choices=("exact", "lean"))
 
 
 @dataclass

@@ -33,7 +33,7 @@ from ..lora import peft
 from ..lora.targets import Target, resolve_targets, scale
 from ..store.layout import ALIGN, Param, Slot, UnitLayout
 from .frozen import FrozenState
-from .host import HostState, UnitState
+from .host import HostState, UnitState, exact_state, segments
 
 
 @dataclass
@@ -121,18 +121,18 @@ class AdapterState(HostState):
         alloc: Callable[[int, torch.dtype], torch.Tensor],
         grad_dtype: torch.dtype = torch.float32,
     ):
-        self.dtype, self.grad_dtype = dtype, grad_dtype
+        self.dtype, self.grad_dtype, self.memory = dtype, grad_dtype, "exact"
         self.units: dict[str, UnitState] = {}
         for i, targets in enumerate(setup.targets):
             if not targets:
                 continue
             lay = adapter_layout(i, targets, setup.r)
             n = lay.numel
-            lo = torch.zeros(n, dtype=torch.int16) if dtype == torch.bfloat16 else None
             grad = alloc(n, grad_dtype)
             grad.zero_()
+            state = exact_state(n, dtype == torch.bfloat16)  # adapters are small: always exact
             self.units[lay.name] = UnitState(
-                lay.name, lay, alloc(n, dtype), lo, torch.zeros(n), torch.zeros(n), grad
+                lay.name, lay, "exact", alloc(n, dtype), grad, segments(lay, "exact"), state
             )
         self.set_tensors(initial_adapters(setup))
 

@@ -9,6 +9,8 @@ are host RAM, and the host check (train/run.py `fits`) already counts them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..config.schema import EngineConfig
@@ -16,6 +18,16 @@ from ..errors import InputError
 from .plan import MemoryPlan
 
 RESERVE = 1 << 30  # bytes kept free for CUDA's own use
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a plan is judged against: host bytes a run may allocate, and the CUDA device's free
+    bytes (None: the device is the CPU, its buffers are host RAM too)."""
+
+    host: int
+    device: int | None
+    what: str
 
 
 def _gib(n: int) -> str:

@@ -1,49 +1,135 @@
-"""Host training state: per unit, the streaming copy, the fp32 master, AdamW moments, gradients.
+"""Host training state: per unit, the streaming copy, the gradients, and the optimizer state.
 
-Every buffer is flat and mirrors the unit's layout element for element, in anonymous memory
-(pinned on CUDA) that the kernel never writes back to a file on its own (invariant 7):
+Every buffer is flat and, for the streaming copy and the gradient, mirrors the unit's layout
+element for element, in anonymous memory (pinned on CUDA) that the kernel never writes back to a
+file on its own (invariant 7):
 
-  stream  (numel,) compute dtype   what the device streams; in fp32 runs it *is* the master
-  lo      (numel,) int16           bf16 runs: the master's low half (optim.split), else None
-  m, v    (numel,) fp32            AdamW moments
+  stream  (numel,) compute dtype   what the device streams; in fp32 exact runs it *is* the master
   grad    (numel,) grad dtype      gradients of the step, kept whole until the clip norm is known:
                                    accumulated in fp32 on the device, sent in `engine.grad_dtype`
                                    (bf16 runs: bf16, half the device->host traffic); the embedding's
                                    grad is always fp32, because the host accumulates it row by row
 
-Host bytes per parameter: bf16 2 + 2 + 4 + 4 + 2 = 14; fp32 4 + 4 + 4 + 4 = 16.
+The optimizer state comes in kinds, each over element ranges of the unit (`Segment`s) and held in
+buffers packed per kind (`optim.memory` picks them):
+
+  exact   lo (int16, bf16 runs: the fp32 master's low half, optim.split), m, v (fp32)
+  lean    lo8 (int8), qm, qw (uint8), sm, sw (fp32 per block of 64): optim/lean.py
+  frozen  no state (elements past the layout's trainable_numel, e.g. a routing bias)
+
+`optim.memory: exact` is one exact segment over the whole unit, as it always was. `lean` makes
+every matrix lean and keeps 1-D tensors (norm scales, biases: under 0.1 % of a model) exact: a
+norm scale near 1.0 takes updates of about lr, which a 16-significant-bit master would round away.
+
+Host bytes per parameter: exact bf16 2 + 2 + 4 + 4 + 2 = 14, fp32 4 + 4 + 4 + 4 = 16; lean
+2 + 1 + 1 + 1 + 8/64 + 2 = 7.125.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from ..optim import lean
 from ..optim.split import join, split_
 from ..store import Store, UnitLayout
+
+LEAN_BLOCK = lean.BLOCK
+
+
+@dataclass(frozen=True)
+class Segment:
+    kind: str  # "exact" | "lean"
+    start: int  # elements [start, end) of the unit
+    end: int
+    at: int  # where the range begins in its kind's packed buffers
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def stays_exact(shape: tuple[int, ...]) -> bool:
+    """In lean units: the tensors kept exact (1-D: norm scales and biases)."""
+    return len(shape) <= 1
+
+
+def segments(layout: UnitLayout, memory: str) -> list[Segment]:
+    """The unit's trainable elements [0, trainable_numel) as runs of one state kind."""
+    n = layout.trainable_numel
+    if memory == "exact":
+        return [Segment("exact", 0, n, 0)] if n else []
+    if n % LEAN_BLOCK:
+        raise ValueError(f"{layout.name}: {n} trainable elements is not a multiple of {LEAN_BLOCK}")
+    exact = sorted(  # whole blocks: tensors start on block boundaries (the layout's alignment)
+        (p.offset // LEAN_BLOCK * LEAN_BLOCK, min(n, -(-(p.offset + p.numel) // LEAN_BLOCK) * LEAN_BLOCK))
+        for p in layout.tensors
+        if p.trainable and stays_exact(p.shape)
+    )
+    runs: list[tuple[str, int, int]] = []
+    pos = 0
+    for a, b in exact:
+        if a > pos:
+            runs.append(("lean", pos, a))
+        if runs and runs[-1][0] == "exact" and runs[-1][2] >= a:
+            runs[-1] = ("exact", runs[-1][1], max(runs[-1][2], b))
+        elif b > max(a, pos):
+            runs.append(("exact", max(a, pos), b))
+        pos = max(pos, b)
+    if pos < n:
+        runs.append(("lean", pos, n))
+    out, used = [], {"exact": 0, "lean": 0}
+    for kind, a, b in runs:
+        out.append(Segment(kind, a, b, used[kind]))
+        used[kind] += b - a
+    return out
+
+
+def kind_numel(segs: list[Segment], kind: str) -> int:
+    return sum(s.numel for s in segs if s.kind == kind)
 
 
 @dataclass
 class UnitState:
     name: str
     layout: UnitLayout
+    kind: str  # the unit's optim.memory: "exact" (one segment, buffers over the whole unit) | "lean"
     stream: torch.Tensor
-    lo: torch.Tensor | None
-    m: torch.Tensor
-    v: torch.Tensor
     grad: torch.Tensor
+    segments: list[Segment]
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # packed per kind, see the module doc
+
+    @property
+    def lo(self) -> torch.Tensor | None:
+        return self.state.get("lo")
 
     def master(self) -> torch.Tensor:
-        """The fp32 master weights (a copy in bf16 runs, the stream itself in fp32 runs)."""
-        return join(self.stream, self.lo) if self.lo is not None else self.stream
+        """The fp32 master weights, (numel,): a copy (the stream itself in fp32 exact runs)."""
+        if self.stream.dtype == torch.float32:
+            return self.stream
+        if self.kind == "exact":
+            return join(self.stream, self.state["lo"])
+        out = self.stream.float()  # frozen elements: the stream is all there is
+        for s in self.segments:
+            lo = self.state["lo" if s.kind == "exact" else "lo8"][s.at : s.at + s.numel]
+            pair = join if s.kind == "exact" else lean.join24
+            out[s.start : s.end] = pair(self.stream[s.start : s.end], lo)
+        return out
 
     def set_master(self, master: torch.Tensor) -> None:
-        if self.lo is None:
+        """Write fp32 master weights (numel,) into the stream and the state, rounded as kept."""
+        if self.stream.dtype == torch.float32:
             self.stream.copy_(master)
+        elif self.kind == "exact":
+            split_(master, self.stream, self.state["lo"])
         else:
-            split_(master, self.stream, self.lo)
+            self.stream.copy_(master)  # frozen elements: rounded to the stream's dtype
+            for s in self.segments:
+                lo = self.state["lo" if s.kind == "exact" else "lo8"][s.at : s.at + s.numel]
+                put = split_ if s.kind == "exact" else lean.split24_
+                put(master[s.start : s.end], self.stream[s.start : s.end], lo)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named views of the tensors the engine computes with (layout.tensors), into any buffer
@@ -51,10 +137,26 @@ class UnitState:
         return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.layout.tensors}
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        out = {"stream": self.stream, "m": self.m, "v": self.v, "grad": self.grad}
-        if self.lo is not None:
-            out["lo"] = self.lo
-        return out
+        return {"stream": self.stream, "grad": self.grad, **self.state}
+
+
+def exact_state(numel: int, bf16: bool) -> dict[str, torch.Tensor]:
+    out = {"m": torch.zeros(numel, dtype=torch.float32), "v": torch.zeros(numel, dtype=torch.float32)}
+    if bf16:
+        out = {"lo": torch.zeros(numel, dtype=torch.int16), **out}
+    return out
+
+
+def lean_state(n_exact: int, n_lean: int) -> dict[str, torch.Tensor]:
+    """Packed buffers of a lean unit: the exact kind's for its 1-D tensors, then the lean kind's."""
+    out = exact_state(n_exact, True) if n_exact else {}
+    if n_lean:
+        out["lo8"] = torch.zeros(n_lean, dtype=torch.int8)
+        out["qm"] = torch.zeros(n_lean, dtype=torch.uint8)
+        out["qw"] = torch.zeros(n_lean, dtype=torch.uint8)
+        out["sm"] = torch.zeros(n_lean // LEAN_BLOCK, dtype=torch.float32)
+        out["sw"] = torch.zeros(n_lean // LEAN_BLOCK, dtype=torch.float32)
+    return out
 
 
 class HostState:
@@ -65,8 +167,11 @@ class HostState:
         alloc: Callable[[int, torch.dtype], torch.Tensor],
         progress: Callable[[int], None] = lambda n: None,
         grad_dtype: torch.dtype = torch.float32,
+        memory: str = "exact",
     ):
-        self.dtype, self.grad_dtype = dtype, grad_dtype
+        if memory == "lean" and dtype != torch.bfloat16:
+            raise ValueError("lean optimizer state needs a bf16 streaming copy")
+        self.dtype, self.grad_dtype, self.memory = dtype, grad_dtype, memory
         self.units: dict[str, UnitState] = {}
         for u in store.units:
             lay = store.layout(u.name)
@@ -75,11 +180,14 @@ class HostState:
 
     def _load_unit(self, store: Store, lay: UnitLayout, alloc) -> UnitState:
         n = lay.numel
-        lo = torch.zeros(n, dtype=torch.int16) if self.dtype == torch.bfloat16 else None
-        m, v = torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32)
+        segs = segments(lay, self.memory)
+        if self.memory == "exact":
+            state = exact_state(n, self.dtype == torch.bfloat16)
+        else:
+            state = lean_state(kind_numel(segs, "exact"), kind_numel(segs, "lean"))
         grad = alloc(n, torch.float32 if lay.name == "embed" else self.grad_dtype)  # pinned on CUDA
         grad.zero_()
-        st = UnitState(lay.name, lay, alloc(n, self.dtype), lo, m, v, grad)
+        st = UnitState(lay.name, lay, self.memory, alloc(n, self.dtype), grad, segs, state)
         if store.dtype == self.dtype:
             store.read_unit(lay.name, st.stream)  # e.g. a bf16 store: the master is exactly it, lo = 0
         else:

@@ -48,7 +48,7 @@ def lora_memory_plan(
         (sum(r * (t.in_features + t.out_features) for t in layer) for layer in targets), default=0
     )
     acts = batch * seq * spec.hidden * item
-    p = MemoryPlan(sum(lay.params for lay in lays.values()))
+    p = MemoryPlan(sum(lay.params for lay in lays.values()), trainable=n_adapt)
     p.host[f"base weights (frozen{', NF4 layers' if quant else ''})"] = sum(base.values())
     p.host["adapters (streaming copy)"] = n_adapt * item
     if dtype == "bfloat16":

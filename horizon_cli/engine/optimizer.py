@@ -14,11 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..optim import adamw as torch_adamw
 from ..optim.adamw import AdamWHyper
 from ..optim.kernel import pick_kernel
+from ..optim.lean import rounding_seed
 from .events import Event, FutureEvent
-from .host import HostState, UnitState
+from .host import LEAN_BLOCK, HostState, Segment, UnitState
 from .trace import Tracer
 
 SLICE = 1 << 22  # elements per update call (16 MiB of fp32)
@@ -53,17 +53,27 @@ class OptimizerWorker:
         if dep is not None:
             dep.host_wait()
         t0 = time.perf_counter()
-        n = st.layout.trainable_numel  # frozen tensors (e.g. a routing bias) sit after it, untouched
-        for a in range(0, n, SLICE):
-            b = min(n, a + SLICE)
-            g, m, v = st.grad[a:b], st.m[a:b], st.v[a:b]
-            if g.dtype != torch.float32 and self.impl is torch_adamw:  # the kernel reads bf16 itself
-                g = g.float()
-            if st.lo is None:
-                self.impl.adamw_fp32_(st.stream[a:b], g, m, v, h)
-            else:
-                self.impl.adamw_split_(st.stream[a:b], st.lo[a:b], g, m, v, h)
+        for seg in st.segments:  # frozen tensors (e.g. a routing bias) are in none: untouched
+            for a in range(seg.start, seg.end, SLICE):
+                self._update_slice(st, seg, a, min(seg.end, a + SLICE), h)
         self.tracer.add("optimizer", st.name, t0, time.perf_counter())
+
+    def _update_slice(self, st: UnitState, seg: Segment, a: int, b: int, h: AdamWHyper) -> None:
+        """Elements [a, b) of the unit, inside one segment; k: where they sit in its packed state."""
+        g, s = st.grad[a:b], st.state
+        if g.dtype != torch.float32 and self.kernel_name == "torch":  # the kernel reads bf16 itself
+            g = g.float()
+        k = seg.at + (a - seg.start)
+        q = slice(k, k + b - a)
+        if seg.kind == "lean":
+            blk = slice(k // LEAN_BLOCK, (k + b - a) // LEAN_BLOCK)
+            qm, qw, sm, sw = s["qm"][q], s["qw"][q], s["sm"][blk], s["sw"][blk]
+            seed = rounding_seed(st.name, h.step)
+            self.impl.adamw_lean_(st.stream[a:b], s["lo8"][q], g, qm, qw, sm, sw, h, seed, a)
+        elif "lo" not in s:  # fp32 runs: the stream is the master
+            self.impl.adamw_fp32_(st.stream[a:b], g, s["m"][q], s["v"][q], h)
+        else:
+            self.impl.adamw_split_(st.stream[a:b], s["lo"][q], g, s["m"][q], s["v"][q], h)
 
     def wait(self) -> None:
         for ev in self.pending:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..arch import ArchSpec
 from ..store import layouts
+from .host import kind_numel, segments
 
 ITEM = {"bfloat16": 2, "float32": 4}
 
@@ -17,6 +18,7 @@ ITEM = {"bfloat16": 2, "float32": 4}
 @dataclass
 class MemoryPlan:
     params: int
+    trainable: int = 0  # parameters the run updates (LoRA: the adapters)
     host: dict[str, int] = field(default_factory=dict)
     device: dict[str, int] = field(default_factory=dict)
 
@@ -72,8 +74,12 @@ def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int
 
 
 def head_work_bytes(spec: ArchSpec, tokens: int, chunk: int, item: int) -> int:
-    """One logits chunk: compute-dtype logits, their fp32 copy and its gradient."""
-    return min(chunk, tokens) * spec.vocab * (item + 8)
+    """One logits chunk: compute-dtype logits, their fp32 copy and its gradient; and the chunk's
+    LM-head weight gradient (vocab, hidden) in the compute dtype before it is added in fp32."""
+    return min(chunk, tokens) * spec.vocab * (item + 8) + spec.vocab * spec.hidden * item
+
+
+RUNGS = ("exact", "lean", "lora", "qlora")  # the ladder, most exact first
 
 
 def memory_plan(
@@ -85,23 +91,18 @@ def memory_plan(
     seq: int = 2048,
     prefetch: int = 2,
     loss_chunk: int = 2048,
+    memory: str = "exact",
 ) -> MemoryPlan:
+    """Full fine-tuning, memory: exact | lean (LoRA runs: engine/lora_plan.py)."""
     item = ITEM[dtype]
     lays = {lay.name: lay for lay in layouts(spec)}
-    numel = sum(lay.numel for lay in lays.values())
     params = sum(lay.params for lay in lays.values())
     layer_max = max(lay.numel for n, lay in lays.items() if n.startswith("layer."))
     head = lays["head"].numel + (lays["embed"].numel if spec.tie_embeddings else 0)
     acts = batch * seq * spec.hidden * item  # one layer's boundary activations, whole batch
-    p = MemoryPlan(params)
-    p.host["weights (streaming copy)"] = numel * item
-    if dtype == "bfloat16":
-        p.host["master remainder (int16)"] = numel * 2
-    p.host["AdamW moments (fp32)"] = numel * 8
+    p = MemoryPlan(params, trainable=params)
     gitem = ITEM[dtype if grad_dtype == "auto" else grad_dtype]
-    p.host[f"gradients ({'bf16' if gitem == 2 else 'fp32'})"] = (numel - lays["embed"].numel) * gitem + lays[
-        "embed"
-    ].numel * 4
+    p.host = trained_host(lays, dtype, gitem, memory)
     p.host["saved activations"] = spec.n_layers * acts
     p.host["staging"] = 2 * acts
     p.device["weight buffers"] = (prefetch * layer_max + head) * item
@@ -114,3 +115,24 @@ def memory_plan(
     p.device["layer working set"] = layer_work_bytes(spec, tok, micro_batch, seq, item)
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
     return p
+
+
+def trained_host(lays: dict, dtype: str, gitem: int, memory: str) -> dict[str, int]:
+    """Host state of full fine-tuning: exact (fp32 master + moments) or lean (engine/host.py)."""
+    item = ITEM[dtype]
+    numel = sum(lay.numel for lay in lays.values())
+    grads = (numel - lays["embed"].numel) * gitem + lays["embed"].numel * 4
+    host = {"weights (streaming copy)": numel * item}
+    if memory == "lean":
+        segs = [segments(lay, "lean") for lay in lays.values()]
+        n_lean = sum(kind_numel(s, "lean") for s in segs)
+        n_exact = sum(kind_numel(s, "exact") for s in segs)
+        host["master correction (int8)"] = n_lean
+        host["moments (8-bit + block scales)"] = n_lean * 2 + n_lean // 64 * 8
+        host["1-D tensors: master remainder + fp32 moments"] = n_exact * 10
+    else:
+        if dtype == "bfloat16":
+            host["master remainder (int16)"] = numel * 2
+        host["AdamW moments (fp32)"] = numel * 8
+    host[f"gradients ({'bf16' if gitem == 2 else 'fp32'})"] = grads
+    return host

@@ -109,7 +109,9 @@ class Engine:
         self.base: FrozenState | None = None
         self.trained: list[str | None] = list(self.layers)
         if lora is None:  # every unit is trained: host state in full
-            self.host = HostState(store, self.dtype, self.t.host_empty, progress, self.grad_dtype)
+            self.host = HostState(
+                store, self.dtype, self.t.host_empty, progress, self.grad_dtype, optim.memory
+            )
         else:  # a frozen base (streaming copies only) and the adapters, trained
             self.base, self.host, self.trained = lora_state(
                 store, lora, self.dtype, self.grad_dtype, self.t.host_empty, progress

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from . import adamw as torch_adamw
+from . import lean
+
+# The pure-torch references, under the names optim.native gives its kernels.
+TORCH = SimpleNamespace(
+    adamw_fp32_=torch_adamw.adamw_fp32_, adamw_split_=torch_adamw.adamw_split_, adamw_lean_=lean.adamw_lean_
+)
 
 
 def pick_kernel(kind: str):
-    """-> (module with adamw_fp32_/adamw_split_, name, note). kind: auto | torch | native."""
+    """-> (object with adamw_fp32_/adamw_split_/adamw_lean_, name, note). kind: auto | torch | native."""
     if kind == "torch":
-        return torch_adamw, "torch", ""
+        return TORCH, "torch", ""
     from . import native
 
     why = "" if native.available() else native.reason()
@@ -18,4 +26,4 @@ def pick_kernel(kind: str):
         from ..errors import InputError
 
         raise InputError(f"optim.kernel: native AdamW kernel unavailable ({why})")
-    return torch_adamw, "torch", f"native AdamW kernel unavailable, using the torch path ({why})"
+    return TORCH, "torch", f"native AdamW kernel unavailable, using the torch path ({why})"

@@ -1,7 +1,9 @@
 """Saving and restoring the engine's training state as a checkpoint (the on-disk definition,
 checks, pruning and sweeping live beside the store, in store/checkpoint.py).
 
-    state/<unit>.<buf>.bin   raw buffers: `lo` (bf16 runs: the fp32 master's low half), `m`, `v`
+    state/<unit>.<buf>.bin   raw optimizer state (engine/host.py): exact `lo` (bf16 runs: the fp32
+                             master's low half), `m`, `v`; lean `lo8`, `qm`, `qw`, `sm`, `sw` (and
+                             the exact kind's, packed, for its 1-D tensors)
     state/trainer.json       step, optimizer step count, RNG, model fingerprint, ...
     state/config.yaml        the resolved config of the run that wrote it
 
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 
 from .. import owner
-from ..errors import HorizonError
+from ..errors import HorizonError, InputError
 from ..faults import phase
 from ..fsutil import fsync_tree, read_exact, replace_dir
 from ..lora import peft
@@ -36,7 +38,7 @@ from ..store import Store, StoreWriter
 from ..store import checkpoint as ckpt
 from ..store.writer import tensor_bytes
 
-STATE_BUFFERS = ("lo", "m", "v")
+STATE_BUFFERS = ("lo", "m", "v", "lo8", "qm", "qw", "sm", "sw")  # those a unit's state kinds have
 LORA_BUFFERS = ("m", "v")  # the master is the adapter file's fp32 tensors
 
 
@@ -135,6 +137,12 @@ def load(engine, ck: Path) -> dict:
     The streaming weights come from the checkpoint's store (the engine is built on it)."""
     sums = ckpt.read_sums(ck)
     trainer = ckpt.read_trainer(ck)
+    memory = trainer.get("memory", "exact")  # checkpoints from before optim.memory were exact
+    if memory != engine.host.memory:
+        raise InputError(
+            f"{ck}: trained with optim.memory {memory}, this run has {engine.host.memory}; "
+            "its optimizer state cannot be read in another mode"
+        )
     keys: tuple[str, ...] = STATE_BUFFERS
     if engine.lora is not None:  # the masters from the adapter file, checked against its checksum
         keys = LORA_BUFFERS

@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 from rich.console import Console
 from rich.progress import Progress
 
+from ..arch import ArchSpec
 from ..config import Config, dump_yaml
 from ..data import PreparedData, batch_rows, collate, prepare_data
 from ..engine.adapters import LoraSetup
@@ -30,8 +32,17 @@ from .metrics import MetricsLog, plot_loss, read_metrics
 from .rundir import RunDir
 
 
-def load_tokenizer(store: Store, fmt: str):
-    hf = store.root / "hf"
+class ModelFiles(Protocol):
+    """A store, or a model planned from its config.json (train.run.PlannedModel, dry runs)."""
+
+    @property
+    def root(self) -> Path: ...
+    @property
+    def arch(self) -> ArchSpec: ...
+
+
+def load_tokenizer(store: ModelFiles, fmt: str):
+    hf = getattr(store, "hf_dir", None) or store.root / "hf"  # a PlannedModel (dry run): the HF dir itself
     has = hf.is_dir() and any(
         (hf / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     )
@@ -46,7 +57,7 @@ def load_tokenizer(store: Store, fmt: str):
     return AutoTokenizer.from_pretrained(str(hf))
 
 
-def load_data(cfg: Config, store: Store, cache_dir: Path | None, console: Console) -> PreparedData:
+def load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: Console) -> PreparedData:
     """The data of the run, tokenized (through the cache at `cache_dir` when given)."""
     return prepare_data(
         cfg.data,
@@ -252,6 +263,7 @@ class Trainer:
         trainer = {
             "step": step,
             "adam_step": self.engine.adam_step,
+            "memory": self.cfg.optim.memory,
             "bad_steps": self.bad,
             "dtype": self.cfg.engine.dtype,
             "model_fingerprint": ckpt.model_fingerprint(self.store),

@@ -8,10 +8,12 @@ whether this config may resume it, the data. `--dry-run` runs the same checks an
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import signal
 import threading
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -19,15 +21,18 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from .. import owner, preflight
+from ..arch import ArchSpec, read_hf_config, spec_from_hf
 from ..config import Config, dump_yaml, load_config
+from ..config.schema import LoraConfig
 from ..data.prepare import check_lengths
 from ..engine.adapters import LoraSetup, lora_for
-from ..engine.fit import check_device_fit, device_fit
+from ..engine.fit import RESERVE, Machine, check_device_fit, cuda_index
 from ..engine.lora_plan import lora_memory_plan
-from ..engine.plan import MemoryPlan, memory_plan
+from ..engine.plan import RUNGS, MemoryPlan, memory_plan
 from ..errors import HorizonError, InputError, Terminated
 from ..faults import phase
 from ..inspect import fmt_bytes
+from ..lora.targets import resolve_targets
 from ..store import Store
 from ..store import checkpoint as ckpt
 from . import compat
@@ -37,23 +42,39 @@ from .rundir import RunDir
 
 
 def run_training(
-    config_path: Path, overrides: list[str], dry_run: bool = False, console: Console | None = None
+    config_path: Path,
+    overrides: list[str],
+    dry_run: bool = False,
+    console: Console | None = None,
+    json_out: Path | None = None,
+    machine: tuple[float, float] | None = None,
 ):
+    """machine: (host GiB, device GiB) of another machine to plan for (dry run only)."""
     console = console or Console()
     phase("startup")
     cfg = load_config(config_path, overrides)
-    store = Store.open(cfg.model.path)
-    lora = lora_for(cfg.lora, store, cfg.train.seed)  # targets and lora.init checked before any write
-    check_lengths(cfg.data, store.arch.max_positions)
-    device = preflight.check_device(cfg.engine)
-    plan = plan_for(cfg, store, lora)
+    if machine is not None and not dry_run:
+        raise InputError("--host-gib/--device-gib plan for another machine: use them with --dry-run")
+    preflight.check_output_file(json_out, "--json")
+    model = open_model(Path(cfg.model.path))
+    if not dry_run and not isinstance(model, Store):
+        raise InputError(
+            f"model.path: {model.root} is an HF checkpoint, not a store: convert it first "
+            f"(horizon convert {model.root} STORE); --dry-run plans it as it is"
+        )
+    lora = lora_for(cfg.lora, model, cfg.train.seed)  # targets and lora.init checked before any write
+    check_lengths(cfg.data, model.arch.max_positions)
+    where = given_machine(*machine) if machine is not None else local_machine(cfg)
+    chosen = run_rung(cfg, model)
+    rungs = plan_ladder(cfg, model, lora)
     if dry_run:
-        return dry_run_report(cfg, store, plan, device, console)
-    check_fits(plan, device == "cpu")
-    check_device_fit(plan, cfg.engine)
+        return dry_run_report(cfg, model, rungs, chosen, where, console, json_out)
+    assert isinstance(model, Store)
+    check_device_fit(rungs[chosen], cfg.engine)  # the device: lower the micro-batch, not the rung
+    check_fits(rungs, chosen, where)
     if cfg.log.tensorboard:
         tensorboard_writer(None)  # fail now, not after loading the model
-    with stop_signals(), RunDir.claim(cfg, store, console) as rd:
+    with stop_signals(), RunDir.claim(cfg, model, console) as rd:
         phase("locked")
         if rd.finished():
             console.print(
@@ -62,17 +83,50 @@ def run_training(
             )
             return {"step": rd.resume_step, "checkpoint": str(rd.candidates[0]), "complete": True}
         with runtime_failures():
-            return Trainer(cfg, store, rd, console, lora).run()
+            return Trainer(cfg, model, rd, console, lora).run()
 
 
-def plan_for(cfg: Config, store: Store, lora: LoraSetup | None = None) -> MemoryPlan:
+@dataclass
+class PlannedModel:
+    """A model known only by its config.json (an HF checkpoint dir, or that file alone): enough
+    to plan and to dry-run, not to train. Its architecture is read as `convert` reads it."""
+
+    root: Path
+    arch: ArchSpec
+    quant: str = ""  # an HF checkpoint is planned as converted without --quantize
+
+    @property
+    def hf_dir(self) -> Path:  # where its tokenizer files would be (train.loop.load_tokenizer)
+        return self.root
+
+
+def open_model(path: Path) -> Store | PlannedModel:
+    if (path / "manifest.json").is_file() or not (path / "config.json").is_file():
+        return Store.open(path)  # a store, or the store's own error for what is neither
+    return PlannedModel(path, spec_from_hf(read_hf_config(path), where=str(path / "config.json")))
+
+
+def run_rung(cfg: Config, model: Store | PlannedModel) -> str:
+    """The ladder's rung this config runs on."""
+    if cfg.lora is not None:
+        return "qlora" if model.quant else "lora"
+    return cfg.optim.memory
+
+
+def plan_for(
+    cfg: Config, spec: ArchSpec | Store | PlannedModel, memory: str, lora: LoraSetup | None = None
+) -> MemoryPlan:
+    """The memory plan of one rung of the ladder for this config. The lora rungs are planned
+    with the run's own adapters (`lora`), or, for a full fine-tuning config, lora:'s defaults."""
+    spec = spec if isinstance(spec, ArchSpec) else spec.arch
     e = cfg.engine
-    seq = min(cfg.data.max_seq_len, store.arch.max_positions)
-    if lora is not None:
+    seq = min(cfg.data.max_seq_len, spec.max_positions)
+    if memory in ("lora", "qlora"):
+        targets, r = (lora.targets, lora.r) if lora else default_adapters(spec)
         return lora_memory_plan(
-            store.arch,
-            lora.targets,
-            lora.r,
+            spec,
+            targets,
+            r,
             e.dtype,
             e.grad_dtype,
             batch=cfg.train.batch_size,
@@ -80,40 +134,106 @@ def plan_for(cfg: Config, store: Store, lora: LoraSetup | None = None) -> Memory
             seq=seq,
             prefetch=e.prefetch,
             loss_chunk=e.loss_chunk,
-            quant=store.quant,
+            quant="nf4" if memory == "qlora" else "",
         )
+    dtype = "bfloat16" if memory == "lean" else e.dtype  # lean keeps a bf16 weight
     return memory_plan(
-        store.arch,
-        e.dtype,
-        e.grad_dtype,
+        spec,
+        dtype,
+        e.grad_dtype if memory != "lean" else "auto",
         batch=cfg.train.batch_size,
         micro_batch=cfg.train.micro_batch_size,
         seq=seq,
         prefetch=e.prefetch,
         loss_chunk=e.loss_chunk,
+        memory=memory,
     )
 
 
+def plan_ladder(
+    cfg: Config, spec: ArchSpec | Store | PlannedModel, lora: LoraSetup | None = None
+) -> dict[str, MemoryPlan]:
+    return {rung: plan_for(cfg, spec, rung, lora) for rung in RUNGS}
+
+
+def default_adapters(spec: ArchSpec) -> tuple[list, int]:
+    """lora:'s default targets and r on this model (all its linear layers where the default
+    names do not occur, e.g. fused attention)."""
+    d = LoraConfig()
+    try:
+        return resolve_targets(d.targets, spec), d.r
+    except InputError:
+        return resolve_targets("all-linear", spec), d.r
+
+
+# -- the machine ---------------------------------------------------------------------------------
+def local_machine(cfg: Config) -> Machine:
+    """What this process may allocate, and the configured device (checked to exist)."""
+    device = preflight.check_device(cfg.engine)
+    avail, limit = preflight.host_available()
+    if not device.startswith("cuda"):
+        return Machine(avail, None, f"this machine ({limit}), device {device}")
+    import torch
+
+    free, total = torch.cuda.mem_get_info(cuda_index(device))
+    return Machine(
+        avail, free, f"this machine ({limit}), {device} with {fmt_bytes(free)} of {fmt_bytes(total)} free"
+    )
+
+
+def given_machine(host_gib: float, device_gib: float) -> Machine:
+    if host_gib <= 0 or device_gib <= 0:
+        raise InputError("--host-gib/--device-gib: give both, as positive numbers of GiB")
+    host, dev = int(host_gib * 2**30), int(device_gib * 2**30)
+    return Machine(host, dev, f"a machine with {fmt_bytes(host)} of RAM and a {fmt_bytes(dev)} CUDA device")
+
+
 # -- dry run -------------------------------------------------------------------------------------
-def dry_run_report(cfg: Config, store: Store, plan: MemoryPlan, device: str, console: Console) -> None:
+def dry_run_report(
+    cfg: Config,
+    model: Store | PlannedModel,
+    rungs: dict[str, MemoryPlan],
+    chosen: str,
+    where: Machine,
+    console: Console,
+    json_out: Path | None,
+) -> dict:
     """The checks of a real start that write nothing: the data is read and tokenized (not
     cached, not even where data.cache_dir says), the run dir's resume point checked against
-    this config."""
-    load_data(replace(cfg, data=replace(cfg.data, cache_dir=None)), store, None, console)
-    run_dir = run_dir_status(cfg, store)
+    this config. Then the plan of this run and the ladder of every rung on `where`."""
+    check_data(cfg, model, console)
+    run_dir = run_dir_status(cfg, model)
     console.print(Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default"))
-    console.print(plan_table(plan, store))
-    ok, why = fits(plan, device == "cpu")
-    console.print(("[green]fits[/]: " if ok else "[red]does not fit[/]: ") + why)
-    dev_fit = device_fit(plan, cfg.engine)  # None on the CPU: the host line above counts the device
-    if dev_fit is not None:
-        console.print(
-            ("[green]device fits[/]: " if dev_fit[0] else "[red]device does not fit[/]: ") + dev_fit[1]
-        )
+    plan = rungs[chosen]
+    console.print(plan_table(plan))
+    console.print(ladder_table(rungs, where, chosen))
+    ok, why = fits(plan, where)
+    console.print(("[green]fits[/]: " if ok else "[red]does not fit[/]: ") + why, highlight=False)
+    best = best_rung(rungs, where)
+    if not ok:
+        console.print(f"largest rung that fits: {best or 'none'}" + (f" ({HOW[best]})" if best else ""))
     console.print(f"output.dir: {run_dir}", highlight=False)
+    report = plan_json(model, rungs, chosen, where)
+    if json_out is not None:
+        write_json(json_out, report)
+    return report
 
 
-def run_dir_status(cfg: Config, store: Store) -> str:
+def check_data(cfg: Config, model: Store | PlannedModel, console: Console) -> None:
+    no_tokenizer = isinstance(model, PlannedModel) and not has_tokenizer(model.root)
+    if no_tokenizer and cfg.data.format not in ("tokens", "auto"):
+        if not Path(cfg.data.path).exists():
+            raise InputError(f"data.path: {cfg.data.path} not found")
+        console.print(f"data: {cfg.data.path} not tokenized ({model.root} holds no tokenizer files)")
+        return
+    load_data(replace(cfg, data=replace(cfg.data, cache_dir=None)), model, None, console)
+
+
+def has_tokenizer(d: Path) -> bool:
+    return any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def run_dir_status(cfg: Config, model: Store | PlannedModel) -> str:
     path = Path(cfg.output.dir)
     compat.check_accept_keys(cfg)
     holder = owner.probe(path)
@@ -122,7 +242,9 @@ def run_dir_status(cfg: Config, store: Store) -> str:
     good, _ = ckpt.intact(path)
     if not good:
         return f"{path}: a new run"
-    probe = RunDir(cfg, store, Console(quiet=True))
+    if not isinstance(model, Store):
+        return f"{path}: has checkpoints (resuming needs the converted store)"
+    probe = RunDir(cfg, model, Console(quiet=True))
     probe.candidates = good
     probe.check_resumable(good[0])
     if probe.trained:
@@ -130,10 +252,10 @@ def run_dir_status(cfg: Config, store: Store) -> str:
     return f"{path}: resumes from {good[0].name}"
 
 
-def plan_table(plan: MemoryPlan, store: Store) -> Table:
+def plan_table(plan: MemoryPlan) -> Table:
     title = f"memory plan ({plan.params:,} parameters)"
-    if cfg_lora_params(plan):
-        title = f"memory plan ({plan.params:,} parameters, LoRA: {cfg_lora_params(plan):,} trained)"
+    if plan.trainable < plan.params:
+        title = f"memory plan ({plan.params:,} parameters, LoRA: {plan.trainable:,} trained)"
     t = Table(title=title, title_justify="left")
     t.add_column("where")
     t.add_column("category")
@@ -148,27 +270,103 @@ def plan_table(plan: MemoryPlan, store: Store) -> Table:
     return t
 
 
-def cfg_lora_params(plan: MemoryPlan) -> int:
-    """Trained adapter parameters of a LoRA plan (0 otherwise), from its fp32-moments row."""
-    return plan.host.get("adapter AdamW moments (fp32)", 0) // 8
+def ladder_table(rungs: dict[str, MemoryPlan], where: Machine, chosen: str) -> Table:
+    t = Table(title=f"memory ladder on {where.what}", title_justify="left")
+    for col in ("rung", "trains", "host B/param", "host", "device", "fits"):
+        t.add_column(col, justify="left" if col in ("rung", "trains", "fits") else "right")
+    for rung, p in rungs.items():
+        ok, _ = fits(p, where)
+        mark = " [bold](this run)[/]" if rung == chosen else ""
+        t.add_row(rung + mark, WHAT[rung], f"{p.bytes_per_param:.2f}", fmt_bytes(p.host_total),
+                  fmt_bytes(p.device_total), "[green]yes[/]" if ok else "[red]no[/]")  # fmt: skip
+    return t
+
+
+WHAT = {
+    "exact": "all weights, fp32 state",
+    "lean": "all weights, 8-bit state",
+    "lora": "adapters, base frozen",
+    "qlora": "adapters, NF4 base",
+}
+HOW = {
+    "exact": "optim.memory: exact",
+    "lean": "optim.memory: lean",
+    "lora": "a lora: section",
+    "qlora": "a lora: section on a `convert --quantize nf4` store",
+}
+
+
+def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen: str, where: Machine) -> dict:
+    def one(p: MemoryPlan) -> dict:
+        ok, host_ok, dev_ok = fit_parts(p, where)
+        return {"params": p.params, "trainable_params": p.trainable, "host_bytes": p.host_total,
+                "host_bytes_per_param": p.bytes_per_param, "device_bytes": p.device_total,
+                "fits": ok, "host_fits": host_ok, "device_fits": dev_ok}  # fmt: skip
+
+    plan = rungs[chosen]
+    return {
+        "model": str(model.root),
+        "memory": chosen,
+        **one(plan),
+        "host": plan.host,
+        "device": plan.device,
+        "machine": {"host_bytes": where.host, "device_bytes": where.device, "what": where.what},
+        "ladder": {rung: one(p) for rung, p in rungs.items()},
+        "largest_rung_that_fits": best_rung(rungs, where),
+    }
+
+
+def write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(owner.temp_name(path.name))
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 # -- host memory ---------------------------------------------------------------------------------
-def fits(plan: MemoryPlan, device_is_host: bool = False) -> tuple[bool, str]:
-    """Against what this process may allocate (free RAM, RLIMIT_AS, the cgroup's limit). On
-    `device: cpu` the device's buffers live in host RAM too."""
-    avail, limit = preflight.host_available()
-    need = plan.host_total + (plan.device_total if device_is_host else 0)
-    what = "host + device (both in RAM)" if device_is_host else "host"
-    return need <= avail, f"{what} needs {fmt_bytes(need)}, {fmt_bytes(avail)} available ({limit})"
+def fit_parts(plan: MemoryPlan, where: Machine) -> tuple[bool, bool, bool]:
+    """(fits, host fits, device fits). With the device in host RAM (`device: cpu`) both count
+    against the host; a CUDA device keeps RESERVE for its own use."""
+    if where.device is None:
+        ok = plan.host_total + plan.device_total <= where.host
+        return ok, ok, True
+    host_ok = plan.host_total <= where.host
+    dev_ok = plan.device_total + RESERVE <= where.device
+    return host_ok and dev_ok, host_ok, dev_ok
 
 
-def check_fits(plan: MemoryPlan, on_host: bool) -> None:
-    ok, why = fits(plan, on_host)
-    if not ok:
-        raise InputError(
-            f"memory plan does not fit this machine: {why} (see `horizon train CONFIG --dry-run`)"
+def fits(plan: MemoryPlan, where: Machine) -> tuple[bool, str]:
+    ok, host_ok, dev_ok = fit_parts(plan, where)
+    if where.device is None:
+        need = plan.host_total + plan.device_total
+        return (
+            ok,
+            f"host + device (both in RAM) needs {fmt_bytes(need)}, {fmt_bytes(where.host)} available ({where.what})",
         )
+    return ok, (
+        f"host needs {fmt_bytes(plan.host_total)} of {fmt_bytes(where.host)}, device {fmt_bytes(plan.device_total)} "
+        f"+ {fmt_bytes(RESERVE)} reserve of {fmt_bytes(where.device)} ({where.what})"
+    )
+
+
+def best_rung(rungs: dict[str, MemoryPlan], where: Machine) -> str | None:
+    """The most exact rung that fits (the ladder is ordered)."""
+    return next((r for r, p in rungs.items() if fit_parts(p, where)[0]), None)
+
+
+def check_fits(rungs: dict[str, MemoryPlan], memory: str, where: Machine) -> None:
+    ok, why = fits(rungs[memory], where)
+    if ok:
+        return
+    ladder = "; ".join(
+        f"{r} {p.bytes_per_param:.2f} B/param, host {fmt_bytes(p.host_total)}, {'fits' if fit_parts(p, where)[0] else 'no'}"
+        for r, p in rungs.items()
+    )
+    best = best_rung(rungs, where)
+    hint = f"the largest rung that fits: {best} ({HOW[best]})" if best else "no rung fits"
+    raise InputError(
+        f"memory plan does not fit this machine: {why}. Ladder: {ladder}. {hint} "
+        "(see `horizon train CONFIG --dry-run`)"
+    )
 
 
 # -- stopping ------------------------------------------------------------------------------------

@@ -26,11 +26,11 @@ def plan_of(cfg_path: Path) -> dict:
     from horizon_cli.config import load_config
     from horizon_cli.engine.adapters import lora_for
     from horizon_cli.store import Store
-    from horizon_cli.train.run import plan_for
+    from horizon_cli.train.run import plan_for, run_rung
 
     cfg = load_config(cfg_path, [])
     store = Store.open(cfg.model.path)
-    p = plan_for(cfg, store, lora_for(cfg.lora, store))
+    p = plan_for(cfg, store, run_rung(cfg, store), lora_for(cfg.lora, store))
     return {
         "params": p.params,
         "host": p.host,
@@ -50,7 +50,8 @@ def write_config(job: dict, run_dir: Path) -> Path:
         "model": {"path": job["store"]},
         "data": {"path": job["data"], "format": "tokens", "max_seq_len": job["seq"], "shuffle": False},
         "train": {"steps": job["steps"], "batch_size": job["batch"], "micro_batch_size": job["micro"]},
-        "optim": {k: o[k] for k in ("lr", "betas", "eps", "weight_decay", "grad_clip")} | {"kernel": "auto"},
+        "optim": {k: o[k] for k in ("lr", "betas", "eps", "weight_decay", "grad_clip")}
+        | {"kernel": "auto", "memory": o.get("memory", "exact")},
         "schedule": {"kind": "constant"},
         "engine": {"device": "cpu", "dtype": job["dtype"], "compute_threads": job["threads"]},
         "output": {"dir": str(run_dir), "export": False},
