@@ -17,6 +17,10 @@ An `expect` of "equivalent" marks a mutant that cannot change any result on this
 paths (the reason is in its note); such mutants are run too and are expected to survive. The
 results and their reading are recorded in docs/reliability.md ("Mutation audit").
 
+tests/test_mutation_audit.py (fast, part of `make test`) checks that every `original` below still
+occurs exactly once in its file and that every test named exists, so a change that moves mutated
+code must update this list.
+
 The working tree must be clean in the files mutated (the script refuses otherwise), and nothing
 else should edit them while it runs.
 """
@@ -224,7 +228,8 @@ MUTATIONS: list[Mutation] = [
     M("lora-dropout-rescale", "engine", "horizon_cli/engine/adapters.py",
       "return x * keep.to(x.dtype) * (1.0 / (1.0 - self.p))",
       "return x * keep.to(x.dtype)",
-      ["tests/test_lora_engine.py::test_dropout_masks_are_the_same_in_the_recompute"],
+      ["tests/test_lora_engine.py::test_dropout_masks_are_the_same_in_the_recompute",
+       "tests/test_lora_engine.py::test_dropout_scales_what_it_keeps_as_torch_dropout_does"],
       "LoRA dropout drops inputs without rescaling the kept ones by 1 / (1 - p) (PEFT's nn.Dropout does)"),
     M("nf4-dequant-mean", "engine", "horizon_cli/quant/nf4.py",
       "return s + mean",
@@ -251,7 +256,7 @@ MUTATIONS: list[Mutation] = [
       "n = layout.trainable_numel",
       "n = layout.numel",
       ["tests/test_generic_training.py"],
-      "AdamW also updates frozen buffers (a routing bias)"),
+      "AdamW also updates frozen buffers (a routing bias): the unit's state segments cover all its elements"),
     M("adamw-bias-correction", "optim", "horizon_cli/optim/adamw.py",
       "bc1 = 1.0 - h.beta1**h.step",
       "bc1 = 1.0 - h.beta1",

@@ -233,6 +233,23 @@ def test_dropout_masks_are_the_same_in_the_recompute(tmp_path):
     assert any(not torch.equal(grads[0.0][u], grads[0.3][u]) for u in grads[0.0])
 
 
+def test_dropout_scales_what_it_keeps_as_torch_dropout_does():
+    """PEFT's lora_dropout is nn.Dropout: an input is zeroed with probability p and the kept ones
+    are scaled by 1 / (1 - p), so the adapter's expected input is x. The recompute test above only
+    compares the engine with itself; here each kept element must equal torch's own scaling of it."""
+    from horizon_cli.engine.adapters import LayerLora
+
+    p = 0.3
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0))
+    ab = {"wq": (torch.zeros(2, 32), torch.zeros(32, 2))}
+    out = LayerLora(ab, scaling=1.0, dropout=p, seed=5)._dropout("wq", x)
+    kept = out != 0
+    assert 0.6 < kept.float().mean() < 0.8  # about 1 - p kept
+    torch_scale = torch.nn.functional.dropout(torch.ones(64), p, training=True).max()  # 1 / (1 - p)
+    torch.testing.assert_close(out[kept], x[kept] * torch_scale)
+    assert torch.equal(LayerLora(ab, scaling=1.0, dropout=p, seed=None)._dropout("wq", x), x)  # evaluation
+
+
 def test_lora_on_the_cuda_transport_equals_the_cpu_one(tmp_path, quantize="nf4"):
     """The CUDA transport's logic through the fake CUDA (tests/fake_cuda.py): adapters riding with
     their layer's load and NF4 layers dequantized on the compute stream, in stream order, bitwise
