@@ -29,7 +29,9 @@ def horizon(*args):
 
 @pytest.fixture(scope="module")
 def mistral():
-    cfg = load_config(ROOT / "configs" / "mistral-large-123b-sft.yaml", ["train.batch_size=96", "train.micro_batch_size=1"])
+    cfg = load_config(
+        ROOT / "configs" / "mistral-large-123b-sft.yaml", ["train.batch_size=96", "train.micro_batch_size=1"]
+    )
     return cfg, spec_from_hf(json.loads((FIXTURES / "mistral-large-2407.config.json").read_text()))
 
 
@@ -78,7 +80,11 @@ def test_world_from_flags_and_torchrun():
     assert world_for(16, 8, {"WORLD_SIZE": "2"}).nodes == 2  # the flags win
     assert world_for(None, None, {"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3"}) == World(6, 3)
     assert world_for(None, None, {"WORLD_SIZE": "6"}) == World(6, 6)
-    for args, what in [((6, 4), "--nproc-per-node"), ((0, None), "--world-size"), ((None, 2), "--nproc-per-node")]:
+    for args, what in [
+        ((6, 4), "--nproc-per-node"),
+        ((0, None), "--world-size"),
+        ((None, 2), "--nproc-per-node"),
+    ]:
         with pytest.raises(InputError, match=what):
             world_for(*args, {})
     with pytest.raises(InputError, match="WORLD_SIZE"):
@@ -105,7 +111,10 @@ def test_dry_run_world_size_reports_ranks_and_nodes(tiny_cfg):
     two = dry_json(cfg, tmp / "2.json", "--world-size", 2)
     assert (one["world_size"], one["nodes"]) == (1, 1) and one["host_bytes_per_node"] == one["host_bytes"]
     assert (two["world_size"], two["nproc_per_node"], two["nodes"]) == (2, 2, 1)
-    assert two["host_bytes_per_rank"] == two["host_bytes"] and two["device_bytes_per_rank"] == two["device_bytes"]
+    assert (
+        two["host_bytes_per_rank"] == two["host_bytes"]
+        and two["device_bytes_per_rank"] == two["device_bytes"]
+    )
     assert two["host_bytes_per_node"] == 2 * two["host_bytes"] == two["host_bytes_all_nodes"]
     for key, v in one["host"].items():
         assert two["host"][key] == pytest.approx(v / 2, rel=0.05), key
@@ -126,7 +135,11 @@ def test_dry_run_under_torchrun_plans_its_world(tiny_cfg, monkeypatch):
 def test_a_batch_that_does_not_split_is_refused(tiny_cfg):
     cfg, tmp = tiny_cfg  # batch 4 = 2 micro-batches of 2: not one each on 4 ranks
     r = horizon("train", cfg, "--dry-run", "--world-size", 4)
-    assert r.exit_code == 2 and r.output.startswith("error: train.batch_size: 4 ") and "multiple of 8" in r.output
+    assert (
+        r.exit_code == 2
+        and r.output.startswith("error: train.batch_size: 4 ")
+        and "multiple of 8" in r.output
+    )
     assert len(r.output.strip().splitlines()) == 1
 
 

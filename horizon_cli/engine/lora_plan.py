@@ -55,9 +55,13 @@ def lora_memory_plan(
         (sum(r * (t.in_features + t.out_features) for t in layer) for layer in targets), default=0
     )
     acts = rank_batch(batch, world) * seq * spec.hidden * item
-    p = MemoryPlan(sum(lay.params for lay in lays.values()), trainable=n_adapt, world=world, per_node=per_node)
+    p = MemoryPlan(
+        sum(lay.params for lay in lays.values()), trainable=n_adapt, world=world, per_node=per_node
+    )
     # a rank's piece of each unit's streaming bytes (a packed unit is split as a flat byte buffer)
-    p.host[f"base weights (frozen{', NF4 layers' if quant else ''})"] = sum(piece(v, world) for v in base.values())
+    p.host[f"base weights (frozen{', NF4 layers' if quant else ''})"] = sum(
+        piece(v, world) for v in base.values()
+    )
     p.host["adapters (streaming copy)"] = n_adapt * item
     if dtype == "bfloat16":
         p.host["adapter master remainder (int16)"] = n_adapt * 2

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..arch import ArchSpec
 from ..dist.shard import shard_range, shard_size
-from ..store import layouts
+from ..store import UnitLayout, layouts
 from .host import kind_numel, segments
 
 ITEM = {"bfloat16": 2, "float32": 4}
@@ -185,7 +185,7 @@ def trained_host(lays: dict, dtype: str, gitem: int, memory: str, world: int = 1
     return host
 
 
-def rank_kinds(lay, world: int) -> tuple[int, int]:
+def rank_kinds(lay: UnitLayout, world: int) -> tuple[int, int]:
     """(lean, exact) trained elements in the piece of a lean unit that costs a rank the most
     host bytes (exact elements: 10 B of state, lean ones ~3.1 B)."""
     segs = segments(lay, "lean")

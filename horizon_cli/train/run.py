@@ -286,7 +286,9 @@ def plan_table(plan: MemoryPlan) -> Table:
         t.add_row("host", k, fmt_bytes(v))
     t.add_row("host", "[bold]total", f"[bold]{fmt_bytes(plan.host_total)}")
     if plan.world > 1:
-        t.add_row("host", f"[bold]per node[/] ({plan.per_node} ranks)", f"[bold]{fmt_bytes(plan.node_host_total)}")
+        t.add_row(
+            "host", f"[bold]per node[/] ({plan.per_node} ranks)", f"[bold]{fmt_bytes(plan.node_host_total)}"
+        )
         t.add_row("host", f"all {plan.nodes} node(s)", fmt_bytes(plan.all_host_total))
     all_ranks = " (all ranks)" if plan.world > 1 else ""
     t.add_row("host", f"state bytes per parameter{all_ranks}", f"{plan.bytes_per_param:.2f}")
