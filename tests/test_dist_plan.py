@@ -130,6 +130,9 @@ def test_dry_run_under_torchrun_plans_its_world(tiny_cfg, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     plan = dry_json(cfg, tmp / "env.json", "train.micro_batch_size=1")
     assert (plan["world_size"], plan["nproc_per_node"], plan["nodes"]) == (4, 2, 2)
+    monkeypatch.setenv("RANK", "1")  # the other ranks check and stay quiet: rank 0 reports
+    r = horizon("train", cfg, "train.micro_batch_size=1", "--dry-run", "--json", tmp / "rank1.json")
+    assert r.exit_code == 0 and "memory plan" not in r.output and not (tmp / "rank1.json").exists()
 
 
 def test_a_batch_that_does_not_split_is_refused(tiny_cfg):

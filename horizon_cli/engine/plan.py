@@ -6,8 +6,9 @@ fit in RAM. The engine reports its device usage with the same formulas on the CP
 A plan is one rank's. With `world` ranks (sharded data parallelism, dist/shard.py) a rank's host
 holds the largest piece of every unit's flat buffers (streaming copy, master, moments, gradients:
 `shard_size(numel, world, SHARD_ALIGN)`) and the saved activations and staging of its share of
-the batch (batch / world). Its device holds what one rank's device holds (the whole layer is
-all-gathered there) plus the reduce-scatter output of the layer's gradient, its own piece.
+the batch (batch / world). Its device holds what a one-rank run's device holds (the whole layer is
+all-gathered there; each rank's piece lands in place in the whole-layer buffer) plus the
+reduce-scatter output of the layer's gradient, its own piece.
 Node and all-node figures multiply by the ranks per node and the world size.
 """
 

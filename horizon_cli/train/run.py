@@ -79,6 +79,8 @@ def run_training(
     chosen = run_rung(cfg, model)
     rungs = plan_ladder(cfg, model, lora, world)
     if dry_run:
+        if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
+            console, json_out = Console(quiet=True), None
         return dry_run_report(cfg, model, rungs, chosen, where, console, json_out)
     assert isinstance(model, Store)
     check_device_fit(rungs[chosen], cfg.engine)  # the device: lower the micro-batch, not the rung
