@@ -156,6 +156,14 @@ def train(
     device_gib: Annotated[
         float | None, typer.Option("--device-gib", help="With --dry-run: ...and a CUDA device of this size.")
     ] = None,
+    world_size: Annotated[
+        int | None,
+        typer.Option("--world-size", help="With --dry-run: plan per rank and per node for this many ranks."),
+    ] = None,
+    nproc_per_node: Annotated[
+        int | None,
+        typer.Option("--nproc-per-node", help="With --world-size: ranks (GPUs) per node (default: all)."),
+    ] = None,
 ) -> None:
     """Train from a config; resumes from the run dir's latest checkpoint when there is one."""
     from .errors import InputError
@@ -167,7 +175,13 @@ def train(
         raise InputError("--json writes the plan of a dry run: add --dry-run")
     machine = (host_gib, device_gib) if host_gib is not None and device_gib is not None else None
     run_training(
-        config, overrides or [], dry_run=dry_run, console=Console(), json_out=json_out, machine=machine
+        config,
+        overrides or [],
+        dry_run=dry_run,
+        console=Console(),
+        json_out=json_out,
+        machine=machine,
+        ranks=(world_size, nproc_per_node),
     )
 
 

@@ -5,6 +5,11 @@ scales, embedding and head in the compute dtype), and per adapter parameter the 
 unit (streaming copy, bf16 master remainder, AdamW moments, gradient). Device: `prefetch` layer
 buffers (packed bytes for NF4) and one dequantized layer, a layer's adapters with each buffer,
 their fp32 gradient accumulators, and the activations as in full fine-tuning (engine/plan.py).
+
+With `world` ranks the frozen base is sharded as full fine-tuning's state is (a rank's host holds
+the largest piece of every unit's streaming bytes; the device all-gathers whole layers), while the
+adapters and their state are replicated on every rank: they are small, their gradients are
+all-reduced in place, and every rank applies the same AdamW step to its copy.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from ..arch import ArchSpec
 from ..lora.targets import Target, adapter_params
 from ..store import layouts
 from ..store.packed import packed_layout, packs
-from .plan import ITEM, MemoryPlan, head_work_bytes, layer_work_bytes
+from .plan import ITEM, MemoryPlan, head_work_bytes, layer_work_bytes, piece, rank_batch
 
 
 def base_bytes(spec: ArchSpec, dtype: str, quant: str = "") -> dict[str, int]:
@@ -38,6 +43,8 @@ def lora_memory_plan(
     prefetch: int = 2,
     loss_chunk: int = 2048,
     quant: str = "",
+    world: int = 1,
+    per_node: int = 1,
 ) -> MemoryPlan:
     item = ITEM[dtype]
     gitem = ITEM[dtype if grad_dtype == "auto" else grad_dtype]
@@ -47,9 +54,14 @@ def lora_memory_plan(
     per_layer = max(
         (sum(r * (t.in_features + t.out_features) for t in layer) for layer in targets), default=0
     )
-    acts = batch * seq * spec.hidden * item
-    p = MemoryPlan(sum(lay.params for lay in lays.values()), trainable=n_adapt)
-    p.host[f"base weights (frozen{', NF4 layers' if quant else ''})"] = sum(base.values())
+    acts = rank_batch(batch, world) * seq * spec.hidden * item
+    p = MemoryPlan(
+        sum(lay.params for lay in lays.values()), trainable=n_adapt, world=world, per_node=per_node
+    )
+    # a rank's piece of each unit's streaming bytes (a packed unit is split as a flat byte buffer)
+    p.host[f"base weights (frozen{', NF4 layers' if quant else ''})"] = sum(
+        piece(v, world) for v in base.values()
+    )
     p.host["adapters (streaming copy)"] = n_adapt * item
     if dtype == "bfloat16":
         p.host["adapter master remainder (int16)"] = n_adapt * 2

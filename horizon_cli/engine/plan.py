@@ -2,6 +2,14 @@
 
 Shown by `horizon inspect` and `horizon train --dry-run`, and used to refuse a run that cannot
 fit in RAM. The engine reports its device usage with the same formulas on the CPU.
+
+A plan is one rank's. With `world` ranks (sharded data parallelism, dist/shard.py) a rank's host
+holds the largest piece of every unit's flat buffers (streaming copy, master, moments, gradients:
+`shard_size(numel, world, SHARD_ALIGN)`) and the saved activations and staging of its share of
+the batch (batch / world). Its device holds what a one-rank run's device holds (the whole layer is
+all-gathered there; each rank's piece lands in place in the whole-layer buffer) plus the
+reduce-scatter output of the layer's gradient, its own piece.
+Node and all-node figures multiply by the ranks per node and the world size.
 """
 
 from __future__ import annotations
@@ -9,18 +17,51 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..arch import ArchSpec
-from ..store import layouts
+from ..dist.shard import shard_range, shard_size
+from ..store import UnitLayout, layouts
 from .host import kind_numel, segments
 
 ITEM = {"bfloat16": 2, "float32": 4}
+SHARD_ALIGN = 64  # elements: pieces start on lean blocks (engine/host.py LEAN_BLOCK)
+
+
+def piece(numel: int, world: int) -> int:
+    """Elements of the largest piece of a flat buffer that one of `world` ranks holds."""
+    return min(numel, shard_size(numel, world, SHARD_ALIGN))
+
+
+def rank_batch(batch: int, world: int) -> int:
+    """Sequences of the global batch one rank holds (dist/shard.py check_world: it divides)."""
+    return -(-batch // world)
 
 
 @dataclass
 class MemoryPlan:
+    """host and device: bytes of one rank (of `world`, `per_node` on each node)."""
+
     params: int
     trainable: int = 0  # parameters the run updates (LoRA: the adapters)
     host: dict[str, int] = field(default_factory=dict)
     device: dict[str, int] = field(default_factory=dict)
+    world: int = 1
+    per_node: int = 1
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.world // self.per_node)
+
+    @property
+    def node_host_total(self) -> int:
+        """Host bytes of one node: its ranks' pieces side by side in its RAM."""
+        return self.host_total * self.per_node
+
+    @property
+    def node_device_total(self) -> int:
+        return self.device_total * self.per_node
+
+    @property
+    def all_host_total(self) -> int:
+        return self.host_total * self.world
 
     @property
     def host_total(self) -> int:
@@ -37,7 +78,8 @@ class MemoryPlan:
 
     @property
     def bytes_per_param(self) -> float:
-        return self.state_bytes / max(1, self.params)
+        """State bytes of all ranks per parameter (the largest piece times the world size)."""
+        return self.state_bytes * self.world / max(1, self.params)
 
 
 def layer_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int) -> int:
@@ -92,17 +134,19 @@ def memory_plan(
     prefetch: int = 2,
     loss_chunk: int = 2048,
     memory: str = "exact",
+    world: int = 1,
+    per_node: int = 1,
 ) -> MemoryPlan:
-    """Full fine-tuning, memory: exact | lean (LoRA runs: engine/lora_plan.py)."""
+    """Full fine-tuning, memory: exact | lean (LoRA runs: engine/lora_plan.py), one rank's."""
     item = ITEM[dtype]
     lays = {lay.name: lay for lay in layouts(spec)}
     params = sum(lay.params for lay in lays.values())
     layer_max = max(lay.numel for n, lay in lays.items() if n.startswith("layer."))
     head = lays["head"].numel + (lays["embed"].numel if spec.tie_embeddings else 0)
-    acts = batch * seq * spec.hidden * item  # one layer's boundary activations, whole batch
-    p = MemoryPlan(params, trainable=params)
+    acts = rank_batch(batch, world) * seq * spec.hidden * item  # one layer's boundary activations
+    p = MemoryPlan(params, trainable=params, world=world, per_node=per_node)
     gitem = ITEM[dtype if grad_dtype == "auto" else grad_dtype]
-    p.host = trained_host(lays, dtype, gitem, memory)
+    p.host = trained_host(lays, dtype, gitem, memory, world)
     p.host["saved activations"] = spec.n_layers * acts
     p.host["staging"] = 2 * acts
     p.device["weight buffers"] = (prefetch * layer_max + head) * item
@@ -114,19 +158,23 @@ def memory_plan(
     tok = micro_batch * seq
     p.device["layer working set"] = layer_work_bytes(spec, tok, micro_batch, seq, item)
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
+    if world > 1:  # the reduced piece of a layer's (or the head's) gradient, two layers in flight
+        p.device["gradient reduce-scatter (own piece)"] = 2 * piece(max(layer_max, head), world) * gitem
     return p
 
 
-def trained_host(lays: dict, dtype: str, gitem: int, memory: str) -> dict[str, int]:
-    """Host state of full fine-tuning: exact (fp32 master + moments) or lean (engine/host.py)."""
+def trained_host(lays: dict, dtype: str, gitem: int, memory: str, world: int = 1) -> dict[str, int]:
+    """Host state of full fine-tuning, one rank's pieces: exact (fp32 master + moments) or lean
+    (engine/host.py)."""
     item = ITEM[dtype]
-    numel = sum(lay.numel for lay in lays.values())
-    grads = (numel - lays["embed"].numel) * gitem + lays["embed"].numel * 4
+    numel = sum(piece(lay.numel, world) for lay in lays.values())
+    embed = piece(lays["embed"].numel, world)
+    grads = (numel - embed) * gitem + embed * 4
     host = {"weights (streaming copy)": numel * item}
     if memory == "lean":
-        segs = [segments(lay, "lean") for lay in lays.values()]
-        n_lean = sum(kind_numel(s, "lean") for s in segs)
-        n_exact = sum(kind_numel(s, "exact") for s in segs)
+        kinds = [rank_kinds(lay, world) for lay in lays.values()]
+        n_lean = sum(k[0] for k in kinds)
+        n_exact = sum(k[1] for k in kinds)
         host["master correction (int8)"] = n_lean
         host["moments (8-bit + block scales)"] = n_lean * 2 + n_lean // 64 * 8
         host["1-D tensors: master remainder + fp32 moments"] = n_exact * 10
@@ -136,3 +184,20 @@ def trained_host(lays: dict, dtype: str, gitem: int, memory: str) -> dict[str, i
         host["AdamW moments (fp32)"] = numel * 8
     host[f"gradients ({'bf16' if gitem == 2 else 'fp32'})"] = grads
     return host
+
+
+def rank_kinds(lay: UnitLayout, world: int) -> tuple[int, int]:
+    """(lean, exact) trained elements in the piece of a lean unit that costs a rank the most
+    host bytes (exact elements: 10 B of state, lean ones ~3.1 B)."""
+    segs = segments(lay, "lean")
+    if world == 1:
+        return kind_numel(segs, "lean"), kind_numel(segs, "exact")
+    best = (0, 0)
+    for r in range(world):
+        a, b = shard_range(lay.numel, world, r, SHARD_ALIGN)
+        n = {"lean": 0, "exact": 0}
+        for s in segs:
+            n[s.kind] += max(0, min(b, s.end) - max(a, s.start))
+        if n["lean"] * 25 + n["exact"] * 80 > best[0] * 25 + best[1] * 80:  # 8x the bytes
+            best = (n["lean"], n["exact"])
+    return best

@@ -25,6 +25,8 @@ from ..arch import ArchSpec, read_hf_config, spec_from_hf
 from ..config import Config, dump_yaml, load_config
 from ..config.schema import LoraConfig
 from ..data.prepare import check_lengths
+from ..dist.shard import check_world
+from ..dist.topology import World, world_for
 from ..engine.adapters import LoraSetup, lora_for
 from ..engine.fit import RESERVE, Machine, check_device_fit, cuda_index
 from ..engine.lora_plan import lora_memory_plan
@@ -48,13 +50,22 @@ def run_training(
     console: Console | None = None,
     json_out: Path | None = None,
     machine: tuple[float, float] | None = None,
+    ranks: tuple[int | None, int | None] = (None, None),
 ):
-    """machine: (host GiB, device GiB) of another machine to plan for (dry run only)."""
+    """machine: (host GiB, device GiB) of another machine to plan for (dry run only); ranks:
+    (--world-size, --nproc-per-node) to plan for (dry run only; else torchrun's environment)."""
     console = console or Console()
     phase("startup")
     cfg = load_config(config_path, overrides)
     if machine is not None and not dry_run:
         raise InputError("--host-gib/--device-gib plan for another machine: use them with --dry-run")
+    if ranks != (None, None) and not dry_run:
+        raise InputError(
+            "--world-size/--nproc-per-node plan a dry run for that many ranks: add --dry-run "
+            "(a run takes its world size from torchrun)"
+        )
+    world = world_for(*ranks)
+    check_world(cfg.train.batch_size, cfg.train.micro_batch_size, world.size)
     preflight.check_output_file(json_out, "--json")
     model = open_model(Path(cfg.model.path))
     if not dry_run and not isinstance(model, Store):
@@ -66,8 +77,10 @@ def run_training(
     check_lengths(cfg.data, model.arch.max_positions)
     where = given_machine(*machine) if machine is not None else local_machine(cfg)
     chosen = run_rung(cfg, model)
-    rungs = plan_ladder(cfg, model, lora)
+    rungs = plan_ladder(cfg, model, lora, world)
     if dry_run:
+        if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
+            console, json_out = Console(quiet=True), None
         return dry_run_report(cfg, model, rungs, chosen, where, console, json_out)
     assert isinstance(model, Store)
     check_device_fit(rungs[chosen], cfg.engine)  # the device: lower the micro-batch, not the rung
@@ -114,10 +127,15 @@ def run_rung(cfg: Config, model: Store | PlannedModel) -> str:
 
 
 def plan_for(
-    cfg: Config, spec: ArchSpec | Store | PlannedModel, memory: str, lora: LoraSetup | None = None
+    cfg: Config,
+    spec: ArchSpec | Store | PlannedModel,
+    memory: str,
+    lora: LoraSetup | None = None,
+    world: World = World(),
 ) -> MemoryPlan:
-    """The memory plan of one rung of the ladder for this config. The lora rungs are planned
-    with the run's own adapters (`lora`), or, for a full fine-tuning config, lora:'s defaults."""
+    """The memory plan of one rung of the ladder for this config, one rank's of `world`. The
+    lora rungs are planned with the run's own adapters (`lora`), or, for a full fine-tuning
+    config, lora:'s defaults."""
     spec = spec if isinstance(spec, ArchSpec) else spec.arch
     e = cfg.engine
     seq = min(cfg.data.max_seq_len, spec.max_positions)
@@ -135,6 +153,8 @@ def plan_for(
             prefetch=e.prefetch,
             loss_chunk=e.loss_chunk,
             quant="nf4" if memory == "qlora" else "",
+            world=world.size,
+            per_node=world.per_node,
         )
     dtype = "bfloat16" if memory == "lean" else e.dtype  # lean keeps a bf16 weight
     return memory_plan(
@@ -147,13 +167,15 @@ def plan_for(
         prefetch=e.prefetch,
         loss_chunk=e.loss_chunk,
         memory=memory,
+        world=world.size,
+        per_node=world.per_node,
     )
 
 
 def plan_ladder(
-    cfg: Config, spec: ArchSpec | Store | PlannedModel, lora: LoraSetup | None = None
+    cfg: Config, spec: ArchSpec | Store | PlannedModel, lora: LoraSetup | None = None, world: World = World()
 ) -> dict[str, MemoryPlan]:
-    return {rung: plan_for(cfg, spec, rung, lora) for rung in RUNGS}
+    return {rung: plan_for(cfg, spec, rung, lora, world) for rung in RUNGS}
 
 
 def default_adapters(spec: ArchSpec) -> tuple[list, int]:
@@ -256,6 +278,8 @@ def plan_table(plan: MemoryPlan) -> Table:
     title = f"memory plan ({plan.params:,} parameters)"
     if plan.trainable < plan.params:
         title = f"memory plan ({plan.params:,} parameters, LoRA: {plan.trainable:,} trained)"
+    if plan.world > 1:
+        title += f", per rank of {ranks_text(plan)}"
     t = Table(title=title, title_justify="left")
     t.add_column("where")
     t.add_column("category")
@@ -263,21 +287,37 @@ def plan_table(plan: MemoryPlan) -> Table:
     for k, v in plan.host.items():
         t.add_row("host", k, fmt_bytes(v))
     t.add_row("host", "[bold]total", f"[bold]{fmt_bytes(plan.host_total)}")
-    t.add_row("host", "state bytes per parameter", f"{plan.bytes_per_param:.2f}")
+    if plan.world > 1:
+        t.add_row(
+            "host", f"[bold]per node[/] ({plan.per_node} ranks)", f"[bold]{fmt_bytes(plan.node_host_total)}"
+        )
+        t.add_row("host", f"all {plan.nodes} node(s)", fmt_bytes(plan.all_host_total))
+    all_ranks = " (all ranks)" if plan.world > 1 else ""
+    t.add_row("host", f"state bytes per parameter{all_ranks}", f"{plan.bytes_per_param:.2f}")
     for k, v in plan.device.items():
         t.add_row("device", k, fmt_bytes(v))
     t.add_row("device", "[bold]peak", f"[bold]{fmt_bytes(plan.device_total)}")
+    if plan.world > 1:
+        t.add_row("device", f"per node ({plan.per_node} devices)", fmt_bytes(plan.node_device_total))
     return t
 
 
+def ranks_text(plan: MemoryPlan) -> str:
+    return f"{plan.world} ranks ({plan.nodes} node(s) of {plan.per_node})"
+
+
 def ladder_table(rungs: dict[str, MemoryPlan], where: Machine, chosen: str) -> Table:
-    t = Table(title=f"memory ladder on {where.what}", title_justify="left")
-    for col in ("rung", "trains", "host B/param", "host", "device", "fits"):
+    one = next(iter(rungs.values()))
+    sharded = one.world > 1
+    title = f"memory ladder on {where.what}" + (f", {ranks_text(one)}" if sharded else "")
+    t = Table(title=title, title_justify="left")
+    host, device = ("host per node", "device per rank") if sharded else ("host", "device")
+    for col in ("rung", "trains", "host B/param", host, device, "fits"):
         t.add_column(col, justify="left" if col in ("rung", "trains", "fits") else "right")
     for rung, p in rungs.items():
         ok, _ = fits(p, where)
         mark = " [bold](this run)[/]" if rung == chosen else ""
-        t.add_row(rung + mark, WHAT[rung], f"{p.bytes_per_param:.2f}", fmt_bytes(p.host_total),
+        t.add_row(rung + mark, WHAT[rung], f"{p.bytes_per_param:.2f}", fmt_bytes(p.node_host_total),
                   fmt_bytes(p.device_total), "[green]yes[/]" if ok else "[red]no[/]")  # fmt: skip
     return t
 
@@ -297,16 +337,26 @@ HOW = {
 
 
 def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen: str, where: Machine) -> dict:
+    """host_bytes, device_bytes, host and device are one rank's (with one rank: the run's);
+    host_bytes_per_param counts every rank's state; *_per_node and host_bytes_all_nodes add up
+    the ranks of a node and of the world."""
+
     def one(p: MemoryPlan) -> dict:
         ok, host_ok, dev_ok = fit_parts(p, where)
         return {"params": p.params, "trainable_params": p.trainable, "host_bytes": p.host_total,
                 "host_bytes_per_param": p.bytes_per_param, "device_bytes": p.device_total,
-                "fits": ok, "host_fits": host_ok, "device_fits": dev_ok}  # fmt: skip
+                "fits": ok, "host_fits": host_ok, "device_fits": dev_ok,
+                "host_bytes_per_rank": p.host_total, "device_bytes_per_rank": p.device_total,
+                "host_bytes_per_node": p.node_host_total, "device_bytes_per_node": p.node_device_total,
+                "host_bytes_all_nodes": p.all_host_total}  # fmt: skip
 
     plan = rungs[chosen]
     return {
         "model": str(model.root),
         "memory": chosen,
+        "world_size": plan.world,
+        "nproc_per_node": plan.per_node,
+        "nodes": plan.nodes,
         **one(plan),
         "host": plan.host,
         "device": plan.device,
@@ -324,26 +374,29 @@ def write_json(path: Path, obj: dict) -> None:
 
 # -- host memory ---------------------------------------------------------------------------------
 def fit_parts(plan: MemoryPlan, where: Machine) -> tuple[bool, bool, bool]:
-    """(fits, host fits, device fits). With the device in host RAM (`device: cpu`) both count
+    """(fits, host fits, device fits): a node's host bytes against the machine's RAM, a rank's
+    device bytes against one device. With the device in host RAM (`device: cpu`) both count
     against the host; a CUDA device keeps RESERVE for its own use."""
     if where.device is None:
-        ok = plan.host_total + plan.device_total <= where.host
+        ok = plan.node_host_total + plan.node_device_total <= where.host
         return ok, ok, True
-    host_ok = plan.host_total <= where.host
+    host_ok = plan.node_host_total <= where.host
     dev_ok = plan.device_total + RESERVE <= where.device
     return host_ok and dev_ok, host_ok, dev_ok
 
 
 def fits(plan: MemoryPlan, where: Machine) -> tuple[bool, str]:
     ok, host_ok, dev_ok = fit_parts(plan, where)
+    node = f" per node ({plan.per_node} ranks)" if plan.world > 1 else ""
     if where.device is None:
-        need = plan.host_total + plan.device_total
+        need = plan.node_host_total + plan.node_device_total
         return (
             ok,
-            f"host + device (both in RAM) needs {fmt_bytes(need)}, {fmt_bytes(where.host)} available ({where.what})",
+            f"host + device (both in RAM){node} needs {fmt_bytes(need)}, {fmt_bytes(where.host)} available ({where.what})",
         )
     return ok, (
-        f"host needs {fmt_bytes(plan.host_total)} of {fmt_bytes(where.host)}, device {fmt_bytes(plan.device_total)} "
+        f"host{node} needs {fmt_bytes(plan.node_host_total)} of {fmt_bytes(where.host)}, "
+        f"device{' per rank' if plan.world > 1 else ''} {fmt_bytes(plan.device_total)} "
         f"+ {fmt_bytes(RESERVE)} reserve of {fmt_bytes(where.device)} ({where.what})"
     )
 
@@ -358,7 +411,8 @@ def check_fits(rungs: dict[str, MemoryPlan], memory: str, where: Machine) -> Non
     if ok:
         return
     ladder = "; ".join(
-        f"{r} {p.bytes_per_param:.2f} B/param, host {fmt_bytes(p.host_total)}, {'fits' if fit_parts(p, where)[0] else 'no'}"
+        f"{r} {p.bytes_per_param:.2f} B/param, host{' per node' if p.world > 1 else ''} "
+        f"{fmt_bytes(p.node_host_total)}, {'fits' if fit_parts(p, where)[0] else 'no'}"
         for r, p in rungs.items()
     )
     best = best_rung(rungs, where)
