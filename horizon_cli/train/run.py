@@ -25,6 +25,8 @@ from ..arch import ArchSpec, read_hf_config, spec_from_hf
 from ..config import Config, dump_yaml, load_config
 from ..config.schema import LoraConfig
 from ..data.prepare import check_lengths
+from ..dist.launch import joined, rank_device, world_from_env
+from ..dist.shard import check_world
 from ..engine.adapters import LoraSetup, lora_for
 from ..engine.fit import RESERVE, Machine, check_device_fit, cuda_index
 from ..engine.lora_plan import lora_memory_plan
@@ -35,7 +37,7 @@ from ..inspect import fmt_bytes
 from ..lora.targets import resolve_targets
 from ..store import Store
 from ..store import checkpoint as ckpt
-from . import compat
+from . import compat, ranks
 from .loop import Trainer, load_data
 from .metrics import tensorboard_writer
 from .rundir import RunDir
@@ -72,9 +74,10 @@ def run_training(
     assert isinstance(model, Store)
     check_device_fit(rungs[chosen], cfg.engine)  # the device: lower the micro-batch, not the rung
     check_fits(rungs, chosen, where)
+    cfg, console = join_world(cfg, console)
     if cfg.log.tensorboard:
         tensorboard_writer(None)  # fail now, not after loading the model
-    with stop_signals(), RunDir.claim(cfg, model, console) as rd:
+    with stop_signals(), joined(cfg.engine.device) as d, ranks.claim(cfg, model, console, d) as rd:
         phase("locked")
         if rd.finished():
             console.print(
@@ -83,7 +86,20 @@ def run_training(
             )
             return {"step": rd.resume_step, "checkpoint": str(rd.candidates[0]), "complete": True}
         with runtime_failures():
-            return Trainer(cfg, model, rd, console, lora).run()
+            return Trainer(cfg, model, rd, console, lora, dist=d).run()
+
+
+def join_world(cfg: Config, console: Console) -> tuple[Config, Console]:
+    """Under torchrun (WORLD_SIZE > 1): check the batch splits, put this rank on its own GPU
+    (cuda:LOCAL_RANK), and let only rank 0 print."""
+    world, rank, local = world_from_env()
+    if world == 1:
+        return cfg, console
+    check_world(cfg.train.batch_size, cfg.train.micro_batch_size, world)
+    if cfg.lora is not None:
+        raise InputError(f"lora: LoRA runs on several ranks are not supported yet (WORLD_SIZE={world})")
+    cfg = replace(cfg, engine=replace(cfg.engine, device=rank_device(cfg.engine.device, local)))
+    return cfg, console if rank == 0 else Console(quiet=True)
 
 
 @dataclass
