@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import HorizonError
+
 
 @dataclass
 class Dist:
@@ -69,33 +71,45 @@ class Dist:
     def all_gather(self, full: torch.Tensor, rank_piece: torch.Tensor) -> None:
         """full = concat of every rank's piece (equal sizes); rank_piece may be full's own part."""
         if self.world > 1:
-            _all_gather(full, rank_piece)
+            self._call("an all-gather", _all_gather, full, rank_piece)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         """out = this rank's piece of the sum over ranks of `full` (world equal pieces)."""
         if self.world > 1:
-            _reduce_scatter(out, full)
+            self._call("a reduce-scatter", _reduce_scatter, out, full)
         else:
             out.copy_(full)
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
         if self.world > 1:
-            dist.all_reduce(t)
+            self._call("an all-reduce", dist.all_reduce, t)
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, on every rank (a few small Python objects: errors, checksums)."""
         out: list = [None] * self.world
-        dist.all_gather_object(out, obj)
+        self._call("an all-gather", dist.all_gather_object, out, obj)
         return out
 
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        self._call("a broadcast", dist.broadcast_object_list, box, 0)
         return box[0]
 
     def barrier(self) -> None:
-        dist.barrier()
+        self._call("a barrier", dist.barrier)
+
+    def _call(self, what: str, fn: Callable, *args) -> None:
+        """A collective; a peer that died or hung becomes one line naming this rank."""
+        try:
+            fn(*args)
+        except RuntimeError as e:  # torch.distributed.DistError and the backends' errors
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first.split(". ")[0]
+            raise HorizonError(
+                f"rank {self.rank} of {self.world}: {what} failed, another rank stopped or cannot be "
+                f"reached ({first}); resume by launching the run again"
+            ) from e
 
 
 # torch >= 2.10 names them *_single (the *_tensor names warn); older versions have only those
