@@ -63,11 +63,14 @@ def joined(device: str) -> Iterator[Dist | None]:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(device.split(":")[1]) if ":" in device else local)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    owned = not dist.is_initialized()  # a caller's group (several runs in one process) is kept
+    if owned:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     d = Dist(world, rank, local, timeout)
     try:
         yield d
     finally:
         d.stop()
-        with contextlib.suppress(Exception):  # a dead peer: nothing left to tear down cleanly
-            dist.destroy_process_group()
+        if owned:
+            with contextlib.suppress(Exception):  # a dead peer: nothing left to tear down cleanly
+                dist.destroy_process_group()
