@@ -42,7 +42,7 @@ def test_a_flipped_bit_in_a_large_state_file_is_caught_when_it_loads(tmp_path):
         data[size // 2] ^= 0x10
         victim.write_bytes(bytes(data))
         checkpoint.load(eng, ck)
-        m = eng.host["embed"].m
+        m = eng.host["embed"].state["m"]
         assert torch.equal(m.view(torch.uint8), torch.frombuffer(bytearray(data), dtype=torch.uint8))
     finally:
         eng.close()

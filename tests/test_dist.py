@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -28,15 +29,31 @@ from horizon_cli.store import Store
 from horizon_cli.train import run_training
 
 HERE = Path(__file__).parent
-FP32 = {"train": {"steps": 10, "batch_size": 12, "micro_batch_size": 2}, "output": {"save_every": 5, "export": True}}
+FP32 = {
+    "train": {"steps": 10, "batch_size": 12, "micro_batch_size": 2},
+    "output": {"save_every": 5, "export": True},
+}
 
 
-def torchrun(n: int, *args, fault: str = "", cli: bool = True, timeout: float = 240) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node n -m horizon_cli train CFG` (cli), else tests/dist_train.py CFG..."""
+def torchrun(
+    n: int, *args, fault: str = "", cli: bool = True, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node n -m horizon_cli train CFG` (cli), else tests/dist_train.py CFG...
+    In a session of its own: a run past `timeout` is killed with every rank (none left behind)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HORIZON_FAULT": fault, "HORIZON_FAULT_RANK": "1"}
     target = ["-m", "horizon_cli", "train"] if cli else [str(HERE / "dist_train.py")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *target]
-    return subprocess.run([*cmd, *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout)
+    cmd += map(str, args)
+    p = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def config(tmp_path: Path, store: Path, name: str, **sections) -> Path:
@@ -133,11 +150,16 @@ def update_error(init: dict, ref: dict, run: dict) -> float:
 
 
 def test_bf16_exact_and_lean_on_two_ranks_match_one(tiny_store, tmp_path):
-    base = {"train": {"steps": 20, "batch_size": 8, "micro_batch_size": 2}, "output": {"save_every": 0, "export": True}}
+    base = {
+        "train": {"steps": 20, "batch_size": 8, "micro_batch_size": 2},
+        "output": {"save_every": 0, "export": True},
+    }
     eng = {"dtype": "bfloat16", "compute_threads": 1}
     lean = {"lr": 3.0e-3, "grad_clip": 1.0, "weight_decay": 0.01, "memory": "lean"}
     cfgs = {
-        name: config(tmp_path, tiny_store, name, engine=eng, **base, **({"optim": lean} if "lean" in name else {}))
+        name: config(
+            tmp_path, tiny_store, name, engine=eng, **base, **({"optim": lean} if "lean" in name else {})
+        )
         for name in ("exact1", "exact2", "lean1", "lean2")
     }
     one_rank(cfgs["exact1"])
