@@ -140,16 +140,31 @@ def test_fp32_ranks_match_one_rank_through_kill_and_resharding(tiny_store, tmp_p
 
 
 def update_error(init: dict, ref: dict, run: dict) -> float:
-    """Largest per-tensor |run - ref| / |ref - init|: 0 for the same training, ~0.5 for a run
-    whose updates were halved, ~1 for one that skipped them."""
-    out = 0.0
-    for k, w0 in init.items():
-        up = (ref[k].float() - w0.float()).norm()
-        out = max(out, float((run[k].float() - ref[k].float()).norm() / up))
-    return out
+    """|run - ref| / |ref - init| over all the weights together: 0 for the same training, ~0.5
+    for a run whose updates were halved, ~1 for one that skipped them. (Per tensor, a norm scale
+    that moved 1 % is dominated by the bf16 rounding of the export.)"""
+    diff = sum(float((run[k].float() - ref[k].float()).square().sum()) for k in init)
+    up = sum(float((ref[k].float() - w0.float()).square().sum()) for k, w0 in init.items())
+    return (diff / up) ** 0.5
 
 
-def test_bf16_exact_and_lean_on_two_ranks_match_one(tiny_store, tmp_path):
+@pytest.fixture(scope="module")
+def untied_store(tmp_path_factory) -> Path:
+    """A 2-layer Llama with its own LM head (the fp32 test's store ties it to the embedding)."""
+    from tiny_models import make_model, save
+    from tiny_tokenizer import make_tokenizer
+
+    from horizon_cli.convert import convert
+
+    root = tmp_path_factory.mktemp("untied")
+    save(make_model("llama", tie=False, vocab_size=400, max_position_embeddings=128), root / "hf")
+    make_tokenizer(root / "hf")
+    convert(root / "hf", root / "store", dtype="float32")
+    return root / "store"
+
+
+def test_bf16_exact_and_lean_on_two_ranks_match_one(untied_store, tmp_path):
+    tiny_store = untied_store
     base = {
         "train": {"steps": 20, "batch_size": 8, "micro_batch_size": 2},
         "output": {"save_every": 0, "export": True},
@@ -170,7 +185,7 @@ def test_bf16_exact_and_lean_on_two_ranks_match_one(tiny_store, tmp_path):
     w = {n: weights(tmp_path / n) for n in cfgs}
     init = {k: v for k, v in init.items() if k in w["exact1"]}
     assert update_error(init, w["exact1"], w["exact2"]) < 0.02
-    assert update_error(init, w["lean1"], w["lean2"]) < 0.05  # stochastic rounding: sums in another order
+    assert update_error(init, w["lean1"], w["lean2"]) < 0.05  # stochastic rounding of other sums
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -464,7 +464,7 @@ class Engine:
             gh = self.host["head"].views(self.head_g)
             self.head_g.zero_()
             g_lm = (
-                self.host["embed"].views(self.embed_g)["embed"] if self.embed_g is not None else gh["lm_head"]
+                self.host["embed"].views(self.embed_g)["embed"] if self.spec.tie_embeddings else gh["lm_head"]
             )
             if self.embed_g is not None:
                 self.embed_g.zero_()
