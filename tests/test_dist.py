@@ -163,7 +163,7 @@ def untied_store(tmp_path_factory) -> Path:
     return root / "store"
 
 
-def test_bf16_exact_and_lean_on_two_ranks_match_one(untied_store, tmp_path):
+def test_bf16_exact_lean_and_lora_on_two_ranks_match_one(untied_store, tmp_path):
     tiny_store = untied_store
     base = {
         "train": {"steps": 20, "batch_size": 8, "micro_batch_size": 2},
@@ -177,10 +177,19 @@ def test_bf16_exact_and_lean_on_two_ranks_match_one(untied_store, tmp_path):
         )
         for name in ("exact1", "exact2", "lean1", "lean2")
     }
-    one_rank(cfgs["exact1"])
-    one_rank(cfgs["lean1"])
-    r = torchrun(2, cfgs["exact2"], cfgs["lean2"], cli=False)
+    lora = {"r": 4, "alpha": 8, "dropout": 0.1}  # dropout: masks drawn per global micro-batch
+    for name in ("lora1", "lora2"):  # fp32, the base sharded, the adapters whole on every rank
+        cfgs[name] = config(tmp_path, tiny_store, name, lora=lora, **FP32)
+    for name in ("exact1", "lean1", "lora1"):
+        one_rank(cfgs[name])
+    r = torchrun(2, cfgs["exact2"], cfgs["lean2"], cfgs["lora2"], cli=False)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_run(tmp_path / "lora1", tmp_path / "lora2")  # losses, merged export
+    a1, a2 = (load_file(tmp_path / n / "adapter" / "adapter_model.safetensors") for n in ("lora1", "lora2"))
+    assert a1.keys() == a2.keys()
+    for k in a1:
+        assert float((a1[k] - a2[k]).norm() / a1[k].norm()) < 1e-5, k
+    cfgs.pop("lora1"), cfgs.pop("lora2")
     init = load_file(tiny_store.parent / "hf" / "model.safetensors")
     w = {n: weights(tmp_path / n) for n in cfgs}
     init = {k: v for k, v in init.items() if k in w["exact1"]}

@@ -148,6 +148,11 @@ class UnitState:
     ranges: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # buffer -> (lo, hi, length)
 
     @property
+    def full_numel(self) -> int:
+        """The whole unit's stream length (a sharded rank holds `ranges["stream"]` of it)."""
+        return self.ranges["stream"][2] if self.ranges else self.stream.numel()
+
+    @property
     def lo(self) -> torch.Tensor | None:
         return self.state.get("lo")
 

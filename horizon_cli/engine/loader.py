@@ -92,7 +92,7 @@ class Loader:
         st = self.host[unit]
         if self.dist is None:
             return st.stream.numel()
-        return self.dist.world * shard_size(st.layout.numel, self.dist.world, 64)
+        return self.dist.world * shard_size(st.full_numel, self.dist.world, 64)
 
     def weight_bytes(self) -> int:
         slots = self.ring + list(self.own.values())

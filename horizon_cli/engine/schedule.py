@@ -114,8 +114,6 @@ class Engine:
         self.layers = [f"layer.{i}" for i in range(self.spec.n_layers)]
         self.lora = lora
         self.dist = dist if dist is not None and dist.world > 1 else None
-        if self.dist is not None and lora is not None:
-            raise HorizonError("LoRA runs on several ranks are not supported yet")
         shard = (self.dist.world, self.dist.rank) if self.dist else (1, 0)
         # host state; per layer the unit whose gradient it produces (LoRA: its adapters, or None)
         self.base: FrozenState | None = None
@@ -126,7 +124,7 @@ class Engine:
             )
         else:  # a frozen base (streaming copies only) and the adapters, trained
             self.base, self.host, self.trained = lora_state(
-                store, lora, self.dtype, self.grad_dtype, self.t.host_empty, progress
+                store, lora, self.dtype, self.grad_dtype, self.t.host_empty, progress, shard
             )
         units: dict = {**(self.base.units if self.base else {}), **self.host.units}
         self.units = units
@@ -162,6 +160,7 @@ class Engine:
             if lora is None and self.dist is None:  # LoRA: the embedding gets no gradient
                 self._stage("embed_dx", step_numel, self.dtype)
         self.adam_step = 0
+        self.mb_base = 0  # sharded runs: the global index of this rank's first micro-batch
         self.grad_ready: dict[str, Event] = {}  # unit -> its gradient is on the host (this step)
         self.t.memory.set("weights", self.loader.weight_bytes())
 
@@ -173,7 +172,11 @@ class Engine:
         gradient buffers and nothing is copied."""
         n_layer = max((self._grad_numel(u) for u in self.trained if u is not None), default=0)
         narrow = self.grad_dtype != torch.float32
-        self.sharded = ShardedGrads(self.dist, self.t, self.host, self.grad_dtype) if self.dist else None
+        self.sharded = (
+            ShardedGrads(self.dist, self.t, self.host, self.grad_dtype, replicated=self.lora is not None)
+            if self.dist
+            else None
+        )
         # accumulate into the host buffers (a sharded rank's host holds only its slice)
         self.direct = self.t.shares_host and not narrow and self.dist is None
         device = [] if self.direct else [self.t.device_empty(n_layer, torch.float32) for _ in range(2)]
@@ -194,7 +197,7 @@ class Engine:
     def _grad_numel(self, unit: str) -> int:
         """Elements of a unit's fp32 gradient sum on the device (sharded: padded for the scatter)."""
         n = self.host[unit].layout.numel
-        return device_numel(n, self.dist.world) if self.dist else n
+        return device_numel(n, self.dist.world) if self.dist and self.lora is None else n
 
     def _alloc_head_grads(self) -> None:
         head = self.host["head"]
@@ -298,6 +301,7 @@ class Engine:
         """Fill every unit's host grad with d(mean loss)/dW. Returns (loss sum, label tokens,
         squared global grad norm). tokens: the global label count (sharded runs)."""
         tokens = sum(mb.label_tokens for mb in mbs) if tokens is None else tokens
+        self.mb_base = self.dist.rank * len(mbs) if self.dist else 0  # this rank's first micro-batch
         inv_n = 1.0 / tokens if tokens else 0.0
         ctxs = [self.tmpl.context(mb, self.dtype, self.t.device) for mb in mbs]
         targets = self._targets(mbs)
@@ -431,7 +435,7 @@ class Engine:
                 out = []
                 for m, (xm, c) in enumerate(zip(x, ctxs, strict=True)):
                     if lora is not None:
-                        lora.mb = m
+                        lora.mb = self.mb_base + m  # the global micro-batch: dropout masks as on one rank
                     out.append(self.tmpl.forward(i, w, xm, c, lora))
                 x = out
             self.loader.release(f"f{i}")
@@ -463,9 +467,10 @@ class Engine:
         if self.head_g is not None:  # a trained head (not LoRA)
             gh = self.host["head"].views(self.head_g)
             self.head_g.zero_()
-            g_lm = (
-                self.host["embed"].views(self.embed_g)["embed"] if self.spec.tie_embeddings else gh["lm_head"]
-            )
+            if self.spec.tie_embeddings and self.embed_g is not None:  # the LM head is the embedding
+                g_lm = self.host["embed"].views(self.embed_g)["embed"]
+            else:
+                g_lm = gh["lm_head"]
             if self.embed_g is not None:
                 self.embed_g.zero_()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.t.device)
@@ -567,7 +572,7 @@ class Engine:
             xi = saved[off : off + n].view(shape).detach().requires_grad_(want_dx)
             off += n
             if lora is not None:
-                lora.mb = m
+                lora.mb = self.mb_base + m  # the global micro-batch: dropout masks as on one rank
             with torch.enable_grad():
                 y, extra = self.tmpl.objective(i, w, xi, c, lora)
                 outs, seeds = (

@@ -49,9 +49,12 @@ def device_numel(numel: int, world: int) -> int:
 class ShardedGrads:
     """Reduce-scatter of gradients into host slices, and the step's loss/norm all-reduce."""
 
-    def __init__(self, dist: Dist, transport, host, grad_dtype: torch.dtype):
-        self.d, self.t, self.host = dist, transport, host
-        big = max(shard_size(st.layout.numel, dist.world, 64) for st in host.units.values())
+    def __init__(self, dist: Dist, transport, host, grad_dtype: torch.dtype, replicated: bool = False):
+        """replicated: the trained units are whole on every rank (LoRA's adapters): their
+        gradients are all-reduced, and every rank applies the same update to its copy."""
+        self.d, self.t, self.host, self.replicated = dist, transport, host, replicated
+        per = (lambda n: n) if replicated else (lambda n: shard_size(n, dist.world, 64))
+        big = max(per(st.layout.numel) for st in host.units.values())
         # reduce-scatter outputs: the two layer ping-pong buffers, the head's and the embedding's
         self.keys: tuple = (0, 1, "head", "embed")
         self.out = {k: transport.device_empty(big, torch.float32) for k in self.keys}
@@ -69,11 +72,12 @@ class ShardedGrads:
 
     def reduce(self, unit: str, full: torch.Tensor, key, deps: Sequence[Event] = ()) -> Event:
         """Reduce-scatter `full` (the unit's fp32 gradient sum, (world * S,)) and send this rank's
-        slice to its host grad. Returns the event of the slice having landed there."""
+        slice to its host grad; a replicated unit's: all-reduce it in place and send it whole.
+        Returns the event of the slice having landed there."""
         st = self.host[unit]
         n, dst = st.stream.numel(), st.grad
-        size = full.numel() // self.d.world
-        out = self.out[key][:size]
+        # the reduced gradient: this rank's piece (sharded) or `full` itself (replicated)
+        mine = full[:n] if self.replicated else self.out[key][: full.numel() // self.d.world]
         wire = self.wire[key][:n] if self.wire and dst.dtype != torch.float32 else None
         prev = self.free.get(key, READY)
         direct = self.t.shares_host
@@ -83,18 +87,20 @@ class ShardedGrads:
             for ev in after:
                 ev.host_wait()
             prev.host_wait()  # the previous slice through these buffers has been copied out
-            self.d.reduce_scatter(out, full)
-            mine = out[:n]
-            self.sq.append(sumsq64(mine))
+            if self.replicated:  # every rank holds it whole: counted once in the norm
+                self.d.all_reduce_sum(full)
+                self.sq.append(sumsq64(mine) if self.d.is_main else 0.0)
+            else:
+                self.d.reduce_scatter(mine, full)
+                self.sq.append(sumsq64(mine[:n]))
             if direct:  # no link (the CPU): straight into the host buffer
-                dst.copy_(mine)
+                dst.copy_(mine[:n])
             elif wire is not None:
-                wire.copy_(mine)
+                wire.copy_(mine[:n])
 
         ev: Event = FutureEvent(self.d.submit(job))
         if not direct:
-            src = wire if wire is not None else out[:n]
-            ev = self.t.d2h([(dst, src)], [ev], label=f"g-{unit}")
+            ev = self.t.d2h([(dst, wire if wire is not None else mine[:n])], [ev], label=f"g-{unit}")
         self.free[key] = ev
         return ev
 

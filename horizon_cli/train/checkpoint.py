@@ -49,7 +49,7 @@ def save(
     engine, run_dir: Path, step: int, trainer: dict, config_yaml: str, model_store: Store, keep_last: int
 ) -> Path:
     """Write checkpoint step_N for the engine's current (fully updated) state, then prune."""
-    if engine.dist is not None:  # every rank its slices
+    if engine.dist is not None and engine.lora is None:  # every rank its slices
 
         def meta(tmp: Path) -> None:
             _write_meta(tmp, trainer, config_yaml, {})
@@ -66,6 +66,18 @@ def save(
             STATE_BUFFERS,
             meta,
         )
+    if engine.dist is not None:  # LoRA: the adapters are whole (and the same) on every rank
+        return sharded_checkpoint.on_rank0(
+            engine,
+            engine.dist,
+            lambda: _save(engine, run_dir, step, trainer, config_yaml, model_store, keep_last),
+        )
+    return _save(engine, run_dir, step, trainer, config_yaml, model_store, keep_last)
+
+
+def _save(
+    engine, run_dir: Path, step: int, trainer: dict, config_yaml: str, model_store: Store, keep_last: int
+) -> Path:
     engine.wait()
     phase("checkpoint", step)
     root = Path(run_dir) / "checkpoints"
@@ -175,7 +187,7 @@ def load(engine, ck: Path) -> dict:
         if rel not in sums or ckpt.crc_file(ck / rel) != sums[rel][1]:
             raise ckpt.CheckpointDamaged(f"{ck / rel}: missing or fails its checksum")
         engine.host.set_tensors(peft.read_weights(ck / "adapter", engine.lora.expected()))
-    if engine.dist is not None:  # this rank's ranges; the checksums checked split over the ranks
+    if engine.dist is not None and engine.lora is None:  # this rank's ranges; checksums split over ranks
         sharded_checkpoint.verify_split(engine.dist, ck, Store.open(ck))
         sharded_checkpoint.read_slices(engine, ck, sums, keys)
         keys = ()

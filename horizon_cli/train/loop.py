@@ -184,7 +184,7 @@ class Trainer:
                 lora=self.lora,
                 dist=self.dist,
             )
-        if self.dist is not None and ck is None:  # the model's checksums, checked split over ranks
+        if self.dist is not None and (ck is None or self.lora is not None):  # the model's checksums, split
             from .sharded_checkpoint import verify_split
 
             try:

@@ -96,8 +96,6 @@ def join_world(cfg: Config, console: Console) -> tuple[Config, Console]:
     if world == 1:
         return cfg, console
     check_world(cfg.train.batch_size, cfg.train.micro_batch_size, world)
-    if cfg.lora is not None:
-        raise InputError(f"lora: LoRA runs on several ranks are not supported yet (WORLD_SIZE={world})")
     cfg = replace(cfg, engine=replace(cfg.engine, device=rank_device(cfg.engine.device, local)))
     return cfg, console if rank == 0 else Console(quiet=True)
 

@@ -157,6 +157,23 @@ def _manifest(engine, tmp: Path, step: int, model_store: Store) -> None:
     (tmp / MANIFEST).write_text(m.to_json())
 
 
+def on_rank0(engine, d: Dist, save_fn) -> Path:
+    """A checkpoint that rank 0 alone writes (a LoRA run's: its adapters are whole on every
+    rank); the others wait for it and raise the same error if it failed."""
+    engine.wait()
+    path, err = None, None
+    if d.is_main:
+        try:
+            path = save_fn()
+        except HorizonError as e:
+            d.broadcast_object((None, str(e)))
+            raise
+    path, err = d.broadcast_object((str(path) if path else None, err))
+    if err:
+        raise HorizonError(err)
+    return Path(path)
+
+
 # -- load ----------------------------------------------------------------------------------------
 def verify_split(d: Dist, ck: Path | None, store: Store) -> None:
     """Check every checksum once, the files split over the ranks: the store's unit files (and a
