@@ -165,7 +165,27 @@ def untied_store(tmp_path_factory) -> Path:
     return root / "store"
 
 
-def test_bf16_exact_lean_and_lora_on_two_ranks_match_one(untied_store, tmp_path):
+@pytest.fixture(scope="module")
+def moe_store(tmp_path_factory) -> Path:
+    """A 2-layer Qwen3-MoE with transformers' load-balancing loss on (output_router_logits)."""
+    from tiny_models import make_model, save
+    from tiny_tokenizer import make_tokenizer
+
+    from horizon_cli.convert import convert
+
+    root = tmp_path_factory.mktemp("moe")
+    model = make_model("qwen3_moe", output_router_logits=True, vocab_size=400, max_position_embeddings=128)
+    save(model, root / "hf")
+    make_tokenizer(root / "hf")
+    convert(root / "hf", root / "store", dtype="float32")
+    return root / "store"
+
+
+def aux_losses(run: Path) -> list[float]:
+    return [json.loads(x)["aux_loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_bf16_exact_lean_lora_and_moe_on_two_ranks_match_one(untied_store, moe_store, tmp_path):
     tiny_store = untied_store
     base = {
         "train": {"steps": 20, "batch_size": 8, "micro_batch_size": 2},
@@ -182,10 +202,16 @@ def test_bf16_exact_lean_and_lora_on_two_ranks_match_one(untied_store, tmp_path)
     lora = {"r": 4, "alpha": 8, "dropout": 0.1}  # dropout: masks drawn per global micro-batch
     for name in ("lora1", "lora2"):  # fp32, the base sharded, the adapters whole on every rank
         cfgs[name] = config(tmp_path, tiny_store, name, lora=lora, **FP32)
-    for name in ("exact1", "lean1", "lora1"):
+    for name in ("moe1", "moe2"):  # the aux loss needs the global batch's router statistics
+        cfgs[name] = config(tmp_path, moe_store, name, **FP32)
+    for name in ("exact1", "lean1", "lora1", "moe1"):
         one_rank(cfgs[name])
-    r = torchrun(2, cfgs["exact2"], cfgs["lean2"], cfgs["lora2"], cli=False)
+    r = torchrun(2, cfgs["exact2"], cfgs["lean2"], cfgs["lora2"], cfgs["moe2"], cli=False)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_run(tmp_path / "moe1", tmp_path / "moe2")
+    a, b = aux_losses(tmp_path / "moe1"), aux_losses(tmp_path / "moe2")
+    assert max(abs(x - y) / x for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+    cfgs.pop("moe1"), cfgs.pop("moe2")
     assert_same_run(tmp_path / "lora1", tmp_path / "lora2")  # losses, merged export
     a1, a2 = (load_file(tmp_path / n / "adapter" / "adapter_model.safetensors") for n in ("lora1", "lora2"))
     assert a1.keys() == a2.keys()

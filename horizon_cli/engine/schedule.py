@@ -145,6 +145,9 @@ class Engine:
         # native functional layer, or transformers' own (with LoRA hooks on its linear modules)
         self.tmpl = make_template(self.spec, self.t.device, lora.targets if lora else None)
         self._alloc_grad_buffers()
+        moe = getattr(self.tmpl, "moe", None)  # MoE router statistics: the global batch's
+        if moe is not None and self.sharded is not None:
+            moe.reduce = self.sharded.all_sum_tensor
         # per trained unit: the tensors that get gradients (frozen buffers such as a routing bias do not)
         self._trained = {
             u: [p.name for p in self.host[u].layout.tensors if p.trainable] for u in self.host.units

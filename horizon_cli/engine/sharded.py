@@ -120,6 +120,16 @@ class ShardedGrads:
 
         return self.d.submit(job).result()
 
+    def all_sum_tensor(self, t: torch.Tensor) -> None:
+        """Sum `t` over the ranks in place (after the compute that made it, in collective order)."""
+        made = self.t.record()
+
+        def job() -> None:
+            made.host_wait()
+            self.d.all_reduce_sum(t)
+
+        self.d.submit(job).result()
+
     def drain(self) -> None:
         """Wait for every queued collective and the copies behind them."""
         self.d.submit(lambda: None).result()
