@@ -51,8 +51,8 @@ def save(
     """Write checkpoint step_N for the engine's current (fully updated) state, then prune."""
     if engine.dist is not None and engine.lora is None:  # every rank its slices
 
-        def meta(tmp: Path) -> None:
-            _write_meta(tmp, trainer, config_yaml, {})
+        def meta(tmp: Path, known: dict[str, int]) -> None:
+            _write_meta(tmp, trainer, config_yaml, known)
 
         return sharded_checkpoint.save(
             engine,

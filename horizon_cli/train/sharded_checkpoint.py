@@ -9,12 +9,12 @@ another range: a checkpoint written by N ranks resumes on M ranks, or on one pro
 with the offsets implied by the flat layout.
 
     rank 0    makes the temp dir and the full-size (sparse) files      -> broadcast its name
-    all       pwrite + fsync their slices                              -> gather errors
-    rank 0    manifest (per-tensor CRC32s, read back from the files), hf/, trainer.json,
-              config.yaml, checksums.json last; fsync, rename to step_N, prune -> broadcast
+    all       pwrite + fsync their slices, CRC32 each slice (and each
+              tensor's part of it)                                     -> gather errors, CRCs
+    rank 0    manifest (per-tensor CRC32s combined from the parts: dist/crc.py), hf/,
+              trainer.json, config.yaml, checksums.json last; fsync, rename, prune -> broadcast
 
-The checksums are computed by rank 0 reading the files back (one pass over the checkpoint; on
-one node it is mostly in the page cache); verifying them on load is split over the ranks.
+No rank reads the checkpoint back; verifying it on load is split over the ranks.
 A shared file system is assumed for the run dir when the ranks span several nodes.
 """
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from .. import __version__, owner
 from ..dist.comm import Dist
+from ..dist.crc import crc32_of_pieces
 from ..errors import HorizonError
 from ..faults import phase
 from ..fsutil import fsync_tree, replace_dir
@@ -66,15 +67,18 @@ def save(engine, d: Dist, run_dir: Path, step: int, trainer: dict, config_yaml: 
             err = f"{tmp or root}: could not create the checkpoint ({e.strerror or e})"
     tmp_s, err = d.broadcast_object((str(tmp), err))
     tmp = Path(tmp_s)
+    pieces: list = []
     if err is None:
         try:
-            _write_slices(engine, tmp, files)
+            pieces = _write_slices(engine, tmp, files)
         except OSError as e:
             err = f"{tmp}: rank {d.rank} could not write its slices ({e.strerror or e})"
-    errs = [e for e in d.gather_objects(err) if e]
+    got = d.gather_objects((err, pieces))
+    errs = [e for e, _ in got if e]
     err = errs[0] if errs else None
     if d.is_main:
-        err = err or _finish(engine, tmp, final, trainer, config_yaml, model_store, write_meta)
+        crcs = _combine([p for _, ps in got for p in ps])
+        err = err or _finish(engine, tmp, final, trainer, crcs, model_store, write_meta)
         if err is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
@@ -97,12 +101,20 @@ def _create(engine, tmp: Path, files: list[tuple[str, str, str]]) -> None:
             f.truncate(file_bytes(st.layout.numel, item) if key == "stream" else n)  # sparse zeros
 
 
-def _write_slices(engine, tmp: Path, files: list[tuple[str, str, str]]) -> None:
+def _write_slices(engine, tmp: Path, files: list[tuple[str, str, str]]) -> list[tuple]:
+    """Write this rank's slices; returns their CRC32s as (what, byte offset, crc, length): a state
+    file's slice under its path, a stream slice per tensor it overlaps, as (unit, tensor)."""
+    pieces: list[tuple] = []
     for rel, unit, key in files:
         st = engine.host[unit]
         buf = st.buffers()[key]
         lo = st.ranges[key][0]
         data = tensor_bytes(buf)
+        base = lo * buf.element_size()
+        if key == "stream":
+            pieces += _tensor_pieces(st.layout, data, base, buf.element_size())
+        elif len(data):
+            pieces.append((rel, base, zlib.crc32(data), len(data)))
         fd = os.open(tmp / rel, os.O_WRONLY)
         try:
             done = 0
@@ -111,15 +123,35 @@ def _write_slices(engine, tmp: Path, files: list[tuple[str, str, str]]) -> None:
             os.fsync(fd)  # this rank's pages, whichever node it runs on
         finally:
             os.close(fd)
+    return pieces
 
 
-def _finish(engine, tmp, final, trainer, config_yaml, model_store, write_meta) -> str | None:
+def _tensor_pieces(layout, data: memoryview, base: int, item: int) -> list[tuple]:
+    """CRC32s of the parts of each checkpoint tensor inside a stream slice at byte `base`."""
+    out = []
+    for s in layout.slots:
+        a, b = max(s.offset * item, base), min((s.offset + s.numel) * item, base + len(data))
+        if a < b:
+            out.append(((layout.name, s.name), a, zlib.crc32(data[a - base : b - base]), b - a))
+    return out
+
+
+def _combine(pieces: list[tuple]) -> dict:
+    """Every rank's slice CRCs -> one CRC32 per state file and per tensor."""
+    by: dict = {}
+    for what, off, crc, n in pieces:
+        by.setdefault(what, []).append((off, crc, n))
+    return {what: crc32_of_pieces(ps) for what, ps in by.items()}
+
+
+def _finish(engine, tmp, final, trainer, crcs: dict, model_store, write_meta) -> str | None:
     try:
-        _manifest(engine, tmp, trainer["step"], model_store)
+        _manifest(engine, tmp, trainer["step"], model_store, crcs)
         phase("checkpoint-store", trainer["step"])
         if (model_store.root / "hf").is_dir():
             shutil.copytree(model_store.root / "hf", tmp / "hf")
-        write_meta(tmp)  # trainer.json, config.yaml, then checksums.json (read back here)
+        known = {k: v for k, v in crcs.items() if isinstance(k, str)}  # the state files'
+        write_meta(tmp, known)  # trainer.json, config.yaml, then checksums.json
         phase("checkpoint-written", trainer["step"])
         fsync_tree(tmp)
         phase("checkpoint-synced", trainer["step"])
@@ -130,17 +162,16 @@ def _finish(engine, tmp, final, trainer, config_yaml, model_store, write_meta) -
     return None
 
 
-def _manifest(engine, tmp: Path, step: int, model_store: Store) -> None:
-    """The store's manifest, its per-tensor checksums read back from the unit files."""
+def _manifest(engine, tmp: Path, step: int, model_store: Store, crcs: dict) -> None:
+    """The store's manifest, its per-tensor checksums combined from the ranks' parts."""
     dtype = DTYPE_NAMES[str(engine.dtype)]
     item = engine.dtype.itemsize
     units = []
     for lay in layouts(engine.spec):
-        data = (tmp / unit_file(lay.name)).read_bytes()
         tensors = []
         for s in lay.slots:
             off, n = s.offset * item, s.numel * item
-            crc = zlib.crc32(data[off : off + n])
+            crc = crcs[(lay.name, s.name)]
             tensors.append(TensorEntry(s.name, s.hf, dtype, list(s.shape), off, n, crc))
         units.append(
             UnitEntry(lay.name, unit_file(lay.name), lay.numel, file_bytes(lay.numel, item), tensors)
