@@ -40,8 +40,9 @@ def world_from_env() -> tuple[int, int, int]:
 
 
 def rank_device(device: str, local_rank: int) -> str:
-    """The device of this rank: `cuda:LOCAL_RANK` for auto/cuda, else the configured one."""
-    if device in ("auto", "cuda"):
+    """The device of this rank: `cuda:LOCAL_RANK` for auto or any CUDA device (one process per
+    GPU: a configured index would put every rank of a node on one GPU), else the configured one."""
+    if device == "auto" or device.startswith("cuda"):
         import torch
 
         if torch.cuda.is_available():

@@ -114,6 +114,8 @@ class Engine:
         self.layers = [f"layer.{i}" for i in range(self.spec.n_layers)]
         self.lora = lora
         self.dist = dist if dist is not None and dist.world > 1 else None
+        if self.dist is not None:  # the collective thread on this rank's device (CUDA)
+            self.dist.start(self.t.thread_init)
         shard = (self.dist.world, self.dist.rank) if self.dist else (1, 0)
         # host state; per layer the unit whose gradient it produces (LoRA: its adapters, or None)
         self.base: FrozenState | None = None
