@@ -7,6 +7,7 @@ writes, pruning, export. Two environment variables turn the marks into test hook
                                     only, when given); with `+ms`, that many milliseconds after
                                     reaching it, from a timer thread, so the kill lands at a
                                     random moment inside whatever follows the point
+  HORIZON_FAULT_RANK=r              in a run under torchrun: only rank r obeys HORIZON_FAULT
   HORIZON_PHASES=file               append "name step time" to `file` at every mark (step "-"
                                     when none; time.monotonic()), so a test can tell where an
                                     outside kill landed: in the phase of the last line written
@@ -22,6 +23,8 @@ import threading
 import time
 
 _SPEC = os.environ.get("HORIZON_FAULT", "")
+if os.environ.get("HORIZON_FAULT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+    _SPEC = ""  # another rank's fault
 _PHASES = os.environ.get("HORIZON_PHASES", "")
 
 

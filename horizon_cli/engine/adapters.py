@@ -155,11 +155,12 @@ class AdapterState(HostState):
 
 
 def lora_state(
-    store, setup: LoraSetup, dtype, grad_dtype, alloc, progress
+    store, setup: LoraSetup, dtype, grad_dtype, alloc, progress, shard: tuple[int, int] = (1, 0)
 ) -> tuple[FrozenState, AdapterState, list]:
     """A LoRA run's host state: the frozen base, the adapters, and per decoder layer its adapter
-    unit (None where no linear layer is adapted)."""
-    base = FrozenState(store, dtype, alloc, progress)
+    unit (None where no linear layer is adapted). Sharded runs (shard): the base is sharded, the
+    adapters (under 1 % of the parameters) are whole on every rank."""
+    base = FrozenState(store, dtype, alloc, progress, shard)
     host = AdapterState(setup, dtype, alloc, grad_dtype)
     trained = [u if u in host.units else None for u in map(unit_name, range(store.arch.n_layers))]
     return base, host, trained

@@ -5,6 +5,9 @@ buffer in the compute dtype, as full fine-tuning's streaming copy. Packed units 
 an NF4 store, store/packed.py) hold the unit file's bytes as they are: they cross the link in 4
 bits and `dequantize` expands them on the device, into one layer-sized scratch buffer in the dense
 layout, just before the layer's compute. Nothing here is ever written after loading.
+
+Sharded runs (`shard=(world, rank)`): a unit holds this rank's slice of its flat buffer (elements,
+or a packed unit's bytes: dist.shard.shard_range, align 64); the loader all-gathers it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dist.shard import shard_range
 from ..quant import nf4
 from ..store import Store, UnitLayout
 from ..store.packed import PackedLayout
@@ -27,6 +31,11 @@ class FrozenUnit:
     layout: UnitLayout  # the dense element layout (what the engine computes with)
     stream: torch.Tensor  # (numel,) compute dtype, or (nbytes,) uint8 for a packed unit
     packed: PackedLayout | None = None
+    full: int = 0  # the whole unit's stream length (a sharded rank holds a slice of it)
+
+    @property
+    def full_numel(self) -> int:
+        return self.full or self.stream.numel()
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.packed is not None:
@@ -44,12 +53,18 @@ class FrozenState:
         dtype: torch.dtype,
         alloc: Callable[[int, torch.dtype], torch.Tensor],
         progress: Callable[[int], None] = lambda n: None,
+        shard: tuple[int, int] = (1, 0),
     ):
+        """shard: (world, rank) of a sharded run: this rank's slice of every unit."""
         self.dtype, self.store_dtype = dtype, store.dtype
         self.units: dict[str, FrozenUnit] = {}
         for u in store.units:
             lay = store.layout(u.name)
             packed = store.packed.get(u.name)
+            if shard[0] > 1:
+                self.units[u.name] = self._slice(store, u.name, lay, packed, alloc, shard)
+                progress(u.nbytes)
+                continue
             if packed is not None:
                 buf = alloc(packed.nbytes, torch.uint8)  # pinned on CUDA: it crosses the link
                 store.read_unit(u.name, buf)
@@ -65,6 +80,15 @@ class FrozenState:
             progress(u.nbytes)
 
         self.scratch: torch.Tensor | None = None  # the device buffer a packed layer expands into
+
+    def _slice(self, store: Store, name: str, lay, packed, alloc, shard) -> FrozenUnit:
+        """This rank's slice of a unit (its checksums: train/sharded_checkpoint.verify_split)."""
+        full = packed.nbytes if packed is not None else lay.numel
+        a, b = shard_range(full, shard[0], shard[1], 64)
+        src = store.unit_view(name)[a:b]
+        buf = alloc(b - a, torch.uint8 if packed is not None else self.dtype)
+        buf.copy_(src)
+        return FrozenUnit(name, lay, buf, packed, full)
 
     def __getitem__(self, unit: str) -> FrozenUnit:
         return self.units[unit]

@@ -23,6 +23,12 @@ norm scale near 1.0 takes updates of about lr, which a 16-significant-bit master
 
 Host bytes per parameter: exact bf16 2 + 2 + 4 + 4 + 2 = 14, fp32 4 + 4 + 4 + 4 = 16; lean
 2 + 1 + 1 + 1 + 8/64 + 2 = 7.125.
+
+Sharded runs (`shard=(world, rank)`, dist/): a rank holds elements [start, end) of every unit
+(dist.shard.shard_range with align 64, so lean blocks never straddle ranks) and the matching
+contiguous part of every buffer: the stream, the gradient, and of each state kind's packed
+buffers the range its elements occupy there (packing keeps element order). `UnitState.ranges`
+names each buffer's global range, by which checkpoints are written and read at any world size.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..dist.shard import shard_range
 from ..optim import lean
 from ..optim.split import join, split_
 from ..store import Store, UnitLayout
@@ -91,6 +98,43 @@ def kind_numel(segs: list[Segment], kind: str) -> int:
     return sum(s.numel for s in segs if s.kind == kind)
 
 
+def _before(segs: list[Segment], kind: str, x: int) -> int:
+    """Elements of `kind` before element x: where x falls in that kind's packed buffers."""
+    return sum(min(max(x - s.start, 0), s.numel) for s in segs if s.kind == kind)
+
+
+def clip_segments(segs: list[Segment], a: int, b: int, memory: str) -> tuple[list[Segment], dict]:
+    """The segments' parts inside the shard [a, b), rebased to it, and per state kind the global
+    range [lo, hi) of its packed buffers the shard holds. An exact unit's state spans the whole
+    unit (frozen elements included), so its range is [a, b) itself."""
+    kinds = {"exact": (a, b)} if memory == "exact" else {
+        k: (_before(segs, k, a), _before(segs, k, b)) for k in ("exact", "lean")
+    }  # fmt: skip
+    out = []
+    for s in segs:
+        x, y = max(s.start, a), min(s.end, b)
+        if x < y:
+            out.append(Segment(s.kind, x - a, y - a, s.at + (x - s.start) - kinds[s.kind][0]))
+    return out, kinds
+
+
+def buffer_ranges(memory: str, n: int, a: int, b: int, totals: dict, kinds: dict) -> dict:
+    """Per buffer key: (global lo, global hi, global length) in that buffer's elements."""
+    out = {"stream": (a, b, n), "grad": (a, b, n)}
+    if memory == "exact":
+        for key in ("lo", "m", "v"):
+            out[key] = (a, b, n)
+        return out
+    (elo, ehi), (llo, lhi) = kinds["exact"], kinds["lean"]
+    for key in ("lo", "m", "v"):
+        out[key] = (elo, ehi, totals["exact"])
+    for key in ("lo8", "qm", "qw"):
+        out[key] = (llo, lhi, totals["lean"])
+    for key in ("sm", "sw"):
+        out[key] = (llo // LEAN_BLOCK, lhi // LEAN_BLOCK, totals["lean"] // LEAN_BLOCK)
+    return out
+
+
 @dataclass
 class UnitState:
     name: str
@@ -100,6 +144,13 @@ class UnitState:
     grad: torch.Tensor
     segments: list[Segment]
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # packed per kind, see the module doc
+    start: int = 0  # sharded runs: the first element of the unit this rank holds (its `stream[0]`)
+    ranges: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # buffer -> (lo, hi, length)
+
+    @property
+    def full_numel(self) -> int:
+        """The whole unit's stream length (a sharded rank holds `ranges["stream"]` of it)."""
+        return self.ranges["stream"][2] if self.ranges else self.stream.numel()
 
     @property
     def lo(self) -> torch.Tensor | None:
@@ -147,10 +198,12 @@ def exact_state(numel: int, bf16: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def lean_state(n_exact: int, n_lean: int) -> dict[str, torch.Tensor]:
-    """Packed buffers of a lean unit: the exact kind's for its 1-D tensors, then the lean kind's."""
-    out = exact_state(n_exact, True) if n_exact else {}
-    if n_lean:
+def lean_state(n_exact: int, n_lean: int, kinds: tuple[bool, bool] | None = None) -> dict[str, torch.Tensor]:
+    """Packed buffers of a lean unit: the exact kind's for its 1-D tensors, then the lean kind's.
+    kinds: whether the unit has each kind at all (a shard may hold none of one: empty buffers)."""
+    has_exact, has_lean = kinds if kinds is not None else (n_exact > 0, n_lean > 0)
+    out = exact_state(n_exact, True) if has_exact else {}
+    if has_lean:
         out["lo8"] = torch.zeros(n_lean, dtype=torch.int8)
         out["qm"] = torch.zeros(n_lean, dtype=torch.uint8)
         out["qw"] = torch.zeros(n_lean, dtype=torch.uint8)
@@ -168,10 +221,13 @@ class HostState:
         progress: Callable[[int], None] = lambda n: None,
         grad_dtype: torch.dtype = torch.float32,
         memory: str = "exact",
+        shard: tuple[int, int] = (1, 0),
     ):
+        """shard: (world, rank) of a sharded run: this rank's part of every unit (module doc)."""
         if memory == "lean" and dtype != torch.bfloat16:
             raise ValueError("lean optimizer state needs a bf16 streaming copy")
         self.dtype, self.grad_dtype, self.memory = dtype, grad_dtype, memory
+        self.world, self.rank = shard
         self.units: dict[str, UnitState] = {}
         for u in store.units:
             lay = store.layout(u.name)
@@ -180,20 +236,31 @@ class HostState:
 
     def _load_unit(self, store: Store, lay: UnitLayout, alloc) -> UnitState:
         n = lay.numel
-        segs = segments(lay, self.memory)
+        a, b = shard_range(n, self.world, self.rank, LEAN_BLOCK)
+        whole = segments(lay, self.memory)
+        segs, kinds = clip_segments(whole, a, b, self.memory)
+        totals = {k: kind_numel(whole, k) for k in ("exact", "lean")}
         if self.memory == "exact":
-            state = exact_state(n, self.dtype == torch.bfloat16)
+            state = exact_state(b - a, self.dtype == torch.bfloat16)
         else:
-            state = lean_state(kind_numel(segs, "exact"), kind_numel(segs, "lean"))
-        grad = alloc(n, torch.float32 if lay.name == "embed" else self.grad_dtype)  # pinned on CUDA
+            (elo, ehi), (llo, lhi) = kinds["exact"], kinds["lean"]
+            state = lean_state(ehi - elo, lhi - llo, (totals["exact"] > 0, totals["lean"] > 0))
+        grad = alloc(b - a, torch.float32 if lay.name == "embed" else self.grad_dtype)  # pinned on CUDA
         grad.zero_()
-        st = UnitState(lay.name, lay, self.memory, alloc(n, self.dtype), grad, segs, state)
-        if store.dtype == self.dtype:
-            store.read_unit(lay.name, st.stream)  # e.g. a bf16 store: the master is exactly it, lo = 0
-        else:
-            src = torch.empty(n, dtype=store.dtype)
-            store.read_unit(lay.name, src)
-            st.set_master(src.to(torch.float32))
+        st = UnitState(lay.name, lay, self.memory, alloc(b - a, self.dtype), grad, segs, state, a)
+        st.ranges = {
+            k: r for k, r in buffer_ranges(self.memory, n, a, b, totals, kinds).items() if k in st.buffers()
+        }
+        if self.world == 1:
+            src = st.stream if store.dtype == self.dtype else torch.empty(n, dtype=store.dtype)
+            store.read_unit(lay.name, src)  # e.g. a bf16 store: the master is exactly it, lo = 0
+        else:  # this rank's part only (dist.checkpoint verifies the checksums, split over ranks)
+            src = store.unit_view(lay.name)[a:b]
+        if src is not st.stream:
+            if store.dtype == self.dtype:
+                st.stream.copy_(src)
+            else:
+                st.set_master(src.to(torch.float32))
         return st
 
     def __getitem__(self, unit: str) -> UnitState:

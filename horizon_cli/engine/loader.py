@@ -10,6 +10,11 @@ buffers, because it is much larger than a layer in small models and loads once p
 When the transport shares host memory (`device: cpu` with no emulated link) a load lends the host
 buffers instead of copying them: the same sequence, slots and dependency waits, no bytes moved.
 
+Sharded runs (`dist`): a unit's host state is this rank's slice; a load copies the slice into
+its place in a whole-unit device buffer (every rank's piece padded to the shard size) and then
+all-gathers the buffer on the collective thread (dist.comm), so the slot is "loaded" once the
+gather is done. Nothing is lent then: the gathered unit exists only on the device.
+
 `host` maps unit names to their host state: engine.host's trained units, and in LoRA runs the
 frozen base's (engine.frozen), whose streaming copy may be packed NF4 bytes: a slot holds whatever
 the unit's `stream` is, in its dtype.
@@ -21,7 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .events import READY, Event
+from ..dist.comm import Dist
+from ..dist.shard import shard_size
+from .events import READY, Event, FutureEvent
 
 
 @dataclass
@@ -54,16 +61,17 @@ class Loader:
         prefetch: int,
         extra_numel: int = 0,
         extra_dtype: torch.dtype | None = None,
+        dist: Dist | None = None,
     ):
         """host: unit name -> state with `stream`, `layout` and `views` (engine.host, engine.frozen).
         extra_numel: elements of the extra tensors one load brings at most (the saved inputs of a
         whole step, a layer's adapters), so their device buffers are allocated once; 0: they grow
         on demand."""
-        self.t, self.host = transport, host
+        self.t, self.host, self.dist = transport, host, dist
         # with shared memory (CPU, no emulated link) a load lends the host buffers: no device copies
-        self.lend = transport.shares_host
+        self.lend = transport.shares_host and dist is None
         ring_dtype = host[ring_units[0]].stream.dtype
-        numel = 0 if self.lend else max(host[u].stream.numel() for u in ring_units)
+        numel = 0 if self.lend else max(self.device_numel(u) for u in ring_units)
         self.ring = [Slot(transport.device_empty(numel, ring_dtype), str(i)) for i in range(prefetch)]
         if extra_numel and not self.lend:
             for s in self.ring:
@@ -71,13 +79,20 @@ class Loader:
         self.own = {}
         for u in own_units:
             st = host[u].stream
-            self.own[u] = Slot(transport.device_empty(0 if self.lend else st.numel(), st.dtype), u)
+            self.own[u] = Slot(transport.device_empty(0 if self.lend else self.device_numel(u), st.dtype), u)
         self.ready: dict[str, Event] = {}  # unit -> host copy is current (the optimizer is done with it)
         self.seq: list[Load] = []
         self.pos = 0
         self.by_key: dict[str, tuple[Slot, Load]] = {}
         self.layer_loads = 0  # decoder-layer weight transfers (the step's `weight_loads`)
         self._views: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (slot, unit) -> views
+
+    def device_numel(self, unit: str) -> int:
+        """Elements of the unit's device buffer: the unit, or in sharded runs every rank's piece."""
+        st = self.host[unit]
+        if self.dist is None:
+            return st.stream.numel()
+        return self.dist.world * shard_size(st.full_numel, self.dist.world, 64)
 
     def weight_bytes(self) -> int:
         slots = self.ring + list(self.own.values())
@@ -112,7 +127,8 @@ class Loader:
             if slot is None:
                 return
             st = self.host[load.unit]
-            pairs = [] if self.lend else [(slot.flat[: st.stream.numel()], st.stream)]
+            piece = self._piece(slot, load.unit)
+            pairs = [] if self.lend else [(piece[: st.stream.numel()], st.stream)]
             if load.extra and not self.lend:
                 total = sum(x.numel() for x in load.extra)
                 if slot.extra is None or slot.extra.numel() < total:
@@ -125,9 +141,29 @@ class Loader:
             deps = [slot.free, self.ready.get(load.unit, READY), *load.deps]
             slot.key = load.key
             slot.loaded = self.t.h2d(pairs, deps, label=f"{load.key}@{slot.name}")
+            if self.dist is not None:
+                slot.loaded = self._gather(slot, load.unit, piece, slot.loaded)
             self.by_key[load.key] = (slot, load)
             self.layer_loads += load.unit.startswith("layer.")
             self.pos += 1
+
+    def _piece(self, slot: Slot, unit: str) -> torch.Tensor:
+        """Where this rank's slice of `unit` goes in the slot (the whole buffer when unsharded)."""
+        if self.dist is None:
+            return slot.flat
+        n = self.device_numel(unit) // self.dist.world
+        return slot.flat[self.dist.rank * n : (self.dist.rank + 1) * n]
+
+    def _gather(self, slot: Slot, unit: str, piece: torch.Tensor, copied: Event) -> Event:
+        """All-gather the unit into the slot once this rank's slice has arrived."""
+        assert self.dist is not None
+        d, full = self.dist, slot.flat[: self.device_numel(unit)]
+
+        def job() -> None:
+            copied.host_wait()
+            d.all_gather(full, piece)
+
+        return FutureEvent(d.submit(job))
 
     def acquire(self, key: str) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """Weights of `key` as named device views, and its extra tensors (shaped like the host ones)."""

@@ -83,4 +83,9 @@ def lora_memory_plan(
     widest = max((sum(r + t.out_features for t in layer) for layer in targets), default=0)
     p.device["layer working set"] = layer_work_bytes(spec, tok, micro_batch, seq, item) + tok * widest * item
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
+    if world > 1:  # engine/sharded.py: the frozen embedding gathered on the device (the host holds a
+        # slice); the adapters' gradients all-reduced whole into four fp32 outputs
+        if not spec.tie_embeddings:
+            p.device["embedding table (gathered)"] = base["embed"]
+        p.device["adapter gradient all-reduce outputs"] = 4 * per_layer * 4
     return p

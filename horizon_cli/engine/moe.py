@@ -19,11 +19,17 @@ A global batch split into micro-batches is treated as one batch: C, P and N run 
 tokens of every micro-batch, so the value is transformers' aux_loss for the whole global batch
 (padding masked out) and does not depend on the split, like the cross-entropy.
 
+Sharded runs (several ranks, each its share of the micro-batches): `reduce` sums C, P, N and the
+expert loads over the ranks at the end of the forward, so the aux loss, its gradient and the
+imbalance are those of the global batch, as on one rank.
+
 Expert load imbalance per routed layer is max / mean of the tokens each expert received, counted
 from the router's own top-k indices (DeepSeek-V3's group-limited choice included).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -34,6 +40,7 @@ class RouterStats:
         self.k = int(moe["top_k"])
         self.layers = list(moe["layers"])
         self.coef = moe.get("aux_coef")  # None: the aux loss is reported, not trained
+        self.reduce: Callable[[torch.Tensor], None] | None = None  # sum over ranks, in place
         self.begin_step()
 
     def begin_step(self) -> None:
@@ -72,10 +79,24 @@ class RouterStats:
         """Every layer's forward is done: the step's aux loss and each layer's gradient scale."""
         if self.C is None or self.P is None or self.N is None:
             return
+        if self.reduce is not None:
+            self._sum_over_ranks(self.reduce)
         rows = self.N * len(self.layers)
         self.aux = self.n * torch.sum((self.C / rows) * (self.P / rows))
         if self.coef:
             self.scale = self.coef * self.n / (rows * rows)
+
+    def _sum_over_ranks(self, reduce: Callable[[torch.Tensor], None]) -> None:
+        """This rank's C, P, N and loads -> the global batch's (one collective)."""
+        assert self.C is not None and self.P is not None and self.N is not None
+        layers = sorted(self.load)
+        parts = [self.C, self.P, self.N.reshape(1).float(), *(self.load[i] for i in layers)]
+        flat = torch.cat(parts)
+        reduce(flat)
+        sizes = [p.numel() for p in parts]
+        c, p, n, *loads = torch.split(flat, sizes)
+        self.C, self.P, self.N = c, p, n[0]
+        self.load = dict(zip(layers, loads, strict=True))
 
     def objective(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """Backward recompute of a routed layer on one micro-batch: the scalar whose gradient is

@@ -69,7 +69,7 @@ class OptimizerWorker:
             blk = slice(k // LEAN_BLOCK, (k + b - a) // LEAN_BLOCK)
             qm, qw, sm, sw = s["qm"][q], s["qw"][q], s["sm"][blk], s["sw"][blk]
             seed = rounding_seed(st.name, h.step)
-            self.impl.adamw_lean_(st.stream[a:b], s["lo8"][q], g, qm, qw, sm, sw, h, seed, a)
+            self.impl.adamw_lean_(st.stream[a:b], s["lo8"][q], g, qm, qw, sm, sw, h, seed, st.start + a)
         elif "lo" not in s:  # fp32 runs: the stream is the master
             self.impl.adamw_fp32_(st.stream[a:b], g, s["m"][q], s["v"][q], h)
         else:

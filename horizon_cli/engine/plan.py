@@ -7,8 +7,9 @@ A plan is one rank's. With `world` ranks (sharded data parallelism, dist/shard.p
 holds the largest piece of every unit's flat buffers (streaming copy, master, moments, gradients:
 `shard_size(numel, world, SHARD_ALIGN)`) and the saved activations and staging of its share of
 the batch (batch / world). Its device holds what a one-rank run's device holds (the whole layer is
-all-gathered there; each rank's piece lands in place in the whole-layer buffer) plus the
-reduce-scatter output of the layer's gradient, its own piece.
+all-gathered there; each rank's piece lands in place in the whole-layer buffer) plus what the
+sharded step adds (`sharded_device`: the gathered embedding and its dense gradient, the
+reduce-scatter outputs, padding).
 Node and all-node figures multiply by the ranks per node and the world size.
 """
 
@@ -158,9 +159,28 @@ def memory_plan(
     tok = micro_batch * seq
     p.device["layer working set"] = layer_work_bytes(spec, tok, micro_batch, seq, item)
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
-    if world > 1:  # the reduced piece of a layer's (or the head's) gradient, two layers in flight
-        p.device["gradient reduce-scatter (own piece)"] = 2 * piece(max(layer_max, head), world) * gitem
+    if world > 1:
+        p.device.update(sharded_device(lays, spec, world, prefetch, item, gitem))
     return p
+
+
+def sharded_device(
+    lays: dict, spec: ArchSpec, world: int, prefetch: int, item: int, gitem: int
+) -> dict[str, int]:
+    """What a rank's device adds in a sharded run (engine/sharded.py): whole-unit buffers padded
+    to world x the largest piece; the embedding table gathered there (the host holds a slice) and
+    its dense fp32 gradient; four reduce-scatter outputs (two layers, head, embedding) of the
+    largest piece in fp32, and their narrowed copies when gradients cross the link narrowed."""
+    layer_max = max(lay.numel for n, lay in lays.items() if n.startswith("layer."))
+    embed = lays["embed"].numel
+    big = max(shard_size(lay.numel, world, SHARD_ALIGN) for lay in lays.values())
+    pad = world * shard_size(layer_max, world, SHARD_ALIGN) - layer_max
+    out = {"padding of gathered units": (prefetch * item + 2 * 4) * pad}
+    if not spec.tie_embeddings:  # tied: the head's buffer already holds it
+        out["embedding table (gathered)"] = embed * item
+    out["embedding gradient (dense fp32)"] = embed * 4
+    out["gradient reduce-scatter outputs"] = 4 * big * (4 + (gitem if gitem != 4 else 0))
+    return out
 
 
 def trained_host(lays: dict, dtype: str, gitem: int, memory: str, world: int = 1) -> dict[str, int]:

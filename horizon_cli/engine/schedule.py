@@ -17,6 +17,10 @@ LoRA (`lora`): the base is frozen (engine.frozen: a streaming copy only, NF4 lay
 on the device); each layer's adapters (engine.adapters) travel with its weights and are the only
 tensors with gradients; the head and the embedding get none, so the head computes only its input
 gradient and the embedding's backward is skipped, as is layer 0's input gradient.
+
+Sharded (`dist`, several ranks): the host holds this rank's slice of every unit; loads are
+all-gathered on the device (engine.loader), gradients reduce-scattered back to the slices and the
+embedding runs on the device (engine.sharded); the loss and grad norm are global. docs/engine.md.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from ..config.schema import EngineConfig, OptimConfig
 from ..data.batch import MicroBatch
+from ..dist.comm import Dist
 from ..errors import HorizonError
 from ..optim.adamw import AdamWHyper
 from ..store import DTYPES, Store
@@ -42,6 +47,7 @@ from .host import HostState
 from .loader import Load, Loader
 from .optimizer import OptimizerWorker
 from .plan import head_work_bytes, layer_work_bytes
+from .sharded import ShardedGrads, device_numel, embed_grad, embed_rows
 from .template import make_template
 from .trace import Tracer
 
@@ -92,11 +98,13 @@ class Engine:
         max_tokens: int = 0,
         transport=None,
         lora: LoraSetup | None = None,
+        dist: Dist | None = None,
     ):
         """max_tokens: the most tokens a step will hold (train.batch_size x data.max_seq_len); the
         buffers for saved inputs are then sized once (0: they grow with the longest step seen).
         transport: one made by the caller (tests), instead of the one engine.device names.
-        lora: train LoRA adapters on the frozen store (engine.adapters.lora_setup)."""
+        lora: train LoRA adapters on the frozen store (engine.adapters.lora_setup).
+        dist: this rank's place in a sharded run (dist.launch); None: one process, as ever."""
         self.spec, self.cfg, self.ocfg = store.arch, engine, optim
         self.dtype = DTYPES[engine.dtype]
         self.grad_dtype = self.dtype if engine.grad_dtype == "auto" else DTYPES[engine.grad_dtype]
@@ -105,16 +113,20 @@ class Engine:
         self.poison = Poison()  # an error anywhere fails every pending promise (engine/events.py)
         self.layers = [f"layer.{i}" for i in range(self.spec.n_layers)]
         self.lora = lora
+        self.dist = dist if dist is not None and dist.world > 1 else None
+        if self.dist is not None:  # the collective thread on this rank's device (CUDA)
+            self.dist.start(self.t.thread_init)
+        shard = (self.dist.world, self.dist.rank) if self.dist else (1, 0)
         # host state; per layer the unit whose gradient it produces (LoRA: its adapters, or None)
         self.base: FrozenState | None = None
         self.trained: list[str | None] = list(self.layers)
         if lora is None:  # every unit is trained: host state in full
             self.host = HostState(
-                store, self.dtype, self.t.host_empty, progress, self.grad_dtype, optim.memory
+                store, self.dtype, self.t.host_empty, progress, self.grad_dtype, optim.memory, shard
             )
         else:  # a frozen base (streaming copies only) and the adapters, trained
             self.base, self.host, self.trained = lora_state(
-                store, lora, self.dtype, self.grad_dtype, self.t.host_empty, progress
+                store, lora, self.dtype, self.grad_dtype, self.t.host_empty, progress, shard
             )
         units: dict = {**(self.base.units if self.base else {}), **self.host.units}
         self.units = units
@@ -125,15 +137,19 @@ class Engine:
             self.t,
             units,
             self.layers,
-            ["head"] + (["embed"] if tied else []),
+            ["head"] + (["embed"] if tied or self.dist else []),  # sharded: the embedding on the device
             engine.prefetch,
             extra_numel=step_numel + adapters if step_numel else 0,
             extra_dtype=self.dtype,
+            dist=self.dist,
         )
         self.optimizer = OptimizerWorker(self.host, optim.kernel, self.tracer, self.t.thread_init)
         # native functional layer, or transformers' own (with LoRA hooks on its linear modules)
         self.tmpl = make_template(self.spec, self.t.device, lora.targets if lora else None)
         self._alloc_grad_buffers()
+        moe = getattr(self.tmpl, "moe", None)  # MoE router statistics: the global batch's
+        if moe is not None and self.sharded is not None:
+            moe.reduce = self.sharded.all_sum_tensor
         # per trained unit: the tensors that get gradients (frozen buffers such as a routing bias do not)
         self._trained = {
             u: [p.name for p in self.host[u].layout.tensors if p.trainable] for u in self.host.units
@@ -144,10 +160,12 @@ class Engine:
         self.staging: dict[str, torch.Tensor] = {}
         if step_numel:  # sized once: pinning and unpinning L buffers mid-run doubles them for a while
             self._ensure_ckpt(step_numel)
-            self._stage("embed_rows", step_numel, self.dtype)
-            if lora is None:  # LoRA: the embedding gets no gradient
+            if self.dist is None:
+                self._stage("embed_rows", step_numel, self.dtype)
+            if lora is None and self.dist is None:  # LoRA: the embedding gets no gradient
                 self._stage("embed_dx", step_numel, self.dtype)
         self.adam_step = 0
+        self.mb_base = 0  # sharded runs: the global index of this rank's first micro-batch
         self.grad_ready: dict[str, Event] = {}  # unit -> its gradient is on the host (this step)
         self.t.memory.set("weights", self.loader.weight_bytes())
 
@@ -157,14 +175,20 @@ class Engine:
         narrow "wire" copies carry them over the link. When the transport shares host memory
         (`device: cpu` without an emulated link), fp32 sums accumulate straight into the host's
         gradient buffers and nothing is copied."""
-        n_layer = max((self.host[u].layout.numel for u in self.trained if u is not None), default=0)
+        n_layer = max((self._grad_numel(u) for u in self.trained if u is not None), default=0)
         narrow = self.grad_dtype != torch.float32
-        self.direct = self.t.shares_host and not narrow  # accumulate into the host buffers
+        self.sharded = (
+            ShardedGrads(self.dist, self.t, self.host, self.grad_dtype, replicated=self.lora is not None)
+            if self.dist
+            else None
+        )
+        # accumulate into the host buffers (a sharded rank's host holds only its slice)
+        self.direct = self.t.shares_host and not narrow and self.dist is None
         device = [] if self.direct else [self.t.device_empty(n_layer, torch.float32) for _ in range(2)]
         self.gacc = device
         self.gacc_free: list[Event] = [READY, READY]
         self._gacc_views: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        share = narrow and not self.t.shares_host
+        share = narrow and not self.t.shares_host and self.dist is None
         self.wire = [self.t.device_empty(n_layer, self.grad_dtype) for _ in range(2)] if share else None
         self.head_g: torch.Tensor | None = None
         self.embed_g: torch.Tensor | None = None
@@ -172,27 +196,37 @@ class Engine:
             self._alloc_head_grads()
         hosts = {id(st.grad) for st in self.host.units.values()}
         own = [g for g in [*self.gacc, *(self.wire or []), self.head_g, self.embed_g] if g is not None]
-        self.t.memory.set("grad_acc", sum(_nbytes(g) for g in own if id(g) not in hosts))
+        rs = self.sharded.nbytes() if self.sharded else 0
+        self.t.memory.set("grad_acc", sum(_nbytes(g) for g in own if id(g) not in hosts) + rs)
+
+    def _grad_numel(self, unit: str) -> int:
+        """Elements of a unit's fp32 gradient sum on the device (sharded: padded for the scatter)."""
+        n = self.host[unit].layout.numel
+        return device_numel(n, self.dist.world) if self.dist and self.lora is None else n
 
     def _alloc_head_grads(self) -> None:
         head = self.host["head"]
-        self.head_g = head.grad if self.direct else self.t.device_empty(head.layout.numel, torch.float32)
-        if self.spec.tie_embeddings:  # the embedding's host grad is always fp32
+        self.head_g = (
+            head.grad if self.direct else self.t.device_empty(self._grad_numel("head"), torch.float32)
+        )
+        if self.spec.tie_embeddings or self.dist:  # the embedding's host grad is always fp32
             embed = self.host["embed"]
+            shared = self.t.shares_host and self.dist is None
             self.embed_g = (
-                embed.grad if self.t.shares_host else self.t.device_empty(embed.layout.numel, torch.float32)
+                embed.grad if shared else self.t.device_empty(self._grad_numel("embed"), torch.float32)
             )
 
     # -- public ------------------------------------------------------------------------------
-    def step(self, mbs: list[MicroBatch], lr: float) -> StepResult:
-        """Forward, backward and (unless non-finite) the AdamW update for one global batch."""
+    def step(self, mbs: list[MicroBatch], lr: float, tokens: int | None = None) -> StepResult:
+        """Forward, backward and (unless non-finite) the AdamW update for one global batch.
+        Sharded: `mbs` is this rank's share, `tokens` the global batch's label count."""
         t0 = time.perf_counter()
         with self._guard():
             self.t.mark()
             self.t.stats.reset()
             self.t.reset_peak()
             self.loader.layer_loads = 0
-            loss_sum, tokens, sq = self.forward_backward(mbs)
+            loss_sum, tokens, sq = self.forward_backward(mbs, tokens)
             aux, imbalance = self.tmpl.step_stats()
             loss = loss_sum / tokens if tokens else float("nan")
             norm = math.sqrt(sq) if sq >= 0 else float("nan")
@@ -232,6 +266,8 @@ class Engine:
     def wait(self) -> None:
         """Block until every queued update has landed in the host store (before eval or save)."""
         with self._guard():
+            if self.sharded is not None:
+                self.sharded.drain()
             self.optimizer.wait()
             self.t.synchronize()
 
@@ -266,10 +302,11 @@ class Engine:
             raise
 
     # -- the step ----------------------------------------------------------------------------
-    def forward_backward(self, mbs: list[MicroBatch]) -> tuple[float, int, float]:
+    def forward_backward(self, mbs: list[MicroBatch], tokens: int | None = None) -> tuple[float, int, float]:
         """Fill every unit's host grad with d(mean loss)/dW. Returns (loss sum, label tokens,
-        squared global grad norm)."""
-        tokens = sum(mb.label_tokens for mb in mbs)
+        squared global grad norm). tokens: the global label count (sharded runs)."""
+        tokens = sum(mb.label_tokens for mb in mbs) if tokens is None else tokens
+        self.mb_base = self.dist.rank * len(mbs) if self.dist else 0  # this rank's first micro-batch
         inv_n = 1.0 / tokens if tokens else 0.0
         ctxs = [self.tmpl.context(mb, self.dtype, self.t.device) for mb in mbs]
         targets = self._targets(mbs)
@@ -280,6 +317,8 @@ class Engine:
         self._account(shapes)
         self.grad_ready = {}
         sq: list[torch.Tensor] = []
+        if self.sharded is not None:
+            self.sharded.begin_step()
 
         self.tmpl.begin_step()
         x = self._scale_embed(self._start(mbs, self._sequence(total, saved)))
@@ -287,6 +326,11 @@ class Engine:
         self.tmpl.end_forward()  # MoE: every layer's routing is known, the aux loss with it
         loss_sum, dx = self._head(x, targets, inv_n, sq)
         dx = self._backward_layers(dx, ctxs, shapes, sq)
+        if self.sharded is not None:
+            with self.tracer.span("host", "embed grad + norm"):
+                self._embed_backward_sharded(self._scale_embed(dx), mbs)
+                loss, sq_all = self.sharded.total(loss_sum)
+            return loss, tokens, sq_all
         with self.tracer.span("host", "embed grad + norm"):
             host_sq = self._embed_backward(self._scale_embed(dx), mbs) if self.lora is None else 0.0
             dev_sq = torch.stack(sq).double().sum().item() if sq else 0.0
@@ -307,6 +351,8 @@ class Engine:
         with the first `total` elements of their saved inputs. LoRA: each layer's adapters come
         along (the first extra tensor), once the optimizer has updated them."""
         seq = [Load(f"f{i}", u, *self._adapters(i)) for i, u in enumerate(self.layers)]
+        if self.dist is not None:  # the embedding table, gathered on the device first
+            seq.insert(0, Load("embed-in", "embed"))
         seq.append(Load("head", "head"))
         if self.spec.tie_embeddings:
             seq.append(Load("embed", "embed"))
@@ -339,9 +385,9 @@ class Engine:
         weights and the embedding rows, so the rows' copy is queued right behind W_0, before W_1
         (whose load waits for layer 1's update, which the CPU optimizer runs after the
         embedding's): on the in-order copy queue it must not wait for that update."""
-        self.loader.begin(seq, ahead=1)
+        self.loader.begin(seq, ahead=1 if self.dist is None else 2)
         with self.tracer.span("host", "embed"):
-            x = self._embed(mbs)
+            x = self._embed(mbs) if self.dist is None else self._embed_sharded(mbs)
         self.loader.fill()
         return x
 
@@ -359,6 +405,19 @@ class Engine:
         for mb in mbs:
             n = mb.input_ids.numel() * self.spec.hidden
             out.append(dev[off : off + n].view(*mb.input_ids.shape, self.spec.hidden))
+            off += n
+        return out
+
+    def _embed_sharded(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """Pick the input rows from the embedding table all-gathered on the device."""
+        w, _ = self.loader.acquire("embed-in")
+        ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
+        rows = embed_rows(w["embed"], ids)  # (n, H)
+        self.loader.release("embed-in")
+        out, off = [], 0
+        for mb in mbs:
+            n = mb.input_ids.numel()
+            out.append(rows[off : off + n].view(*mb.input_ids.shape, self.spec.hidden))
             off += n
         return out
 
@@ -381,7 +440,7 @@ class Engine:
                 out = []
                 for m, (xm, c) in enumerate(zip(x, ctxs, strict=True)):
                     if lora is not None:
-                        lora.mb = m
+                        lora.mb = self.mb_base + m  # the global micro-batch: dropout masks as on one rank
                     out.append(self.tmpl.forward(i, w, xm, c, lora))
                 x = out
             self.loader.release(f"f{i}")
@@ -413,9 +472,10 @@ class Engine:
         if self.head_g is not None:  # a trained head (not LoRA)
             gh = self.host["head"].views(self.head_g)
             self.head_g.zero_()
-            g_lm = (
-                self.host["embed"].views(self.embed_g)["embed"] if self.embed_g is not None else gh["lm_head"]
-            )
+            if self.spec.tie_embeddings and self.embed_g is not None:  # the LM head is the embedding
+                g_lm = self.host["embed"].views(self.embed_g)["embed"]
+            else:
+                g_lm = gh["lm_head"]
             if self.embed_g is not None:
                 self.embed_g.zero_()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.t.device)
@@ -439,6 +499,9 @@ class Engine:
                 dx.append(dh)
         self._release_head()
         if self.head_g is None:
+            return loss_sum, dx
+        if self.sharded is not None:  # a tied LM head's gradient goes with the embedding's
+            self.grad_ready["head"] = self.sharded.reduce("head", self.head_g, "head")
             return loss_sum, dx
         if self.spec.tie_embeddings and not self.t.shares_host:
             ev = self.t.d2h([(self.host["embed"].grad, self.embed_g)], [self.t.record()], "g-lm")
@@ -484,7 +547,9 @@ class Engine:
                 if want_dx or leaves:
                     self._backward_layer(i, w, lora, leaves, saved, dx, ctxs, shapes, want_dx, gv, unit)
             self.loader.release(f"b{i}")
-            if unit is not None:
+            if unit is not None and self.sharded is not None:
+                self.gacc_free[k] = self.grad_ready[unit] = self.sharded.reduce(unit, g, k)
+            elif unit is not None:
                 sq.extend(sumsq(g))
                 self.gacc_free[k] = self.grad_ready[unit] = self._send_grad(unit, g, k)
         return dx
@@ -495,7 +560,7 @@ class Engine:
             return None, None
         if self.wire is None:
             self.t.wait(self.gacc_free[k])  # its previous contents have reached the host
-        g = self.host[unit].grad if self.direct else self.gacc[k][: self.host[unit].layout.numel]
+        g = self.host[unit].grad if self.direct else self.gacc[k][: self._grad_numel(unit)]
         g.zero_()
         gv = self._gacc_views.get((k, unit))
         if gv is None:
@@ -512,7 +577,7 @@ class Engine:
             xi = saved[off : off + n].view(shape).detach().requires_grad_(want_dx)
             off += n
             if lora is not None:
-                lora.mb = m
+                lora.mb = self.mb_base + m  # the global micro-batch: dropout masks as on one rank
             with torch.enable_grad():
                 y, extra = self.tmpl.objective(i, w, xi, c, lora)
                 outs, seeds = (
@@ -525,6 +590,17 @@ class Engine:
             for name, gw in zip(names, grads, strict=True):
                 if gw is not None:  # None: a tensor this micro-batch never reached (an unrouted expert bias)
                     gv[name].add_(gw)  # fp32 accumulation across micro-batches
+
+    def _embed_backward_sharded(self, dx: list[torch.Tensor], mbs: list[MicroBatch]) -> None:
+        """The embedding's gradient on the device (a tied head's already in it), reduce-scattered."""
+        if self.lora is not None:  # LoRA: the embedding gets no gradient
+            return
+        assert self.embed_g is not None and self.sharded is not None
+        if not self.spec.tie_embeddings:
+            self.embed_g.zero_()
+        ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
+        embed_grad(self.host["embed"].views(self.embed_g)["embed"], ids, dx, self.spec.padding_idx)
+        self.grad_ready["embed"] = self.sharded.reduce("embed", self.embed_g, "embed")
 
     def _embed_backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch]) -> float:
         """Scatter-add the input gradient into the embedding's fp32 grad, on the host."""
@@ -572,7 +648,11 @@ class Engine:
                     xm, self.tmpl.final_norm, w, lm, idx, tgt, self.cfg.loss_chunk, self.tmpl.logits
                 )
             self._release_head()
-            return float(total.item()), sum(mb.label_tokens for mb in mbs)
+            tokens = sum(mb.label_tokens for mb in mbs)
+            if self.sharded is not None:  # this rank's share: the sums over every rank's
+                loss, n = self.sharded.sum_all(lambda: [float(total), float(tokens)])
+                return loss, int(n)
+            return float(total.item()), tokens
 
     @torch.no_grad()
     def logits(self, mb: MicroBatch) -> torch.Tensor:

@@ -15,6 +15,8 @@ fingerprint) but its adapters as a PEFT adapter, with their exact fp32 masters:
 
 Written into an owner-named temp dir beside the others, with the checksums file last, fsynced,
 then renamed to step_N: a crash or a full disk leaves the previous checkpoints as they were.
+
+Sharded runs write and read the same files, each rank its slices (train/sharded_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..lora import peft
 from ..store import Store, StoreWriter
 from ..store import checkpoint as ckpt
 from ..store.writer import tensor_bytes
+from . import sharded_checkpoint
 
 STATE_BUFFERS = ("lo", "m", "v", "lo8", "qm", "qw", "sm", "sw")  # those a unit's state kinds have
 LORA_BUFFERS = ("m", "v")  # the master is the adapter file's fp32 tensors
@@ -46,6 +49,35 @@ def save(
     engine, run_dir: Path, step: int, trainer: dict, config_yaml: str, model_store: Store, keep_last: int
 ) -> Path:
     """Write checkpoint step_N for the engine's current (fully updated) state, then prune."""
+    if engine.dist is not None and engine.lora is None:  # every rank its slices
+
+        def meta(tmp: Path, known: dict[str, int]) -> None:
+            _write_meta(tmp, trainer, config_yaml, known)
+
+        return sharded_checkpoint.save(
+            engine,
+            engine.dist,
+            run_dir,
+            step,
+            trainer,
+            config_yaml,
+            model_store,
+            keep_last,
+            STATE_BUFFERS,
+            meta,
+        )
+    if engine.dist is not None:  # LoRA: the adapters are whole (and the same) on every rank
+        return sharded_checkpoint.on_rank0(
+            engine,
+            engine.dist,
+            lambda: _save(engine, run_dir, step, trainer, config_yaml, model_store, keep_last),
+        )
+    return _save(engine, run_dir, step, trainer, config_yaml, model_store, keep_last)
+
+
+def _save(
+    engine, run_dir: Path, step: int, trainer: dict, config_yaml: str, model_store: Store, keep_last: int
+) -> Path:
     engine.wait()
     phase("checkpoint", step)
     root = Path(run_dir) / "checkpoints"
@@ -118,6 +150,11 @@ def _write_state(engine, tmp: Path, trainer: dict, config_yaml: str, keys: tuple
             if key in bufs:
                 fname = f"{name}.{key}.bin"
                 sums[f"state/{fname}"] = _write_raw(state / fname, bufs[key])
+    _write_meta(tmp, trainer, config_yaml, sums)
+
+
+def _write_meta(tmp: Path, trainer: dict, config_yaml: str, sums: dict[str, int]) -> None:
+    """config.yaml, trainer.json, then the checksums of everything (those in `sums` known)."""
     (tmp / ckpt.CONFIG).write_text(config_yaml)
     (tmp / ckpt.TRAINER).write_text(json.dumps({**trainer, "rng": _rng_state()}, indent=1))
     ckpt.write_sums(tmp, sums)
@@ -150,6 +187,10 @@ def load(engine, ck: Path) -> dict:
         if rel not in sums or ckpt.crc_file(ck / rel) != sums[rel][1]:
             raise ckpt.CheckpointDamaged(f"{ck / rel}: missing or fails its checksum")
         engine.host.set_tensors(peft.read_weights(ck / "adapter", engine.lora.expected()))
+    if engine.dist is not None and engine.lora is None:  # this rank's ranges; checksums split over ranks
+        sharded_checkpoint.verify_split(engine.dist, ck, Store.open(ck))
+        sharded_checkpoint.read_slices(engine, ck, sums, keys)
+        keys = ()
     for name, st in engine.host.units.items():
         bufs = st.buffers()
         for key in keys:

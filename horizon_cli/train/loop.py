@@ -2,6 +2,11 @@
 
 The data of step s is a pure function of (seed, s), and a checkpoint holds the complete
 training state, so a run resumed from step_N continues exactly as if it had never stopped.
+
+Sharded runs (`dist`): every rank builds the same global batch and takes its contiguous share
+of its micro-batches (the same number on every rank: dist.shard.check_world); the loss is
+divided by the global batch's label count, which every rank counts itself. Rank 0 alone writes
+metrics, shows progress and finishes the run (plot, export); checkpoints are collective.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from rich.progress import Progress
 from ..arch import ArchSpec
 from ..config import Config, dump_yaml
 from ..data import PreparedData, batch_rows, collate, prepare_data
+from ..data.batch import MicroBatch
+from ..dist.comm import Dist
 from ..engine.adapters import LoraSetup
 from ..engine.schedule import Engine, StepResult
 from ..errors import HorizonError, InputError
@@ -72,9 +79,17 @@ def load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: C
 
 class Trainer:
     def __init__(
-        self, cfg: Config, store: Store, rd: RunDir, console: Console, lora: LoraSetup | None = None
+        self,
+        cfg: Config,
+        store: Store,
+        rd: RunDir,
+        console: Console,
+        lora: LoraSetup | None = None,
+        dist: Dist | None = None,
     ):
         self.cfg, self.store, self.rd, self.console = cfg, store, rd, console
+        self.dist = dist  # a sharded run's rank (None: one process)
+        self.main = dist is None or dist.is_main
         self.lora = lora  # LoRA: the frozen base is `store` itself, checkpoints hold the adapters
         self.run_dir = rd.path
         self.proc = psutil.Process()
@@ -91,12 +106,16 @@ class Trainer:
         if self.rd.trained:
             self.rd.begin()
             return self._finish(self.rd.resume_step)
-        self.data = load_data(self.cfg, self.store, self.run_dir / "cache", self.console)
+        self.data = self._load_data()
         try:
             state = self._resume()
             self.rd.begin()  # everything is checked and loaded: from here on the run dir changes
             self.bad = state.get("bad_steps", 0)
-            self.metrics = MetricsLog(self.run_dir, state["step"], self.cfg.log.tensorboard, self.console)
+            self.metrics = (
+                MetricsLog(self.run_dir, state["step"], self.cfg.log.tensorboard, self.console)
+                if self.main
+                else _NoMetrics()
+            )
             try:
                 last = self._loop(state["step"])
             finally:
@@ -104,6 +123,14 @@ class Trainer:
             return self._finish(last)
         finally:
             self._close_engine()
+
+    def _load_data(self) -> PreparedData:
+        """Rank 0 tokenizes (and fills the run's cache) first; the others then read the cache."""
+        if self.dist is None:
+            return load_data(self.cfg, self.store, self.run_dir / "cache", self.console)
+        data = load_data(self.cfg, self.store, self.run_dir / "cache", self.console) if self.main else None
+        self.dist.barrier()
+        return data or load_data(self.cfg, self.store, self.run_dir / "cache", self.console)
 
     def _resume(self) -> dict:
         """Build the engine on the newest checkpoint that loads intact (a damaged one is set
@@ -146,9 +173,25 @@ class Trainer:
             torch.set_num_threads(self.cfg.engine.compute_threads)
         with byte_progress(self.console, "load weights", src.nbytes()) as advance:
             tokens = self.cfg.train.batch_size * min(self.cfg.data.max_seq_len, src.arch.max_positions)
+            if self.dist is not None:  # split the batch: this rank's share of the micro-batches
+                tokens //= self.dist.world
             engine = Engine(
-                src, self.cfg.engine, self.cfg.optim, progress=advance, max_tokens=tokens, lora=self.lora
+                src,
+                self.cfg.engine,
+                self.cfg.optim,
+                progress=advance,
+                max_tokens=tokens,
+                lora=self.lora,
+                dist=self.dist,
             )
+        if self.dist is not None and (ck is None or self.lora is not None):  # the model's checksums, split
+            from .sharded_checkpoint import verify_split
+
+            try:
+                verify_split(self.dist, None, src)
+            except BaseException:
+                engine.close()
+                raise
         if engine.optimizer.note:
             self.console.print(f"[yellow]warning:[/] {engine.optimizer.note}")
         host = sum(engine.host.nbytes().values()) + (sum(engine.base.nbytes().values()) if engine.base else 0)
@@ -156,9 +199,12 @@ class Trainer:
         if self.lora is not None:
             n = sum(st.layout.params for st in engine.host.units.values())
             lora = f", LoRA r {self.lora.r} on {sum(map(len, self.lora.targets))} linear layers ({n:,} parameters)"
+        ranks = ""
+        if self.dist is not None:
+            ranks = f", rank {self.dist.rank} of {self.dist.world} (host state per rank)"
         self.console.print(
             f"engine: {engine.t.kind} {engine.t.device}, {self.cfg.engine.dtype}, prefetch {self.cfg.engine.prefetch}, "
-            f"AdamW kernel {engine.optimizer.kernel_name}, host state {fmt_bytes(host)}{lora}"
+            f"AdamW kernel {engine.optimizer.kernel_name}, host state {fmt_bytes(host)}{lora}{ranks}"
         )
         return engine
 
@@ -198,7 +244,8 @@ class Trainer:
         )
         rows = batch_rows(self.data.train, step, t.batch_size, t.seed, cfg.data.shuffle)
         mbs = collate(rows, t.micro_batch_size, self.data.pad_id)
-        res: StepResult = self.engine.step(mbs, lr)
+        tokens = sum(mb.label_tokens for mb in mbs)  # the global batch's: the loss's divisor
+        res: StepResult = self.engine.step(self._share(mbs), lr, tokens)
         return {
             "step": step + 1,
             "loss": res.loss if math.isfinite(res.loss) else None,
@@ -216,6 +263,13 @@ class Trainer:
             "aux_loss": res.aux_loss,  # MoE: load-balancing loss (None for dense models)
             "expert_imbalance": res.expert_imbalance,  # MoE: max/mean tokens per expert, per routed layer
         }
+
+    def _share(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
+        """This rank's contiguous share of the global batch's micro-batches (all of them on one)."""
+        if self.dist is None:
+            return mbs
+        k = len(mbs) // self.dist.world
+        return mbs[self.dist.rank * k : (self.dist.rank + 1) * k]
 
     def _show(self, prog: Progress, task, row: dict) -> None:
         loss = f"{row['loss']:.4f}" if row["loss"] is not None else "nan"
@@ -255,9 +309,23 @@ class Trainer:
         n = min(len(ev), t.batch_size * t.eval_batches)
         for a in range(0, n, t.batch_size):
             rows = ev.rows(range(a, min(n, a + t.batch_size)))
-            s, k = self.engine.eval_loss(collate(rows, t.micro_batch_size, self.data.pad_id))
+            s, k = self.engine.eval_loss(
+                self._eval_share(collate(rows, t.micro_batch_size, self.data.pad_id))
+            )
             total, tokens = total + s, tokens + k
         return total / tokens if tokens else None
+
+    def _eval_share(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
+        """Micro-batches dealt round-robin; a rank short of one gets a copy of the first with no
+        labels (every rank must run the same loads and collectives; it adds nothing)."""
+        if self.dist is None:
+            return mbs
+        w, r = self.dist.world, self.dist.rank
+        k = -(-len(mbs) // w)
+        mine = mbs[r::w]
+        while len(mine) < k:
+            mine.append(_unlabelled(mbs[0]))
+        return mine
 
     def save(self, step: int) -> Path:
         trainer = {
@@ -285,12 +353,18 @@ class Trainer:
         self.console.print(f"saved checkpoint {path}", highlight=False)
         return path
 
+    def _follower_finish(self, step: int, ck: Path) -> dict:
+        """A rank > 0 is done once the last checkpoint is written: rank 0 finishes the run."""
+        return {"step": step, "checkpoint": str(ck), "rank": self.dist.rank if self.dist else 0}
+
     def _finish(self, step: int) -> dict:
         """The last checkpoint, the loss plot, the export; then finished.json, written last."""
         if self._engine is not None and self.saved != step:
             ck = self.save(step)
         else:
             ck = self.run_dir / "checkpoints" / f"step_{step}"
+        if not self.main:
+            return self._follower_finish(step, ck)
         rows = read_metrics(self.run_dir / "metrics.jsonl")
         out = {"step": step, "checkpoint": str(ck), "final_loss": rows[-1]["loss"] if rows else None}
         if self.cfg.log.plot and rows:
@@ -315,3 +389,23 @@ class Trainer:
             highlight=False,
         )
         return out
+
+
+class _NoMetrics:
+    """Metrics of a rank > 0: rank 0 writes the run's."""
+
+    def write(self, row: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _unlabelled(mb: MicroBatch) -> MicroBatch:
+    from dataclasses import replace
+
+    import torch
+
+    from ..data.batch import IGNORE
+
+    return replace(mb, labels=torch.full_like(mb.labels, IGNORE))

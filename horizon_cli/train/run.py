@@ -25,6 +25,7 @@ from ..arch import ArchSpec, read_hf_config, spec_from_hf
 from ..config import Config, dump_yaml, load_config
 from ..config.schema import LoraConfig
 from ..data.prepare import check_lengths
+from ..dist.launch import joined, rank_device, world_from_env
 from ..dist.shard import check_world
 from ..dist.topology import World, world_for
 from ..engine.adapters import LoraSetup, lora_for
@@ -40,6 +41,7 @@ from ..store import checkpoint as ckpt
 from . import compat
 from .loop import Trainer, load_data
 from .metrics import tensorboard_writer
+from .ranks import claim
 from .rundir import RunDir
 
 
@@ -85,9 +87,10 @@ def run_training(
     assert isinstance(model, Store)
     check_device_fit(rungs[chosen], cfg.engine)  # the device: lower the micro-batch, not the rung
     check_fits(rungs, chosen, where)
+    cfg, console = join_world(cfg, console)
     if cfg.log.tensorboard:
         tensorboard_writer(None)  # fail now, not after loading the model
-    with stop_signals(), RunDir.claim(cfg, model, console) as rd:
+    with stop_signals(), joined(cfg.engine.device) as d, claim(cfg, model, console, d) as rd:
         phase("locked")
         if rd.finished():
             console.print(
@@ -96,7 +99,18 @@ def run_training(
             )
             return {"step": rd.resume_step, "checkpoint": str(rd.candidates[0]), "complete": True}
         with runtime_failures():
-            return Trainer(cfg, model, rd, console, lora).run()
+            return Trainer(cfg, model, rd, console, lora, dist=d).run()
+
+
+def join_world(cfg: Config, console: Console) -> tuple[Config, Console]:
+    """Under torchrun (WORLD_SIZE > 1): check the batch splits, put this rank on its own GPU
+    (cuda:LOCAL_RANK), and let only rank 0 print."""
+    world, rank, local = world_from_env()
+    if world == 1:
+        return cfg, console
+    check_world(cfg.train.batch_size, cfg.train.micro_batch_size, world)
+    cfg = replace(cfg, engine=replace(cfg.engine, device=rank_device(cfg.engine.device, local)))
+    return cfg, console if rank == 0 else Console(quiet=True)
 
 
 @dataclass

@@ -43,6 +43,7 @@ class RunDir:
         self.candidates: list[Path] = []  # intact checkpoints, newest first
         self.damaged: list[tuple[Path, str]] = []
         self.accepted: list[str] = []  # trajectory changes the config accepts
+        self.follower = False  # a sharded run's rank > 0: rank 0 owns the dir (train/ranks.py)
 
     # -- claim: checks only --------------------------------------------------------------------
     @classmethod
@@ -130,6 +131,8 @@ class RunDir:
 
     # -- begin: the run starts, the dir is written ---------------------------------------------
     def begin(self) -> None:
+        if self.follower:
+            return
         for ck, why in self.damaged:
             aside = ckpt.quarantine(ck)
             self.console.print(
@@ -144,6 +147,8 @@ class RunDir:
             self.console.print(f"[yellow]note:[/] resuming with a changed setting: {escape(line)}")
 
     def record_finished(self, ck: Path, exported: bool) -> None:
+        if self.follower:
+            return
         rec = {"step": ckpt.step_of(ck), "checkpoint": ck.name, "export": exported}
         write_text_atomic(self.path / FINISHED, json.dumps(rec) + "\n")
 
