@@ -343,8 +343,8 @@ MUTATIONS: list[Mutation] = [
       ["tests/test_inspect_store.py"],
       "memory plan counts one moment instead of two (inspect's B/param)"),
     M("plan-embed-grad", "optim", "horizon_cli/engine/plan.py",
-      'gitem + lays["embed"].numel * 4',
-      'gitem + lays["embed"].numel * gitem',
+      "grads = (numel - embed) * gitem + embed * 4",
+      "grads = (numel - embed) * gitem + embed * gitem",
       ["tests/test_inspect_store.py"], "memory plan counts the embedding's gradient in bf16 (it is fp32 on the host)"),
     # ---- data ------------------------------------------------------------------------------------------
     M("pack-boundary-label", "data", "horizon_cli/data/pack.py",
