@@ -30,7 +30,7 @@ from ..arch import ArchSpec
 from ..config.schema import LoraConfig
 from ..errors import InputError
 from ..lora import peft
-from ..lora.targets import Target, resolve_targets, scale
+from ..lora.targets import Target, peft_note, resolve_targets, scale
 from ..store.layout import ALIGN, Param, Slot, UnitLayout
 from .frozen import FrozenState
 from .host import HostState, UnitState, exact_state, segments
@@ -45,6 +45,7 @@ class LoraSetup:
     scale: float
     seed: int
     init: dict[str, torch.Tensor] | None = None  # PEFT key -> fp32, from lora.init
+    note: str = ""  # a warning for the user: the adapter does not load whole into peft (targets.peft_note)
 
     @property
     def r(self) -> int:
@@ -57,7 +58,9 @@ class LoraSetup:
 def lora_setup(cfg: LoraConfig, spec: ArchSpec, seed: int = 0) -> LoraSetup:
     """Resolve lora.targets (InputError naming what is wrong) and read lora.init (strictly)."""
     targets = resolve_targets(cfg.targets, spec)
-    setup = LoraSetup(cfg, targets, scale(cfg.alpha, cfg.r, cfg.use_rslora), seed)
+    setup = LoraSetup(
+        cfg, targets, scale(cfg.alpha, cfg.r, cfg.use_rslora), seed, note=peft_note(spec, targets)
+    )
     if cfg.init:
         init = Path(cfg.init)
         pcfg = peft.read_config(init)
