@@ -117,3 +117,26 @@ def test_peft_note_names_the_layers_peft_leaves_out():
             if isinstance(m, peft.tuners.lora.LoraLayer) and isinstance(m.get_base_layer(), torch.nn.Linear)
         }
         assert theirs == ours - lost, (family, sorted(theirs ^ (ours - lost)))
+
+
+def test_a_lora_run_resumes_after_its_init_adapter_is_gone(cfg, tmp_path):
+    """lora.init only seeds a fresh start: a resume starts from its checkpoint's adapters. It used
+    to be read (strictly) on every start, so a moved or deleted init dir stopped the resume."""
+    import shutil
+
+    assert horizon("train", cfg, "lora.r=4", "lora.alpha=8", "train.steps=2").exit_code == 0
+    init = tmp_path / "init"
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step_2" / "adapter", init)
+    over = ["lora.r=4", "lora.alpha=8", f"lora.init={init}"]
+    whole = tmp_path / "whole"
+    assert horizon("train", cfg, *over, "train.steps=2", f"output.dir={whole}").exit_code == 0
+    part = tmp_path / "part"
+    assert horizon("train", cfg, *over, "train.steps=1", f"output.dir={part}").exit_code == 0
+    shutil.rmtree(init)
+    r = horizon("train", cfg, *over, "train.steps=2", f"output.dir={part}")
+    assert r.exit_code == 0, r.output
+    adapter = "checkpoints/step_2/adapter/adapter_model.safetensors"
+    assert (part / adapter).read_bytes() == (whole / adapter).read_bytes()
+    # a fresh start still needs it, and says so before writing anything
+    msg = error_line(horizon("train", cfg, *over, "train.steps=2", f"output.dir={tmp_path / 'new'}"))
+    assert "lora.init" in msg and not (tmp_path / "new").exists()

@@ -45,6 +45,9 @@ class LoraSetup:
     scale: float
     seed: int
     init: dict[str, torch.Tensor] | None = None  # PEFT key -> fp32, from lora.init
+    # lora.init that could not be read: an error for a fresh start only (a resume starts from its
+    # checkpoint's adapters, so a moved or changed init dir must not stop it)
+    init_error: InputError | None = None
     note: str = ""  # a warning for the user: the adapter does not load whole into peft (targets.peft_note)
 
     @property
@@ -56,16 +59,20 @@ class LoraSetup:
 
 
 def lora_setup(cfg: LoraConfig, spec: ArchSpec, seed: int = 0) -> LoraSetup:
-    """Resolve lora.targets (InputError naming what is wrong) and read lora.init (strictly)."""
+    """Resolve lora.targets (InputError naming what is wrong) and read lora.init (strictly; what
+    is wrong with it is kept in init_error, raised when a fresh start needs it)."""
     targets = resolve_targets(cfg.targets, spec)
     setup = LoraSetup(
         cfg, targets, scale(cfg.alpha, cfg.r, cfg.use_rslora), seed, note=peft_note(spec, targets)
     )
     if cfg.init:
         init = Path(cfg.init)
-        pcfg = peft.read_config(init)
-        peft.check_config(pcfg, init, cfg.r, cfg.alpha, cfg.use_rslora)
-        setup.init = peft.read_weights(init, setup.expected())
+        try:
+            pcfg = peft.read_config(init)
+            peft.check_config(pcfg, init, cfg.r, cfg.alpha, cfg.use_rslora)
+            setup.init = peft.read_weights(init, setup.expected())
+        except InputError as e:
+            setup.init_error = e
     return setup
 
 
@@ -101,7 +108,7 @@ def adapter_layout(i: int, targets: list[Target], r: int) -> UnitLayout:
 def initial_adapters(setup: LoraSetup) -> dict[str, torch.Tensor]:
     """PEFT key -> fp32: lora.init's tensors, or PEFT's default init (A Kaiming-uniform as
     nn.Linear's, from a generator seeded with train.seed; B zero, so training starts at the base)."""
-    if setup.init is not None:
+    if setup.init is not None:  # (init_error: a resume, whose checkpoint overwrites these)
         return setup.init
     g = torch.Generator().manual_seed(setup.seed)
     out = {}

@@ -125,6 +125,8 @@ class Trainer:
             self.saved = state["step"]
             return state
         phase("load", 0)
+        if self.lora is not None and self.lora.init_error is not None:
+            raise self.lora.init_error  # a fresh start (every checkpoint damaged) needs lora.init
         self._engine = self._build_engine(None)
         return {"step": 0, "bad_steps": 0}
 

@@ -65,6 +65,8 @@ def run_training(
             f"(horizon convert {model.root} STORE); --dry-run plans it as it is"
         )
     lora = lora_for(cfg.lora, model, cfg.train.seed)  # targets and lora.init checked before any write
+    if lora is not None and lora.init_error is not None and not ckpt.intact(Path(cfg.output.dir))[0]:
+        raise lora.init_error  # a fresh start needs lora.init; a resume has its checkpoint
     if lora is not None and lora.note:
         console.print(f"[yellow]warning:[/] {escape(lora.note)}", highlight=False)
     check_lengths(cfg.data, model.arch.max_positions)
