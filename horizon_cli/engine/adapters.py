@@ -45,9 +45,6 @@ class LoraSetup:
     scale: float
     seed: int
     init: dict[str, torch.Tensor] | None = None  # PEFT key -> fp32, from lora.init
-    # lora.init that could not be read: an error for a fresh start only (a resume starts from its
-    # checkpoint's adapters, so a moved or changed init dir must not stop it)
-    init_error: InputError | None = None
     note: str = ""  # a warning for the user: the adapter does not load whole into peft (targets.peft_note)
 
     @property
@@ -58,25 +55,29 @@ class LoraSetup:
         return peft.expected_shapes(self.targets, self.cfg.r)
 
 
-def lora_setup(cfg: LoraConfig, spec: ArchSpec, seed: int = 0) -> LoraSetup:
-    """Resolve lora.targets (InputError naming what is wrong) and read lora.init (strictly; what
-    is wrong with it is kept in init_error, raised when a fresh start needs it)."""
+def lora_setup(cfg: LoraConfig, spec: ArchSpec, seed: int = 0, read_init: bool = True) -> LoraSetup:
+    """Resolve lora.targets (InputError naming what is wrong) and read lora.init (strictly), unless
+    read_init is False: a resume starts from its checkpoint's adapters and needs no lora.init."""
     targets = resolve_targets(cfg.targets, spec)
     setup = LoraSetup(
         cfg, targets, scale(cfg.alpha, cfg.r, cfg.use_rslora), seed, note=peft_note(spec, targets)
     )
-    if cfg.init:
-        init = Path(cfg.init)
-        try:
-            pcfg = peft.read_config(init)
-            peft.check_config(pcfg, init, cfg.r, cfg.alpha, cfg.use_rslora)
-            setup.init = peft.read_weights(init, setup.expected())
-        except InputError as e:
-            setup.init_error = e
+    if read_init:
+        load_init(setup)
     return setup
 
 
-def lora_for(lora: LoraConfig | None, store, seed: int = 0) -> LoraSetup | None:
+def load_init(setup: LoraSetup) -> None:
+    """setup.init from lora.init (when given), checked against the config and the targets."""
+    cfg = setup.cfg
+    if cfg.init and setup.init is None:
+        init = Path(cfg.init)
+        pcfg = peft.read_config(init)
+        peft.check_config(pcfg, init, cfg.r, cfg.alpha, cfg.use_rslora)
+        setup.init = peft.read_weights(init, setup.expected())
+
+
+def lora_for(lora: LoraConfig | None, store, seed: int = 0, read_init: bool = True) -> LoraSetup | None:
     """A run's lora section resolved against its store (None: full fine-tuning). A 4-bit store
     cannot be fully fine-tuned: without a lora section it is refused."""
     if lora is None:
@@ -86,7 +87,7 @@ def lora_for(lora: LoraConfig | None, store, seed: int = 0) -> LoraSetup | None:
                 "fine-tuned: add a lora: section (or convert without --quantize)"
             )
         return None
-    return lora_setup(lora, store.arch, seed)
+    return lora_setup(lora, store.arch, seed, read_init)
 
 
 def unit_name(i: int) -> str:
@@ -108,7 +109,7 @@ def adapter_layout(i: int, targets: list[Target], r: int) -> UnitLayout:
 def initial_adapters(setup: LoraSetup) -> dict[str, torch.Tensor]:
     """PEFT key -> fp32: lora.init's tensors, or PEFT's default init (A Kaiming-uniform as
     nn.Linear's, from a generator seeded with train.seed; B zero, so training starts at the base)."""
-    if setup.init is not None:  # (init_error: a resume, whose checkpoint overwrites these)
+    if setup.init is not None:
         return setup.init
     g = torch.Generator().manual_seed(setup.seed)
     out = {}

@@ -87,11 +87,11 @@ def check_resume(old_config_text: str | None, cfg: Config, where: str) -> list[s
     diff = changes(old, to_dict(cfg))
     state = [d for d in diff if d[0] in STATE]
     if state:
-        listing = ", ".join(f"{k} {_show(a)} (this run: {_show(b)})" for k, a, b in state)
+        listing = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in state)
         raise InputError(
-            f"output.dir: {where} was trained with {listing}; its state cannot be resumed with "
-            f"another {' or '.join(k for k, _, _ in state)} (not even with train.accept_changes): "
-            "use another output.dir"
+            f"output.dir: {where} was trained with other settings that change the run: {listing}; "
+            f"its state cannot be resumed with another {' or '.join(k for k, _, _ in state)} "
+            "(not even with train.accept_changes): use another output.dir"
         )
     refused = [d for d in diff if not _under(d[0], cfg.train.accept_changes)]
     if refused:

@@ -18,7 +18,7 @@ from rich.progress import Progress
 from ..arch import ArchSpec
 from ..config import Config, dump_yaml
 from ..data import PreparedData, batch_rows, collate, prepare_data
-from ..engine.adapters import LoraSetup
+from ..engine.adapters import LoraSetup, load_init
 from ..engine.schedule import Engine, StepResult
 from ..errors import HorizonError, InputError
 from ..faults import phase
@@ -125,8 +125,8 @@ class Trainer:
             self.saved = state["step"]
             return state
         phase("load", 0)
-        if self.lora is not None and self.lora.init_error is not None:
-            raise self.lora.init_error  # a fresh start (every checkpoint damaged) needs lora.init
+        if self.lora is not None:
+            load_init(self.lora)  # a fresh start after all (every checkpoint damaged) needs lora.init
         self._engine = self._build_engine(None)
         return {"step": 0, "bad_steps": 0}
 

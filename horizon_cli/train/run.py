@@ -64,9 +64,8 @@ def run_training(
             f"model.path: {model.root} is an HF checkpoint, not a store: convert it first "
             f"(horizon convert {model.root} STORE); --dry-run plans it as it is"
         )
-    lora = lora_for(cfg.lora, model, cfg.train.seed)  # targets and lora.init checked before any write
-    if lora is not None and lora.init_error is not None and not ckpt.intact(Path(cfg.output.dir))[0]:
-        raise lora.init_error  # a fresh start needs lora.init; a resume has its checkpoint
+    fresh = not ckpt.intact(Path(cfg.output.dir))[0]  # a resume needs no lora.init: it has its checkpoint
+    lora = lora_for(cfg.lora, model, cfg.train.seed, read_init=fresh)  # checked before any write
     if lora is not None and lora.note:
         console.print(f"[yellow]warning:[/] {escape(lora.note)}", highlight=False)
     check_lengths(cfg.data, model.arch.max_positions)
