@@ -144,3 +144,26 @@ def test_a_lora_run_resumes_after_its_init_adapter_is_gone(cfg, tmp_path):
     # a fresh start still needs it, and says so before writing anything
     msg = error_line(horizon("train", cfg, *over, "train.steps=2", f"output.dir={tmp_path / 'new'}"))
     assert "lora.init" in msg and not (tmp_path / "new").exists()
+
+
+def test_moe_with_an_expert_width_not_a_multiple_of_8_runs_in_bf16(tmp_path):
+    """transformers' grouped_mm experts need 16-byte strides: an expert width of 36 failed at the
+    first step in bf16 with a traceback ("strides should be multiple of 16 bytes"). Such a model
+    now runs transformers' batched_mm experts, and gives transformers' logits."""
+    import torch
+    from oracle import make_engine, make_store, rel_err
+
+    from horizon_cli.data.batch import IGNORE, MicroBatch
+
+    model, store = make_store(tmp_path, "mixtral", dtype="bfloat16", intermediate_size=36)
+    eng = make_engine(store, dtype="bfloat16")
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+    try:
+        out = eng.logits(MicroBatch(ids, torch.full_like(ids, IGNORE), torch.arange(12)[None]))[0]
+    finally:
+        eng.close()
+    model = model.to(torch.bfloat16)
+    model.config._experts_implementation = "batched_mm"  # transformers' grouped_mm fails here too
+    with torch.no_grad():
+        want = model(input_ids=ids).logits[0]
+    assert rel_err(out.float(), want.float()) < 5e-3  # bf16 rounding (measured 7.6e-4)
