@@ -30,7 +30,7 @@ from ..arch import ArchSpec
 from ..config.schema import LoraConfig
 from ..errors import InputError
 from ..lora import peft
-from ..lora.targets import Target, resolve_targets, scale
+from ..lora.targets import Target, peft_note, resolve_targets, scale
 from ..store.layout import ALIGN, Param, Slot, UnitLayout
 from .frozen import FrozenState
 from .host import HostState, UnitState, exact_state, segments
@@ -45,6 +45,7 @@ class LoraSetup:
     scale: float
     seed: int
     init: dict[str, torch.Tensor] | None = None  # PEFT key -> fp32, from lora.init
+    note: str = ""  # a warning for the user: the adapter does not load whole into peft (targets.peft_note)
 
     @property
     def r(self) -> int:
@@ -54,19 +55,29 @@ class LoraSetup:
         return peft.expected_shapes(self.targets, self.cfg.r)
 
 
-def lora_setup(cfg: LoraConfig, spec: ArchSpec, seed: int = 0) -> LoraSetup:
-    """Resolve lora.targets (InputError naming what is wrong) and read lora.init (strictly)."""
+def lora_setup(cfg: LoraConfig, spec: ArchSpec, seed: int = 0, read_init: bool = True) -> LoraSetup:
+    """Resolve lora.targets (InputError naming what is wrong) and read lora.init (strictly), unless
+    read_init is False: a resume starts from its checkpoint's adapters and needs no lora.init."""
     targets = resolve_targets(cfg.targets, spec)
-    setup = LoraSetup(cfg, targets, scale(cfg.alpha, cfg.r, cfg.use_rslora), seed)
-    if cfg.init:
+    setup = LoraSetup(
+        cfg, targets, scale(cfg.alpha, cfg.r, cfg.use_rslora), seed, note=peft_note(spec, targets)
+    )
+    if read_init:
+        load_init(setup)
+    return setup
+
+
+def load_init(setup: LoraSetup) -> None:
+    """setup.init from lora.init (when given), checked against the config and the targets."""
+    cfg = setup.cfg
+    if cfg.init and setup.init is None:
         init = Path(cfg.init)
         pcfg = peft.read_config(init)
         peft.check_config(pcfg, init, cfg.r, cfg.alpha, cfg.use_rslora)
         setup.init = peft.read_weights(init, setup.expected())
-    return setup
 
 
-def lora_for(lora: LoraConfig | None, store, seed: int = 0) -> LoraSetup | None:
+def lora_for(lora: LoraConfig | None, store, seed: int = 0, read_init: bool = True) -> LoraSetup | None:
     """A run's lora section resolved against its store (None: full fine-tuning). A 4-bit store
     cannot be fully fine-tuned: without a lora section it is refused."""
     if lora is None:
@@ -76,7 +87,7 @@ def lora_for(lora: LoraConfig | None, store, seed: int = 0) -> LoraSetup | None:
                 "fine-tuned: add a lora: section (or convert without --quantize)"
             )
         return None
-    return lora_setup(lora, store.arch, seed)
+    return lora_setup(lora, store.arch, seed, read_init)
 
 
 def unit_name(i: int) -> str:

@@ -41,6 +41,20 @@ class GenericContext:
     tokens: torch.Tensor  # (b*T,) fp32: 1 for real tokens, 0 for padding
 
 
+def _experts_fallback(model) -> None:
+    """transformers' grouped_mm experts need 16-byte strides: an expert matrix whose width is not a
+    multiple of 8 elements fails in bf16 ("strides should be multiple of 16 bytes"; transformers'
+    own model too). Such models (no released one) run its batched_mm experts: the same arithmetic
+    without the grouped GEMM. The layers read config._experts_implementation at call time."""
+    cfg = model.config
+    if getattr(cfg, "_experts_implementation", None) != "grouped_mm":
+        return
+    for name, p in model.named_parameters():
+        if ".experts." in name and p.dim() == 3 and any(d % 8 for d in p.shape[1:]):
+            cfg._experts_implementation = "batched_mm"
+            return
+
+
 class GenericTemplate:
     def __init__(self, spec: ArchSpec, device: torch.device, lora_targets=None):
         g = spec.generic
@@ -48,6 +62,7 @@ class GenericTemplate:
         self.g, self.device = g, device
         self.cfg = hf_config(g["config"], attn=g["attn"])
         model = meta_model(g["config"], g["attn"])
+        _experts_fallback(model)
         base = getattr(model, model.base_model_prefix)
         self.layers = list(base.layers)  # meta modules: templates only, never hold weights
         self.norm = base.norm

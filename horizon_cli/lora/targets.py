@@ -131,6 +131,42 @@ def resolve_targets(
     return out
 
 
+# peft (with transformers 5) converts the target_modules of a model whose experts transformers
+# fused: the names of the v4 expert projections become the fused experts' target_parameters and
+# leave target_modules, so a dense linear layer of the same name (DeepSeek-V3's first dense layers,
+# shared experts) gets no adapter when peft loads the adapter. Keyed by transformers' conversion
+# pattern (peft adds mixtral's own).
+PEFT_EXPERT_NAMES = {
+    "qwen2_moe": ("gate_proj", "up_proj", "down_proj", "gate"),
+    "mixtral": ("w1", "w2", "w3", "gate"),
+}
+
+
+def peft_dropped(spec: ArchSpec, targets: list[list[Target]]) -> list[Target]:
+    """The adapted layers peft would leave out when it loads this model's adapter (see above)."""
+    try:
+        from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN as patterns
+    except ImportError:  # a transformers without the v5 conversion: peft converts nothing
+        return []
+    pattern = "mixtral" if spec.family == "mixtral" else patterns.get(spec.family, "")
+    names = PEFT_EXPERT_NAMES.get(pattern, ())
+    return [t for layer in targets for t in layer if t.rel.rsplit(".", 1)[-1] in names]
+
+
+def peft_note(spec: ArchSpec, targets: list[list[Target]]) -> str:
+    """A warning for peft_dropped, or ""."""
+    lost = peft_dropped(spec, targets)
+    if not lost:
+        return ""
+    names = sorted({t.rel.rsplit(".", 1)[-1] for t in lost})
+    return (
+        f"peft reads {', '.join(names)} in a {spec.family} adapter as its fused experts, so "
+        f"PeftModel.from_pretrained leaves out {len(lost)} of this run's adapted layers (e.g. {lost[0].module}) "
+        f"and does not give the merged export's logits; output.dir/export has them all. For an "
+        f"adapter peft loads whole, leave {', '.join(names)} out of lora.targets"
+    )
+
+
 def scale(alpha: float, r: int, rslora: bool) -> float:
     """PEFT's `scaling`: alpha / r, or alpha / sqrt(r) with rank-stabilised LoRA."""
     return alpha / math.sqrt(r) if rslora else alpha / r

@@ -36,6 +36,11 @@ FREE = (
 )
 
 
+# Keys that shape what a checkpoint holds: another value cannot read its state (lean's compressed
+# moments are not exact's; rank-r adapters are not rank-r' ones), so a change is refused even when
+# accepted. engine.dtype is refused before this (RunDir: the model and state checks).
+STATE = ("optim.memory", "lora.r")
+
 OPTIONAL = ("lora",)  # sections that may be null: switching one on or off changes the run
 
 
@@ -80,6 +85,14 @@ def check_resume(old_config_text: str | None, cfg: Config, where: str) -> list[s
         return []
     old = yaml.safe_load(old_config_text) or {}
     diff = changes(old, to_dict(cfg))
+    state = [d for d in diff if d[0] in STATE]
+    if state:
+        listing = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in state)
+        raise InputError(
+            f"output.dir: {where} was trained with other settings that change the run: {listing}; "
+            f"its state cannot be resumed with another {' or '.join(k for k, _, _ in state)} "
+            "(not even with train.accept_changes): use another output.dir"
+        )
     refused = [d for d in diff if not _under(d[0], cfg.train.accept_changes)]
     if refused:
         listing = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in refused)

@@ -25,7 +25,7 @@ from ..config import Config, dump_yaml
 from ..data import PreparedData, batch_rows, collate, prepare_data
 from ..data.batch import MicroBatch
 from ..dist.comm import Dist
-from ..engine.adapters import LoraSetup
+from ..engine.adapters import LoraSetup, load_init
 from ..engine.schedule import Engine, StepResult
 from ..errors import HorizonError, InputError
 from ..faults import phase
@@ -152,6 +152,8 @@ class Trainer:
             self.saved = state["step"]
             return state
         phase("load", 0)
+        if self.lora is not None:
+            load_init(self.lora)  # a fresh start after all (every checkpoint damaged) needs lora.init
         self._engine = self._build_engine(None)
         return {"step": 0, "bad_steps": 0}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import threading
@@ -17,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Table
 
@@ -75,7 +77,10 @@ def run_training(
             f"model.path: {model.root} is an HF checkpoint, not a store: convert it first "
             f"(horizon convert {model.root} STORE); --dry-run plans it as it is"
         )
-    lora = lora_for(cfg.lora, model, cfg.train.seed)  # targets and lora.init checked before any write
+    fresh = not ckpt.intact(Path(cfg.output.dir))[0]  # a resume needs no lora.init: it has its checkpoint
+    lora = lora_for(cfg.lora, model, cfg.train.seed, read_init=fresh)  # checked before any write
+    if lora is not None and lora.note and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
+        console.print(f"[yellow]warning:[/] {escape(lora.note)}", highlight=False)
     check_lengths(cfg.data, model.arch.max_positions)
     where = given_machine(*machine) if machine is not None else local_machine(cfg)
     chosen = run_rung(cfg, model)
@@ -218,8 +223,10 @@ def local_machine(cfg: Config) -> Machine:
 
 
 def given_machine(host_gib: float, device_gib: float) -> Machine:
-    if host_gib <= 0 or device_gib <= 0:
-        raise InputError("--host-gib/--device-gib: give both, as positive numbers of GiB")
+    if not all(math.isfinite(g) and g > 0 for g in (host_gib, device_gib)):  # nan, inf: no machine
+        raise InputError(
+            f"--host-gib/--device-gib: give both, as positive finite numbers of GiB (got {host_gib:g}, {device_gib:g})"
+        )
     host, dev = int(host_gib * 2**30), int(device_gib * 2**30)
     return Machine(host, dev, f"a machine with {fmt_bytes(host)} of RAM and a {fmt_bytes(dev)} CUDA device")
 
