@@ -113,3 +113,27 @@ def test_a_start_that_does_not_fit_names_the_rung_that_would(tiny_store, tmp_pat
     r = horizon("train", cfg)
     assert r.exit_code == 2 and "does not fit" in r.output and "largest rung that fits: lean" in r.output
     assert "optim.memory: lean" in r.output and not (tmp_path / "run").exists()
+
+
+def test_a_4bit_store_ladder_shows_full_finetuning_as_not_applicable(tmp_path):
+    """An NF4 store can only be a QLoRA base: exact, lean and lora (a bf16 base) are shown but not
+    applicable, never 'fits' nor the largest rung that fits, in the table and in --json."""
+    from oracle import make_store
+
+    _, store = make_store(tmp_path / "q", "llama", dtype="bfloat16", quantize="nf4")
+    data = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [3, 4, 5, 6, 7, 8]}] * 8)  # no tokenizer
+    cfg = write_config(tmp_path / "c.yaml", store.root, data, tmp_path / "run", lora={"r": 4})
+    out = tmp_path / "plan.json"
+    r = horizon("train", cfg, "--dry-run", "--json", out, "--host-gib", 64, "--device-gib", 80)
+    assert r.exit_code == 0, r.output
+    rows = [ln.split() for ln in r.output.splitlines() if ln.startswith("│")]
+    ladder_rows = [" ".join(w) for w in rows if w[1] in ("exact", "lean", "lora")]
+    assert len(ladder_rows) == 3 and all("n/a" in ln for ln in ladder_rows), r.output
+    plan = json.loads(out.read_text())
+    assert plan["memory"] == "qlora" and plan["applicable"] and plan["fits"]
+    for rung in ("exact", "lean", "lora"):
+        p = plan["ladder"][rung]
+        assert p["applicable"] is False and p["fits"] is False and "4-bit" in p["not_applicable"]
+        assert p["host_fits"] and p["device_fits"]  # the plan itself would fit this machine
+    assert plan["ladder"]["qlora"]["applicable"] and "not_applicable" not in plan["ladder"]["qlora"]
+    assert plan["largest_rung_that_fits"] == "qlora"
