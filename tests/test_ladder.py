@@ -137,3 +137,16 @@ def test_a_4bit_store_ladder_shows_full_finetuning_as_not_applicable(tmp_path):
         assert p["host_fits"] and p["device_fits"]  # the plan itself would fit this machine
     assert plan["ladder"]["qlora"]["applicable"] and "not_applicable" not in plan["ladder"]["qlora"]
     assert plan["largest_rung_that_fits"] == "qlora"
+
+
+def test_dry_run_on_a_lone_config_json_with_chat_data_names_the_directory(planned):
+    """data.format auto finds chat, which needs a tokenizer: the error says the config.json's
+    directory has none (it is not a store)."""
+    tmp, over = planned
+    cfg = ROOT / "configs" / "mistral-large-123b-sft.yaml"
+    r = horizon("train", cfg, *over, "data.format=auto", "--dry-run", "--host-gib", 64, "--device-gib", 80)
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1, r.output
+    msg = errors[0]
+    assert f"model.path: {tmp / 'ml'} holds a config.json but no tokenizer files" in msg
+    assert "and format 'chat' needs a tokenizer" in msg and "store" not in msg
