@@ -19,16 +19,15 @@ a speed-up, which needs one device per rank.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-import yaml  # noqa: E402
-from common import SHAPES, make_rows, param_count, write_rows  # noqa: E402
-from runner import ROOT, GiB, child_env, run_child  # noqa: E402
+import horizon_runs  # noqa: E402
+from common import SHAPES, param_count  # noqa: E402
+from runner import ROOT, GiB  # noqa: E402
 
 MODES = {"1x2": (1, 2), "2x1": (2, 1)}  # ranks x threads per rank
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
@@ -48,39 +47,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def prepare(a: argparse.Namespace) -> dict[str, Path]:
-    work = a.work / a.size
-    store, data = work / "store", work / "rows.jsonl"
-    if not (store / "manifest.json").is_file() or not data.is_file():
-        from prepare import save_stream
-
-        from horizon_cli.convert import convert
-
-        hf = work / "hf"
-        save_stream({"shape": SHAPES[a.size], "seq": a.seq, "hf_dtype": "bfloat16", "seed": 0}, hf)
-        convert(hf, store, dtype="bfloat16", force=True)
-        shutil.rmtree(hf)
-        write_rows(make_rows(a.batch * (a.steps + 2), a.seq, SHAPES[a.size]["vocab"]), data)
-    return {"store": store, "data": data}
-
-
-def config(a: argparse.Namespace, paths: dict, run: Path, threads: int) -> Path:
-    cfg = {
-        "model": {"path": str(paths["store"])},
-        "data": {"path": str(paths["data"]), "format": "tokens", "max_seq_len": a.seq, "shuffle": False},
-        "train": {"steps": a.steps, "batch_size": a.batch, "micro_batch_size": a.micro},
-        "optim": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.0, "grad_clip": 1.0},
-        "schedule": {"kind": "constant"},
-        "engine": {"device": "cpu", "dtype": a.dtype, "compute_threads": threads},
-        "output": {"dir": str(run), "export": False, "save_every": 0},
-        "log": {"every": 1, "plot": False},
-    }
-    path = run.parent / f"{run.name}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
-
-
 def host_state(log: Path) -> int:
     """The engine's host state (per rank) from its start-up line."""
     text = " ".join(log.read_text().split())
@@ -92,21 +58,21 @@ def train(a: argparse.Namespace, mode: str, paths: dict, tag: str) -> dict:
     ranks, threads = MODES[mode]
     run = a.work / a.size / "runs" / f"{mode}-{tag}"
     shutil.rmtree(run, ignore_errors=True)
-    cfg = config(a, paths, run, threads)
-    if ranks == 1:
-        cmd = [sys.executable, "-m", "horizon_cli", "train", str(cfg)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-        cmd += ["-m", "horizon_cli", "train", str(cfg)]
-    log = run.parent / f"{mode}-{tag}.log"
-    child = run_child(cmd, log, child_env(threads), limit_bytes=16 * GiB)
-    if child.rc != 0:
-        raise SystemExit(f"{mode}: exit {child.rc} {child.killed} (see {log})")
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
-    shutil.rmtree(run, ignore_errors=True)
-    timed = rows[1:]  # the first step compiles kernels for new shapes
+    engine = {"dtype": a.dtype, "compute_threads": threads}
+    cfg = horizon_runs.write_config(run, paths["store"], paths["data"], a, a.steps, engine)
+    cmd = horizon_runs.horizon_cmd()
+    if ranks > 1:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={ranks}",
+            *cmd[1:],
+        ]
+    child, rows, log = horizon_runs.train([*cmd, str(cfg)], run, threads, limit_gib=16)
     return {
-        "tokens_per_s": sum(r["input_tokens"] for r in timed) / sum(r["step_s"] for r in timed),
+        "tokens_per_s": horizon_runs.tokens_per_s(rows),
         "host_state_per_rank": host_state(log),
         "peak_rss_per_process": child.peak_rss,
         "peak_rss_tree": child.sampled_peak,
@@ -117,7 +83,7 @@ def train(a: argparse.Namespace, mode: str, paths: dict, tag: str) -> dict:
 
 def main(argv=None) -> None:
     a = parse_args(argv)
-    paths = prepare(a)
+    paths = horizon_runs.prepare(a.work / a.size, a.size, a.seq, a.batch * (a.steps + 2), {"store": ""})
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for k in range(a.repeat):
         for m in MODES:
@@ -128,19 +94,14 @@ def main(argv=None) -> None:
                   f"others {r['others_cpu']:.0%}", flush=True)  # fmt: skip
     out = {"size": a.size, "params": param_count(SHAPES[a.size]), "batch": a.batch, "seq": a.seq, "modes": {}}
     for m in MODES:
-        best = max(runs[m], key=lambda r: r["tokens_per_s"])
+        top = max(runs[m], key=lambda r: r["tokens_per_s"])
         out["modes"][m] = {
-            "tokens_per_s": best["tokens_per_s"],
-            "all_tokens_per_s": [r["tokens_per_s"] for r in runs[m]],
-            "host_state_per_rank": best["host_state_per_rank"],
+            **horizon_runs.best(runs[m]),
+            "host_state_per_rank": top["host_state_per_rank"],
             "peak_rss_per_process_gib": min(r["peak_rss_per_process"] for r in runs[m]) / GiB,
             "peak_rss_tree_gib": min(r["peak_rss_tree"] for r in runs[m]) / GiB,
-            "others_cpu": [r["others_cpu"] for r in runs[m]],
-            "losses": best["losses"],
         }
-    print(json.dumps(out["modes"], indent=1))
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(out, indent=1))
+    horizon_runs.save(out, a.json)
 
 
 if __name__ == "__main__":

@@ -15,19 +15,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-@pytest.fixture(scope="session")
-def tiny_store(tmp_path_factory) -> Path:
-    """A 2-layer Llama (tied embeddings, vocab 400) converted to fp32, with the tiny tokenizer."""
+def store_with_tokenizer(root: Path, family: str = "llama", **over) -> Path:
+    """A tiny `family` model (vocab 400, 128 positions; `over`: more config) saved with the tiny
+    tokenizer under root/hf and converted to fp32 at root/store."""
     from tiny_models import make_model, save
     from tiny_tokenizer import make_tokenizer
 
     from horizon_cli.convert import convert
 
-    root = tmp_path_factory.mktemp("tiny")
-    save(make_model("llama", tie=True, vocab_size=400, max_position_embeddings=128), root / "hf")
+    save(make_model(family, **{"vocab_size": 400, "max_position_embeddings": 128, **over}), root / "hf")
     make_tokenizer(root / "hf")
     convert(root / "hf", root / "store", dtype="float32")
     return root / "store"
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory) -> Path:
+    """A 2-layer Llama (tied embeddings, vocab 400) converted to fp32, with the tiny tokenizer."""
+    return store_with_tokenizer(tmp_path_factory.mktemp("tiny"), "llama", tie=True)
 
 
 def chat_rows(n: int = 48, seed: int = 0) -> list[dict]:

@@ -3,8 +3,10 @@ reference run (the HF model + torch.optim.AdamW) under DESIGN.md's loss semantic
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.convert import convert
 from horizon_cli.data.batch import IGNORE, MicroBatch
 from horizon_cli.engine.schedule import Engine
+from horizon_cli.engine.trace import Tracer
 from horizon_cli.store import Store
 
 
@@ -118,6 +121,13 @@ def hf_train(model, batches: list[list[MicroBatch]], lr=1e-3, betas=(0.9, 0.95),
     return losses
 
 
+def hf_train_hp(model, batches: list[list[MicroBatch]], hp: dict) -> list[float]:
+    """hf_train with a run's optimizer settings, as OptimConfig names them (lr, betas, eps,
+    weight_decay, grad_clip)."""
+    return hf_train(model, batches, lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                    wd=hp["weight_decay"], clip=hp["grad_clip"])  # fmt: skip
+
+
 def engine_weights(engine: Engine) -> dict[str, torch.Tensor]:
     """transformers' in-memory name -> fp32 master tensor held by the engine (frozen buffers too)."""
     out = {}
@@ -139,3 +149,21 @@ def engine_grads(engine: Engine) -> dict[str, torch.Tensor]:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+class StartSignal(Tracer):
+    """Sets `started` when the compute span `name` begins for the `nth` time (tests that hold one
+    thread until another reaches a point); `enabled` also records the spans."""
+
+    def __init__(self, name: str, nth: int, enabled: bool = False):
+        super().__init__(enabled=enabled)
+        self.name, self.nth, self.seen, self.started = name, nth, 0, threading.Event()
+
+    @contextlib.contextmanager
+    def span(self, lane, name, **args):
+        if lane == "compute" and name == self.name:
+            self.seen += 1
+            if self.seen == self.nth:
+                self.started.set()
+        with super().span(lane, name, **args):
+            yield

@@ -86,7 +86,8 @@ def test_pre_tokenized_data_trains_without_tokenizer_files(cfg, tmp_path, store_
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": "hello"}])
     fresh = {"dir": str(tmp_path / "run2")}  # the first run's dir would refuse the new data first
     msg = one_error_line(horizon("train", cfg(text, store_without_tokenizer, output=fresh)))
-    assert "model.path: the store has no tokenizer files, and format 'text' needs a tokenizer" in msg
+    assert f"model.path: store {store_without_tokenizer} has no tokenizer files" in msg
+    assert "and format 'text' needs a tokenizer" in msg
 
 
 BAD_DATA = [

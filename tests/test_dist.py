@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import chat_rows, write_config, write_jsonl
+from conftest import chat_rows, store_with_tokenizer, write_config, write_jsonl
 from safetensors.torch import load_file
 
 from horizon_cli.dist.crc import crc32_combine, crc32_of_pieces
@@ -158,32 +158,13 @@ def update_error(init: dict, ref: dict, run: dict) -> float:
 @pytest.fixture(scope="module")
 def untied_store(tmp_path_factory) -> Path:
     """A 2-layer Llama with its own LM head (the fp32 test's store ties it to the embedding)."""
-    from tiny_models import make_model, save
-    from tiny_tokenizer import make_tokenizer
-
-    from horizon_cli.convert import convert
-
-    root = tmp_path_factory.mktemp("untied")
-    save(make_model("llama", tie=False, vocab_size=400, max_position_embeddings=128), root / "hf")
-    make_tokenizer(root / "hf")
-    convert(root / "hf", root / "store", dtype="float32")
-    return root / "store"
+    return store_with_tokenizer(tmp_path_factory.mktemp("untied"), "llama", tie=False)
 
 
 @pytest.fixture(scope="module")
 def moe_store(tmp_path_factory) -> Path:
     """A 2-layer Qwen3-MoE with transformers' load-balancing loss on (output_router_logits)."""
-    from tiny_models import make_model, save
-    from tiny_tokenizer import make_tokenizer
-
-    from horizon_cli.convert import convert
-
-    root = tmp_path_factory.mktemp("moe")
-    model = make_model("qwen3_moe", output_router_logits=True, vocab_size=400, max_position_embeddings=128)
-    save(model, root / "hf")
-    make_tokenizer(root / "hf")
-    convert(root / "hf", root / "store", dtype="float32")
-    return root / "store"
+    return store_with_tokenizer(tmp_path_factory.mktemp("moe"), "qwen3_moe", output_router_logits=True)
 
 
 def aux_losses(run: Path) -> list[float]:

@@ -13,13 +13,12 @@ import threading
 import pytest
 import torch
 from conftest import chat_rows, write_config, write_jsonl
-from oracle import make_store, micro_batches, random_rows
+from oracle import StartSignal, make_store, micro_batches, random_rows
 from typer.testing import CliRunner
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.engine.optimizer import OptimizerWorker
 from horizon_cli.engine.schedule import Engine
-from horizon_cli.engine.trace import Tracer
 from horizon_cli.engine.transport import CpuTransport
 
 LAYERS = 6
@@ -98,28 +97,11 @@ def test_train_exits_with_one_line_after_a_device_oom(tiny_store, tmp_path, monk
     assert "Traceback" not in r.output
 
 
-class SignalTracer(Tracer):
-    """Sets `started` when the compute span `name` begins for the `nth` time."""
-
-    def __init__(self, name: str, nth: int):
-        super().__init__(enabled=True)
-        self.name, self.nth, self.seen, self.started = name, nth, 0, threading.Event()
-
-    @contextlib.contextmanager
-    def span(self, lane, name, **args):
-        if lane == "compute" and name == self.name:
-            self.seen += 1
-            if self.seen == self.nth:
-                self.started.set()
-        with super().span(lane, name, **args):
-            yield
-
-
 @pytest.mark.parametrize("link_gbps", [0.0, 1.0])
 def test_layer_0_does_not_wait_for_the_update_of_layer_1(store, monkeypatch, link_gbps):
     """Layer 1's update is held until layer 0's forward has started: if layer 0 waited for it,
     the hold would time out (and the step would wait for it)."""
-    tracer = SignalTracer("fwd 0", nth=2)  # step 2's
+    tracer = StartSignal("fwd 0", nth=2, enabled=True)  # step 2's
     held_too_long = []
     update = OptimizerWorker._update
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from oracle import engine_weights, hf_train, make_engine, make_store, micro_batches, random_rows, rel_err
+from oracle import engine_weights, hf_train_hp, make_engine, make_store, micro_batches, random_rows, rel_err
 
 STEPS = 20
 # lr 3e-4: 20 steps move weights by up to ~30%; fp32 rounding in gradients, amplified by Adam's
@@ -30,15 +30,7 @@ def test_twenty_steps_match_resident_adamw(tmp_path, family, tie):
     eng = make_engine(store, **HP)
     try:
         res = run_engine(eng, data, HP["lr"])
-        ref = hf_train(
-            model,
-            data,
-            lr=HP["lr"],
-            betas=tuple(HP["betas"]),
-            eps=HP["eps"],
-            wd=HP["weight_decay"],
-            clip=HP["grad_clip"],
-        )
+        ref = hf_train_hp(model, data, HP)
         assert any(r.grad_norm > HP["grad_clip"] for r in res), "clipping must be exercised"
         for r, l_ref in zip(res, ref, strict=True):
             assert abs(r.loss - l_ref) / l_ref < 1e-5

@@ -8,7 +8,7 @@ MoE families with their auxiliary loss on (and Mixtral off); weights, frozen buf
 import pytest
 from oracle import (
     engine_weights,
-    hf_train,
+    hf_train_hp,
     make_engine,
     make_store,
     one_thread,  # noqa: F401 (autouse fixture: tiny models on one thread)
@@ -41,15 +41,7 @@ def test_twenty_steps_match_resident_adamw(tmp_path, family, tie, aux):
     eng = make_engine(store, **HP)
     try:
         res = run_engine(eng, data, HP["lr"])
-        ref = hf_train(
-            model,
-            data,
-            lr=HP["lr"],
-            betas=tuple(HP["betas"]),
-            eps=HP["eps"],
-            wd=HP["weight_decay"],
-            clip=HP["grad_clip"],
-        )
+        ref = hf_train_hp(model, data, HP)
         assert any(r.grad_norm > HP["grad_clip"] for r in res), "clipping must be exercised"
         assert all(r.weight_loads == 2 * store.arch.n_layers for r in res)
         for r, l_ref in zip(res, ref, strict=True):

@@ -7,7 +7,7 @@ the run's norms: some steps are clipped, the others must be left alone.
 
 from __future__ import annotations
 
-from oracle import engine_weights, hf_train, make_engine, make_store, one_thread, rel_err  # noqa: F401
+from oracle import engine_weights, hf_train_hp, make_engine, make_store, one_thread, rel_err  # noqa: F401
 from test_engine_training import HP, batches, run_engine
 
 CLIP = 1.2  # the tiny Llama's gradient norms on this data run from ~1.0 to ~1.8
@@ -25,9 +25,7 @@ def test_clipping_leaves_small_gradients_alone(tmp_path):
         eng.close()
     norms = [r.grad_norm for r in res]
     assert min(norms) < CLIP < max(norms), norms  # both branches of the clip
-    ref = hf_train(
-        model, data, lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"], wd=hp["weight_decay"], clip=CLIP
-    )
+    ref = hf_train_hp(model, data, hp)
     for r, l_ref in zip(res, ref, strict=True):
         assert abs(r.loss - l_ref) / l_ref < 1e-5
     for name, p in model.named_parameters():

@@ -113,3 +113,40 @@ def test_a_start_that_does_not_fit_names_the_rung_that_would(tiny_store, tmp_pat
     r = horizon("train", cfg)
     assert r.exit_code == 2 and "does not fit" in r.output and "largest rung that fits: lean" in r.output
     assert "optim.memory: lean" in r.output and not (tmp_path / "run").exists()
+
+
+def test_a_4bit_store_ladder_shows_full_finetuning_as_not_applicable(tmp_path):
+    """An NF4 store can only be a QLoRA base: exact, lean and lora (a bf16 base) are shown but not
+    applicable, never 'fits' nor the largest rung that fits, in the table and in --json."""
+    from oracle import make_store
+
+    _, store = make_store(tmp_path / "q", "llama", dtype="bfloat16", quantize="nf4")
+    data = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [3, 4, 5, 6, 7, 8]}] * 8)  # no tokenizer
+    cfg = write_config(tmp_path / "c.yaml", store.root, data, tmp_path / "run", lora={"r": 4})
+    out = tmp_path / "plan.json"
+    r = horizon("train", cfg, "--dry-run", "--json", out, "--host-gib", 64, "--device-gib", 80)
+    assert r.exit_code == 0, r.output
+    rows = [ln.split() for ln in r.output.splitlines() if ln.startswith("│")]
+    ladder_rows = [" ".join(w) for w in rows if w[1] in ("exact", "lean", "lora")]
+    assert len(ladder_rows) == 3 and all("n/a" in ln for ln in ladder_rows), r.output
+    plan = json.loads(out.read_text())
+    assert plan["memory"] == "qlora" and plan["applicable"] and plan["fits"]
+    for rung in ("exact", "lean", "lora"):
+        p = plan["ladder"][rung]
+        assert p["applicable"] is False and p["fits"] is False and "4-bit" in p["not_applicable"]
+        assert p["host_fits"] and p["device_fits"]  # the plan itself would fit this machine
+    assert plan["ladder"]["qlora"]["applicable"] and "not_applicable" not in plan["ladder"]["qlora"]
+    assert plan["largest_rung_that_fits"] == "qlora"
+
+
+def test_dry_run_on_a_lone_config_json_with_chat_data_names_the_directory(planned):
+    """data.format auto finds chat, which needs a tokenizer: the error says the config.json's
+    directory has none (it is not a store)."""
+    tmp, over = planned
+    cfg = ROOT / "configs" / "mistral-large-123b-sft.yaml"
+    r = horizon("train", cfg, *over, "data.format=auto", "--dry-run", "--host-gib", 64, "--device-gib", 80)
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1, r.output
+    msg = errors[0]
+    assert f"model.path: {tmp / 'ml'} holds a config.json but no tokenizer files" in msg
+    assert "and format 'chat' needs a tokenizer" in msg and "store" not in msg

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import DEVICE, hf_train, make_store, micro_batches, random_rows, rel_err
+from oracle import DEVICE, hf_train_hp, make_store, micro_batches, random_rows, rel_err
 
 from horizon_cli.config.schema import EngineConfig, LoraConfig, OptimConfig
 from horizon_cli.engine.adapters import lora_setup
@@ -66,15 +66,7 @@ def check_against_peft(tmp_path, family, targets, rslora, steps=STEPS, quantize=
     try:
         res = [eng.step(mbs, HP["lr"]) for mbs in data]
         eng.wait()
-        ref = hf_train(
-            pm,
-            data,
-            lr=HP["lr"],
-            betas=(0.9, 0.95),
-            eps=HP["eps"],
-            wd=HP["weight_decay"],
-            clip=HP["grad_clip"],
-        )
+        ref = hf_train_hp(pm, data, HP)
         assert any(r.grad_norm > HP["grad_clip"] for r in res), "clipping must be exercised"
         for r, l_ref in zip(res, ref, strict=True):
             assert abs(r.loss - l_ref) / l_ref < 1e-5

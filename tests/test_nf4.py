@@ -113,3 +113,51 @@ def test_cli_inspect_export_and_the_refused_full_finetune(tmp_path):
         r.stderr.split()
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_moe_routers_gates_and_biases_stay_in_the_store_dtype(tmp_path):
+    """Routing decisions and biases are not quantized: the router's (E, hidden) weight, a shared
+    expert's (1, hidden) gate and gpt-oss's stacked expert biases read back exactly as the store
+    dtype holds them; the experts and the other linear weights are NF4; the LoRA plan's base
+    bytes are the store's."""
+    from horizon_cli.engine.lora_plan import base_bytes
+
+    kept = {"qwen2_moe": {"mlp.gate.weight", "mlp.shared_expert_gate.weight"},
+            "gpt_oss": {"mlp.router.weight", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"}}  # fmt: skip
+    for fam, names in kept.items():
+        model, store = make_store(tmp_path / fam, fam, dtype="bfloat16", quantize="nf4")
+        params = dict(model.named_parameters())
+        layer = store.manifest.unit("layer.0")
+        dtypes = {t.name: t.dtype for t in layer.tensors}
+        assert {n for n in names if dtypes[n] == "bfloat16"} == names, dtypes
+        assert any(n.startswith("mlp.experts.gate_up_proj") and d == "nf4" for n, d in dtypes.items())
+        for n in names:
+            hf = store.layout("layer.0").slot(n).hf
+            assert torch.equal(store.tensor("layer.0", n), params[hf].detach().bfloat16()), n
+        plan = base_bytes(store.arch, "bfloat16", "nf4")
+        assert plan == {u.name: store.unit_bytes(u.name) for u in store.units}
+
+
+def test_a_version_3_store_with_nf4_routers_still_reads(tmp_path, monkeypatch):
+    """Stores written before routers were kept (manifest version 3: every tensor of whole NF4
+    blocks packed) open, check and dequantize as they were written."""
+    import json
+
+    from horizon_cli.store import packed
+
+    with monkeypatch.context() as m:  # an older horizon's packing
+        m.setattr(packed, "kept", lambda spec, lay: frozenset())
+        model, store = make_store(tmp_path, "mixtral", dtype="bfloat16", quantize="nf4")
+    man = store.root / "manifest.json"
+    d = json.loads(man.read_text())
+    assert d["version"] == 4
+    with pytest.raises(Exception, match="does not match its architecture's layout"):
+        Store.open(store.root)  # read as a current store, its NF4 router is out of place
+    man.write_text(json.dumps({**d, "version": 3}))
+    old = Store.open(old_root := store.root)
+    assert old.packed["layer.0"].slot("mlp.gate.weight").quant == "nf4"
+    old.verify()
+    w = model.model.layers[0].mlp.gate.weight.detach().bfloat16()
+    got = old.tensor("layer.0", "mlp.gate.weight")
+    assert got.shape == w.shape and not torch.equal(got, w)  # dequantized NF4
+    assert json.loads(Store.open(old_root).manifest.to_json())["version"] == 3

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import DEVICE, engine_weights, hf_train, make_store, one_thread  # noqa: F401
+from oracle import DEVICE, engine_weights, hf_train_hp, make_store, one_thread  # noqa: F401
 from test_engine_training import HP, batches, run_engine
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
@@ -70,15 +70,7 @@ def test_sliced_updates_match_resident_adamw(tmp_path, monkeypatch):
         ours = engine_weights(eng)
     finally:
         eng.close()
-    hf_train(
-        model,
-        data,
-        lr=HP["lr"],
-        betas=tuple(HP["betas"]),
-        eps=HP["eps"],
-        wd=HP["weight_decay"],
-        clip=HP["grad_clip"],
-    )
+    hf_train_hp(model, data, HP)
     for name, p in model.named_parameters():
         err = float((ours[name] - p.detach()).abs().max() / p.detach().abs().max())
         assert err < 1e-5, name

@@ -10,33 +10,14 @@ run must be bitwise the unheld one.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import pytest
 import torch
-from oracle import engine_weights, make_store, micro_batches, one_thread, random_rows  # noqa: F401
+from oracle import StartSignal, engine_weights, make_store, micro_batches, one_thread, random_rows  # noqa: F401
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.engine.optimizer import OptimizerWorker
 from horizon_cli.engine.schedule import Engine
 from horizon_cli.engine.trace import Tracer
-
-
-class StartSignal(Tracer):
-    """Sets `started` when the compute span `name` begins for the `nth` time."""
-
-    def __init__(self, name: str, nth: int):
-        super().__init__(enabled=False)
-        self.name, self.nth, self.seen, self.started = name, nth, 0, threading.Event()
-
-    @contextlib.contextmanager
-    def span(self, lane, name, **args):
-        if lane == "compute" and name == self.name:
-            self.seen += 1
-            if self.seen == self.nth:
-                self.started.set()
-        yield
 
 
 def train(store, link_gbps: float, tracer: Tracer | None = None):

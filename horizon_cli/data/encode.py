@@ -43,6 +43,18 @@ class Vocab:
     what: str
 
 
+class NoTokenizer(InputError):
+    """The data needs a tokenizer and none was given. Worded without knowing what model.path is;
+    the caller that does (train.loop.load_data) names it."""
+
+    def __init__(self, fmt: str):
+        self.fmt = fmt
+        super().__init__(f"model.path: no tokenizer files, and format {fmt!r} needs a tokenizer{ONLY_TOKENS}")
+
+
+ONLY_TOKENS = " (only format 'tokens' works without one)"
+
+
 @dataclass
 class Encoder:
     """Encodes the records of one dataset (`name`) in the format `fmt`.
@@ -60,10 +72,7 @@ class Encoder:
 
     def __post_init__(self) -> None:
         if self.fmt != "tokens" and self.tokenizer is None:
-            raise InputError(
-                f"model.path: the store has no tokenizer files, and format {self.fmt!r} needs a tokenizer "
-                "(only format 'tokens' works without one)"
-            )
+            raise NoTokenizer(self.fmt)
         self._gen_prompt: bool | None = None
 
     def where(self, record: int) -> str:

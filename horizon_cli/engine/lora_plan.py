@@ -27,7 +27,7 @@ def base_bytes(spec: ArchSpec, dtype: str, quant: str = "") -> dict[str, int]:
     out = {}
     for lay in layouts(spec):
         packed = packs(lay.name, quant)
-        out[lay.name] = packed_layout(lay, item, quant).nbytes if packed else lay.numel * item
+        out[lay.name] = packed_layout(spec, lay, item, quant).nbytes if packed else lay.numel * item
     return out
 
 

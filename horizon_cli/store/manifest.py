@@ -18,8 +18,9 @@ from ..errors import InputError
 FORMAT = "horizon-store"
 VERSION = 1  # native architectures
 VERSION_GENERIC = 2  # `arch` carries the generic path's tensor table (arch.generic)
-VERSION_QUANT = 3  # decoder layers are packed: NF4 linear weights (`quant`, store.packed)
-READABLE = (VERSION, VERSION_GENERIC, VERSION_QUANT)
+VERSION_QUANT = 4  # decoder layers are packed: NF4 linear weights (`quant`, store.packed)
+VERSION_QUANT_V3 = 3  # the same, from before routers and biases were kept (store.packed.kept): read only
+READABLE = (VERSION, VERSION_GENERIC, VERSION_QUANT_V3, VERSION_QUANT)
 MANIFEST = "manifest.json"
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -74,7 +75,7 @@ class Manifest:
         d["arch"] = self.arch.to_dict()
         d["version"] = VERSION_GENERIC if self.arch.generic is not None else VERSION
         if self.quant:
-            d["version"] = VERSION_QUANT
+            d["version"] = VERSION_QUANT_V3 if self.version == VERSION_QUANT_V3 else VERSION_QUANT
         else:
             del d["quant"]  # unquantized stores keep their version-1/2 manifest
         return json.dumps(d, indent=1)
@@ -112,6 +113,7 @@ def read_manifest(root: Path) -> Manifest:
             arch=ArchSpec.from_dict(d["arch"]),
             units=units,
             params=d["params"],
+            version=d["version"],
             source=d.get("source", ""),
             created_by=d.get("created_by", ""),
             extra=d.get("extra", {}),

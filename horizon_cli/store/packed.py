@@ -4,8 +4,8 @@ A quantized store keeps the element layout of every unit (store.layout: where ea
 the dense buffer the engine computes with) and adds, for decoder layers, a byte layout of the unit
 file: each slot (checkpoint tensor) is a region of its own, starting on a REGION-byte boundary,
 holding either the tensor's raw bytes in the store dtype (norms, biases, tensors that are not whole
-NF4 blocks) or its NF4 parts (quant/nf4.py). The embedding and the head stay dense and keep the
-plain layout. A packed layer crosses the link as these bytes and is dequantized into the dense
+NF4 blocks, and in a routed layer the small gates that decide routing: `kept`) or its NF4 parts
+(quant/nf4.py). The embedding and the head stay dense and keep the plain layout. A packed layer crosses the link as these bytes and is dequantized into the dense
 layout on the device.
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..arch import ArchSpec
+from ..arch.generic import is_expert
 from ..quant import nf4
 from .layout import UnitLayout
 
@@ -53,12 +55,40 @@ def packs(unit: str, quant: str) -> bool:
     return bool(quant) and unit.startswith("layer.")
 
 
-def packed_layout(lay: UnitLayout, itemsize: int, quant: str) -> PackedLayout:
+def kept(spec: ArchSpec, lay: UnitLayout) -> frozenset[str]:
+    """Slots of a decoder layer kept in the store dtype though NF4 could hold them: biases (gpt-oss
+    stacks its experts' as (E, 2I) matrices), and in a routed layer every weight outside the
+    experts with at most E output rows: the router's (E, hidden) and a shared expert's (1, hidden)
+    gate. 4-bit error there can flip which experts a token picks, and these are at most E x hidden
+    elements a layer. QLoRA practice agrees: bitsandbytes replaces only nn.Linear modules, and
+    transformers 5's routers are their own modules, so they stay in the compute dtype.
+    """
+    moe = (spec.generic or {}).get("moe") or {}
+    routed = bool(moe) and int(lay.name.split(".")[1]) in moe["layers"]
+    keep = set()
+    for p in lay.tensors:
+        gate = (
+            routed
+            and len(p.shape) == 2
+            and p.shape[0] <= moe["n_experts"]
+            and not is_expert({"name": p.name, "shape": list(p.shape)}, moe)
+        )
+        if gate or p.name.endswith("bias"):
+            keep |= {s.name for s in lay.slots if p.offset <= s.offset < p.offset + p.numel}
+    return frozenset(keep)
+
+
+def packed_layout(
+    spec: ArchSpec, lay: UnitLayout, itemsize: int, quant: str, legacy: bool = False
+) -> PackedLayout:
+    """legacy: a version-3 store's packing, from before `kept` (every tensor of whole blocks NF4,
+    routers and expert biases included)."""
     if quant != "nf4":
         raise ValueError(f"unknown quantization {quant!r}")
+    keep = frozenset() if legacy else kept(spec, lay)
     out, off = [], 0
     for s in lay.slots:
-        q = "nf4" if nf4.quantizable(s.shape) else ""
+        q = "nf4" if nf4.quantizable(s.shape) and s.name not in keep else ""
         n = nf4.nbytes(s.numel, itemsize) if q else s.numel * itemsize
         out.append(PackedSlot(s.name, s.hf, s.shape, off, n, s.numel, s.offset, q))
         off = _up(off + n, REGION)

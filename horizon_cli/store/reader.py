@@ -19,7 +19,7 @@ from ..errors import InputError
 from ..fsutil import read_exact
 from ..quant import nf4
 from .layout import UnitLayout, unit_layout
-from .manifest import MANIFEST, Manifest, UnitEntry, read_manifest
+from .manifest import MANIFEST, VERSION_QUANT_V3, Manifest, UnitEntry, read_manifest
 from .packed import PackedLayout, packed_layout, packs
 from .writer import tensor_bytes
 
@@ -37,8 +37,11 @@ class Store:
         self.quant = manifest.quant
         item = self.dtype.itemsize
         # quantized stores: the byte layout of each packed unit (decoder layers)
+        legacy = manifest.version == VERSION_QUANT_V3  # routers and expert biases NF4 too
         self.packed: dict[str, PackedLayout] = {
-            n: packed_layout(lay, item, self.quant) for n, lay in self.layouts.items() if packs(n, self.quant)
+            n: packed_layout(self.arch, lay, item, self.quant, legacy)
+            for n, lay in self.layouts.items()
+            if packs(n, self.quant)
         }
 
     @staticmethod

@@ -58,7 +58,9 @@ class StoreWriter:
         self.itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
         self.layouts = {lay.name: lay for lay in layouts(arch)}
         self.packed: dict[str, PackedLayout] = {
-            n: packed_layout(lay, self.itemsize, quant) for n, lay in self.layouts.items() if packs(n, quant)
+            n: packed_layout(arch, lay, self.itemsize, quant)
+            for n, lay in self.layouts.items()
+            if packs(n, quant)
         }
         self.entries: dict[str, dict[str, TensorEntry]] = {u: {} for u in self.layouts}
         self.fds: dict[str, int] = {}

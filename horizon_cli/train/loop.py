@@ -24,6 +24,7 @@ from ..arch import ArchSpec
 from ..config import Config, dump_yaml
 from ..data import PreparedData, batch_rows, collate, prepare_data
 from ..data.batch import MicroBatch
+from ..data.encode import ONLY_TOKENS, NoTokenizer
 from ..dist.comm import Dist
 from ..engine.adapters import LoraSetup, load_init
 from ..engine.schedule import Engine, StepResult
@@ -56,16 +57,30 @@ def load_tokenizer(store: ModelFiles, fmt: str):
     if not has:
         if fmt in ("tokens", "auto"):  # auto may find tokens; the data stage says if it needs one
             return None
-        raise InputError(
-            f"model.path: store {store.root} has no tokenizer files (data.format 'tokens' needs none)"
-        )
+        raise InputError(f"{no_tokenizer(store)}, and data.format {fmt!r} needs a tokenizer{ONLY_TOKENS}")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(hf))
 
 
+def no_tokenizer(store: ModelFiles) -> str:
+    """Where the tokenizer files were looked for: a store's hf/ dir, or a lone config.json's dir."""
+    if getattr(store, "hf_dir", None) is not None:
+        return f"model.path: {store.root} holds a config.json but no tokenizer files"
+    return f"model.path: store {store.root} has no tokenizer files (in {store.root / 'hf'})"
+
+
 def load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: Console) -> PreparedData:
     """The data of the run, tokenized (through the cache at `cache_dir` when given)."""
+    try:
+        return _load_data(cfg, store, cache_dir, console)
+    except NoTokenizer as e:  # data.format auto found a format that needs one
+        raise InputError(
+            f"{no_tokenizer(store)}, and format {e.fmt!r} needs a tokenizer{ONLY_TOKENS}"
+        ) from None
+
+
+def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: Console) -> PreparedData:
     return prepare_data(
         cfg.data,
         load_tokenizer(store, cfg.data.format),

@@ -91,7 +91,7 @@ def run_training(
         return dry_run_report(cfg, model, rungs, chosen, where, console, json_out)
     assert isinstance(model, Store)
     check_device_fit(rungs[chosen], cfg.engine)  # the device: lower the micro-batch, not the rung
-    check_fits(rungs, chosen, where)
+    check_fits(rungs, chosen, where, not_applicable(model))
     cfg, console = join_world(cfg, console)
     if cfg.log.tensorboard:
         tensorboard_writer(None)  # fail now, not after loading the model
@@ -197,6 +197,18 @@ def plan_ladder(
     return {rung: plan_for(cfg, spec, rung, lora, world) for rung in RUNGS}
 
 
+def not_applicable(model: Store | PlannedModel) -> dict[str, str]:
+    """The rungs this model cannot run, with why. A 4-bit store holds its decoder layers only in
+    NF4: it cannot be fully fine-tuned, nor be a LoRA run's bf16 base (a lora: section on it runs
+    qlora). Their plans are still shown, as what the model would need converted without
+    --quantize."""
+    if not model.quant:
+        return {}
+    full = f"a 4-bit ({model.quant}) store cannot be fully fine-tuned"
+    lora = f"the store's base is 4-bit ({model.quant}): a lora: section on it runs qlora"
+    return {"exact": full, "lean": full, "lora": lora}
+
+
 def default_adapters(spec: ArchSpec) -> tuple[list, int]:
     """lora:'s default targets and r on this model (all its linear layers where the default
     names do not occur, e.g. fused attention)."""
@@ -247,12 +259,12 @@ def dry_run_report(
     check_data(cfg, model, console)
     run_dir = run_dir_status(cfg, model)
     console.print(Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default"))
-    plan = rungs[chosen]
+    plan, na = rungs[chosen], not_applicable(model)
     console.print(plan_table(plan))
-    console.print(ladder_table(rungs, where, chosen))
+    console.print(ladder_table(rungs, where, chosen, na))
     ok, why = fits(plan, where)
     console.print(("[green]fits[/]: " if ok else "[red]does not fit[/]: ") + why, highlight=False)
-    best = best_rung(rungs, where)
+    best = best_rung(rungs, where, na)
     if not ok:
         console.print(f"largest rung that fits: {best or 'none'}" + (f" ({HOW[best]})" if best else ""))
     console.print(f"output.dir: {run_dir}", highlight=False)
@@ -327,7 +339,10 @@ def ranks_text(plan: MemoryPlan) -> str:
     return f"{plan.world} ranks ({plan.nodes} node(s) of {plan.per_node})"
 
 
-def ladder_table(rungs: dict[str, MemoryPlan], where: Machine, chosen: str) -> Table:
+def ladder_table(
+    rungs: dict[str, MemoryPlan], where: Machine, chosen: str, na: dict[str, str] | None = None
+) -> Table:
+    """na: rungs the model cannot run (not_applicable): shown, their fit 'n/a'."""
     one = next(iter(rungs.values()))
     sharded = one.world > 1
     title = f"memory ladder on {where.what}" + (f", {ranks_text(one)}" if sharded else "")
@@ -338,8 +353,11 @@ def ladder_table(rungs: dict[str, MemoryPlan], where: Machine, chosen: str) -> T
     for rung, p in rungs.items():
         ok, _ = fits(p, where)
         mark = " [bold](this run)[/]" if rung == chosen else ""
+        fit = "[green]yes[/]" if ok else "[red]no[/]"
+        if rung in (na or {}):
+            fit = "[yellow]n/a[/] (4-bit store)"
         t.add_row(rung + mark, WHAT[rung], f"{p.bytes_per_param:.2f}", fmt_bytes(p.node_host_total),
-                  fmt_bytes(p.device_total), "[green]yes[/]" if ok else "[red]no[/]")  # fmt: skip
+                  fmt_bytes(p.device_total), fit)  # fmt: skip
     return t
 
 
@@ -360,13 +378,18 @@ HOW = {
 def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen: str, where: Machine) -> dict:
     """host_bytes, device_bytes, host and device are one rank's (with one rank: the run's);
     host_bytes_per_param counts every rank's state; *_per_node and host_bytes_all_nodes add up
-    the ranks of a node and of the world."""
+    the ranks of a node and of the world. A rung the model cannot run (not_applicable) has
+    `applicable: false`, `fits: false` and `not_applicable` saying why; host_fits and
+    device_fits still compare its plan with the machine."""
+    na = not_applicable(model)
 
-    def one(p: MemoryPlan) -> dict:
+    def one(p: MemoryPlan, rung: str) -> dict:
         ok, host_ok, dev_ok = fit_parts(p, where)
+        why = {"not_applicable": na[rung]} if rung in na else {}
         return {"params": p.params, "trainable_params": p.trainable, "host_bytes": p.host_total,
                 "host_bytes_per_param": p.bytes_per_param, "device_bytes": p.device_total,
-                "fits": ok, "host_fits": host_ok, "device_fits": dev_ok,
+                "applicable": rung not in na, **why,
+                "fits": ok and rung not in na, "host_fits": host_ok, "device_fits": dev_ok,
                 "host_bytes_per_rank": p.host_total, "device_bytes_per_rank": p.device_total,
                 "host_bytes_per_node": p.node_host_total, "device_bytes_per_node": p.node_device_total,
                 "host_bytes_all_nodes": p.all_host_total}  # fmt: skip
@@ -378,12 +401,12 @@ def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen:
         "world_size": plan.world,
         "nproc_per_node": plan.per_node,
         "nodes": plan.nodes,
-        **one(plan),
+        **one(plan, chosen),
         "host": plan.host,
         "device": plan.device,
         "machine": {"host_bytes": where.host, "device_bytes": where.device, "what": where.what},
-        "ladder": {rung: one(p) for rung, p in rungs.items()},
-        "largest_rung_that_fits": best_rung(rungs, where),
+        "ladder": {rung: one(p, rung) for rung, p in rungs.items()},
+        "largest_rung_that_fits": best_rung(rungs, where, na),
     }
 
 
@@ -422,21 +445,24 @@ def fits(plan: MemoryPlan, where: Machine) -> tuple[bool, str]:
     )
 
 
-def best_rung(rungs: dict[str, MemoryPlan], where: Machine) -> str | None:
-    """The most exact rung that fits (the ladder is ordered)."""
-    return next((r for r, p in rungs.items() if fit_parts(p, where)[0]), None)
+def best_rung(rungs: dict[str, MemoryPlan], where: Machine, na: dict[str, str] | None = None) -> str | None:
+    """The most exact rung that fits (the ladder is ordered), of those the model can run."""
+    return next((r for r, p in rungs.items() if r not in (na or {}) and fit_parts(p, where)[0]), None)
 
 
-def check_fits(rungs: dict[str, MemoryPlan], memory: str, where: Machine) -> None:
+def check_fits(
+    rungs: dict[str, MemoryPlan], memory: str, where: Machine, na: dict[str, str] | None = None
+) -> None:
     ok, why = fits(rungs[memory], where)
     if ok:
         return
     ladder = "; ".join(
         f"{r} {p.bytes_per_param:.2f} B/param, host{' per node' if p.world > 1 else ''} "
-        f"{fmt_bytes(p.node_host_total)}, {'fits' if fit_parts(p, where)[0] else 'no'}"
+        f"{fmt_bytes(p.node_host_total)}, "
+        + ("n/a" if r in (na or {}) else "fits" if fit_parts(p, where)[0] else "no")
         for r, p in rungs.items()
     )
-    best = best_rung(rungs, where)
+    best = best_rung(rungs, where, na)
     hint = f"the largest rung that fits: {best} ({HOW[best]})" if best else "no rung fits"
     raise InputError(
         f"memory plan does not fit this machine: {why}. Ladder: {ladder}. {hint} "
