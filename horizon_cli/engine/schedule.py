@@ -47,6 +47,7 @@ from .grads import GradSums, sumsq
 from .head import head_forward_backward, head_loss, label_index
 from .host import HostState
 from .loader import Load, Loader
+from .lora_plan import adapter_work_bytes
 from .optimizer import OptimizerWorker
 from .plan import head_work_bytes, layer_work_bytes
 from .sharded import ShardedGrads
@@ -548,7 +549,10 @@ class Engine:
         self.t.memory.set("activations", 2 * acts)
         rows, T = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
         tok = max(sh[0] * sh[1] for sh in shapes)
-        self.t.memory.set("layer_work", layer_work_bytes(self.spec, tok, rows, T, item))
+        work = layer_work_bytes(self.spec, tok, rows, T, item)
+        if self.lora is not None:  # the adapters' outputs, held for the backward
+            work += adapter_work_bytes(self.lora.targets, self.lora.cfg.r, tok, item)
+        self.t.memory.set("layer_work", work)
         self.t.memory.set("head_work", head_work_bytes(self.spec, tok, self.cfg.loss_chunk, item))
 
 
