@@ -5,8 +5,9 @@
     head      final norm + LM head + chunked cross-entropy, backward at once (head weights load once)
     backward  for each layer i from the top: load W_i again with the saved x_i; recompute the layer
               under autograd (the only graph, one layer deep), backpropagate every micro-batch,
-              accumulate parameter grads in fp32 and send them to the host
+              accumulate parameter grads in fp32 and send them to the host (engine.grads)
     embed     scatter-add the input gradient into the embedding's fp32 grad on the host
+              (engine.embed, which also gathers the input rows at the step's start)
     optimize  with the global grad norm known, AdamW runs on the CPU unit by unit, overlapped
               with the next step's forward (which waits per unit, in the same order)
 
@@ -20,7 +21,7 @@ gradient and the embedding's backward is skipped, as is layer 0's input gradient
 
 Sharded (`dist`, several ranks): the host holds this rank's slice of every unit; loads are
 all-gathered on the device (engine.loader), gradients reduce-scattered back to the slices and the
-embedding runs on the device (engine.sharded); the loss and grad norm are global. docs/engine.md.
+embedding runs on the device (engine.sharded, engine.embed); the loss and grad norm are global. docs/engine.md.
 """
 
 from __future__ import annotations
