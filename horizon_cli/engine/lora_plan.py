@@ -81,9 +81,8 @@ def lora_memory_plan(
     p.host[f"adapter gradients ({'bf16' if gitem == 2 else 'fp32'})"] = n_adapt * gitem
     p.host["saved activations"] = spec.n_layers * acts
     p.host["staging"] = acts
-    gathered = base_bytes(spec, dtype, quant, world)  # the device's whole units (sharded: padded)
-    layer_max = max(v for k, v in gathered.items() if k.startswith("layer."))
-    head = gathered["head"] + (gathered["embed"] if spec.tie_embeddings else 0)
+    layer_max = max(v for k, v in base.items() if k.startswith("layer."))
+    head = base["head"] + (base["embed"] if spec.tie_embeddings else 0)
     p.device["weight buffers"] = prefetch * layer_max + head
     if quant:
         p.device["dequantized layer"] = max(lays[k].numel for k in base if k.startswith("layer.")) * item
@@ -99,7 +98,11 @@ def lora_memory_plan(
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
     if world > 1:  # engine/sharded.py: the frozen embedding gathered on the device (the host holds a
         # slice); the adapters' gradients all-reduced whole into four fp32 outputs (and narrow copies)
+        gathered = base_bytes(spec, dtype, quant, world)  # the device's whole units, padded
+        layer_pad = max(v for k, v in gathered.items() if k.startswith("layer.")) - layer_max
+        ends = sum(gathered[k] - base[k] for k in ("head", "embed"))  # each its own buffer
+        p.device["padding of gathered units"] = prefetch * layer_pad + ends
         if not spec.tie_embeddings:
-            p.device["embedding table (gathered)"] = gathered["embed"]
+            p.device["embedding table (gathered)"] = base["embed"]
         p.device["adapter gradient all-reduce outputs"] = 4 * per_layer * (4 + narrow)
     return p
