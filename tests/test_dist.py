@@ -25,8 +25,12 @@ import yaml
 from conftest import chat_rows, store_with_tokenizer, write_config, write_jsonl
 from safetensors.torch import load_file
 
+from horizon_cli.config.schema import LoraConfig
 from horizon_cli.dist.crc import crc32_combine, crc32_of_pieces
+from horizon_cli.engine.adapters import lora_setup
 from horizon_cli.engine.host import HostState
+from horizon_cli.engine.lora_plan import lora_memory_plan
+from horizon_cli.engine.plan import MemoryPlan, memory_plan
 from horizon_cli.errors import InputError
 from horizon_cli.store import Store
 from horizon_cli.store import checkpoint as ckpt
@@ -41,12 +45,12 @@ FP32 = {  # 10 eval rows: 5 micro-batches, dealt unevenly to 2 and to 3 ranks
 
 
 def torchrun(
-    n: int, *args, fault: str = "", cli: bool = True, timeout: float = 240
+    n: int, *args, fault: str = "", cli: bool = True, timeout: float = 240, script: str = "dist_train.py"
 ) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node n -m horizon_cli train CFG` (cli), else tests/dist_train.py CFG...
+    """`torchrun --nproc-per-node n -m horizon_cli train CFG` (cli), else tests/<script> ARGS...
     In a session of its own: a run past `timeout` is killed with every rank (none left behind)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HORIZON_FAULT": fault, "HORIZON_FAULT_RANK": "1"}
-    target = ["-m", "horizon_cli", "train"] if cli else [str(HERE / "dist_train.py")]
+    target = ["-m", "horizon_cli", "train"] if cli else [str(HERE / script)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *target]
     cmd += map(str, args)
     p = subprocess.Popen(
@@ -209,6 +213,46 @@ def test_bf16_exact_lean_lora_and_moe_on_two_ranks_match_one(untied_store, moe_s
     init = {k: v for k, v in init.items() if k in w["exact1"]}
     assert update_error(init, w["exact1"], w["exact2"]) < 0.02
     assert update_error(init, w["lean1"], w["lean2"]) < 0.05  # stochastic rounding of other sums
+
+
+def device_plan(case: dict, world: int) -> MemoryPlan:
+    """The memory plan of a tests/dist_peak.py case, one rank's of `world`."""
+    spec = Store.open(case["store"]).arch
+    e = case["engine"]
+    shape = dict(batch=case["batch"], micro_batch=case["micro"], seq=case["seq"])
+    run = dict(prefetch=e["prefetch"], loss_chunk=e["loss_chunk"], world=world)
+    if case["lora"]:
+        setup = lora_setup(LoraConfig(**case["lora"]), spec)
+        return lora_memory_plan(spec, setup.targets, setup.cfg.r, e["dtype"], **shape, **run)
+    return memory_plan(spec, e["dtype"], **shape, **run)
+
+
+def test_device_plan_covers_each_ranks_device_peak(tiny_store, untied_store, tmp_path):
+    """The memory plan's device total for 2 ranks (plan.sharded_device, lora_plan's world > 1 rows)
+    against the engine's own device accounting on each rank, after a step of full-length rows. On
+    the CPU the engine reports its device bytes with the plan's formulas (engine/plan.py), so the
+    two agree to the byte; a plan below the peak would let a run past the fit check. Full
+    fine-tuning (tied fp32; untied bf16 over an emulated link: narrowed gradient copies) and LoRA
+    (untied fp32; tied bf16 over the link)."""
+    fp32 = {"device": "cpu", "dtype": "float32", "prefetch": 2, "loss_chunk": 16}
+    bf16 = {**fp32, "dtype": "bfloat16", "link_gbps": 1e6}  # copies as on a GPU, unthrottled
+    lora = {"r": 4, "alpha": 8}
+    cases = [
+        {"name": "full-tied", "store": str(tiny_store), "engine": fp32, "lora": None},
+        {"name": "full-untied-bf16", "store": str(untied_store), "engine": bf16, "lora": None},
+        {"name": "lora-untied", "store": str(untied_store), "engine": fp32, "lora": lora},
+        {"name": "lora-tied-bf16", "store": str(tiny_store), "engine": bf16, "lora": lora},
+    ]
+    for c in cases:
+        c.update(batch=4, micro=1, seq=64)  # rows of max_seq_len tokens: the plan's shapes
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    r = torchrun(2, tmp_path / "cases.json", tmp_path, cli=False, script="dist_peak.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in range(2):
+        peaks = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for c in cases:
+            plan, peak = device_plan(c, 2).device_total, peaks[c["name"]]
+            assert plan == peak, (c["name"], rank, device_plan(c, 2).device, plan - peak)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -18,17 +18,29 @@ from ..arch import ArchSpec
 from ..lora.targets import Target, adapter_params
 from ..store import layouts
 from ..store.packed import packed_layout, packs
-from .plan import ITEM, MemoryPlan, head_work_bytes, layer_work_bytes, piece, rank_batch
+from .plan import ITEM, MemoryPlan, gather_pad, head_work_bytes, layer_work_bytes, piece, rank_batch
 
 
-def base_bytes(spec: ArchSpec, dtype: str, quant: str = "") -> dict[str, int]:
-    """Streaming bytes per unit of the frozen base (NF4 layers packed; scales in `dtype`)."""
+def base_bytes(spec: ArchSpec, dtype: str, quant: str = "", world: int = 1) -> dict[str, int]:
+    """Streaming bytes per unit of the frozen base (NF4 layers packed; scales in `dtype`). world:
+    the bytes of a unit's whole device buffer in a sharded run instead (every rank's piece padded
+    to the largest: a packed unit is split as bytes, any other in elements)."""
     item = ITEM[dtype]
     out = {}
     for lay in layouts(spec):
-        packed = packs(lay.name, quant)
-        out[lay.name] = packed_layout(spec, lay, item, quant).nbytes if packed else lay.numel * item
+        if packs(lay.name, quant):
+            n = packed_layout(spec, lay, item, quant).nbytes
+            out[lay.name] = n + gather_pad(n, world)
+        else:
+            out[lay.name] = (lay.numel + gather_pad(lay.numel, world)) * item
     return out
+
+
+def adapter_work_bytes(targets: list[list[Target]], r: int, tokens: int, item: int) -> int:
+    """What the adapters add to one layer's working set for one micro-batch: per token and adapted
+    linear, A's output (r) and B's (out features), held for the add and the backward."""
+    widest = max((sum(r + t.out_features for t in layer) for layer in targets), default=0)
+    return tokens * widest * item
 
 
 def lora_memory_plan(
@@ -75,17 +87,22 @@ def lora_memory_plan(
     if quant:
         p.device["dequantized layer"] = max(lays[k].numel for k in base if k.startswith("layer.")) * item
     p.device["adapters in flight"] = prefetch * per_layer * item
-    p.device["gradient accumulators"] = 2 * per_layer * 4 + (2 * per_layer * gitem if gitem != 4 else 0)
+    narrow = gitem if gitem != 4 else 0  # the narrow copies that cross the link
+    # sharded: the all-reduce's own narrow copies instead of these (below)
+    p.device["gradient accumulators"] = 2 * per_layer * (4 + (narrow if world == 1 else 0))
     p.device["saved inputs in flight"] = prefetch * acts
     p.device["activations"] = 2 * acts
     tok = micro_batch * seq
-    # the adapters add, per token and adapted layer, A's output (r) and B's (out) held for the add
-    widest = max((sum(r + t.out_features for t in layer) for layer in targets), default=0)
-    p.device["layer working set"] = layer_work_bytes(spec, tok, micro_batch, seq, item) + tok * widest * item
+    work = layer_work_bytes(spec, tok, micro_batch, seq, item)
+    p.device["layer working set"] = work + adapter_work_bytes(targets, r, tok, item)
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
     if world > 1:  # engine/sharded.py: the frozen embedding gathered on the device (the host holds a
-        # slice); the adapters' gradients all-reduced whole into four fp32 outputs
+        # slice); the adapters' gradients all-reduced whole into four fp32 outputs (and narrow copies)
+        gathered = base_bytes(spec, dtype, quant, world)  # the device's whole units, padded
+        layer_pad = max(v for k, v in gathered.items() if k.startswith("layer.")) - layer_max
+        ends = sum(gathered[k] - base[k] for k in ("head", "embed"))  # each its own buffer
+        p.device["padding of gathered units"] = prefetch * layer_pad + ends
         if not spec.tie_embeddings:
             p.device["embedding table (gathered)"] = base["embed"]
-        p.device["adapter gradient all-reduce outputs"] = 4 * per_layer * 4
+        p.device["adapter gradient all-reduce outputs"] = 4 * per_layer * (4 + narrow)
     return p

@@ -31,6 +31,12 @@ def piece(numel: int, world: int) -> int:
     return min(numel, shard_size(numel, world, SHARD_ALIGN))
 
 
+def gather_pad(numel: int, world: int) -> int:
+    """Elements a unit's whole device buffer adds in a sharded run: every rank's piece is padded
+    to the largest (engine.loader.device_numel)."""
+    return world * shard_size(numel, world, SHARD_ALIGN) - numel if world > 1 else 0
+
+
 def rank_batch(batch: int, world: int) -> int:
     """Sequences of the global batch one rank holds (dist/shard.py check_world: it divides)."""
     return -(-batch // world)
@@ -151,9 +157,9 @@ def memory_plan(
     p.host["saved activations"] = spec.n_layers * acts
     p.host["staging"] = 2 * acts
     p.device["weight buffers"] = (prefetch * layer_max + head) * item
-    p.device["gradient accumulators"] = (2 * layer_max + head) * 4 + (
-        2 * layer_max * gitem if gitem != 4 else 0
-    )
+    # narrow wire copies of the layer sums; sharded: the reduce-scatter's own (sharded_device)
+    wire = 2 * layer_max * gitem if gitem != 4 and world == 1 else 0
+    p.device["gradient accumulators"] = (2 * layer_max + head) * 4 + wire
     p.device["saved inputs in flight"] = prefetch * acts
     p.device["activations"] = 2 * acts
     tok = micro_batch * seq
@@ -167,18 +173,21 @@ def memory_plan(
 def sharded_device(
     lays: dict, spec: ArchSpec, world: int, prefetch: int, item: int, gitem: int
 ) -> dict[str, int]:
-    """What a rank's device adds in a sharded run (engine/sharded.py): whole-unit buffers padded
-    to world x the largest piece; the embedding table gathered there (the host holds a slice) and
-    its dense fp32 gradient; four reduce-scatter outputs (two layers, head, embedding) of the
-    largest piece in fp32, and their narrowed copies when gradients cross the link narrowed."""
+    """What a rank's device adds in a sharded run (engine/sharded.py): whole-unit weight buffers and
+    fp32 gradient sums padded to world x the largest piece (the layers', the head's, the
+    embedding's); the embedding table gathered there (the host holds a slice) and its dense fp32
+    gradient; four reduce-scatter outputs (two layers, head, embedding) of the largest piece in
+    fp32, and their narrowed copies when gradients cross the link narrowed (these replace the
+    one-rank run's wire copies)."""
     layer_max = max(lay.numel for n, lay in lays.items() if n.startswith("layer."))
     embed = lays["embed"].numel
     big = max(shard_size(lay.numel, world, SHARD_ALIGN) for lay in lays.values())
-    pad = world * shard_size(layer_max, world, SHARD_ALIGN) - layer_max
-    out = {"padding of gathered units": (prefetch * item + 2 * 4) * pad}
-    if not spec.tie_embeddings:  # tied: the head's buffer already holds it
+    ends = gather_pad(lays["head"].numel, world) + gather_pad(embed, world)  # each its own buffers
+    pads = (prefetch * item + 2 * 4) * gather_pad(layer_max, world) + (item + 4) * ends
+    out = {"padding of gathered units": pads}
+    if not spec.tie_embeddings:  # tied: the head's buffers already hold the table and its gradient
         out["embedding table (gathered)"] = embed * item
-    out["embedding gradient (dense fp32)"] = embed * 4
+        out["embedding gradient (dense fp32)"] = embed * 4
     out["gradient reduce-scatter outputs"] = 4 * big * (4 + (gitem if gitem != 4 else 0))
     return out
 

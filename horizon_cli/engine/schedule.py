@@ -5,8 +5,9 @@
     head      final norm + LM head + chunked cross-entropy, backward at once (head weights load once)
     backward  for each layer i from the top: load W_i again with the saved x_i; recompute the layer
               under autograd (the only graph, one layer deep), backpropagate every micro-batch,
-              accumulate parameter grads in fp32 and send them to the host
+              accumulate parameter grads in fp32 and send them to the host (engine.grads)
     embed     scatter-add the input gradient into the embedding's fp32 grad on the host
+              (engine.embed, which also gathers the input rows at the step's start)
     optimize  with the global grad norm known, AdamW runs on the CPU unit by unit, overlapped
               with the next step's forward (which waits per unit, in the same order)
 
@@ -20,7 +21,7 @@ gradient and the embedding's backward is skipped, as is layer 0's input gradient
 
 Sharded (`dist`, several ranks): the host holds this rank's slice of every unit; loads are
 all-gathered on the device (engine.loader), gradients reduce-scattered back to the slices and the
-embedding runs on the device (engine.sharded); the loss and grad norm are global. docs/engine.md.
+embedding runs on the device (engine.sharded, engine.embed); the loss and grad norm are global. docs/engine.md.
 """
 
 from __future__ import annotations
@@ -40,14 +41,17 @@ from ..errors import HorizonError
 from ..optim.adamw import AdamWHyper
 from ..store import DTYPES, Store
 from .adapters import LoraSetup, layer_lora, lora_state
+from .embed import Embedding
 from .events import READY, Event, Poison, Promise
 from .frozen import FrozenState
+from .grads import GradSums, sumsq
 from .head import head_forward_backward, head_loss, label_index
 from .host import HostState
 from .loader import Load, Loader
+from .lora_plan import adapter_work_bytes
 from .optimizer import OptimizerWorker
 from .plan import head_work_bytes, layer_work_bytes
-from .sharded import ShardedGrads, device_numel, embed_grad, embed_rows
+from .sharded import ShardedGrads
 from .template import make_template
 from .trace import Tracer
 
@@ -146,7 +150,21 @@ class Engine:
         self.optimizer = OptimizerWorker(self.host, optim.kernel, self.tracer, self.t.thread_init)
         # native functional layer, or transformers' own (with LoRA hooks on its linear modules)
         self.tmpl = make_template(self.spec, self.t.device, lora.targets if lora else None)
-        self._alloc_grad_buffers()
+        self.sharded = (
+            ShardedGrads(self.dist, self.t, self.host, self.grad_dtype, replicated=lora is not None)
+            if self.dist
+            else None
+        )
+        world = self.dist.world if self.dist else 1
+        self.grads = GradSums(
+            self.t, self.host, self.trained, self.grad_dtype, world=world, full=lora is None,
+            embed_on_device=tied or self.dist is not None,
+        )  # fmt: skip
+        rs = self.sharded.nbytes() if self.sharded else 0
+        self.t.memory.set("grad_acc", self.grads.nbytes() + rs)
+        self.embedding = Embedding(
+            self.t, self.loader, units, self.host, self.spec, self.dtype, self.tmpl.embed_scale, self.sharded
+        )
         moe = getattr(self.tmpl, "moe", None)  # MoE router statistics: the global batch's
         if moe is not None and self.sharded is not None:
             moe.reduce = self.sharded.all_sum_tensor
@@ -157,64 +175,13 @@ class Engine:
         if self.base is not None and (n := self.base.attach(self.t.device_empty, self.dtype)):
             self.t.memory.set("dequantized layer", n)  # NF4: one layer, dequantized on the device
         self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
-        self.staging: dict[str, torch.Tensor] = {}
         if step_numel:  # sized once: pinning and unpinning L buffers mid-run doubles them for a while
             self._ensure_ckpt(step_numel)
-            if self.dist is None:
-                self._stage("embed_rows", step_numel, self.dtype)
-            if lora is None and self.dist is None:  # LoRA: the embedding gets no gradient
-                self._stage("embed_dx", step_numel, self.dtype)
+            self.embedding.reserve(step_numel, grad=lora is None)  # LoRA: the embedding gets no gradient
         self.adam_step = 0
         self.mb_base = 0  # sharded runs: the global index of this rank's first micro-batch
         self.grad_ready: dict[str, Event] = {}  # unit -> its gradient is on the host (this step)
         self.t.memory.set("weights", self.loader.weight_bytes())
-
-    def _alloc_grad_buffers(self) -> None:
-        """fp32 gradient sums on the device: two ping-pong layer buffers (the D2H of one overlaps
-        the next layer's backward), the head's, and the tied LM head's. In bf16-gradient runs two
-        narrow "wire" copies carry them over the link. When the transport shares host memory
-        (`device: cpu` without an emulated link), fp32 sums accumulate straight into the host's
-        gradient buffers and nothing is copied."""
-        n_layer = max((self._grad_numel(u) for u in self.trained if u is not None), default=0)
-        narrow = self.grad_dtype != torch.float32
-        self.sharded = (
-            ShardedGrads(self.dist, self.t, self.host, self.grad_dtype, replicated=self.lora is not None)
-            if self.dist
-            else None
-        )
-        # accumulate into the host buffers (a sharded rank's host holds only its slice)
-        self.direct = self.t.shares_host and not narrow and self.dist is None
-        device = [] if self.direct else [self.t.device_empty(n_layer, torch.float32) for _ in range(2)]
-        self.gacc = device
-        self.gacc_free: list[Event] = [READY, READY]
-        self._gacc_views: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        share = narrow and not self.t.shares_host and self.dist is None
-        self.wire = [self.t.device_empty(n_layer, self.grad_dtype) for _ in range(2)] if share else None
-        self.head_g: torch.Tensor | None = None
-        self.embed_g: torch.Tensor | None = None
-        if self.lora is None:
-            self._alloc_head_grads()
-        hosts = {id(st.grad) for st in self.host.units.values()}
-        own = [g for g in [*self.gacc, *(self.wire or []), self.head_g, self.embed_g] if g is not None]
-        rs = self.sharded.nbytes() if self.sharded else 0
-        self.t.memory.set("grad_acc", sum(_nbytes(g) for g in own if id(g) not in hosts) + rs)
-
-    def _grad_numel(self, unit: str) -> int:
-        """Elements of a unit's fp32 gradient sum on the device (sharded: padded for the scatter)."""
-        n = self.host[unit].layout.numel
-        return device_numel(n, self.dist.world) if self.dist and self.lora is None else n
-
-    def _alloc_head_grads(self) -> None:
-        head = self.host["head"]
-        self.head_g = (
-            head.grad if self.direct else self.t.device_empty(self._grad_numel("head"), torch.float32)
-        )
-        if self.spec.tie_embeddings or self.dist:  # the embedding's host grad is always fp32
-            embed = self.host["embed"]
-            shared = self.t.shares_host and self.dist is None
-            self.embed_g = (
-                embed.grad if shared else self.t.device_empty(self._grad_numel("embed"), torch.float32)
-            )
 
     # -- public ------------------------------------------------------------------------------
     def step(self, mbs: list[MicroBatch], lr: float, tokens: int | None = None) -> StepResult:
@@ -321,30 +288,28 @@ class Engine:
             self.sharded.begin_step()
 
         self.tmpl.begin_step()
-        x = self._scale_embed(self._start(mbs, self._sequence(total, saved)))
+        x = self.embedding.scale(self._start(mbs, self._sequence(total, saved)))
         x = self._forward_layers(x, ctxs, saved)
         self.tmpl.end_forward()  # MoE: every layer's routing is known, the aux loss with it
         loss_sum, dx = self._head(x, targets, inv_n, sq)
         dx = self._backward_layers(dx, ctxs, shapes, sq)
         if self.sharded is not None:
             with self.tracer.span("host", "embed grad + norm"):
-                self._embed_backward_sharded(self._scale_embed(dx), mbs)
+                if self.lora is None:  # LoRA: the embedding gets no gradient
+                    assert self.grads.embed is not None
+                    dx = self.embedding.scale(dx)
+                    self.embedding.backward_sharded(dx, mbs, self.grads.embed, self.grad_ready)
                 loss, sq_all = self.sharded.total(loss_sum)
             return loss, tokens, sq_all
         with self.tracer.span("host", "embed grad + norm"):
-            host_sq = self._embed_backward(self._scale_embed(dx), mbs) if self.lora is None else 0.0
+            host_sq = (
+                self.embedding.backward(self.embedding.scale(dx), mbs, self.grad_ready)
+                if self.lora is None
+                else 0.0
+            )
             dev_sq = torch.stack(sq).double().sum().item() if sq else 0.0
             loss = float(loss_sum.item())
         return loss, tokens, dev_sq + host_sq
-
-    def _scale_embed(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Families that scale the embedding output (Gemma: by sqrt(hidden), in the compute dtype)
-        scale its gradient by the same factor."""
-        s = self.tmpl.embed_scale
-        if s is None:
-            return x
-        scale = torch.tensor(s, dtype=torch.float32).to(self.dtype).to(self.t.device)
-        return [xm * scale for xm in x]
 
     def _sequence(self, total: int = 0, saved: list[Promise] | None = None) -> list[Load]:
         """The step's loads: forward layers, the head, then (with `saved`) the backward layers
@@ -387,39 +352,9 @@ class Engine:
         embedding's): on the in-order copy queue it must not wait for that update."""
         self.loader.begin(seq, ahead=1 if self.dist is None else 2)
         with self.tracer.span("host", "embed"):
-            x = self._embed(mbs) if self.dist is None else self._embed_sharded(mbs)
+            x = self.embedding.forward(mbs)
         self.loader.fill()
         return x
-
-    def _embed(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
-        """Gather embedding rows on the host (no weight transfer) and send the activations."""
-        self.loader.ready.get("embed", READY).host_wait()
-        embed = self.units["embed"]
-        table = embed.views(embed.stream)["embed"]  # (V, H)
-        ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
-        rows = self._stage("embed_rows", ids.numel() * self.spec.hidden, self.dtype)
-        torch.index_select(table, 0, ids, out=rows.view(-1, self.spec.hidden))
-        dev = self.t.device_empty(rows.numel(), self.dtype)
-        self.t.wait(self.t.h2d([(dev, rows)], label="embed"))
-        out, off = [], 0
-        for mb in mbs:
-            n = mb.input_ids.numel() * self.spec.hidden
-            out.append(dev[off : off + n].view(*mb.input_ids.shape, self.spec.hidden))
-            off += n
-        return out
-
-    def _embed_sharded(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
-        """Pick the input rows from the embedding table all-gathered on the device."""
-        w, _ = self.loader.acquire("embed-in")
-        ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
-        rows = embed_rows(w["embed"], ids)  # (n, H)
-        self.loader.release("embed-in")
-        out, off = [], 0
-        for mb in mbs:
-            n = mb.input_ids.numel()
-            out.append(rows[off : off + n].view(*mb.input_ids.shape, self.spec.hidden))
-            off += n
-        return out
 
     @torch.no_grad()
     def _forward_layers(self, x, ctxs, saved: list[Promise] | None) -> list[torch.Tensor]:
@@ -469,15 +404,15 @@ class Engine:
     def _head(self, x, targets, inv_n: float, sq: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
         w, lm = self._acquire_head()
         gh, g_lm = None, None
-        if self.head_g is not None:  # a trained head (not LoRA)
-            gh = self.host["head"].views(self.head_g)
-            self.head_g.zero_()
-            if self.spec.tie_embeddings and self.embed_g is not None:  # the LM head is the embedding
-                g_lm = self.host["embed"].views(self.embed_g)["embed"]
+        if self.grads.head is not None:  # a trained head (not LoRA)
+            gh = self.host["head"].views(self.grads.head)
+            self.grads.head.zero_()
+            if self.spec.tie_embeddings and self.grads.embed is not None:  # the LM head is the embedding
+                g_lm = self.host["embed"].views(self.grads.embed)["embed"]
             else:
                 g_lm = gh["lm_head"]
-            if self.embed_g is not None:
-                self.embed_g.zero_()
+            if self.grads.embed is not None:
+                self.grads.embed.zero_()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.t.device)
         dx = []
         with self.t.compute_span("head"):
@@ -498,35 +433,17 @@ class Engine:
                 loss_sum += ls
                 dx.append(dh)
         self._release_head()
-        if self.head_g is None:
+        if self.grads.head is None:
             return loss_sum, dx
         if self.sharded is not None:  # a tied LM head's gradient goes with the embedding's
-            self.grad_ready["head"] = self.sharded.reduce("head", self.head_g, "head")
+            self.grad_ready["head"] = self.sharded.reduce("head", self.grads.head, "head")
             return loss_sum, dx
         if self.spec.tie_embeddings and not self.t.shares_host:
-            ev = self.t.d2h([(self.host["embed"].grad, self.embed_g)], [self.t.record()], "g-lm")
+            ev = self.t.d2h([(self.host["embed"].grad, self.grads.embed)], [self.t.record()], "g-lm")
             self.grad_ready["embed"] = ev
-        sq.extend(sumsq(self.head_g))
-        self.grad_ready["head"] = self._send_grad("head", self.head_g, None)
+        sq.extend(sumsq(self.grads.head))
+        self.grad_ready["head"] = self.grads.send("head", self.grads.head, None)
         return loss_sum, dx
-
-    def _send_grad(self, unit: str, g: torch.Tensor, k: int | None) -> Event:
-        """Copy a unit's fp32 gradient sum to its host buffer, narrowed to grad_dtype on the device
-        first (through wire buffer k; the head, once per step, through a temporary)."""
-        dst = self.host[unit].grad
-        if g is dst:  # accumulated in place (shared host memory)
-            return READY
-        if self.t.shares_host:  # no link: narrow straight into the host buffer
-            dst.copy_(g)
-            return READY
-        if dst.dtype != g.dtype:
-            if k is None:
-                g = g.to(dst.dtype)
-            else:
-                assert self.wire is not None
-                self.t.wait(self.gacc_free[k])  # the wire buffer's previous copy has landed
-                g = self.wire[k][: g.numel()].copy_(g)
-        return self.t.d2h([(dst, g)], [self.t.record()], label=f"g-{unit}")
 
     def _backward_layers(self, dx, ctxs, shapes, sq: list) -> list[torch.Tensor]:
         for i in reversed(range(len(self.layers))):
@@ -534,7 +451,7 @@ class Engine:
             w, extras = self.loader.acquire(f"b{i}")
             saved = extras[-1]
             k = i % 2
-            g, gv = self._grad_buffer(unit, k)
+            g, gv = self.grads.buffer(unit, k)
             with self.t.compute_span(f"bwd {i}"):
                 w = self._weights(i, w)
                 lora, leaves = self._layer_lora(i, extras, train=True, grad=True)
@@ -548,24 +465,11 @@ class Engine:
                     self._backward_layer(i, w, lora, leaves, saved, dx, ctxs, shapes, want_dx, gv, unit)
             self.loader.release(f"b{i}")
             if unit is not None and self.sharded is not None:
-                self.gacc_free[k] = self.grad_ready[unit] = self.sharded.reduce(unit, g, k)
+                self.grads.free[k] = self.grad_ready[unit] = self.sharded.reduce(unit, g, k)
             elif unit is not None:
                 sq.extend(sumsq(g))
-                self.gacc_free[k] = self.grad_ready[unit] = self._send_grad(unit, g, k)
+                self.grads.free[k] = self.grad_ready[unit] = self.grads.send(unit, g, k)
         return dx
-
-    def _grad_buffer(self, unit: str | None, k: int):
-        """A trained unit's fp32 gradient sum (accumulator k, or its host buffer) and its views."""
-        if unit is None:
-            return None, None
-        if self.wire is None:
-            self.t.wait(self.gacc_free[k])  # its previous contents have reached the host
-        g = self.host[unit].grad if self.direct else self.gacc[k][: self._grad_numel(unit)]
-        g.zero_()
-        gv = self._gacc_views.get((k, unit))
-        if gv is None:
-            gv = self._gacc_views[(k, unit)] = self.host[unit].views(g)
-        return g, gv
 
     def _backward_layer(self, i, w, lora, leaves, saved, dx, ctxs, shapes, want_dx, gv, unit) -> None:
         """Recompute layer i under autograd for every micro-batch: its input gradient into dx, the
@@ -591,48 +495,13 @@ class Engine:
                 if gw is not None:  # None: a tensor this micro-batch never reached (an unrouted expert bias)
                     gv[name].add_(gw)  # fp32 accumulation across micro-batches
 
-    def _embed_backward_sharded(self, dx: list[torch.Tensor], mbs: list[MicroBatch]) -> None:
-        """The embedding's gradient on the device (a tied head's already in it), reduce-scattered."""
-        if self.lora is not None:  # LoRA: the embedding gets no gradient
-            return
-        assert self.embed_g is not None and self.sharded is not None
-        if not self.spec.tie_embeddings:
-            self.embed_g.zero_()
-        ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
-        embed_grad(self.host["embed"].views(self.embed_g)["embed"], ids, dx, self.spec.padding_idx)
-        self.grad_ready["embed"] = self.sharded.reduce("embed", self.embed_g, "embed")
-
-    def _embed_backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch]) -> float:
-        """Scatter-add the input gradient into the embedding's fp32 grad, on the host."""
-        st = self.host["embed"]
-        n = sum(d.numel() for d in dx)
-        host_dx = self._stage("embed_dx", n, self.dtype)
-        pairs, off = [], 0
-        for d in dx:
-            pairs.append((host_dx[off : off + d.numel()], d.reshape(-1)))
-            off += d.numel()
-        ev = self.t.d2h(pairs, [self.t.record()], label="g-embed-rows")
-        if self.spec.tie_embeddings:
-            self.grad_ready.get("embed", READY).host_wait()  # the LM head's dense grad came first
-        else:
-            st.grad.zero_()
-        ev.host_wait()
-        ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
-        rows = host_dx.view(-1, self.spec.hidden).to(torch.float32)
-        if self.spec.padding_idx is not None:  # nn.Embedding(padding_idx): that row gets no gradient
-            rows[ids == self.spec.padding_idx] = 0.0
-        table = st.views(st.grad)["embed"]
-        table.index_add_(0, ids, rows)
-        self.grad_ready["embed"] = READY
-        return float(torch.stack(sumsq(st.grad)).double().sum())
-
     # -- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
     def forward_hidden(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], dict, torch.Tensor]:
         """Forward only, streaming each layer once: (last hidden states per micro-batch, head
         weights, LM-head matrix). The caller must `_release_head()` afterwards."""
         ctxs = [self.tmpl.context(mb, self.dtype, self.t.device) for mb in mbs]
-        x = self._forward_layers(self._scale_embed(self._start(mbs, self._sequence())), ctxs, saved=None)
+        x = self._forward_layers(self.embedding.scale(self._start(mbs, self._sequence())), ctxs, saved=None)
         w, lm = self._acquire_head()
         return x, w, lm
 
@@ -672,14 +541,6 @@ class Engine:
             self.t.host_release(old)
         self.ckpt = [self.t.host_empty(total, self.dtype) for _ in self.layers]
 
-    def _stage(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = self.staging.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            if buf is not None:
-                self.t.host_release(buf)
-            buf = self.staging[name] = self.t.host_empty(numel, dtype)
-        return buf[:numel]
-
     def _account(self, shapes) -> None:
         """Device memory by category for this step's shapes (the CPU has no allocator to ask)."""
         item = self.dtype.itemsize
@@ -689,18 +550,11 @@ class Engine:
         self.t.memory.set("activations", 2 * acts)
         rows, T = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
         tok = max(sh[0] * sh[1] for sh in shapes)
-        self.t.memory.set("layer_work", layer_work_bytes(self.spec, tok, rows, T, item))
+        work = layer_work_bytes(self.spec, tok, rows, T, item)
+        if self.lora is not None:  # the adapters' outputs, held for the backward
+            work += adapter_work_bytes(self.lora.targets, self.lora.cfg.r, tok, item)
+        self.t.memory.set("layer_work", work)
         self.t.memory.set("head_work", head_work_bytes(self.spec, tok, self.cfg.loss_chunk, item))
-
-
-def sumsq(g: torch.Tensor, chunk: int = 1 << 18) -> list[torch.Tensor]:
-    """Pieces of the squared L2 norm of a flat fp32 buffer, to be summed in fp64: one fp32 dot over
-    10^8 elements (an embedding, an MoE layer) is off by ~1e-2 relative, over 2^18 by ~1e-7."""
-    return [torch.dot(g[a : a + chunk], g[a : a + chunk]) for a in range(0, g.numel(), chunk)]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def oom_message(e: BaseException) -> str:

@@ -1,0 +1,118 @@
+"""Gradient sums on the device and their trip to the host: the output side of the backward stage.
+
+Per step the schedule (engine.schedule) accumulates each trained unit's parameter gradients of
+every micro-batch in fp32 on the device and sends the sum to the unit's host grad once:
+
+    layers     two ping-pong fp32 buffers (n_layer,): the D2H of one overlaps the next layer's
+               backward; a buffer is zeroed again only once its previous copy has landed
+    head       its own fp32 buffer, once per step; with a tied (or sharded) embedding the
+               embedding's too, which the LM head's gradient then goes into
+    wire       in bf16-gradient runs two narrow (n_layer,) copies carry the sums over the link
+    direct     when the transport shares host memory (`device: cpu` without an emulated link)
+               and gradients stay fp32, sums accumulate straight into the host buffers: no copy
+
+Sharded runs size the buffers for the whole padded unit (engine.sharded.device_numel); the
+reduce-scatter there sends each rank's slice to the host instead of `send`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .events import READY, Event
+from .host import HostState
+from .sharded import device_numel
+
+
+class GradSums:
+    """The device's fp32 gradient accumulators of a step, and their copies to the host."""
+
+    def __init__(
+        self,
+        transport,
+        host: HostState,
+        trained: list[str | None],
+        grad_dtype: torch.dtype,
+        *,
+        world: int = 1,
+        full: bool = True,
+        embed_on_device: bool = False,
+    ):
+        """trained: per layer the unit whose gradient it produces (None: none). world: ranks of a
+        sharded run (buffers padded for the scatter). full: the head and embedding are trained (not
+        LoRA). embed_on_device: the embedding's gradient is summed on the device (tied or sharded)."""
+        self.t, self.host, self.world, self.full = transport, host, world, full
+        self.sharded = world > 1
+        n_layer = max((self.numel(u) for u in trained if u is not None), default=0)
+        narrow = grad_dtype != torch.float32
+        # accumulate into the host buffers (a sharded rank's host holds only its slice)
+        self.direct = transport.shares_host and not narrow and not self.sharded
+        self.acc = [] if self.direct else [transport.device_empty(n_layer, torch.float32) for _ in range(2)]
+        self.free: list[Event] = [READY, READY]  # per accumulator: the copy that last read it
+        self._views: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        share = narrow and not transport.shares_host and not self.sharded
+        self.wire = [transport.device_empty(n_layer, grad_dtype) for _ in range(2)] if share else None
+        self.head: torch.Tensor | None = None
+        self.embed: torch.Tensor | None = None
+        if full:
+            self._alloc_head(embed_on_device)
+
+    def numel(self, unit: str) -> int:
+        """Elements of a unit's fp32 gradient sum on the device (sharded: padded for the scatter;
+        a LoRA run's adapters are whole on every rank and not padded)."""
+        n = self.host[unit].layout.numel
+        return device_numel(n, self.world) if self.sharded and self.full else n
+
+    def _alloc_head(self, embed_on_device: bool) -> None:
+        self.head = (
+            self.host["head"].grad if self.direct else self.t.device_empty(self.numel("head"), torch.float32)
+        )
+        if embed_on_device:  # the embedding's host grad is always fp32
+            shared = self.t.shares_host and not self.sharded
+            self.embed = (
+                self.host["embed"].grad if shared else self.t.device_empty(self.numel("embed"), torch.float32)
+            )
+
+    def nbytes(self) -> int:
+        """Device bytes of the accumulators (those that are not the host's own buffers)."""
+        hosts = {id(st.grad) for st in self.host.units.values()}
+        own = [g for g in [*self.acc, *(self.wire or []), self.head, self.embed] if g is not None]
+        return sum(g.numel() * g.element_size() for g in own if id(g) not in hosts)
+
+    def buffer(self, unit: str | None, k: int):
+        """A trained unit's fp32 gradient sum (accumulator k, or its host buffer), zeroed, and its
+        views by tensor name."""
+        if unit is None:
+            return None, None
+        if self.wire is None:
+            self.t.wait(self.free[k])  # its previous contents have reached the host
+        g = self.host[unit].grad if self.direct else self.acc[k][: self.numel(unit)]
+        g.zero_()
+        gv = self._views.get((k, unit))
+        if gv is None:
+            gv = self._views[(k, unit)] = self.host[unit].views(g)
+        return g, gv
+
+    def send(self, unit: str, g: torch.Tensor, k: int | None) -> Event:
+        """Copy a unit's fp32 gradient sum to its host buffer, narrowed to grad_dtype on the device
+        first (through wire buffer k; the head, once per step, through a temporary)."""
+        dst = self.host[unit].grad
+        if g is dst:  # accumulated in place (shared host memory)
+            return READY
+        if self.t.shares_host:  # no link: narrow straight into the host buffer
+            dst.copy_(g)
+            return READY
+        if dst.dtype != g.dtype:
+            if k is None:
+                g = g.to(dst.dtype)
+            else:
+                assert self.wire is not None
+                self.t.wait(self.free[k])  # the wire buffer's previous copy has landed
+                g = self.wire[k][: g.numel()].copy_(g)
+        return self.t.d2h([(dst, g)], [self.t.record()], label=f"g-{unit}")
+
+
+def sumsq(g: torch.Tensor, chunk: int = 1 << 18) -> list[torch.Tensor]:
+    """Pieces of the squared L2 norm of a flat fp32 buffer, to be summed in fp64: one fp32 dot over
+    10^8 elements (an embedding, an MoE layer) is off by ~1e-2 relative, over 2^18 by ~1e-7."""
+    return [torch.dot(g[a : a + chunk], g[a : a + chunk]) for a in range(0, g.numel(), chunk)]
