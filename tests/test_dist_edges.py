@@ -6,9 +6,12 @@ or N independent copies of a one-process command.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import chat_rows, write_config, write_jsonl
 from rich.console import Console
+from test_dist import torchrun
 
 from horizon_cli.errors import InputError
 from horizon_cli.profile import run_profile
@@ -64,3 +67,19 @@ def test_profile_refuses_several_ranks(tmp_path, bare_env):
     with pytest.raises(InputError, match="horizon profile measures one process"):
         run_profile(None, json_out=tmp_path / "p.json", console=Console(quiet=True))
     assert not (tmp_path / "p.json").exists()
+
+
+def test_bad_data_stops_every_rank_with_its_error(tiny_store, tmp_path):
+    """Rank 0 tokenizes first; a bad record is its error on every rank (exit 2), not the
+    others' "a barrier failed ... resume by launching the run again", which misleads."""
+    rows = (tmp_path / "chat.jsonl").open("w")
+    rows.write("".join(json.dumps(r) + "\n" for r in chat_rows(8)) + '{"messages": [\n')
+    rows.close()
+    cfg = write_config(tmp_path / "c.yaml", tiny_store, tmp_path / "chat.jsonl", tmp_path / "run",
+                       engine={"compute_threads": 1})  # fmt: skip
+    r = torchrun(2, cfg)
+    assert r.returncode != 0
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert errors and all("cannot read as json" in x for x in errors), r.stderr[-3000:]
+    assert "exitcode  : 2" in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
