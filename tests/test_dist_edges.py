@@ -7,6 +7,8 @@ or N independent copies of a one-process command.
 from __future__ import annotations
 
 import json
+import shutil
+from types import SimpleNamespace
 
 import pytest
 from conftest import chat_rows, write_config, write_jsonl
@@ -15,7 +17,9 @@ from test_dist import torchrun
 
 from horizon_cli.errors import InputError
 from horizon_cli.profile import run_profile
+from horizon_cli.store import Store
 from horizon_cli.train import run_training
+from horizon_cli.train.sharded_checkpoint import verify_split
 
 RENDEZVOUS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -83,3 +87,17 @@ def test_bad_data_stops_every_rank_with_its_error(tiny_store, tmp_path):
     assert errors and all("cannot read as json" in x for x in errors), r.stderr[-3000:]
     assert "exitcode  : 2" in r.stderr, r.stderr[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_corrupt_store_is_bad_input_on_ranks_too(tiny_store, tmp_path):
+    """A store whose checksum fails is bad input (exit 2) in a one-process run; the sharded
+    check, split over the ranks, must say the same (it said HorizonError: exit 1)."""
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store, store)
+    unit = store / "units" / "layer_0000.bin"
+    data = bytearray(unit.read_bytes())
+    data[100] ^= 0xFF
+    unit.write_bytes(bytes(data))
+    d = SimpleNamespace(rank=0, world=1, gather_objects=lambda err: [err])  # every file on this rank
+    with pytest.raises(InputError, match="layer_0000.bin: checksum mismatch"):
+        verify_split(d, None, Store.open(store))
