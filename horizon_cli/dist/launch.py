@@ -29,14 +29,39 @@ def _env_int(name: str) -> int | None:
         raise InputError(f"{name}={v!r}: expected an integer (set by torchrun)") from None
 
 
+RENDEZVOUS = ("RANK", "MASTER_ADDR", "MASTER_PORT")  # what torch's env:// rendezvous reads
+
+
 def world_from_env() -> tuple[int, int, int]:
-    """(world, rank, local rank) that torchrun set; (1, 0, 0) for a plain run."""
+    """(world, rank, local rank) that torchrun set; (1, 0, 0) for a plain run. A WORLD_SIZE > 1
+    without the rest of torchrun's variables (one exported by mistake) is refused here: torch
+    would raise a ValueError, or wait for ranks that never come."""
     world = _env_int("WORLD_SIZE") or 1
     rank = _env_int("RANK") or 0
     local = _env_int("LOCAL_RANK") or 0
     if world < 1 or not 0 <= rank < world:
         raise InputError(f"RANK={rank} is not in WORLD_SIZE={world}")
+    if world > 1:
+        for name in RENDEZVOUS:
+            if not os.environ.get(name):
+                raise InputError(
+                    f"WORLD_SIZE={world} but {name} is not set: launch the ranks with torchrun "
+                    f"(torchrun --nproc-per-node {world} -m horizon_cli ...), or unset WORLD_SIZE for one process"
+                )
+        dist_timeout()
     return world, rank, local
+
+
+def dist_timeout() -> float:
+    """Seconds a collective may wait for a missing rank (HORIZON_DIST_TIMEOUT, default 600)."""
+    v = os.environ.get(TIMEOUT_ENV, "600")
+    try:
+        t = float(v)
+    except ValueError:
+        t = 0.0
+    if not 0 < t < float("inf"):
+        raise InputError(f"{TIMEOUT_ENV}={v!r}: expected a number of seconds > 0")
+    return t
 
 
 def rank_device(device: str, local_rank: int) -> str:
@@ -60,7 +85,7 @@ def joined(device: str) -> Iterator[Dist | None]:
     import torch
     import torch.distributed as dist
 
-    timeout = float(os.environ.get(TIMEOUT_ENV, "600"))
+    timeout = dist_timeout()
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(device.split(":")[1]) if ":" in device else local)

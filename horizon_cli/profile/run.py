@@ -20,12 +20,14 @@ from .. import preflight
 from ..config import load_config
 from ..config.schema import EngineConfig, OptimConfig
 from ..data.batch import MicroBatch
+from ..dist.topology import world_for
 from ..engine.adapters import lora_for
 from ..engine.fit import check_device_fit
 from ..engine.lora_plan import lora_memory_plan
 from ..engine.plan import memory_plan
 from ..engine.schedule import Engine
 from ..engine.trace import Tracer
+from ..errors import InputError
 from ..inspect import fmt_bytes
 from ..store import Store
 from . import bandwidth
@@ -40,6 +42,11 @@ def run_profile(
     config: Path | None, json_out=None, trace=None, plot=None, console: Console | None = None
 ) -> dict:
     console = console or Console()
+    if world_for(None, None).size > 1:  # each rank would profile alone and write the same files
+        raise InputError(
+            "horizon profile measures one process: run it without torchrun "
+            "(a sharded run's steps are in its metrics.jsonl)"
+        )
     for path, opt in ((json_out, "--json"), (trace, "--trace"), (plot, "--plot")):
         preflight.check_output_file(path, opt)  # before minutes of measuring, not after
     with tempfile.TemporaryDirectory(prefix="horizon-profile-") as tmp:

@@ -37,6 +37,7 @@ from ..store import Store
 from ..store import checkpoint as ckpt
 from . import checkpoint
 from .metrics import MetricsLog, plot_loss, read_metrics
+from .ranks import main_first
 from .rundir import RunDir
 
 
@@ -143,9 +144,9 @@ class Trainer:
         """Rank 0 tokenizes (and fills the run's cache) first; the others then read the cache."""
         if self.dist is None:
             return load_data(self.cfg, self.store, self.run_dir / "cache", self.console)
-        data = load_data(self.cfg, self.store, self.run_dir / "cache", self.console) if self.main else None
-        self.dist.barrier()
-        return data or load_data(self.cfg, self.store, self.run_dir / "cache", self.console)
+        return main_first(
+            self.dist, lambda: load_data(self.cfg, self.store, self.run_dir / "cache", self.console)
+        )
 
     def _resume(self) -> dict:
         """Build the engine on the newest checkpoint that loads intact (a damaged one is set

@@ -28,7 +28,7 @@ from pathlib import Path
 from .. import __version__, owner
 from ..dist.comm import Dist
 from ..dist.crc import crc32_of_pieces
-from ..errors import HorizonError
+from ..errors import HorizonError, InputError
 from ..faults import phase
 from ..fsutil import fsync_tree, replace_dir
 from ..store import Store
@@ -209,7 +209,7 @@ def on_rank0(engine, d: Dist, save_fn) -> Path:
 def verify_split(d: Dist, ck: Path | None, store: Store) -> None:
     """Check every checksum once, the files split over the ranks: the store's unit files (and a
     checkpoint's state files). Every rank raises the same CheckpointDamaged (or InputError for
-    a damaged model store) when any rank found one."""
+    a damaged model store, exit 2 as on one process) when any rank found one."""
     jobs: list[tuple[str, str]] = [("unit", u.name) for u in store.units]
     sums = ckpt.read_sums(ck) if ck is not None else {}
     jobs += [("file", rel) for rel in sorted(sums) if rel.startswith("state/") and rel.endswith(".bin")]
@@ -226,7 +226,7 @@ def verify_split(d: Dist, ck: Path | None, store: Store) -> None:
             break
     errs = [e for e in d.gather_objects(err) if e]
     if errs:
-        raise (ckpt.CheckpointDamaged if ck is not None else HorizonError)(errs[0])
+        raise (ckpt.CheckpointDamaged if ck is not None else InputError)(errs[0])
 
 
 def read_slices(engine, ck: Path, sums: dict, state_keys: tuple[str, ...]) -> None:
