@@ -1,14 +1,17 @@
-"""Atomic file-system writes: nothing half-written is ever left under a final name."""
+"""Atomic file-system writes: nothing half-written is ever left under a final name (and the
+reads that name the file at fault)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from . import owner
 from .errors import HorizonError, InputError
@@ -162,3 +165,11 @@ def read_exact(path: Path, buf: memoryview) -> None:
             if not got:
                 raise InputError(f"{path}: truncated")
             n += got
+
+
+def read_json(path: Path) -> Any:
+    """The JSON document in `path` (an existing file); InputError naming it when it is not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from None

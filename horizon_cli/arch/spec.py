@@ -10,12 +10,12 @@ own model (the native fields hold the config's sizes, for reports and memory pla
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..fsutil import read_json
 
 # model_type -> family.  The family picks the HF name table and default flags.
 FAMILIES = {
@@ -77,10 +77,7 @@ def read_hf_config(src: Path) -> dict:
     path = src / "config.json"
     if not path.is_file():
         raise InputError(f"{path}: missing (an HF checkpoint directory has a config.json)")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not valid JSON ({e})") from None
+    return read_json(path)
 
 
 def spec_from_hf(

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
-from ..fsutil import atomic_dir, check_not_inside, io_failures
+from ..fsutil import atomic_dir, check_not_inside, io_failures, read_json
 from ..progress import byte_progress
 from ..store import Store
 from ..store.checkpoint import is_lora
@@ -123,10 +123,7 @@ def _hf_config(store: Store) -> dict:
     path = store.root / "hf" / "config.json"
     if not path.is_file():
         raise InputError(f"{path}: missing (the store carries no HF config to export with)")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not valid JSON ({e})") from None
+    cfg = read_json(path)
     for k in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
         cfg[k] = store.manifest.dtype
     cfg["tie_word_embeddings"] = store.arch.tie_embeddings

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
+from ..fsutil import read_json
 from .targets import ALL_LINEAR, Target
 
 CONFIG = "adapter_config.json"
@@ -90,10 +91,7 @@ def read_config(src: Path, where: str = "lora.init") -> dict:
     path = src / CONFIG
     if not path.is_file():
         raise InputError(f"{where}: {src} is not a PEFT adapter dir (no {CONFIG})")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not valid JSON ({e})") from None
+    cfg = read_json(path)
     if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
         raise InputError(
             f"{path}: peft_type is {cfg.get('peft_type') if isinstance(cfg, dict) else None!r}, not 'LORA'"
