@@ -77,7 +77,9 @@ def run_training(
             f"model.path: {model.root} is an HF checkpoint, not a store: convert it first "
             f"(horizon convert {model.root} STORE); --dry-run plans it as it is"
         )
-    fresh = not ckpt.intact(Path(cfg.output.dir))[0]  # a resume needs no lora.init: it has its checkpoint
+    # a resume needs no lora.init (it has its checkpoint): scan the run dir only when one is given
+    needs_init = cfg.lora is not None and bool(cfg.lora.init)
+    fresh = needs_init and not ckpt.intact(Path(cfg.output.dir))[0]
     lora = lora_for(cfg.lora, model, cfg.train.seed, read_init=fresh)  # checked before any write
     if lora is not None and lora.note and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         console.print(f"[yellow]warning:[/] {escape(lora.note)}", highlight=False)
