@@ -155,10 +155,11 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-def read_exact(path: Path, buf: memoryview) -> None:
-    """Fill `buf` from the start of the file with unbuffered reads (no page-cache mapping stays
-    in our RSS); InputError naming the file when it is shorter."""
+def read_exact(path: Path, buf: memoryview, offset: int = 0) -> None:
+    """Fill `buf` from byte `offset` of the file with unbuffered reads (no page-cache mapping
+    stays in our RSS); InputError naming the file when it is shorter."""
     with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
         n = 0
         while n < len(buf):
             got = f.readinto(buf[n:])

@@ -60,7 +60,6 @@ def save(
             run_dir,
             step,
             trainer,
-            config_yaml,
             model_store,
             keep_last,
             STATE_BUFFERS,

@@ -30,7 +30,7 @@ from ..dist.comm import Dist
 from ..dist.crc import crc32_of_pieces
 from ..errors import HorizonError, InputError
 from ..faults import phase
-from ..fsutil import fsync_tree, replace_dir
+from ..fsutil import fsync_tree, read_exact, replace_dir
 from ..store import Store
 from ..store import checkpoint as ckpt
 from ..store.layout import file_bytes, layouts
@@ -49,8 +49,8 @@ def _files(engine, state_keys: tuple[str, ...]) -> list[tuple[str, str, str]]:
     return out
 
 
-def save(engine, d: Dist, run_dir: Path, step: int, trainer: dict, config_yaml: str, model_store: Store,
-         keep_last: int, state_keys: tuple[str, ...], write_meta) -> Path:  # fmt: skip
+def save(engine, d: Dist, run_dir: Path, step: int, trainer: dict, model_store: Store, keep_last: int,
+         state_keys: tuple[str, ...], write_meta) -> Path:  # fmt: skip
     """Write checkpoint step_N from every rank's slices (a collective: every rank calls it)."""
     engine.wait()
     phase("checkpoint", step)
@@ -245,12 +245,4 @@ def read_slices(engine, ck: Path, sums: dict, state_keys: tuple[str, ...]) -> No
             raise ckpt.CheckpointDamaged(
                 f"{path}: size {os.path.getsize(path)} does not match the model ({total * item} bytes)"
             )
-        out = tensor_bytes(buf)
-        with open(path, "rb", buffering=0) as f:
-            f.seek(lo * item)
-            got = 0
-            while got < len(out):
-                n = f.readinto(out[got:])
-                if not n:
-                    raise ckpt.CheckpointDamaged(f"{path}: shorter than its listed size")
-                got += n
+        read_exact(path, tensor_bytes(buf), lo * item)
