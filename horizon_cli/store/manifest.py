@@ -24,6 +24,7 @@ READABLE = (VERSION, VERSION_GENERIC, VERSION_QUANT_V3, VERSION_QUANT)
 MANIFEST = "manifest.json"
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_NAMES = {t: name for name, t in DTYPES.items()}  # torch dtype -> its manifest name
 QUANTS = ("", "nf4")
 
 

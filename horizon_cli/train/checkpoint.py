@@ -38,6 +38,7 @@ from ..fsutil import fsync_tree, read_exact, replace_dir
 from ..lora import peft
 from ..store import Store, StoreWriter
 from ..store import checkpoint as ckpt
+from ..store.manifest import DTYPE_NAMES
 from ..store.writer import tensor_bytes
 from . import sharded_checkpoint
 
@@ -108,7 +109,7 @@ def _write(engine, tmp: Path, trainer: dict, config_yaml: str, model_store: Stor
         _write_adapter(engine, tmp, model_store)
         _write_state(engine, tmp, trainer, config_yaml, LORA_BUFFERS)
         return
-    dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[engine.dtype]
+    dtype = DTYPE_NAMES[engine.dtype]
     w = StoreWriter(tmp, engine.spec, dtype, source=model_store.manifest.source or str(model_store.root))
     try:
         for name, st in engine.host.units.items():

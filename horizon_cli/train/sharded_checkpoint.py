@@ -34,10 +34,8 @@ from ..fsutil import fsync_tree, read_exact, replace_dir
 from ..store import Store
 from ..store import checkpoint as ckpt
 from ..store.layout import file_bytes, layouts
-from ..store.manifest import MANIFEST, Manifest, TensorEntry, UnitEntry, unit_file
+from ..store.manifest import DTYPE_NAMES, MANIFEST, Manifest, TensorEntry, UnitEntry, unit_file
 from ..store.writer import tensor_bytes
-
-DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.float16": "float16"}
 
 
 def _files(engine, state_keys: tuple[str, ...]) -> list[tuple[str, str, str]]:
@@ -164,7 +162,7 @@ def _finish(engine, tmp, final, trainer, crcs: dict, model_store, write_meta) ->
 
 def _manifest(engine, tmp: Path, step: int, model_store: Store, crcs: dict) -> None:
     """The store's manifest, its per-tensor checksums combined from the ranks' parts."""
-    dtype = DTYPE_NAMES[str(engine.dtype)]
+    dtype = DTYPE_NAMES[engine.dtype]
     item = engine.dtype.itemsize
     units = []
     for lay in layouts(engine.spec):
