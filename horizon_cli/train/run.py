@@ -36,6 +36,7 @@ from ..engine.lora_plan import lora_memory_plan
 from ..engine.plan import RUNGS, MemoryPlan, memory_plan
 from ..errors import HorizonError, InputError, Terminated
 from ..faults import phase
+from ..fsutil import write_text_atomic
 from ..inspect import fmt_bytes
 from ..lora.targets import resolve_targets
 from ..store import Store
@@ -413,9 +414,7 @@ def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen:
 
 
 def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(owner.temp_name(path.name))
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 
 # -- host memory ---------------------------------------------------------------------------------
