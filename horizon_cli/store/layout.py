@@ -64,7 +64,7 @@ class UnitLayout:
         return sum(s.numel for s in self.slots)
 
 
-def _round_up(n: int, k: int) -> int:
+def round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
 
@@ -75,7 +75,7 @@ def unit_layout(spec: ArchSpec, unit: str) -> UnitLayout:
     for t in unit_tensors(spec, unit):
         n = math.prod(t.shape)
         slots.append(Slot(t.name, t.hf, tuple(t.shape), off, n))
-        off = _round_up(off + n, ALIGN)
+        off = round_up(off + n, ALIGN)
     params = tuple(Param(s.name, s.hf, s.shape, s.offset, s.numel) for s in slots)
     numel = max(off, ALIGN)
     return UnitLayout(unit, tuple(slots), numel, params, numel)
@@ -92,7 +92,7 @@ def _generic_layout(spec: ArchSpec, unit: str) -> UnitLayout:
             slots.append(
                 Slot(part_name(e, k), p["hf"], tuple(p["shape"]), off + p["at"], math.prod(p["shape"]))
             )
-        off = _round_up(off + n, ALIGN)
+        off = round_up(off + n, ALIGN)
         if e["trainable"]:
             trained = off
     slots.sort(key=lambda s: s.offset)
@@ -105,4 +105,4 @@ def layouts(spec: ArchSpec) -> list[UnitLayout]:
 
 def file_bytes(numel: int, itemsize: int) -> int:
     """Unit files are padded to whole pages so each maps and reads page-aligned."""
-    return _round_up(numel * itemsize, PAGE)
+    return round_up(numel * itemsize, PAGE)

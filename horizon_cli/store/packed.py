@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..arch import ArchSpec
 from ..arch.generic import is_expert
 from ..quant import nf4
-from .layout import UnitLayout
+from .layout import UnitLayout, round_up
 
 REGION = 128  # bytes
 
@@ -44,10 +44,6 @@ class PackedLayout:
             if s.name == name:
                 return s
         raise KeyError(f"{self.name} has no tensor {name!r}")
-
-
-def _up(n: int, k: int) -> int:
-    return (n + k - 1) // k * k
 
 
 def packs(unit: str, quant: str) -> bool:
@@ -91,5 +87,5 @@ def packed_layout(
         q = "nf4" if nf4.quantizable(s.shape) and s.name not in keep else ""
         n = nf4.nbytes(s.numel, itemsize) if q else s.numel * itemsize
         out.append(PackedSlot(s.name, s.hf, s.shape, off, n, s.numel, s.offset, q))
-        off = _up(off + n, REGION)
+        off = round_up(off + n, REGION)
     return PackedLayout(lay.name, tuple(out), max(off, REGION))
