@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-from smollm2 import die, ensure_optional_packages, sha256, step
+from smollm2 import built, die, ensure_optional_packages, save_stamped, sha256, step
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / ".cache" / "gemma3" / "hf"
@@ -100,9 +99,6 @@ def build(gguf: Path, out: Path, dtype: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
-    sys.path.insert(0, str(REPO))
-    from horizon_cli.fsutil import atomic_dir
-
     step(f"loading {gguf.name} with transformers (dequantizing Q4_K_M to fp32)")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     q = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -131,24 +127,16 @@ def build(gguf: Path, out: Path, dtype: str) -> None:
     model = model.to(getattr(torch, dtype)).eval()
     del q
     step(f"saving {dtype} safetensors + tokenizer into {out}")
-    with atomic_dir(out, force=True) as tmp:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        stamp = {
-            "package": f"{PACKAGE}=={VERSION}",
-            "gguf": GGUF,
-            "gguf_sha256": sha256(gguf),
-            "dtype": dtype,
-        }
-        (tmp / STAMP).write_text(json.dumps(stamp, indent=1))
-
-
-def built(out: Path, dtype: str) -> bool:
-    try:
-        stamp = json.loads((out / STAMP).read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return stamp.get("dtype") == dtype and (out / "model.safetensors").is_file()
+    save_stamped(
+        model,
+        tok,
+        out,
+        STAMP,
+        package=f"{PACKAGE}=={VERSION}",
+        gguf=GGUF,
+        gguf_sha256=sha256(gguf),
+        dtype=dtype,
+    )
 
 
 def continuation(model_dir: Path, prompt: str = PROMPT, n: int = 8) -> str:
@@ -173,7 +161,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     out = out_dir(args.out)
-    if built(out, args.dtype) and not args.force:
+    if built(out, args.dtype, STAMP) and not args.force:
         step(f"already built: {out} (--force rebuilds)")
     else:
         ensure_optional_packages()

@@ -118,9 +118,6 @@ def build(gguf: Path, out: Path, dtype: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    sys.path.insert(0, str(REPO))
-    from horizon_cli.fsutil import atomic_dir
-
     step(f"loading {gguf.name} with transformers (dequantizing Q4_1 to fp32)")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     q = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -147,21 +144,33 @@ def build(gguf: Path, out: Path, dtype: str) -> None:
     model = model.to(getattr(torch, dtype)).eval()
     del q
     step(f"saving {dtype} safetensors + tokenizer + chat template into {out}")
+    save_stamped(
+        model,
+        tok,
+        out,
+        STAMP,
+        package=f"{PACKAGE}=={VERSION}",
+        gguf=GGUF,
+        gguf_sha256=sha256(gguf),
+        dtype=dtype,
+    )
+
+
+def save_stamped(model, tok, out: Path, stamp_name: str, **stamp: str) -> None:
+    """model + tokenizer + stamp_name (what they were built from, as JSON) into `out`, all or nothing."""
+    sys.path.insert(0, str(REPO))
+    from horizon_cli.fsutil import atomic_dir
+
     with atomic_dir(out, force=True) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        stamp = {
-            "package": f"{PACKAGE}=={VERSION}",
-            "gguf": GGUF,
-            "gguf_sha256": sha256(gguf),
-            "dtype": dtype,
-        }
-        (tmp / STAMP).write_text(json.dumps(stamp, indent=1))
+        (tmp / stamp_name).write_text(json.dumps(stamp, indent=1))
 
 
-def built(out: Path, dtype: str) -> bool:
+def built(out: Path, dtype: str, stamp_name: str) -> bool:
+    """`out` holds a checkpoint this script (stamp_name: or its sibling) built in `dtype`."""
     try:
-        stamp = json.loads((out / STAMP).read_text())
+        stamp = json.loads((out / stamp_name).read_text())
     except (OSError, json.JSONDecodeError):
         return False
     return stamp.get("dtype") == dtype and (out / "model.safetensors").is_file()
@@ -195,7 +204,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     out = out_dir(args.out)
 
-    if built(out, args.dtype) and not args.force:
+    if built(out, args.dtype, STAMP) and not args.force:
         step(f"already built: {out} (--force rebuilds)")
     else:
         ensure_optional_packages()

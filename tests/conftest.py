@@ -35,6 +35,22 @@ def tiny_store(tmp_path_factory) -> Path:
     return store_with_tokenizer(tmp_path_factory.mktemp("tiny"), "llama", tie=True)
 
 
+@pytest.fixture(scope="module")
+def tok():
+    """The tiny tokenizer, with its chat template (one per test module, as each module had)."""
+    from tiny_tokenizer import make_tokenizer
+
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tok_plain():
+    """The tiny tokenizer without a chat template."""
+    from tiny_tokenizer import make_tokenizer
+
+    return make_tokenizer(chat_template=False)
+
+
 def chat_rows(n: int = 48, seed: int = 0) -> list[dict]:
     import random
 

@@ -7,7 +7,7 @@ import pytest
 
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.config import load_config
-from horizon_cli.engine.plan import memory_plan
+from horizon_cli.train.run import plan_for
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
@@ -46,17 +46,7 @@ def test_config_loads_and_names_its_command(path):
 
 def test_llama70b_fits_one_h200_and_1_5_tb():
     cfg = load_config(Path(__file__).parent.parent / "configs" / "llama70b-sft.yaml")
-    e, t = cfg.engine, cfg.train
-    plan = memory_plan(
-        spec_from_hf(LLAMA_31_70B),
-        e.dtype,
-        e.grad_dtype,
-        batch=t.batch_size,
-        micro_batch=t.micro_batch_size,
-        seq=cfg.data.max_seq_len,
-        prefetch=e.prefetch,
-        loss_chunk=e.loss_chunk,
-    )
+    plan = plan_for(cfg, spec_from_hf(LLAMA_31_70B), "exact")  # what `horizon train --dry-run` plans
     assert 70e9 < plan.params < 71e9
     assert plan.host_total < 1.5e12 * 0.8  # leave the OS and page cache a fifth
     assert plan.device_total < 141e9 * 0.5
@@ -85,17 +75,7 @@ def test_generic_config_fits_its_machine(model):
     spec = spec_from_hf(hf)
     assert spec.path == "generic"
     cfg = load_config(Path(__file__).parent.parent / "configs" / name)
-    e, t = cfg.engine, cfg.train
-    plan = memory_plan(
-        spec,
-        e.dtype,
-        e.grad_dtype,
-        batch=t.batch_size,
-        micro_batch=t.micro_batch_size,
-        seq=cfg.data.max_seq_len,
-        prefetch=e.prefetch,
-        loss_chunk=e.loss_chunk,
-    )
+    plan = plan_for(cfg, spec, "exact")
     split = param_split(spec)
     assert abs(plan.params - params) / params < 0.01
     assert abs(split["active"] - active) / active < 0.05

@@ -17,17 +17,6 @@ from horizon_cli.config.schema import DataConfig
 from horizon_cli.data import pad_id_of, prepare_data
 from horizon_cli.errors import InputError
 
-
-@pytest.fixture(scope="module")
-def tok():
-    return make_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tok_plain():
-    return make_tokenizer(chat_template=False)
-
-
 # renders `tools`, assistant `tool_calls` (name + arguments as JSON) and tool results
 TOOLS_TEMPLATE = (
     "{{ bos_token }}"

@@ -13,16 +13,6 @@ from horizon_cli.data import IGNORE, prepare_data
 from horizon_cli.errors import InputError
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return make_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tok_plain():
-    return make_tokenizer(chat_template=False)
-
-
 def prep(tmp_path, records, tokenizer, **cfg):
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -16,11 +16,6 @@ from horizon_cli.errors import InputError
 WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return make_tokenizer()
-
-
 def write_texts(path, n: int, seed: int = 0):
     """n text records of 1..10 words each."""
     rng = np.random.default_rng(seed)

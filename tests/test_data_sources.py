@@ -7,18 +7,12 @@ import json
 import datasets
 import huggingface_hub.constants
 import pytest
-from tiny_tokenizer import make_tokenizer
 
 from horizon_cli.config.schema import DataConfig
 from horizon_cli.data import prepare_data
 from horizon_cli.errors import InputError
 
 TEXTS = ["Hello world", "The quick brown fox", "one two three"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return make_tokenizer()
 
 
 def prep(path, tokenizer, **cfg):

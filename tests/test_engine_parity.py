@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from oracle import hf_loss_backward, make_engine, make_store, micro_batches, random_rows, rel_err
+from oracle import check_step_against_hf, make_engine, make_store, micro_batches, random_rows, rel_err
 
 CASES = [
     ("llama", False),
@@ -20,28 +20,8 @@ CASES = [
 def test_logits_loss_and_grads_match_transformers(tmp_path, family, tie):
     model, store = make_store(tmp_path, family, tie)
     eng = make_engine(store)
-    rows = random_rows(4, model.config.vocab_size, seed=1, lo=10, hi=24)
-    mbs = micro_batches(rows, 2)
     try:
-        # logits of a padded micro-batch, real positions only
-        ours = eng.logits(mbs[0])
-        ref = model(input_ids=mbs[0].input_ids).logits.detach()
-        for r, (ids, _) in enumerate(rows[:2]):
-            assert rel_err(ours[r, : len(ids)], ref[r, : len(ids)]) < 1e-5
-
-        loss_sum, tokens, sq = eng.forward_backward(mbs)
-        eng.t.synchronize()
-        model.zero_grad()
-        ref_loss = hf_loss_backward(model, mbs)
-        assert abs(loss_sum / tokens - ref_loss) / ref_loss < 1e-5
-
-        hf = dict(model.named_parameters())
-        ref_sq = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())
-        assert abs(sq - ref_sq) / ref_sq < 1e-5
-        for name, st in eng.host.units.items():
-            grads = st.views(st.grad)
-            for s in st.layout.slots:
-                assert rel_err(grads[s.name], hf[s.hf].grad) < 1e-5, (name, s.hf)
+        check_step_against_hf(eng, model)
     finally:
         eng.close()
 

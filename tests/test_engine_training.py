@@ -96,18 +96,25 @@ def test_non_finite_step_leaves_the_store_untouched(tmp_path):
         eng.close()
 
 
-def test_device_peak_does_not_grow_with_depth(tmp_path):
-    peaks = {}
-    for layers in (4, 32):
-        model, store = make_store(tmp_path / str(layers), "llama", False, num_hidden_layers=layers)
+def step_at_depths(tmp_path, family: str, depths) -> dict:
+    """One step of the same 4 rows (2 micro-batches) on `family` models `depths` layers deep:
+    depth -> the step's StepResult."""
+    out = {}
+    for layers in depths:
+        model, store = make_store(tmp_path / str(layers), family, False, num_hidden_layers=layers)
         eng = make_engine(store, **HP)
         try:
-            r = eng.step(micro_batches(random_rows(4, model.config.vocab_size), 2), HP["lr"])
-            peaks[layers] = r.device_peak_bytes
-            assert r.weight_loads == 2 * layers
+            out[layers] = eng.step(batches(model.config.vocab_size, micro=2, steps=1)[0], HP["lr"])
         finally:
             eng.close()
-    assert abs(peaks[32] - peaks[4]) / peaks[4] < 0.05
+    return out
+
+
+def test_device_peak_does_not_grow_with_depth(tmp_path):
+    res = step_at_depths(tmp_path, "llama", (4, 32))
+    for layers, r in res.items():
+        assert r.weight_loads == 2 * layers
+    assert abs(res[32].device_peak_bytes - res[4].device_peak_bytes) / res[4].device_peak_bytes < 0.05
 
 
 @pytest.mark.parametrize("dtype,tie", [("float32", True), ("bfloat16", False)])

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from oracle import (
+    check_grads,
+    check_step_against_hf,
     engine_grads,
     hf_loss_backward,
     make_engine,
@@ -29,14 +31,6 @@ from horizon_cli.export import export
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]  # families whose ForCausalLM adds an aux loss
 CASES = [(f, tie) for f in GENERIC for tie in (False, True)]
-
-
-def check_grads(eng, model, tol=1e-5):
-    hf = dict(model.named_parameters())
-    grads = engine_grads(eng)
-    assert set(grads) == set(hf), set(grads) ^ set(hf)
-    for name, g in grads.items():
-        assert rel_err(g, hf[name].grad) < tol, name
 
 
 def check_roundtrip(tmp: Path):
@@ -63,21 +57,8 @@ def test_generic_matches_transformers(tmp_path, family, tie):
     model, store = make_store(tmp_path, family, tie)
     assert store.arch.path == "generic"
     eng = make_engine(store)
-    rows = random_rows(4, model.config.vocab_size, seed=1, lo=10, hi=24)
-    mbs = micro_batches(rows, 2)
     try:
-        ours = eng.logits(mbs[0])
-        ref = model(input_ids=mbs[0].input_ids).logits.detach()
-        for r, (ids, _) in enumerate(rows[:2]):
-            assert rel_err(ours[r, : len(ids)], ref[r, : len(ids)]) < 1e-5
-        loss_sum, tokens, sq = eng.forward_backward(mbs)
-        eng.t.synchronize()
-        model.zero_grad()
-        ref_loss = hf_loss_backward(model, mbs)
-        assert abs(loss_sum / tokens - ref_loss) / ref_loss < 1e-5
-        ref_sq = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())
-        assert abs(sq - ref_sq) / ref_sq < 1e-5
-        check_grads(eng, model)
+        check_step_against_hf(eng, model)
     finally:
         eng.close()
     check_roundtrip(tmp_path)

@@ -14,7 +14,7 @@ from oracle import (
     one_thread,  # noqa: F401 (autouse fixture: tiny models on one thread)
     rel_err,
 )
-from test_engine_training import HP, batches, run_engine
+from test_engine_training import HP, batches, run_engine, step_at_depths
 
 CASES = [
     ("gemma2", True, False),
@@ -61,14 +61,7 @@ def test_twenty_steps_match_resident_adamw(tmp_path, family, tie, aux):
 
 def test_device_peak_does_not_grow_with_depth(tmp_path):
     """A MoE model 2 and 8 layers deep: two loads per layer, the same device peak."""
-    peaks = {}
-    for layers in (2, 8):
-        model, store = make_store(tmp_path / str(layers), "qwen3_moe", False, num_hidden_layers=layers)
-        eng = make_engine(store, **HP)
-        try:
-            r = eng.step(batches(model.config.vocab_size, micro=2, steps=1)[0], HP["lr"])
-            assert r.weight_loads == 2 * layers and len(r.expert_imbalance) == layers
-            peaks[layers] = r.device_peak_bytes
-        finally:
-            eng.close()
-    assert abs(peaks[8] - peaks[2]) / peaks[2] < 0.05
+    res = step_at_depths(tmp_path, "qwen3_moe", (2, 8))
+    for layers, r in res.items():
+        assert r.weight_loads == 2 * layers and len(r.expert_imbalance) == layers
+    assert abs(res[8].device_peak_bytes - res[2].device_peak_bytes) / res[2].device_peak_bytes < 0.05

@@ -9,8 +9,8 @@ from test_configs import LLAMA_31_70B
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.config import load_config
 from horizon_cli.engine.adapters import lora_setup
-from horizon_cli.engine.lora_plan import lora_memory_plan
 from horizon_cli.engine.plan import memory_plan
+from horizon_cli.train.run import plan_for
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -24,19 +24,7 @@ def test_llama70b_lora_plans_fit_a_24_gb_gpu(name, quant, ram, bpp):
     spec = spec_from_hf(LLAMA_31_70B)
     setup = lora_setup(cfg.lora, spec)
     e, t = cfg.engine, cfg.train
-    plan = lora_memory_plan(
-        spec,
-        setup.targets,
-        setup.r,
-        e.dtype,
-        e.grad_dtype,
-        batch=t.batch_size,
-        micro_batch=t.micro_batch_size,
-        seq=cfg.data.max_seq_len,
-        prefetch=e.prefetch,
-        loss_chunk=e.loss_chunk,
-        quant=quant,
-    )
+    plan = plan_for(cfg, spec, "qlora" if quant else "lora", setup)  # what `horizon train --dry-run` plans
     assert 70e9 < plan.params < 71e9
     assert bpp[0] < plan.bytes_per_param < bpp[1]
     assert plan.host_total < ram * 0.85
