@@ -90,6 +90,20 @@ def test_dry_run_prints_config_and_plan_and_writes_nothing(run_cfg, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_dry_run_prints_the_whole_resolved_config(run_cfg):
+    """The printed config reads back as the resolved config: no line cropped at the terminal's
+    width (CliRunner's console is 80 columns wide; the tmp paths make the data line longer)."""
+    from horizon_cli.config import load_config, to_dict
+
+    cfg = run_cfg()
+    r = horizon("train", cfg, "--dry-run")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("model:"))
+    end = next(i for i, ln in enumerate(lines) if "memory plan" in ln)
+    assert yaml.safe_load("\n".join(lines[start:end])) == to_dict(load_config(cfg))
+
+
 def test_config_errors_are_reported_all_at_once(run_cfg):
     r = horizon(
         "train", run_cfg(), "train.stepz=3", "optim.lr=fast", "engine.dtype=int8", "train.batch_size=0"

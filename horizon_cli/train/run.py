@@ -261,7 +261,9 @@ def dry_run_report(
     this config. Then the plan of this run and the ladder of every rung on `where`."""
     check_data(cfg, model, console)
     run_dir = run_dir_status(cfg, model)
-    console.print(Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default"))
+    # soft_wrap: never crop a long line (a path) at the terminal's width; the config must read back
+    yaml_text = Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default")
+    console.print(yaml_text, soft_wrap=True)
     plan, na = rungs[chosen], not_applicable(model)
     console.print(plan_table(plan))
     console.print(ladder_table(rungs, where, chosen, na))
