@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from ..dist.comm import Dist
-from ..dist.shard import shard_size
+from ..dist.shard import SHARD_ALIGN, shard_size
 from .events import READY, Event, FutureEvent
 
 SQ_CHUNK = 1 << 18
@@ -41,11 +41,6 @@ def sumsq64(g: torch.Tensor) -> float:
     return float(torch.stack(parts).double().sum())
 
 
-def device_numel(numel: int, world: int) -> int:
-    """Elements of a unit's whole device buffer in a sharded run: every rank's piece, padded."""
-    return world * shard_size(numel, world, 64)
-
-
 class ShardedGrads:
     """Reduce-scatter of gradients into host slices, and the step's loss/norm all-reduce."""
 
@@ -53,7 +48,7 @@ class ShardedGrads:
         """replicated: the trained units are whole on every rank (LoRA's adapters): their
         gradients are all-reduced, and every rank applies the same update to its copy."""
         self.d, self.t, self.host, self.replicated = dist, transport, host, replicated
-        per = (lambda n: n) if replicated else (lambda n: shard_size(n, dist.world, 64))
+        per = (lambda n: n) if replicated else (lambda n: shard_size(n, dist.world, SHARD_ALIGN))
         big = max(per(st.layout.numel) for st in host.units.values())
         # reduce-scatter outputs: the two layer ping-pong buffers, the head's and the embedding's
         self.keys: tuple = (0, 1, "head", "embed")
