@@ -17,7 +17,7 @@ import torch
 from ..arch import ArchSpec
 from ..data.batch import MicroBatch
 from .events import READY, Event
-from .grads import sumsq
+from .grads import sumsq64
 from .loader import Loader
 from .sharded import ShardedGrads, embed_grad, embed_rows
 
@@ -136,4 +136,4 @@ class Embedding:
         table = st.views(st.grad)["embed"]
         table.index_add_(0, ids, rows)
         ready["embed"] = READY
-        return float(torch.stack(sumsq(st.grad)).double().sum())
+        return sumsq64(st.grad)

@@ -116,3 +116,8 @@ def sumsq(g: torch.Tensor, chunk: int = 1 << 18) -> list[torch.Tensor]:
     """Pieces of the squared L2 norm of a flat fp32 buffer, to be summed in fp64: one fp32 dot over
     10^8 elements (an embedding, an MoE layer) is off by ~1e-2 relative, over 2^18 by ~1e-7."""
     return [torch.dot(g[a : a + chunk], g[a : a + chunk]) for a in range(0, g.numel(), chunk)]
+
+
+def sumsq64(g: torch.Tensor) -> float:
+    """Squared L2 norm of a flat fp32 buffer: `sumsq`'s pieces summed in fp64, on the host."""
+    return float(torch.stack(sumsq(g)).double().sum()) if g.numel() else 0.0

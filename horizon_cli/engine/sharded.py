@@ -29,16 +29,7 @@ import torch
 from ..dist.comm import Dist
 from ..dist.shard import SHARD_ALIGN, shard_size
 from .events import READY, Event, FutureEvent
-
-SQ_CHUNK = 1 << 18
-
-
-def sumsq64(g: torch.Tensor) -> float:
-    """Squared L2 norm of a flat fp32 buffer, pieces summed in fp64 (as the single-rank step)."""
-    if not g.numel():
-        return 0.0
-    parts = [torch.dot(g[a : a + SQ_CHUNK], g[a : a + SQ_CHUNK]) for a in range(0, g.numel(), SQ_CHUNK)]
-    return float(torch.stack(parts).double().sum())
+from .grads import sumsq64
 
 
 class ShardedGrads:
