@@ -121,21 +121,3 @@ class ShardedGrads:
         self.d.submit(lambda: None).result()
         for ev in self.free.values():
             ev.host_wait()
-
-
-def embed_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The input rows (n, H) of the gathered (V, H) table on the device."""
-    return table.index_select(0, ids.to(table.device))
-
-
-def embed_grad(
-    table_g: torch.Tensor, ids: torch.Tensor, dx: list[torch.Tensor], padding_idx: int | None
-) -> None:
-    """Scatter-add the input gradient (per micro-batch (b, T, H)) into the dense fp32 (V, H)
-    embedding gradient on the device; the padding row, as nn.Embedding(padding_idx), gets none."""
-    h = table_g.shape[1]
-    ids = ids.to(table_g.device)
-    rows = torch.cat([d.reshape(-1, h) for d in dx]).to(torch.float32)
-    if padding_idx is not None:
-        rows[ids == padding_idx] = 0.0
-    table_g.index_add_(0, ids, rows)
