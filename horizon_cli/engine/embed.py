@@ -39,7 +39,12 @@ class Embedding:
         """units: every unit's streaming copy (LoRA: the frozen base's); host: the trained units'
         state (the embedding's grad, when trained). scale: the family's embedding scale, or None."""
         self.t, self.loader, self.units, self.host = transport, loader, units, host
-        self.spec, self.dtype, self._scale, self.sharded = spec, dtype, scale, sharded
+        self.spec, self.dtype, self.sharded = spec, dtype, sharded
+        # the scale in the compute dtype, on the device once: a per-step copy from pageable memory
+        # would make the host wait for the device (twice a step, the second after the backward)
+        self._scale = (
+            None if scale is None else torch.tensor(scale, dtype=torch.float32).to(dtype).to(transport.device)
+        )
         self.staging: dict[str, torch.Tensor] = {}
 
     def reserve(self, numel: int, grad: bool) -> None:
@@ -62,10 +67,7 @@ class Embedding:
         """Families that scale the embedding output (Gemma: by sqrt(hidden), in the compute dtype)
         scale its gradient by the same factor."""
         s = self._scale
-        if s is None:
-            return x
-        scale = torch.tensor(s, dtype=torch.float32).to(self.dtype).to(self.t.device)
-        return [xm * scale for xm in x]
+        return x if s is None else [xm * s for xm in x]
 
     def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         """The input rows per micro-batch, (b, T, H) on the device (not yet scaled)."""
