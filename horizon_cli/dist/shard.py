@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from ..errors import InputError
 
+# elements: what every unit is sharded by (host slices, device pieces, gathers and scatters):
+# pieces start on lean optimizer blocks (optim/lean.py BLOCK), so no block straddles two ranks
+SHARD_ALIGN = 64
+
 
 def shard_size(numel: int, world: int, align: int = 1) -> int:
     """Elements of the largest piece (every piece padded to it for all-gather/reduce-scatter)."""
@@ -18,6 +22,11 @@ def shard_size(numel: int, world: int, align: int = 1) -> int:
         raise ValueError(f"world {world} and align {align} must be >= 1")
     per = -(-numel // world)
     return -(-per // align) * align
+
+
+def padded_numel(numel: int, world: int) -> int:
+    """Elements of a unit's whole device buffer in a sharded run: every rank's piece, padded."""
+    return world * shard_size(numel, world, SHARD_ALIGN)
 
 
 def shard_range(numel: int, world: int, rank: int, align: int = 1) -> tuple[int, int]:

@@ -17,9 +17,9 @@ import torch
 from ..arch import ArchSpec
 from ..data.batch import MicroBatch
 from .events import READY, Event
-from .grads import sumsq
+from .grads import sumsq64
 from .loader import Loader
-from .sharded import ShardedGrads, embed_grad, embed_rows
+from .sharded import ShardedGrads
 
 
 class Embedding:
@@ -39,7 +39,12 @@ class Embedding:
         """units: every unit's streaming copy (LoRA: the frozen base's); host: the trained units'
         state (the embedding's grad, when trained). scale: the family's embedding scale, or None."""
         self.t, self.loader, self.units, self.host = transport, loader, units, host
-        self.spec, self.dtype, self._scale, self.sharded = spec, dtype, scale, sharded
+        self.spec, self.dtype, self.sharded = spec, dtype, sharded
+        # the scale in the compute dtype, on the device once: a per-step copy from pageable memory
+        # would make the host wait for the device (twice a step, the second after the backward)
+        self._scale = (
+            None if scale is None else torch.tensor(scale, dtype=torch.float32).to(dtype).to(transport.device)
+        )
         self.staging: dict[str, torch.Tensor] = {}
 
     def reserve(self, numel: int, grad: bool) -> None:
@@ -62,10 +67,7 @@ class Embedding:
         """Families that scale the embedding output (Gemma: by sqrt(hidden), in the compute dtype)
         scale its gradient by the same factor."""
         s = self._scale
-        if s is None:
-            return x
-        scale = torch.tensor(s, dtype=torch.float32).to(self.dtype).to(self.t.device)
-        return [xm * scale for xm in x]
+        return x if s is None else [xm * s for xm in x]
 
     def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         """The input rows per micro-batch, (b, T, H) on the device (not yet scaled)."""
@@ -109,8 +111,9 @@ class Embedding:
         assert self.sharded is not None
         if not self.spec.tie_embeddings:
             embed_g.zero_()
-        ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
-        embed_grad(self.host["embed"].views(embed_g)["embed"], ids, dx, self.spec.padding_idx)
+        ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs]).to(embed_g.device)
+        rows = torch.cat([d.reshape(-1, self.spec.hidden) for d in dx])  # (n, H)
+        embed_grad(self.host["embed"].views(embed_g)["embed"], ids, rows, self.spec.padding_idx)
         ready["embed"] = self.sharded.reduce("embed", embed_g, "embed")
 
     def backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float:
@@ -130,10 +133,21 @@ class Embedding:
             st.grad.zero_()
         ev.host_wait()
         ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
-        rows = host_dx.view(-1, self.spec.hidden).to(torch.float32)
-        if self.spec.padding_idx is not None:  # nn.Embedding(padding_idx): that row gets no gradient
-            rows[ids == self.spec.padding_idx] = 0.0
-        table = st.views(st.grad)["embed"]
-        table.index_add_(0, ids, rows)
+        embed_grad(st.views(st.grad)["embed"], ids, host_dx.view(-1, self.spec.hidden), self.spec.padding_idx)
         ready["embed"] = READY
-        return float(torch.stack(sumsq(st.grad)).double().sum())
+        return sumsq64(st.grad)
+
+
+def embed_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The input rows (n, H) of the gathered (V, H) table on the device."""
+    return table.index_select(0, ids.to(table.device))
+
+
+def embed_grad(table_g: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, padding_idx: int | None) -> None:
+    """Scatter-add the input gradient's rows (n, H) into the dense fp32 (V, H) embedding gradient
+    where it lies (the host's, or a sharded run's on the device); the padding row, as
+    nn.Embedding(padding_idx), gets none. `rows` may be overwritten (an fp32 one is used as is)."""
+    rows = rows.to(torch.float32)
+    if padding_idx is not None:
+        rows[ids == padding_idx] = 0.0
+    table_g.index_add_(0, ids, rows)

@@ -7,7 +7,7 @@ bits and `dequantize` expands them on the device, into one layer-sized scratch b
 layout, just before the layer's compute. Nothing here is ever written after loading.
 
 Sharded runs (`shard=(world, rank)`): a unit holds this rank's slice of its flat buffer (elements,
-or a packed unit's bytes: dist.shard.shard_range, align 64); the loader all-gathers it.
+or a packed unit's bytes: dist.shard.shard_range, align SHARD_ALIGN); the loader all-gathers it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dist.shard import shard_range
+from ..dist.shard import SHARD_ALIGN, shard_range
 from ..quant import nf4
 from ..store import Store, UnitLayout
 from ..store.packed import PackedLayout
@@ -84,7 +84,7 @@ class FrozenState:
     def _slice(self, store: Store, name: str, lay, packed, alloc, shard) -> FrozenUnit:
         """This rank's slice of a unit (its checksums: train/sharded_checkpoint.verify_split)."""
         full = packed.nbytes if packed is not None else lay.numel
-        a, b = shard_range(full, shard[0], shard[1], 64)
+        a, b = shard_range(full, shard[0], shard[1], SHARD_ALIGN)
         src = store.unit_view(name)[a:b]
         buf = alloc(b - a, torch.uint8 if packed is not None else self.dtype)
         buf.copy_(src)

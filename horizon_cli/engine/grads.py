@@ -11,7 +11,7 @@ every micro-batch in fp32 on the device and sends the sum to the unit's host gra
     direct     when the transport shares host memory (`device: cpu` without an emulated link)
                and gradients stay fp32, sums accumulate straight into the host buffers: no copy
 
-Sharded runs size the buffers for the whole padded unit (engine.sharded.device_numel); the
+Sharded runs size the buffers for the whole padded unit (dist.shard.padded_numel); the
 reduce-scatter there sends each rank's slice to the host instead of `send`.
 """
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from ..dist.shard import padded_numel
 from .events import READY, Event
 from .host import HostState
-from .sharded import device_numel
 
 
 class GradSums:
@@ -61,7 +61,7 @@ class GradSums:
         """Elements of a unit's fp32 gradient sum on the device (sharded: padded for the scatter;
         a LoRA run's adapters are whole on every rank and not padded)."""
         n = self.host[unit].layout.numel
-        return device_numel(n, self.world) if self.sharded and self.full else n
+        return padded_numel(n, self.world) if self.sharded and self.full else n
 
     def _alloc_head(self, embed_on_device: bool) -> None:
         self.head = (
@@ -116,3 +116,8 @@ def sumsq(g: torch.Tensor, chunk: int = 1 << 18) -> list[torch.Tensor]:
     """Pieces of the squared L2 norm of a flat fp32 buffer, to be summed in fp64: one fp32 dot over
     10^8 elements (an embedding, an MoE layer) is off by ~1e-2 relative, over 2^18 by ~1e-7."""
     return [torch.dot(g[a : a + chunk], g[a : a + chunk]) for a in range(0, g.numel(), chunk)]
+
+
+def sumsq64(g: torch.Tensor) -> float:
+    """Squared L2 norm of a flat fp32 buffer: `sumsq`'s pieces summed in fp64, on the host."""
+    return float(torch.stack(sumsq(g)).double().sum()) if g.numel() else 0.0

@@ -25,7 +25,7 @@ Host bytes per parameter: exact bf16 2 + 2 + 4 + 4 + 2 = 14, fp32 4 + 4 + 4 + 4 
 2 + 1 + 1 + 1 + 8/64 + 2 = 7.125.
 
 Sharded runs (`shard=(world, rank)`, dist/): a rank holds elements [start, end) of every unit
-(dist.shard.shard_range with align 64, so lean blocks never straddle ranks) and the matching
+(dist.shard.shard_range with SHARD_ALIGN, so lean blocks never straddle ranks) and the matching
 contiguous part of every buffer: the stream, the gradient, and of each state kind's packed
 buffers the range its elements occupy there (packing keeps element order). `UnitState.ranges`
 names each buffer's global range, by which checkpoints are written and read at any world size.
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..dist.shard import shard_range
+from ..dist.shard import SHARD_ALIGN, shard_range
 from ..optim import lean
 from ..optim.split import join, split_
 from ..store import Store, UnitLayout
@@ -236,7 +236,7 @@ class HostState:
 
     def _load_unit(self, store: Store, lay: UnitLayout, alloc) -> UnitState:
         n = lay.numel
-        a, b = shard_range(n, self.world, self.rank, LEAN_BLOCK)
+        a, b = shard_range(n, self.world, self.rank, SHARD_ALIGN)
         whole = segments(lay, self.memory)
         segs, kinds = clip_segments(whole, a, b, self.memory)
         totals = {k: kind_numel(whole, k) for k in ("exact", "lean")}

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..dist.comm import Dist
-from ..dist.shard import shard_size
+from ..dist.shard import padded_numel
 from .events import READY, Event, FutureEvent
 
 
@@ -92,7 +92,7 @@ class Loader:
         st = self.host[unit]
         if self.dist is None:
             return st.stream.numel()
-        return self.dist.world * shard_size(st.full_numel, self.dist.world, 64)
+        return padded_numel(st.full_numel, self.dist.world)
 
     def weight_bytes(self) -> int:
         slots = self.ring + list(self.own.values())

@@ -18,12 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..arch import ArchSpec
-from ..dist.shard import shard_range, shard_size
+from ..dist.shard import SHARD_ALIGN, padded_numel, shard_range, shard_size
 from ..store import UnitLayout, layouts
 from .host import kind_numel, segments
 
 ITEM = {"bfloat16": 2, "float32": 4}
-SHARD_ALIGN = 64  # elements: pieces start on lean blocks (engine/host.py LEAN_BLOCK)
 
 
 def piece(numel: int, world: int) -> int:
@@ -34,7 +33,7 @@ def piece(numel: int, world: int) -> int:
 def gather_pad(numel: int, world: int) -> int:
     """Elements a unit's whole device buffer adds in a sharded run: every rank's piece is padded
     to the largest (engine.loader.device_numel)."""
-    return world * shard_size(numel, world, SHARD_ALIGN) - numel if world > 1 else 0
+    return padded_numel(numel, world) - numel if world > 1 else 0
 
 
 def rank_batch(batch: int, world: int) -> int:

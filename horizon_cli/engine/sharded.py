@@ -27,23 +27,9 @@ from collections.abc import Sequence
 import torch
 
 from ..dist.comm import Dist
-from ..dist.shard import shard_size
+from ..dist.shard import SHARD_ALIGN, shard_size
 from .events import READY, Event, FutureEvent
-
-SQ_CHUNK = 1 << 18
-
-
-def sumsq64(g: torch.Tensor) -> float:
-    """Squared L2 norm of a flat fp32 buffer, pieces summed in fp64 (as the single-rank step)."""
-    if not g.numel():
-        return 0.0
-    parts = [torch.dot(g[a : a + SQ_CHUNK], g[a : a + SQ_CHUNK]) for a in range(0, g.numel(), SQ_CHUNK)]
-    return float(torch.stack(parts).double().sum())
-
-
-def device_numel(numel: int, world: int) -> int:
-    """Elements of a unit's whole device buffer in a sharded run: every rank's piece, padded."""
-    return world * shard_size(numel, world, 64)
+from .grads import sumsq64
 
 
 class ShardedGrads:
@@ -53,7 +39,7 @@ class ShardedGrads:
         """replicated: the trained units are whole on every rank (LoRA's adapters): their
         gradients are all-reduced, and every rank applies the same update to its copy."""
         self.d, self.t, self.host, self.replicated = dist, transport, host, replicated
-        per = (lambda n: n) if replicated else (lambda n: shard_size(n, dist.world, 64))
+        per = (lambda n: n) if replicated else (lambda n: shard_size(n, dist.world, SHARD_ALIGN))
         big = max(per(st.layout.numel) for st in host.units.values())
         # reduce-scatter outputs: the two layer ping-pong buffers, the head's and the embedding's
         self.keys: tuple = (0, 1, "head", "embed")
@@ -135,21 +121,3 @@ class ShardedGrads:
         self.d.submit(lambda: None).result()
         for ev in self.free.values():
             ev.host_wait()
-
-
-def embed_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The input rows (n, H) of the gathered (V, H) table on the device."""
-    return table.index_select(0, ids.to(table.device))
-
-
-def embed_grad(
-    table_g: torch.Tensor, ids: torch.Tensor, dx: list[torch.Tensor], padding_idx: int | None
-) -> None:
-    """Scatter-add the input gradient (per micro-batch (b, T, H)) into the dense fp32 (V, H)
-    embedding gradient on the device; the padding row, as nn.Embedding(padding_idx), gets none."""
-    h = table_g.shape[1]
-    ids = ids.to(table_g.device)
-    rows = torch.cat([d.reshape(-1, h) for d in dx]).to(torch.float32)
-    if padding_idx is not None:
-        rows[ids == padding_idx] = 0.0
-    table_g.index_add_(0, ids, rows)

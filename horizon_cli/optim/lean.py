@@ -143,11 +143,6 @@ def split24_(
     hi.view(torch.int16).copy_(h.to(torch.int16))
 
 
-def init_lean_(master: torch.Tensor, hi: torch.Tensor, lo8: torch.Tensor) -> None:
-    """A fresh lean state's master from fp32 weights (a bf16 store: exactly itself, lo8 = 0)."""
-    split24_(master, hi, lo8)
-
-
 def rounding_seed(unit: str, step: int) -> int:
     """The master's stochastic-rounding key for one unit at one optimizer step (uint32)."""
     return (zlib.crc32(unit.encode()) ^ (step * 0x9E3779B9)) & 0xFFFFFFFF
