@@ -1,4 +1,5 @@
-"""The `horizon` command line: parse arguments, call one function per command, map errors.
+"""The `horizon` command line: parse arguments, call one function of the Python API (api.py) per
+command, map errors to exit codes.
 
 Exit status: 0 success; 2 bad usage, config or input (one `error: ...` line); 1 failure at run
 time. `--debug` (before or after the command) shows the traceback instead.
@@ -90,16 +91,14 @@ def convert(
     ] = "",
 ) -> None:
     """Convert an HF checkpoint into a horizon store (streams tensor by tensor)."""
-    from .convert import convert as run
+    from . import api
     from .errors import InputError
 
     if dtype not in ("bfloat16", "float16", "float32"):
         raise InputError(f"--dtype: {dtype!r} is not allowed (bfloat16, float16 or float32)")
-    info = run(src, dst, dtype=dtype, force=force, console=console, quantize=quantize)
+    r = api.convert(src, dst, dtype=dtype, force=force, console=console, quantize=quantize)
     q = f", linear weights {quantize}" if quantize else ""
-    console.print(
-        f"[green]converted[/] {info['params']:,} parameters into {dst} ({dtype}{q}, {info['units']} units)"
-    )
+    console.print(f"[green]converted[/] {r.params:,} parameters into {dst} ({dtype}{q}, {r.units} units)")
 
 
 @app.command()
@@ -113,15 +112,13 @@ def export(
     ] = False,
 ) -> None:
     """Export a store or a run's latest checkpoint as an HF checkpoint (LoRA runs: merged)."""
-    from .export import export as run
+    from . import api
 
-    info = run(src, dst, force=force, console=console, adapter=adapter)
-    if info.get("adapter"):
-        console.print(f"[green]exported[/] the PEFT adapter of {info['source']} -> {dst}")
+    r = api.export(src, dst, force=force, console=console, adapter=adapter)
+    if r.adapter:
+        console.print(f"[green]exported[/] the PEFT adapter of {r.source} -> {dst}")
         return
-    console.print(
-        f"[green]exported[/] {info['source']} -> {dst} ({info['shards']} shard(s), {info['dtype']})"
-    )
+    console.print(f"[green]exported[/] {r.source} -> {dst} ({r.shards} shard(s), {r.dtype})")
 
 
 @app.command()
@@ -131,9 +128,9 @@ def inspect(
     verify: Annotated[bool, typer.Option("--verify", help="Check every tensor's checksum.")] = False,
 ) -> None:
     """Show a store's architecture, sizes and host bytes per parameter."""
-    from .inspect import inspect_store
+    from . import api
 
-    inspect_store(store, verify=verify, console=Console())
+    api.inspect(store, verify=verify, console=Console())
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -166,23 +163,23 @@ def train(
     ] = None,
 ) -> None:
     """Train from a config; resumes from the run dir's latest checkpoint when there is one."""
+    from . import api
     from .errors import InputError
-    from .train import run_training
 
     if (host_gib is None) != (device_gib is None):
         raise InputError("--host-gib and --device-gib go together: they describe the machine to plan for")
     if json_out is not None and not dry_run:
         raise InputError("--json writes the plan of a dry run: add --dry-run")
     machine = (host_gib, device_gib) if host_gib is not None and device_gib is not None else None
-    run_training(
-        config,
-        overrides or [],
-        dry_run=dry_run,
-        console=Console(),
-        json_out=json_out,
-        machine=machine,
-        ranks=(world_size, nproc_per_node),
-    )
+    if not dry_run:
+        if machine is not None or (world_size, nproc_per_node) != (None, None):
+            _needs_dry_run(machine is not None)
+        api.train(config, overrides or [], console=Console())
+        return
+    api.plan(
+        config, overrides or [], machine=machine, world_size=world_size, nproc_per_node=nproc_per_node,
+        json_out=json_out, console=Console(),
+    )  # fmt: skip
 
 
 @app.command()
@@ -196,9 +193,21 @@ def profile(
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG timeline.")] = None,
 ) -> None:
     """Measure link bandwidth, per-layer times and how well transfers overlap compute."""
-    from .profile import run_profile
+    from . import api
 
-    run_profile(config, json_out=json_out, trace=trace, plot=plot, console=Console())
+    api.profile(config, json_out=json_out, trace=trace, plot=plot, console=Console())
+
+
+def _needs_dry_run(machine: bool) -> None:
+    """--host-gib/--device-gib and --world-size/--nproc-per-node only plan."""
+    from .errors import InputError
+
+    if machine:
+        raise InputError("--host-gib/--device-gib plan for another machine: use them with --dry-run")
+    raise InputError(
+        "--world-size/--nproc-per-node plan a dry run for that many ranks: add --dry-run "
+        "(a run takes its world size from torchrun)"
+    )
 
 
 def main() -> None:

@@ -7,18 +7,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .arch.generic import param_split
-from .engine.plan import memory_plan
+from .arch.names import param_split
+from .fmt import fmt_bytes
+from .planning.memory import memory_plan
 from .progress import byte_progress
 from .store import Store
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def inspect_store(path: Path, verify: bool = False, console: Console | None = None) -> dict:

@@ -1,9 +1,11 @@
 """Checks commands run before they start work: the device exists, how much host memory this
-process may really use, and that output files can be written. Each failure is bad input (exit 2).
+process may really use (the machine a plan is judged against), and that output files can be
+written. Each failure is bad input (exit 2).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 from pathlib import Path
@@ -11,29 +13,12 @@ from pathlib import Path
 import psutil
 
 from .errors import InputError
-from .inspect import fmt_bytes
+from .fmt import fmt_bytes
+from .planning.fit import Machine
+from .runtime.device import check_device, cuda_index
 
 CGROUP = Path("/sys/fs/cgroup")
 _UNLIMITED_V1 = 1 << 60  # cgroup v1 writes 9223372036854771712 for "no limit"
-
-
-def check_device(engine_cfg) -> str:
-    """engine.device resolved (auto decided); InputError when it names a GPU this machine lacks."""
-    import torch
-
-    from .engine.schedule import resolve_device
-
-    dev = resolve_device(engine_cfg)
-    if not dev.startswith("cuda"):
-        return dev
-    if not torch.cuda.is_available():
-        built = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
-        raise InputError(f"engine.device: {dev} requested, but {built} (use engine.device: cpu or auto)")
-    idx = int(dev.split(":")[1]) if ":" in dev else 0
-    n = torch.cuda.device_count()
-    if idx >= n:
-        raise InputError(f"engine.device: {dev} requested, but this machine has {n} CUDA device(s)")
-    return dev
 
 
 def host_available() -> tuple[int, str]:
@@ -99,3 +84,26 @@ def check_output_file(path: Path | None, what: str) -> None:
         raise InputError(f"{what}: {path}: folder {parent} does not exist")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise InputError(f"{what}: {path} is not writable")
+
+
+def local_machine(cfg) -> Machine:
+    """What this process may allocate, and the configured device (checked to exist)."""
+    device = check_device(cfg.engine)
+    avail, limit = host_available()
+    if not device.startswith("cuda"):
+        return Machine(avail, None, f"this machine ({limit}), device {device}")
+    import torch
+
+    free, total = torch.cuda.mem_get_info(cuda_index(device))
+    return Machine(
+        avail, free, f"this machine ({limit}), {device} with {fmt_bytes(free)} of {fmt_bytes(total)} free"
+    )
+
+
+def given_machine(host_gib: float, device_gib: float) -> Machine:
+    if not all(math.isfinite(g) and g > 0 for g in (host_gib, device_gib)):  # nan, inf: no machine
+        raise InputError(
+            f"--host-gib/--device-gib: give both, as positive finite numbers of GiB (got {host_gib:g}, {device_gib:g})"
+        )
+    host, dev = int(host_gib * 2**30), int(device_gib * 2**30)
+    return Machine(host, dev, f"a machine with {fmt_bytes(host)} of RAM and a {fmt_bytes(dev)} CUDA device")

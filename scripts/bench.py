@@ -14,7 +14,7 @@ peer's natural choice at this size, one optimizer step per forward/backward).
 
 tokens/s: non-padding input tokens per second of wall time, summed over the steps after the
 first --warmup step(s). Peak RSS: the process's high-water mark (ru_maxrss), setup included.
-B/param: peak RSS / parameters; horizon's plan figure is engine.plan.memory_plan's state bytes
+B/param: peak RSS / parameters; horizon's plan figure is planning.memory.memory_plan's state bytes
 per parameter. Loss agreement: each peer's per-step loss against hf's at the same dtype.
 
 Then one decoder layer alone, horizon's functional layer against transformers' own
@@ -185,7 +185,7 @@ def speed_table(res: list[dict]) -> str:
 
 
 def plan_table(res: list[dict]) -> str:
-    """horizon's peak RSS against engine.plan.memory_plan. With engine.device cpu the plan's
+    """horizon's peak RSS against planning.memory.memory_plan. With engine.device cpu the plan's
     "device" buffers are host RAM too, so the comparison is against host + device; the Python,
     torch and transformers imports (measured before any model memory) are not in the plan."""
     lines = [

@@ -24,7 +24,7 @@ import transformers
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.convert import convert
 from horizon_cli.data.batch import MicroBatch
-from horizon_cli.engine.schedule import Engine
+from horizon_cli.engine import Engine
 from horizon_cli.store import Store
 
 MODEL = dict(

@@ -42,8 +42,8 @@ from common import SHAPES, llama_config  # noqa: E402
 
 from horizon_cli.arch import spec_from_hf  # noqa: E402
 from horizon_cli.data.batch import MicroBatch  # noqa: E402
-from horizon_cli.engine.layer import apply_rope, attention, inv_freq, layer_forward, mlp, rms_norm  # noqa: E402
-from horizon_cli.engine.masks import attn_context  # noqa: E402
+from horizon_cli.model.layer import apply_rope, attention, inv_freq, layer_forward, mlp, rms_norm  # noqa: E402
+from horizon_cli.model.masks import attn_context  # noqa: E402
 
 DT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 NAMES = {
@@ -173,7 +173,7 @@ def cases(s: dict, dtype: str) -> dict[str, dict[str, object]]:
 
 def expanded(fn):
     """fn, with grouped-query K/V expanded by copying before the kernel (horizon before attend.py)."""
-    import horizon_cli.engine.layer as layer_mod
+    import horizon_cli.model.layer as layer_mod
 
     def attend_expanded(q, k, v, mask, scale):
         b, kv, T, hd = k.shape

@@ -27,9 +27,9 @@ from synthetic import random_store
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.data.batch import MicroBatch
-from horizon_cli.engine.schedule import Engine
-from horizon_cli.engine.trace import Tracer
+from horizon_cli.engine import Engine
 from horizon_cli.profile.timeline import median_step, step_times
+from horizon_cli.runtime.trace import Tracer
 
 MODEL = dict(
     model_type="llama",

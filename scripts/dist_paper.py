@@ -22,9 +22,9 @@ from transformers import LlamaConfig
 
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.config.schema import EngineConfig
-from horizon_cli.dist.shard import check_world
-from horizon_cli.engine.fit import RESERVE
-from horizon_cli.engine.plan import memory_plan
+from horizon_cli.parallel.shard import check_world
+from horizon_cli.planning.fit import RESERVE
+from horizon_cli.planning.memory import memory_plan
 from horizon_cli.store import layouts
 
 # -- assumptions (effective, not peak) -------------------------------------------------------------

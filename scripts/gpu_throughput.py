@@ -30,8 +30,8 @@ from synthetic import random_store
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.data.batch import MicroBatch
-from horizon_cli.engine.plan import memory_plan
-from horizon_cli.engine.schedule import Engine
+from horizon_cli.engine import Engine
+from horizon_cli.planning.memory import memory_plan
 from horizon_cli.store import Store, layouts
 
 PEAK = 989e12

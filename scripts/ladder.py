@@ -19,8 +19,9 @@ sys.path.insert(0, str(ROOT))
 
 from horizon_cli.arch import spec_from_hf  # noqa: E402
 from horizon_cli.config import load_config  # noqa: E402
-from horizon_cli.engine.plan import RUNGS  # noqa: E402
-from horizon_cli.train.run import fit_parts, given_machine, plan_for  # noqa: E402
+from horizon_cli.planning.ladder import fit_parts, plan_for  # noqa: E402
+from horizon_cli.planning.memory import RUNGS  # noqa: E402
+from horizon_cli.preflight import given_machine  # noqa: E402
 
 WIDTHS = {  # model_type mistral/llama, as config.json has them
     "Mistral-Large-2407 width (h 12288)": dict(model_type="mistral", hidden_size=12288, intermediate_size=28672,

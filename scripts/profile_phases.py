@@ -29,9 +29,9 @@ from synthetic import random_store
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.data.batch import MicroBatch
-from horizon_cli.engine.schedule import Engine
-from horizon_cli.engine.trace import Tracer
+from horizon_cli.engine import Engine
 from horizon_cli.profile.timeline import busy
+from horizon_cli.runtime.trace import Tracer
 
 SIZES = {
     "30m": dict(

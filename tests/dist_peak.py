@@ -13,10 +13,10 @@ import torch
 
 from horizon_cli.config.schema import EngineConfig, LoraConfig, OptimConfig
 from horizon_cli.data.batch import MicroBatch
-from horizon_cli.dist.comm import Dist
-from horizon_cli.dist.launch import joined
-from horizon_cli.engine.adapters import lora_setup
-from horizon_cli.engine.schedule import Engine
+from horizon_cli.engine import Engine
+from horizon_cli.lora.setup import lora_setup
+from horizon_cli.parallel.comm import Dist
+from horizon_cli.parallel.launch import joined
 from horizon_cli.store import Store
 
 

@@ -17,8 +17,8 @@ from tiny_models import make_model, save
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.convert import convert
 from horizon_cli.data.batch import IGNORE, MicroBatch
-from horizon_cli.engine.schedule import Engine
-from horizon_cli.engine.trace import Tracer
+from horizon_cli.engine import Engine
+from horizon_cli.runtime.trace import Tracer
 from horizon_cli.store import Store
 
 

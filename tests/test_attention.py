@@ -7,9 +7,9 @@ from tiny_models import BASE
 
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.data.batch import MicroBatch
-from horizon_cli.engine import attend
-from horizon_cli.engine.layer import inv_freq, layer_forward
-from horizon_cli.engine.masks import attn_context
+from horizon_cli.model import attend
+from horizon_cli.model.layer import inv_freq, layer_forward
+from horizon_cli.model.masks import attn_context
 
 T = 40
 

@@ -23,7 +23,7 @@ from oracle import DEVICE, engine_weights, hf_loss_backward, make_store, one_thr
 from test_engine_training import HP, batches, run_engine
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
-from horizon_cli.engine.schedule import Engine
+from horizon_cli.engine import Engine
 from horizon_cli.optim import native
 from horizon_cli.store import Store
 from horizon_cli.train import checkpoint

@@ -7,7 +7,7 @@ import pytest
 
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.config import load_config
-from horizon_cli.train.run import plan_for
+from horizon_cli.planning.ladder import plan_for
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
@@ -68,7 +68,7 @@ def test_generic_config_fits_its_machine(model):
     streamed buffer) fits one H200 and the host RAM the config names, with a fifth to spare."""
     import json
 
-    from horizon_cli.arch.generic import param_split
+    from horizon_cli.arch.names import param_split
 
     name, ram, params, active = GENERIC_CONFIGS[model]
     hf = json.loads((Path(__file__).parent / "fixtures" / f"{model}.config.json").read_text())

@@ -16,7 +16,7 @@ pytestmark = [
 
 
 def test_a_failed_registration_leaves_no_error_for_the_next_kernel():
-    from horizon_cli.engine.cuda import CudaTransport
+    from horizon_cli.runtime.cuda import CudaTransport
 
     t = CudaTransport(torch.device("cuda", 0))
     assert t.register, "libcudart's error functions were not found: registration is off"
@@ -36,8 +36,8 @@ def test_fallback_to_pinned_memory_trains(tmp_path):
     from oracle import make_store, micro_batches, random_rows
 
     from horizon_cli.config.schema import EngineConfig, OptimConfig
-    from horizon_cli.engine.cuda import CudaTransport
-    from horizon_cli.engine.schedule import Engine
+    from horizon_cli.engine import Engine
+    from horizon_cli.runtime.cuda import CudaTransport
 
     _, store = make_store(tmp_path, "llama", False)
     t = CudaTransport(torch.device("cuda", 0))
@@ -65,8 +65,8 @@ def test_flex_block_masks_match_dense_masks_forward_and_backward(packed, window)
     from test_attention import packed_batch, spec, weights
 
     from horizon_cli.data.batch import MicroBatch
-    from horizon_cli.engine.layer import inv_freq, layer_forward
-    from horizon_cli.engine.masks import attn_context
+    from horizon_cli.model.layer import inv_freq, layer_forward
+    from horizon_cli.model.masks import attn_context
 
     sp = spec(window)
     T = 40
@@ -92,8 +92,8 @@ def test_flex_block_masks_match_dense_masks_forward_and_backward(packed, window)
 
 def test_device_fit_reads_the_real_free_memory():
     from horizon_cli.config.schema import EngineConfig
-    from horizon_cli.engine.fit import device_fit
-    from horizon_cli.engine.plan import MemoryPlan
+    from horizon_cli.planning.fit import device_fit
+    from horizon_cli.planning.memory import MemoryPlan
 
     ok, why = device_fit(MemoryPlan(1, device={"x": 1 << 20}), EngineConfig(device="cuda"))
     assert ok and "cuda:0 needs" in why

@@ -12,10 +12,10 @@ from fake_cuda import FakeCuda
 from oracle import engine_weights, make_store, micro_batches, random_rows
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
-from horizon_cli.engine.cuda import CudaTransport
-from horizon_cli.engine.schedule import Engine
-from horizon_cli.engine.trace import Tracer
+from horizon_cli.engine import Engine
 from horizon_cli.errors import HorizonError
+from horizon_cli.runtime.cuda import CudaTransport
+from horizon_cli.runtime.trace import Tracer
 
 VOCAB = 96
 

@@ -8,9 +8,9 @@ from typer.testing import CliRunner
 
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.config.schema import EngineConfig
-from horizon_cli.engine import fit
-from horizon_cli.engine.plan import memory_plan
 from horizon_cli.errors import InputError
+from horizon_cli.planning import fit
+from horizon_cli.planning.memory import memory_plan
 
 LLAMA_8B = dict(
     model_type="llama",

@@ -25,7 +25,7 @@ import pytest
 from oracle import make_store, micro_batches, one_thread, random_rows  # noqa: F401
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
-from horizon_cli.engine.schedule import Engine
+from horizon_cli.engine import Engine
 
 
 class _Mallinfo2(ctypes.Structure):

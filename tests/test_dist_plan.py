@@ -14,9 +14,10 @@ from typer.testing import CliRunner
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.cli import app
 from horizon_cli.config import load_config
-from horizon_cli.dist.topology import World, world_for
 from horizon_cli.errors import InputError
-from horizon_cli.train.run import fit_parts, given_machine, plan_ladder
+from horizon_cli.parallel.topology import World, world_for
+from horizon_cli.planning.ladder import fit_parts, plan_ladder
+from horizon_cli.preflight import given_machine
 
 ROOT = Path(__file__).parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -17,9 +17,9 @@ from oracle import StartSignal, make_store, micro_batches, random_rows
 from typer.testing import CliRunner
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
-from horizon_cli.engine.optimizer import OptimizerWorker
-from horizon_cli.engine.schedule import Engine
-from horizon_cli.engine.transport import CpuTransport
+from horizon_cli.engine import Engine
+from horizon_cli.runtime.transport import CpuTransport
+from horizon_cli.state.optimizer import OptimizerWorker
 
 LAYERS = 6
 

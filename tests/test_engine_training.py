@@ -122,7 +122,7 @@ def test_lending_host_memory_equals_copying(tmp_path, dtype, tie):
     """On the CPU without an emulated link the loader lends host buffers instead of copying them;
     the result is bitwise that of the copying pipeline (an unthrottled link)."""
     from horizon_cli.config.schema import EngineConfig, OptimConfig
-    from horizon_cli.engine.schedule import Engine
+    from horizon_cli.engine import Engine
 
     model, store = make_store(tmp_path, "llama", tie, dtype=dtype)
     data = batches(model.config.vocab_size, micro=2, steps=3)

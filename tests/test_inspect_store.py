@@ -51,7 +51,7 @@ def test_inspect_numbers(tmp_path):
     """inspect's figures against what is really there: the unit files on disk, and the host
     buffers an engine allocates for training (not the memory plan inspect itself reads)."""
     from horizon_cli.config.schema import EngineConfig, OptimConfig
-    from horizon_cli.engine.schedule import Engine
+    from horizon_cli.engine import Engine
 
     model = make_model("llama", tie=False)
     convert(save(model, tmp_path / "src"), tmp_path / "store", dtype="float32")

@@ -15,8 +15,9 @@ from horizon_cli import preflight
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.cli import app
 from horizon_cli.config import load_config
+from horizon_cli.planning.ladder import best_rung, fit_parts, plan_ladder
+from horizon_cli.preflight import given_machine
 from horizon_cli.store import Store
-from horizon_cli.train.run import best_rung, fit_parts, given_machine, plan_ladder
 
 ROOT = Path(__file__).parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"

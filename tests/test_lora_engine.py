@@ -10,9 +10,9 @@ import torch
 from oracle import DEVICE, hf_train_hp, make_store, micro_batches, random_rows, rel_err
 
 from horizon_cli.config.schema import EngineConfig, LoraConfig, OptimConfig
-from horizon_cli.engine.adapters import lora_setup
-from horizon_cli.engine.schedule import Engine
+from horizon_cli.engine import Engine
 from horizon_cli.errors import InputError
+from horizon_cli.lora.setup import lora_setup
 from horizon_cli.lora.targets import resolve_targets
 
 peft = pytest.importorskip("peft")
@@ -83,7 +83,7 @@ def check_against_peft(tmp_path, family, targets, rslora, steps=STEPS, quantize=
 
 def load_dequantized(model, store) -> None:
     """The model's weights := the store's, NF4 layers dequantized as the engine does."""
-    from horizon_cli.engine.frozen import FrozenState
+    from horizon_cli.state.frozen import FrozenState
 
     base = FrozenState(store, store.dtype, lambda n, dt: torch.empty(n, dtype=dt))
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -189,7 +189,7 @@ def test_lora_init_is_read_strictly(tmp_path):
 def test_dropout_masks_are_the_same_in_the_recompute(tmp_path):
     """With dropout the step's gradient equals autograd through a resident layer stack that draws
     the same masks (the recompute must not draw new ones)."""
-    from horizon_cli.engine import adapters
+    from horizon_cli.model import lora as adapters
 
     model, store = make_store(tmp_path, "llama", False)
     peft_model(model, ["q_proj", "v_proj"]).save_pretrained(tmp_path / "init")
@@ -229,7 +229,7 @@ def test_dropout_scales_what_it_keeps_as_torch_dropout_does():
     """PEFT's lora_dropout is nn.Dropout: an input is zeroed with probability p and the kept ones
     are scaled by 1 / (1 - p), so the adapter's expected input is x. The recompute test above only
     compares the engine with itself; here each kept element must equal torch's own scaling of it."""
-    from horizon_cli.engine.adapters import LayerLora
+    from horizon_cli.model.lora import LayerLora
 
     p = 0.3
     x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0))

@@ -16,9 +16,9 @@ from oracle import DEVICE, engine_weights, hf_train_hp, make_store, one_thread  
 from test_engine_training import HP, batches, run_engine
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
-from horizon_cli.engine import optimizer
-from horizon_cli.engine.schedule import Engine
+from horizon_cli.engine import Engine
 from horizon_cli.optim import native
+from horizon_cli.state import optimizer
 
 SMALL = 1000  # elements per slice in these tests; no unit of the model is a multiple of it
 

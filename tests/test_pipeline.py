@@ -13,10 +13,10 @@ import pytest
 from oracle import DEVICE, make_store, micro_batches, one_thread, random_rows  # noqa: F401 (one_thread: autouse)
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
-from horizon_cli.engine.events import Event
-from horizon_cli.engine.schedule import Engine
-from horizon_cli.engine.trace import Tracer
-from horizon_cli.engine.transport import CpuTransport
+from horizon_cli.engine import Engine
+from horizon_cli.runtime.events import Event
+from horizon_cli.runtime.trace import Tracer
+from horizon_cli.runtime.transport import CpuTransport
 
 # The shapes of scripts/bench_overlap.py: 20 layers of width 192.
 SHAPE = dict(

@@ -15,7 +15,7 @@ import torch
 from oracle import make_engine, make_store, one_thread, rel_err  # noqa: F401 (one_thread: autouse)
 
 from horizon_cli.data.batch import IGNORE, MicroBatch
-from horizon_cli.engine.layer import inv_freq
+from horizon_cli.model.layer import inv_freq
 
 ROPE = {
     "rope_type": "llama3",

@@ -284,6 +284,18 @@ def test_export_sweeps_temp_dirs_of_a_killed_export(run, tmp_path):
 
 
 # -- SIGINT and SIGTERM ---------------------------------------------------------------------------
+@pytest.fixture
+def sigint(request):
+    """SIGINT's disposition for the test (`default`: Python's KeyboardInterrupt; `ignored`: as a
+    script's background job inherits it), restored after. The suite itself may have been started
+    either way, so no test relies on what it inherited."""
+    old = signal.getsignal(signal.SIGINT)
+    how = getattr(request, "param", "default")
+    signal.signal(signal.SIGINT, signal.default_int_handler if how == "default" else signal.SIG_IGN)
+    yield how
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.parametrize(
     "sig,code,where",
     [
@@ -292,7 +304,7 @@ def test_export_sweeps_temp_dirs_of_a_killed_export(run, tmp_path):
         (signal.SIGTERM, 143, "checkpoint-written"),
     ],
 )
-def test_a_signal_stops_the_run_cleanly(run, monkeypatch, sig, code, where):
+def test_a_signal_stops_the_run_cleanly(run, monkeypatch, sigint, sig, code, where):
     from horizon_cli.train import checkpoint, loop
 
     run_dir, cfg = run
@@ -312,6 +324,27 @@ def test_a_signal_stops_the_run_cleanly(run, monkeypatch, sig, code, where):
     assert all(ckpt.check(c, deep=True) is None for c in ckpt.listed(run_dir))
     assert not [p for p in run_dir.rglob(".*")]  # no temp dir, no lock
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+
+
+@pytest.mark.parametrize("sigint", ["ignored"], indirect=True)
+def test_an_inherited_ignored_sigint_stays_ignored(run, monkeypatch, sigint):
+    """A script's `horizon train ... &` inherits SIGINT ignored (so Ctrl-C in the terminal reaches
+    the foreground only): horizon keeps that, the run goes on, SIGTERM still stops it."""
+    from horizon_cli.train import loop
+
+    run_dir, cfg = run
+    real = loop.phase
+
+    def send(name, step=None):
+        real(name, step)
+        if name == "after-step" and step == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(loop, "phase", send)
+    r = horizon("train", cfg, "train.steps=6")
+    assert r.exit_code == 0, r.output
+    assert "step_6" in steps_in(run_dir)
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 # -- metrics --------------------------------------------------------------------------------------
@@ -399,14 +432,14 @@ def test_a_full_disk_on_the_loss_plot_is_one_line(run, monkeypatch):
     ],
 )
 def test_no_threads_or_no_memory_is_one_line(run, monkeypatch, what, exc, needle):
-    from horizon_cli.train import loop
+    from horizon_cli.engine import build
 
     run_dir, cfg = run
 
     def fail(*a, **kw):
         raise exc
 
-    monkeypatch.setattr(loop, "Engine", fail)
+    monkeypatch.setattr(build, "Engine", fail)
     msg = error_line(horizon("train", cfg, "train.steps=5"), code=1)
     assert needle in msg
     assert steps_in(run_dir) == ["step_2", "step_4"]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from horizon_cli.dist.shard import check_world, shard_range, shard_size
 from horizon_cli.errors import InputError
+from horizon_cli.parallel.shard import check_world, shard_range, shard_size
 
 
 @pytest.mark.parametrize("numel", [0, 1, 5, 63, 64, 65, 1000, 4097])

@@ -15,9 +15,9 @@ import torch
 from oracle import StartSignal, engine_weights, make_store, micro_batches, one_thread, random_rows  # noqa: F401
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
-from horizon_cli.engine.optimizer import OptimizerWorker
-from horizon_cli.engine.schedule import Engine
-from horizon_cli.engine.trace import Tracer
+from horizon_cli.engine import Engine
+from horizon_cli.runtime.trace import Tracer
+from horizon_cli.state.optimizer import OptimizerWorker
 
 
 def train(store, link_gbps: float, tracer: Tracer | None = None):

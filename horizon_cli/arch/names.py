@@ -9,6 +9,7 @@ unit, each filled by one or more checkpoint tensors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .spec import ArchSpec
@@ -107,3 +108,33 @@ def is_ignorable(hf_name: str, spec: ArchSpec) -> bool:
     if hf_name.endswith(IGNORED_SUFFIXES) or spec.generic is not None:
         return True
     return spec.tie_embeddings and hf_name == "lm_head.weight"
+
+
+def param_split(spec: ArchSpec) -> dict[str, int]:
+    """Parameters: dense (everything outside the routed experts, embeddings included), experts, and
+    active per token (dense + top-k of the E experts' share)."""
+    total = 0
+    for u in unit_names(spec):
+        total += sum(math.prod(t.shape) for t in unit_tensors(spec, u))
+    experts = expert_params(spec.generic) if spec.generic is not None else 0
+    moe = (spec.generic or {}).get("moe")
+    active = total - experts + (experts * moe["top_k"] // moe["n_experts"] if moe else 0)
+    return {"dense": total - experts, "experts": experts, "active": active, "total": total}
+
+
+def expert_params(spec_generic: dict) -> int:
+    """Parameters inside the routed experts (stacked over the expert dimension)."""
+    moe = spec_generic.get("moe")
+    if not moe:
+        return 0
+    kinds = spec_generic["kinds"]
+    return sum(
+        math.prod(e["shape"]) for k in spec_generic["layer_kinds"] for e in kinds[k] if is_expert(e, moe)
+    )
+
+
+def is_expert(entry: dict, moe: dict | None) -> bool:
+    shape = entry["shape"]
+    if not moe:
+        return False
+    return ".experts." in f".{entry['name']}" and len(shape) >= 2 and shape[0] == moe["n_experts"]

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..fsutil import read_json
+from .generic import generic_spec, hf_config
 
 # model_type -> family.  The family picks the HF name table and default flags.
 FAMILIES = {
@@ -173,8 +174,6 @@ def _windows(cfg: dict, family: str, n_layers: int) -> list[int | None]:
 
 
 def _generic_spec(cfg: dict, where: str, disk) -> ArchSpec:
-    from .generic import generic_spec, hf_config
-
     g = generic_spec(cfg, where, disk)
     c = hf_config(g["config"])
 

@@ -1,6 +1,6 @@
 """Gradient sums on the device and their trip to the host: the output side of the backward stage.
 
-Per step the schedule (engine.schedule) accumulates each trained unit's parameter gradients of
+Per step the training step (engine.step) accumulates each trained unit's parameter gradients of
 every micro-batch in fp32 on the device and sends the sum to the unit's host grad once:
 
     layers     two ping-pong fp32 buffers (n_layer,): the D2H of one overlaps the next layer's
@@ -11,7 +11,7 @@ every micro-batch in fp32 on the device and sends the sum to the unit's host gra
     direct     when the transport shares host memory (`device: cpu` without an emulated link)
                and gradients stay fp32, sums accumulate straight into the host buffers: no copy
 
-Sharded runs size the buffers for the whole padded unit (dist.shard.padded_numel); the
+Sharded runs size the buffers for the whole padded unit (parallel.shard.padded_numel); the
 reduce-scatter there sends each rank's slice to the host instead of `send`.
 """
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from ..dist.shard import padded_numel
-from .events import READY, Event
-from .host import HostState
+from ..parallel.shard import padded_numel
+from ..runtime.events import READY, Event
+from ..state.host import HostState
 
 
 class GradSums:

@@ -1,4 +1,4 @@
-"""The sharded parts of a step (several ranks, dist/): gradients reduce-scattered to each rank's
+"""The sharded parts of a step (several ranks, parallel/): gradients reduce-scattered to each rank's
 slice, the embedding used and trained on the device, the step's one all-reduce.
 
     layer i backward   fp32 sum (world * S,) on the device -> reduce-scatter -> this rank's (S,)
@@ -14,7 +14,7 @@ slice, the embedding used and trained on the device, the step's one all-reduce.
                        loss and grad norm, the same on every rank, so every rank clips and skips
                        alike
 
-Every collective goes through the collective thread (dist.comm), in the order the main thread
+Every collective goes through the collective thread (parallel.comm), in the order the main thread
 issues it, after the events it needs; its result reaches the host over the transport as a
 gradient does in a single-rank run. The loss is already divided by the global label count on
 every rank, so the reduce-scatter sums and never averages.
@@ -26,9 +26,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..dist.comm import Dist
-from ..dist.shard import SHARD_ALIGN, shard_size
-from .events import READY, Event, FutureEvent
+from ..parallel.comm import Dist
+from ..parallel.shard import SHARD_ALIGN, shard_size
+from ..runtime.events import READY, Event, FutureEvent
 from .grads import sumsq64
 
 

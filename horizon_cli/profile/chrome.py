@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..engine.trace import Span
+from ..runtime.trace import Span
 
 LANES = ("h2d", "compute", "d2h", "optimizer", "step")
 

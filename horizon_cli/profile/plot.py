@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..engine.trace import Span
+from ..runtime.trace import Span
 
 ROWS = [
     ("h2d", "host → device"),

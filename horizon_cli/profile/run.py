@@ -17,18 +17,18 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import preflight
-from ..config import load_config
-from ..config.schema import EngineConfig, OptimConfig
+from ..config import Config, load_config
+from ..config.schema import DataConfig, OptimConfig, TrainConfig
 from ..data.batch import MicroBatch
-from ..dist.topology import world_for
-from ..engine.adapters import lora_for
-from ..engine.fit import check_device_fit
-from ..engine.lora_plan import lora_memory_plan
-from ..engine.plan import memory_plan
-from ..engine.schedule import Engine
-from ..engine.trace import Tracer
+from ..engine import Engine
+from ..engine.build import build_engine, plan_run
 from ..errors import InputError
-from ..inspect import fmt_bytes
+from ..fmt import fmt_bytes
+from ..lora.setup import lora_for
+from ..parallel.topology import world_for
+from ..planning.fit import check_device_fit
+from ..runtime.device import check_device
+from ..runtime.trace import Tracer
 from ..store import Store
 from . import bandwidth
 from .chrome import write_trace
@@ -50,19 +50,12 @@ def run_profile(
     for path, opt in ((json_out, "--json"), (trace, "--trace"), (plot, "--plot")):
         preflight.check_output_file(path, opt)  # before minutes of measuring, not after
     with tempfile.TemporaryDirectory(prefix="horizon-profile-") as tmp:
-        store, ecfg, ocfg, batch, micro, seq, lora = _setup(config, Path(tmp), console)
-        if lora is None:
-            plan = memory_plan(
-                store.arch, ecfg.dtype, ecfg.grad_dtype, batch, micro, seq, ecfg.prefetch, ecfg.loss_chunk
-            )
-        else:
-            plan = lora_memory_plan(
-                store.arch, lora.targets, lora.r, ecfg.dtype, ecfg.grad_dtype, batch, micro, seq,
-                ecfg.prefetch, ecfg.loss_chunk, store.quant,
-            )  # fmt: skip
-        check_device_fit(plan, ecfg)
+        cfg, store, lora = _setup(config, Path(tmp), console)
+        check_device_fit(plan_run(cfg, store, lora).plan, cfg.engine)
         tracer = Tracer(enabled=True)
-        engine = Engine(store, ecfg, ocfg, tracer=tracer, max_tokens=batch * seq, lora=lora)
+        engine = build_engine(cfg, store, lora=lora, tracer=tracer)
+        batch, micro = cfg.train.batch_size, cfg.train.micro_batch_size
+        seq = min(cfg.data.max_seq_len, store.arch.max_positions)
         try:
             link = bandwidth.measure(engine.t, sizes=_sizes(store))
             mbs = _batches(store.arch.vocab, batch, micro, seq)
@@ -70,7 +63,7 @@ def run_profile(
             with console.status("profiling steps") as status:
                 for s in range(WARMUP + MEASURE):
                     status.update(f"profiling: step {s + 1}/{WARMUP + MEASURE}")
-                    results.append(engine.step(mbs, ocfg.lr))
+                    results.append(engine.step(mbs, cfg.optim.lr))
                 engine.wait()
         finally:
             engine.close()
@@ -93,15 +86,20 @@ def run_profile(
 
 
 def _setup(config: Path | None, tmp: Path, console: Console):
+    """(config, store, LoRA setup): the given config's, or a built-in tiny model's."""
     if config is not None:
         cfg = load_config(config)
         store = Store.open(cfg.model.path)
         lora = lora_for(cfg.lora, store, cfg.train.seed)
-        preflight.check_device(cfg.engine)
-        seq = min(cfg.data.max_seq_len, store.arch.max_positions)
-        return store, cfg.engine, cfg.optim, cfg.train.batch_size, cfg.train.micro_batch_size, seq, lora
+        check_device(cfg.engine)
+        return cfg, store, lora
     console.print("no config given: profiling a built-in tiny Llama (8 layers, hidden 512) on random weights")
-    return _tiny_store(tmp), EngineConfig(), OptimConfig(lr=1e-5), 8, 4, 256, None
+    cfg = Config(
+        data=DataConfig(max_seq_len=256),
+        train=TrainConfig(batch_size=8, micro_batch_size=4),
+        optim=OptimConfig(lr=1e-5),
+    )
+    return cfg, _tiny_store(tmp), None
 
 
 def _tiny_store(tmp: Path) -> Store:

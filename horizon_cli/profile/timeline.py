@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from ..engine.trace import Span
+from ..runtime.trace import Span
 
 
 def busy(spans: list[Span], lo: float = float("-inf"), hi: float = float("inf")) -> float:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arch import ArchSpec
-from ..arch.generic import is_expert
+from ..arch.names import is_expert
 from ..quant import nf4
 from .layout import UnitLayout, round_up
 

@@ -4,7 +4,7 @@ The data of step s is a pure function of (seed, s), and a checkpoint holds the c
 training state, so a run resumed from step_N continues exactly as if it had never stopped.
 
 Sharded runs (`dist`): every rank builds the same global batch and takes its contiguous share
-of its micro-batches (the same number on every rank: dist.shard.check_world); the loss is
+of its micro-batches (the same number on every rank: parallel.shard.check_world); the loss is
 divided by the global batch's label count, which every rank counts itself. Rank 0 alone writes
 metrics, shows progress and finishes the run (plot, export); checkpoints are collective.
 """
@@ -14,83 +14,30 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Protocol
 
 import psutil
 from rich.console import Console
 from rich.progress import Progress
 
-from ..arch import ArchSpec
 from ..config import Config, dump_yaml
-from ..data import PreparedData, batch_rows, collate, prepare_data
+from ..data import PreparedData, batch_rows, collate
 from ..data.batch import MicroBatch
-from ..data.encode import ONLY_TOKENS, NoTokenizer
-from ..dist.comm import Dist
-from ..engine.adapters import LoraSetup, load_init
-from ..engine.schedule import Engine, StepResult
+from ..engine import Engine, StepResult
+from ..engine.build import build_engine
 from ..errors import HorizonError, InputError
 from ..faults import phase
-from ..inspect import fmt_bytes
+from ..fmt import fmt_bytes
+from ..lora.setup import LoraSetup, load_init
 from ..optim.schedules import lr_at
+from ..parallel.comm import Dist
 from ..progress import byte_progress, train_columns
 from ..store import Store
 from ..store import checkpoint as ckpt
 from . import checkpoint
+from .inputs import load_data
 from .metrics import MetricsLog, plot_loss, read_metrics
 from .ranks import main_first
 from .rundir import RunDir
-
-
-class ModelFiles(Protocol):
-    """A store, or a model planned from its config.json (train.run.PlannedModel, dry runs)."""
-
-    @property
-    def root(self) -> Path: ...
-    @property
-    def arch(self) -> ArchSpec: ...
-
-
-def load_tokenizer(store: ModelFiles, fmt: str):
-    hf = getattr(store, "hf_dir", None) or store.root / "hf"  # a PlannedModel (dry run): the HF dir itself
-    has = hf.is_dir() and any(
-        (hf / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    )
-    if not has:
-        if fmt in ("tokens", "auto"):  # auto may find tokens; the data stage says if it needs one
-            return None
-        raise InputError(f"{no_tokenizer(store)}, and data.format {fmt!r} needs a tokenizer{ONLY_TOKENS}")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(hf))
-
-
-def no_tokenizer(store: ModelFiles) -> str:
-    """Where the tokenizer files were looked for: a store's hf/ dir, or a lone config.json's dir."""
-    if getattr(store, "hf_dir", None) is not None:
-        return f"model.path: {store.root} holds a config.json but no tokenizer files"
-    return f"model.path: store {store.root} has no tokenizer files (in {store.root / 'hf'})"
-
-
-def load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: Console) -> PreparedData:
-    """The data of the run, tokenized (through the cache at `cache_dir` when given)."""
-    try:
-        return _load_data(cfg, store, cache_dir, console)
-    except NoTokenizer as e:  # data.format auto found a format that needs one
-        raise InputError(
-            f"{no_tokenizer(store)}, and format {e.fmt!r} needs a tokenizer{ONLY_TOKENS}"
-        ) from None
-
-
-def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: Console) -> PreparedData:
-    return prepare_data(
-        cfg.data,
-        load_tokenizer(store, cfg.data.format),
-        seed=cfg.train.seed,
-        model_max_len=store.arch.max_positions,
-        vocab_size=store.arch.vocab,
-        cache_dir=cache_dir,
-        log=lambda s: console.print(s, highlight=False),
-    )
 
 
 class Trainer:
@@ -185,23 +132,8 @@ class Trainer:
 
     def _build_engine(self, ck: Path | None) -> Engine:
         src = Store.open(ck) if ck and self.lora is None else self.store
-        if self.cfg.engine.compute_threads:
-            import torch
-
-            torch.set_num_threads(self.cfg.engine.compute_threads)
         with byte_progress(self.console, "load weights", src.nbytes()) as advance:
-            tokens = self.cfg.train.batch_size * min(self.cfg.data.max_seq_len, src.arch.max_positions)
-            if self.dist is not None:  # split the batch: this rank's share of the micro-batches
-                tokens //= self.dist.world
-            engine = Engine(
-                src,
-                self.cfg.engine,
-                self.cfg.optim,
-                progress=advance,
-                max_tokens=tokens,
-                lora=self.lora,
-                dist=self.dist,
-            )
+            engine = build_engine(self.cfg, src, lora=self.lora, dist=self.dist, progress=advance)
         if self.dist is not None and (ck is None or self.lora is not None):  # the model's checksums, split
             from .sharded_checkpoint import verify_split
 

@@ -17,8 +17,8 @@ from typing import TypeVar
 from rich.console import Console
 
 from ..config import Config
-from ..dist.comm import Dist
 from ..errors import HorizonError, InputError
+from ..parallel.comm import Dist
 from ..store import Store
 from .rundir import RunDir
 

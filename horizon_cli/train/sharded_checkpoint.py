@@ -11,7 +11,7 @@ with the offsets implied by the flat layout.
     rank 0    makes the temp dir and the full-size (sparse) files      -> broadcast its name
     all       pwrite + fsync their slices, CRC32 each slice (and each
               tensor's part of it)                                     -> gather errors, CRCs
-    rank 0    manifest (per-tensor CRC32s combined from the parts: dist/crc.py), hf/,
+    rank 0    manifest (per-tensor CRC32s combined from the parts: parallel/crc.py), hf/,
               trainer.json, config.yaml, checksums.json last; fsync, rename, prune -> broadcast
 
 No rank reads the checkpoint back; verifying it on load is split over the ranks.
@@ -26,11 +26,11 @@ import zlib
 from pathlib import Path
 
 from .. import __version__, owner
-from ..dist.comm import Dist
-from ..dist.crc import crc32_of_pieces
 from ..errors import HorizonError, InputError
 from ..faults import phase
 from ..fsutil import fsync_tree, read_exact, replace_dir
+from ..parallel.comm import Dist
+from ..parallel.crc import crc32_of_pieces
 from ..store import Store
 from ..store import checkpoint as ckpt
 from ..store.layout import file_bytes, layouts

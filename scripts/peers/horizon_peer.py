@@ -24,9 +24,9 @@ from common import RssSampler, peer_main, read_rows, rss, step_batches
 def plan_of(cfg_path: Path) -> dict:
     """The memory plan `horizon train --dry-run` shows for this config (train.run.plan_for)."""
     from horizon_cli.config import load_config
-    from horizon_cli.engine.adapters import lora_for
+    from horizon_cli.lora.setup import lora_for
+    from horizon_cli.planning.ladder import plan_for, run_rung
     from horizon_cli.store import Store
-    from horizon_cli.train.run import plan_for, run_rung
 
     cfg = load_config(cfg_path, [])
     store = Store.open(cfg.model.path)
@@ -98,13 +98,13 @@ def run_engine(job: dict) -> dict:
 
     from horizon_cli.config import load_config
     from horizon_cli.data.batch import MicroBatch
-    from horizon_cli.engine.schedule import Engine
+    from horizon_cli.engine import Engine
     from horizon_cli.store import Store
 
     cfg_path = write_config(job, Path(job["work"]) / "horizon-run")  # the settings the CLI would use
     cfg = load_config(cfg_path, [])
     torch.set_num_threads(cfg.engine.compute_threads)
-    from horizon_cli.engine.adapters import lora_for
+    from horizon_cli.lora.setup import lora_for
 
     store = Store.open(cfg.model.path)
     lora = lora_for(cfg.lora, store)

@@ -24,8 +24,8 @@ norm scale near 1.0 takes updates of about lr, which a 16-significant-bit master
 Host bytes per parameter: exact bf16 2 + 2 + 4 + 4 + 2 = 14, fp32 4 + 4 + 4 + 4 = 16; lean
 2 + 1 + 1 + 1 + 8/64 + 2 = 7.125.
 
-Sharded runs (`shard=(world, rank)`, dist/): a rank holds elements [start, end) of every unit
-(dist.shard.shard_range with SHARD_ALIGN, so lean blocks never straddle ranks) and the matching
+Sharded runs (`shard=(world, rank)`, parallel/): a rank holds elements [start, end) of every unit
+(parallel.shard.shard_range with SHARD_ALIGN, so lean blocks never straddle ranks) and the matching
 contiguous part of every buffer: the stream, the gradient, and of each state kind's packed
 buffers the range its elements occupy there (packing keeps element order). `UnitState.ranges`
 names each buffer's global range, by which checkpoints are written and read at any world size.
@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..dist.shard import SHARD_ALIGN, shard_range
 from ..optim import lean
 from ..optim.split import join, split_
+from ..parallel.shard import SHARD_ALIGN, shard_range
 from ..store import Store, UnitLayout
 
 LEAN_BLOCK = lean.BLOCK

@@ -5,7 +5,7 @@ logits memory is one chunk x vocab, never batch x seq x vocab. Each chunk's back
 after its forward, so the head's weights cross the link once per step (forward and backward
 together) and the logits are freed before the next chunk.
 
-The final norm and the logits transform come from the layer template (engine.template): RMSNorm
+The final norm and the logits transform come from the layer template (model.template): RMSNorm
 and a plain projection natively; the family's own norm module and soft-capping on the generic path.
 """
 
@@ -53,6 +53,56 @@ def head_forward_backward(
     are added in fp32 to g_norm (by name) and g_lm (V, H); with both None (a frozen head, LoRA)
     only the input gradient is computed.
     """
+
+    def ce(logits: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = F.cross_entropy(logits, tgt[a:b], reduction="sum")
+        return loss * inv_n, loss
+
+    return _chunked_backward(h, norm, norm_w, lm_w, idx, chunk, g_norm, g_lm, logits_fn, ce)
+
+
+def head_backward(
+    h: torch.Tensor,
+    norm: Norm,
+    norm_w: dict[str, torch.Tensor],
+    lm_w: torch.Tensor,
+    idx: torch.Tensor,
+    tgt: torch.Tensor,
+    coef: torch.Tensor,
+    chunk: int,
+    g_norm: dict[str, torch.Tensor] | None,
+    g_lm: torch.Tensor | None,
+    logits_fn: Logits = F.linear,
+) -> torch.Tensor:
+    """The backward of sum_t coef_t * log p(tgt_t) over the labelled positions: dh (b, T, H), and
+    the parameter grads added as in head_forward_backward. coef (n,) fp32: d objective / d log p_t,
+    from an objective's first pass over `token_logps` (engine.objective)."""
+
+    def weighted(logits: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ce = F.cross_entropy(logits, tgt[a:b], reduction="none")  # -log p, (c,)
+        loss = -(ce * coef[a:b]).sum()
+        return loss, loss
+
+    return _chunked_backward(h, norm, norm_w, lm_w, idx, chunk, g_norm, g_lm, logits_fn, weighted)[1]
+
+
+ChunkLoss = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _chunked_backward(
+    h: torch.Tensor,
+    norm: Norm,
+    norm_w: dict[str, torch.Tensor],
+    lm_w: torch.Tensor,
+    idx: torch.Tensor,
+    chunk: int,
+    g_norm: dict[str, torch.Tensor] | None,
+    g_lm: torch.Tensor | None,
+    logits_fn: Logits,
+    chunk_loss: ChunkLoss,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final norm, then chunk by chunk over the labelled rows: logits, `chunk_loss(fp32 logits, a,
+    b)` -> (what to differentiate, what to sum), its backward at once. -> (sum, dh)."""
     b, T, H = h.shape
     train = g_lm is not None
     h = h.detach().requires_grad_(True)
@@ -65,13 +115,13 @@ def head_forward_backward(
     for a in range(0, sel.shape[0], chunk):
         x = sel[a : a + chunk].detach().requires_grad_(True)
         logits = logits_fn(x, W)  # (c, V) in the compute dtype, as transformers does
-        loss = F.cross_entropy(logits.float(), tgt[a : a + chunk], reduction="sum")
-        grads = torch.autograd.grad(loss * inv_n, (x, W) if train else (x,))
+        diff, value = chunk_loss(logits.float(), a, a + x.shape[0])
+        grads = torch.autograd.grad(diff, (x, W) if train else (x,))
         dsel[a : a + chunk] = grads[0]
         if g_lm is not None:
             g_lm.add_(grads[1])
-        loss_sum += loss.detach()
-        del logits, loss, grads
+        loss_sum += value.detach()
+        del logits, diff, value, grads
     if sel.shape[0]:
         torch.autograd.backward(sel, dsel)
     dh = h.grad if h.grad is not None else torch.zeros_like(h)
@@ -79,6 +129,33 @@ def head_forward_backward(
         if leaf.grad is not None and g_norm is not None:
             g_norm[k].add_(leaf.grad)
     return loss_sum, dh
+
+
+def _forward_chunks(h, norm: Norm, norm_w, lm_w, idx, chunk: int, logits_fn: Logits):
+    """Forward only: (a, b, fp32 logits of labelled rows [a, b)), one chunk at a time."""
+    H = h.shape[-1]
+    sel = norm(h, norm_w)[:, :-1].reshape(-1, H).index_select(0, idx)
+    for a in range(0, sel.shape[0], chunk):
+        x = sel[a : a + chunk]
+        yield a, a + x.shape[0], logits_fn(x, lm_w).float()
+
+
+@torch.no_grad()
+def token_logps(
+    h: torch.Tensor,
+    norm: Norm,
+    norm_w: dict[str, torch.Tensor],
+    lm_w: torch.Tensor,
+    idx: torch.Tensor,
+    tgt: torch.Tensor,
+    chunk: int,
+    logits_fn: Logits = F.linear,
+) -> torch.Tensor:
+    """Forward only: log p(tgt_t) (n,) fp32 at every labelled position, logits bounded by a chunk."""
+    out = torch.empty(idx.numel(), dtype=torch.float32, device=h.device)
+    for a, b, logits in _forward_chunks(h, norm, norm_w, lm_w, idx, chunk, logits_fn):
+        out[a:b] = -F.cross_entropy(logits, tgt[a:b], reduction="none")
+    return out
 
 
 @torch.no_grad()
@@ -93,10 +170,7 @@ def head_loss(
     logits_fn: Logits = F.linear,
 ) -> torch.Tensor:
     """Forward only (evaluation): summed cross-entropy over labelled positions, chunked."""
-    H = h.shape[-1]
-    sel = norm(h, norm_w)[:, :-1].reshape(-1, H).index_select(0, idx)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
-    for a in range(0, sel.shape[0], chunk):
-        logits = logits_fn(sel[a : a + chunk], lm_w)
-        total += F.cross_entropy(logits.float(), tgt[a : a + chunk], reduction="sum")
+    for a, b, logits in _forward_chunks(h, norm, norm_w, lm_w, idx, chunk, logits_fn):
+        total += F.cross_entropy(logits, tgt[a:b], reduction="sum")
     return total

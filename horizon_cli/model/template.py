@@ -1,8 +1,8 @@
 """The layer template the schedule runs: one object per architecture, chosen from the store.
 
-  native   engine.layer's functional decoder layer (Llama, Mistral, Qwen2, Qwen3): RoPE tables and
-           masks from engine.masks, RMSNorm head, plain logits
-  generic  transformers' own decoder-layer modules (engine.generic), for every other family
+  native   model.layer's functional decoder layer (Llama, Mistral, Qwen2, Qwen3): RoPE tables and
+           masks from model.masks, RMSNorm head, plain logits
+  generic  transformers' own decoder-layer modules (model.generic), for every other family
 
 The schedule calls the same methods on either (per micro-batch `context`; per layer `forward` and,
 in the backward recompute, `objective`, which may add a per-layer auxiliary term, both with the

@@ -15,7 +15,8 @@ import torch
 
 from ..config.schema import EngineConfig
 from ..errors import InputError
-from .plan import MemoryPlan
+from ..runtime.device import cuda_index, resolve_device
+from .memory import MemoryPlan
 
 RESERVE = 1 << 30  # bytes kept free for CUDA's own use
 
@@ -34,21 +35,8 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def cuda_index(device: str) -> int:
-    """The CUDA device `device` ("cuda" or "cuda:N") names; exit 2 if there is none such."""
-    if not torch.cuda.is_available():
-        raise InputError(f"engine.device: {device}, but no CUDA device is available")
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    if index >= torch.cuda.device_count():
-        raise InputError(f"engine.device: {device}, but there are {torch.cuda.device_count()} CUDA device(s)")
-    return index
-
-
 def device_fit(plan: MemoryPlan, ecfg: EngineConfig) -> tuple[bool, str] | None:
     """(fits, why) on CUDA; None on the CPU."""
-    from .schedule import resolve_device
-
     dev = resolve_device(ecfg)
     if not dev.startswith("cuda"):
         return None

@@ -18,7 +18,7 @@ from ..arch import ArchSpec
 from ..lora.targets import Target, adapter_params
 from ..store import layouts
 from ..store.packed import packed_layout, packs
-from .plan import ITEM, MemoryPlan, gather_pad, head_work_bytes, layer_work_bytes, piece, rank_batch
+from .memory import ITEM, MemoryPlan, gather_pad, head_work_bytes, layer_work_bytes, piece, rank_batch
 
 
 def base_bytes(spec: ArchSpec, dtype: str, quant: str = "", world: int = 1) -> dict[str, int]:

@@ -3,7 +3,7 @@
 Shown by `horizon inspect` and `horizon train --dry-run`, and used to refuse a run that cannot
 fit in RAM. The engine reports its device usage with the same formulas on the CPU.
 
-A plan is one rank's. With `world` ranks (sharded data parallelism, dist/shard.py) a rank's host
+A plan is one rank's. With `world` ranks (sharded data parallelism, parallel/shard.py) a rank's host
 holds the largest piece of every unit's flat buffers (streaming copy, master, moments, gradients:
 `shard_size(numel, world, SHARD_ALIGN)`) and the saved activations and staging of its share of
 the batch (batch / world). Its device holds what a one-rank run's device holds (the whole layer is
@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..arch import ArchSpec
-from ..dist.shard import SHARD_ALIGN, padded_numel, shard_range, shard_size
+from ..parallel.shard import SHARD_ALIGN, padded_numel, shard_range, shard_size
+from ..state.host import kind_numel, segments
 from ..store import UnitLayout, layouts
-from .host import kind_numel, segments
 
 ITEM = {"bfloat16": 2, "float32": 4}
 
@@ -32,12 +32,12 @@ def piece(numel: int, world: int) -> int:
 
 def gather_pad(numel: int, world: int) -> int:
     """Elements a unit's whole device buffer adds in a sharded run: every rank's piece is padded
-    to the largest (engine.loader.device_numel)."""
+    to the largest (runtime.loader.device_numel)."""
     return padded_numel(numel, world) - numel if world > 1 else 0
 
 
 def rank_batch(batch: int, world: int) -> int:
-    """Sequences of the global batch one rank holds (dist/shard.py check_world: it divides)."""
+    """Sequences of the global batch one rank holds (parallel/shard.py check_world: it divides)."""
     return -(-batch // world)
 
 

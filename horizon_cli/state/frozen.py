@@ -7,7 +7,7 @@ bits and `dequantize` expands them on the device, into one layer-sized scratch b
 layout, just before the layer's compute. Nothing here is ever written after loading.
 
 Sharded runs (`shard=(world, rank)`): a unit holds this rank's slice of its flat buffer (elements,
-or a packed unit's bytes: dist.shard.shard_range, align SHARD_ALIGN); the loader all-gathers it.
+or a packed unit's bytes: parallel.shard.shard_range, align SHARD_ALIGN); the loader all-gathers it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dist.shard import SHARD_ALIGN, shard_range
+from ..parallel.shard import SHARD_ALIGN, shard_range
 from ..quant import nf4
 from ..store import Store, UnitLayout
 from ..store.packed import PackedLayout

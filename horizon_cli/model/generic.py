@@ -12,7 +12,7 @@ one per layer type), attention masks from transformers' mask functions (full / s
 packed rows: positions restart per document, which those functions turn into block-diagonal
 masks), embedding scale, the family's final-norm module and final-logit soft-capping. Router
 outputs are caught with forward hooks on the router modules (the class transformers records as
-`router_logits`) and feed engine.moe.
+`router_logits`) and feed model.moe.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class GenericTemplate:
         self._caught: dict[int, tuple] = {}
         if self.moe is not None:
             self._hook_routers(g["moe"])
-        self._lora = None  # the adapters of the layer being computed (engine.adapters.LayerLora)
+        self._lora = None  # the adapters of the layer being computed (model.lora.LayerLora)
         for targets in lora_targets or []:
             for t in targets:
                 self._hook_linear(t.layer, t.rel, t.weight)

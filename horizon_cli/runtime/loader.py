@@ -12,11 +12,11 @@ buffers instead of copying them: the same sequence, slots and dependency waits, 
 
 Sharded runs (`dist`): a unit's host state is this rank's slice; a load copies the slice into
 its place in a whole-unit device buffer (every rank's piece padded to the shard size) and then
-all-gathers the buffer on the collective thread (dist.comm), so the slot is "loaded" once the
+all-gathers the buffer on the collective thread (parallel.comm), so the slot is "loaded" once the
 gather is done. Nothing is lent then: the gathered unit exists only on the device.
 
-`host` maps unit names to their host state: engine.host's trained units, and in LoRA runs the
-frozen base's (engine.frozen), whose streaming copy may be packed NF4 bytes: a slot holds whatever
+`host` maps unit names to their host state: state.host's trained units, and in LoRA runs the
+frozen base's (state.frozen), whose streaming copy may be packed NF4 bytes: a slot holds whatever
 the unit's `stream` is, in its dtype.
 """
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..dist.comm import Dist
-from ..dist.shard import padded_numel
+from ..parallel.comm import Dist
+from ..parallel.shard import padded_numel
 from .events import READY, Event, FutureEvent
 
 
@@ -63,7 +63,7 @@ class Loader:
         extra_dtype: torch.dtype | None = None,
         dist: Dist | None = None,
     ):
-        """host: unit name -> state with `stream`, `layout` and `views` (engine.host, engine.frozen).
+        """host: unit name -> state with `stream`, `layout` and `views` (state.host, state.frozen).
         extra_numel: elements of the extra tensors one load brings at most (the saved inputs of a
         whole step, a layer's adapters), so their device buffers are allocated once; 0: they grow
         on demand."""

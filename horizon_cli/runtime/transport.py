@@ -1,7 +1,7 @@
 """Host <-> device transport: asynchronous copies ordered by events (the CPU implementation).
 
 The schedule talks to a transport only through this interface, so the same schedule runs on
-CUDA (engine.cuda: copy streams and CUDA events) and on the CPU, where "device" tensors are
+CUDA (runtime.cuda: copy streams and CUDA events) and on the CPU, where "device" tensors are
 ordinary tensors, copies run on one worker thread per direction (a duplex link) and can be
 throttled to `link_gbps` to emulate PCIe. Compute runs on the calling thread, so on the CPU a
 compute event is complete as soon as it is recorded.

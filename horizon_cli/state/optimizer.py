@@ -17,9 +17,9 @@ import torch
 from ..optim.adamw import AdamWHyper
 from ..optim.kernel import pick_kernel
 from ..optim.lean import rounding_seed
-from .events import Event, FutureEvent
+from ..runtime.events import Event, FutureEvent
+from ..runtime.trace import Tracer
 from .host import LEAN_BLOCK, HostState, Segment, UnitState
-from .trace import Tracer
 
 SLICE = 1 << 22  # elements per update call (16 MiB of fp32)
 

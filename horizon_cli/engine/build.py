@@ -1,0 +1,80 @@
+"""From a config to a planned, built engine: the one path every command that runs an engine takes
+(`horizon train`, `horizon profile`, and the forward-only commands).
+
+    plan_run      the config's run planned on its model: the rung it runs on and the ladder of every
+                  rung (planning.ladder), before anything is loaded
+    check_fit     the plan against the device and the machine; refused in one line (exit 2)
+    build_engine  the engine on a store (or a checkpoint's), its buffers sized from the config
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..config import Config
+from ..lora.setup import LoraSetup
+from ..parallel.comm import Dist
+from ..parallel.topology import World
+from ..planning.fit import Machine, check_device_fit
+from ..planning.ladder import PlannedModel, check_fits, not_applicable, plan_ladder, run_rung
+from ..planning.memory import MemoryPlan
+from ..runtime.trace import Tracer
+from ..store import Store
+from .engine import Engine
+from .objective import Objective
+
+
+@dataclass
+class Planned:
+    """A config's run, planned: its model, adapters, world, rung and the ladder of every rung."""
+
+    cfg: Config
+    model: Store | PlannedModel
+    lora: LoraSetup | None
+    world: World
+    rung: str
+    rungs: dict[str, MemoryPlan]
+
+    @property
+    def plan(self) -> MemoryPlan:
+        return self.rungs[self.rung]
+
+
+def plan_run(
+    cfg: Config, model: Store | PlannedModel, lora: LoraSetup | None, world: World = World()
+) -> Planned:
+    return Planned(cfg, model, lora, world, run_rung(cfg, model), plan_ladder(cfg, model, lora, world))
+
+
+def check_fit(planned: Planned, where: Machine) -> None:
+    """The device first (lower the micro-batch, not the rung), then host and device on the machine."""
+    check_device_fit(planned.plan, planned.cfg.engine)
+    check_fits(planned.rungs, planned.rung, where, not_applicable(planned.model))
+
+
+def step_tokens(cfg: Config, store: Store, world: int = 1) -> int:
+    """The most tokens one rank's step holds (it sizes the buffers for saved inputs once)."""
+    return cfg.train.batch_size * min(cfg.data.max_seq_len, store.arch.max_positions) // world
+
+
+def build_engine(
+    cfg: Config,
+    store: Store,
+    *,
+    lora: LoraSetup | None = None,
+    dist: Dist | None = None,
+    tracer: Tracer | None = None,
+    progress: Callable[[int], None] = lambda n: None,
+    objective: Objective | None = None,
+) -> Engine:
+    """The engine for `cfg` on `store` (a resumed full fine-tuning run: its checkpoint's store)."""
+    if cfg.engine.compute_threads:
+        torch.set_num_threads(cfg.engine.compute_threads)
+    world = dist.world if dist is not None else 1
+    return Engine(
+        store, cfg.engine, cfg.optim, tracer=tracer, progress=progress, max_tokens=step_tokens(cfg, store, world),
+        lora=lora, dist=dist, objective=objective,
+    )  # fmt: skip

@@ -1,0 +1,50 @@
+"""Forward-only passes on the streamed engine: each layer loaded once for the whole pass.
+
+    hidden    the last hidden states of every micro-batch, and the head on the device
+    eval_loss the objective's summed loss and the label tokens (evaluation: cross-entropy)
+    logits    full (b, T, V) logits of a small micro-batch (tests, spot checks)
+
+The same sweep as a training step's forward (engine.sweep), without saving inputs and with
+dropout off; the reference pass of preference objectives and generation build on it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..data.batch import MicroBatch
+from .objective import Head
+from .parts import Parts
+from .sweep import Sweep
+
+
+class Inference:
+    def __init__(self, p: Parts, sweep: Sweep):
+        self.p, self.sweep = p, sweep
+
+    @torch.no_grad()
+    def hidden(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], Head]:
+        """(last hidden states per micro-batch, the head on the device): the caller must
+        `sweep.release_head()` once done with the head."""
+        ctxs = self.sweep.contexts(mbs)
+        x = self.sweep.start(mbs, self.sweep.loads())
+        x = self.sweep.layers(x, ctxs)
+        return x, self.sweep.acquire_head()
+
+    @torch.no_grad()
+    def eval_loss(self, mbs: list[MicroBatch]) -> tuple[float, int]:
+        """(summed loss, label tokens) of a forward pass, over every rank; logits bounded by a chunk."""
+        p = self.p
+        targets = p.objective.targets(mbs, p.t.device)
+        x, head = self.hidden(mbs)
+        total = p.objective.evaluate(head, x, targets)
+        self.sweep.release_head()
+        return p.reduce.eval_total(total, sum(mb.label_tokens for mb in mbs))
+
+    @torch.no_grad()
+    def logits(self, mb: MicroBatch) -> torch.Tensor:
+        """Full (b, T, V) fp32 logits of one small micro-batch — for tests and spot checks only."""
+        (x,), head = self.hidden([mb])
+        out = head.logits(head.norm(x, head.norm_w), head.lm).float().cpu()
+        self.sweep.release_head()
+        return out

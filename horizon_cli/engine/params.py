@@ -1,0 +1,164 @@
+"""What a run trains, decided once: every unit (full fine-tuning) or adapters on a frozen base (LoRA).
+
+The step (engine.step) asks its strategy, never `if lora`:
+
+    host         the trained units' state (state.host: streaming copy, gradient, optimizer state)
+    units        every unit's streaming copy by name, what the loader streams (LoRA: the frozen
+                 base's too)
+    trained      per decoder layer, the unit whose gradient its backward produces (None: none)
+    extras(i)    host tensors that travel with layer i's weights (LoRA: its adapters), and the
+                 updates they wait for
+    weights(i)   a loaded layer's tensors by name (NF4 layers dequantized on the device first)
+    layer_lora   the adapters a layer computes with (None in full fine-tuning)
+    leaves       what the backward recompute differentiates: the layer's trainable weights, or
+                 its adapters
+    trains_head  the head and the embedding get gradients (full) or not (LoRA: the head computes
+                 only its input gradient, the embedding's backward is skipped)
+    wants_dx(i)  the backward needs layer i's input gradient (LoRA: not below layer 0)
+    order        the units in the order the CPU optimizer updates them (the next forward's)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..lora.setup import LoraSetup
+from ..model.lora import LayerLora, layer_lora
+from ..planning.lora import adapter_work_bytes
+from ..runtime.events import READY, Event
+from ..state.adapters import lora_state
+from ..state.frozen import FrozenState
+from ..state.host import HostState
+from ..store import Store
+
+Alloc = Callable[[int, torch.dtype], torch.Tensor]
+
+
+class FullParams:
+    """Full fine-tuning: every unit is trained; the host holds its whole training state."""
+
+    lora: LoraSetup | None = None
+    base: FrozenState | None = None
+    trains_head = True
+
+    def __init__(self, store: Store, dtype, grad_dtype, alloc: Alloc, progress, memory: str, shard):
+        self.host = HostState(store, dtype, alloc, progress, grad_dtype, memory, shard)
+        self.layers = [f"layer.{i}" for i in range(store.arch.n_layers)]
+        self.trained: list[str | None] = list(self.layers)
+        self.units: dict = dict(self.host.units)
+        # per unit: the tensors that get gradients (frozen buffers such as a routing bias do not)
+        self.names = {
+            u: [p.name for p in st.layout.tensors if p.trainable] for u, st in self.host.units.items()
+        }
+
+    def extras(self, i: int, ready: dict[str, Event]) -> tuple[list[torch.Tensor], list[Event]]:
+        return [], []
+
+    def extra_numel(self) -> int:
+        return 0
+
+    def weights(self, i: int, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return w
+
+    def layer_lora(self, i: int, extras: list[torch.Tensor], step: int, train: bool) -> LayerLora | None:
+        return None
+
+    def leaves(self, i: int, w: dict[str, torch.Tensor], extras: list[torch.Tensor], step: int):
+        """(weights to compute with, LayerLora or None, autograd leaves, their names): the layer's
+        trainable weights as leaves of their own (views of the loaded buffer), frozen ones as
+        they are."""
+        names = self.names[self.layers[i]]
+        leaves = [w[k].detach().requires_grad_(True) for k in names]
+        return {**w, **dict(zip(names, leaves, strict=True))}, None, leaves, names
+
+    def wants_dx(self, i: int) -> bool:
+        return True
+
+    def order(self) -> list[str]:
+        # layer 0 first, so its transfer can start while the embedding (needed only on the host,
+        # for the gather) is still being updated
+        return [self.layers[0], "embed", *self.layers[1:], "head"]
+
+    def work_bytes(self, tokens: int, item: int) -> int:
+        return 0
+
+    def attach(self, device_empty: Alloc, dtype: torch.dtype) -> int:
+        return 0
+
+
+class LoraParams:
+    """LoRA: a frozen base (streaming copies only; NF4 layers dequantized on the device) and the
+    adapters, units of their own (lora.{i}) that travel with their layer and alone get gradients."""
+
+    trains_head = False
+
+    def __init__(self, store: Store, setup: LoraSetup, dtype, grad_dtype, alloc: Alloc, progress, shard):
+        self.lora = setup
+        self.base, self.host, self.trained = lora_state(
+            store, setup, dtype, grad_dtype, alloc, progress, shard
+        )
+        self.layers = [f"layer.{i}" for i in range(store.arch.n_layers)]
+        self.units: dict = {**self.base.units, **self.host.units}
+        self.names = {
+            u: [p.name for p in st.layout.tensors if p.trainable] for u, st in self.host.units.items()
+        }
+
+    def extras(self, i: int, ready: dict[str, Event]) -> tuple[list[torch.Tensor], list[Event]]:
+        """Layer i's adapters as a load's extra tensor, and the update they wait for."""
+        u = self.trained[i]
+        if u is None:
+            return [], []
+        return [self.host[u].stream], [ready.get(u, READY)]
+
+    def extra_numel(self) -> int:
+        return max((st.layout.numel for st in self.host.units.values()), default=0)
+
+    def weights(self, i: int, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A layer's weights by name: an NF4 layer is dequantized on the device first."""
+        assert self.base is not None
+        return self.base.weights(self.layers[i], w)
+
+    def _lora(self, i: int, extras: list[torch.Tensor], step: int, train: bool, grad: bool):
+        u = self.trained[i]
+        if u is None:
+            return None, [], []
+        st = self.host[u]
+        names = [p.name for p in st.layout.tensors]
+        lora, leaves = layer_lora(self.lora, st.views(extras[0]), names, i, step, train, grad)
+        return lora, leaves, names
+
+    def layer_lora(self, i: int, extras: list[torch.Tensor], step: int, train: bool) -> LayerLora | None:
+        """Layer i's adapters for a forward (dropout only when `train`), or None."""
+        return self._lora(i, extras, step, train, grad=False)[0]
+
+    def leaves(self, i: int, w: dict[str, torch.Tensor], extras: list[torch.Tensor], step: int):
+        """(weights, adapters, their autograd leaves in layout order, their names): the base's
+        weights are constants of the recompute."""
+        lora, leaves, names = self._lora(i, extras, step, train=True, grad=True)
+        return w, lora, leaves, names
+
+    def wants_dx(self, i: int) -> bool:
+        return i > 0  # nothing below layer 0 needs its input gradient
+
+    def order(self) -> list[str]:
+        return [u for u in self.trained if u is not None]
+
+    def work_bytes(self, tokens: int, item: int) -> int:
+        """The adapters' outputs in a layer's working set, held for the backward."""
+        assert self.lora is not None
+        return adapter_work_bytes(self.lora.targets, self.lora.cfg.r, tokens, item)
+
+    def attach(self, device_empty: Alloc, dtype: torch.dtype) -> int:
+        """NF4: the device buffer one layer is dequantized into (its bytes; 0: nothing is packed)."""
+        assert self.base is not None
+        return self.base.attach(device_empty, dtype)
+
+
+def make_params(
+    store: Store, lora: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, memory, shard
+):
+    if lora is None:
+        return FullParams(store, dtype, grad_dtype, alloc, progress, memory, shard)
+    return LoraParams(store, lora, dtype, grad_dtype, alloc, progress, shard)

@@ -1,0 +1,132 @@
+"""The engine's parts, assembled once from a store and the run's settings.
+
+    transport   the device: copies and ordering (runtime.transport on the CPU, runtime.cuda)
+    params      what is trained: every unit, or adapters on a frozen base (engine.params)
+    loader      streams units host -> device through `prefetch` buffers (runtime.loader)
+    optimizer   the CPU AdamW worker, unit by unit (state.optimizer)
+    tmpl        the layer template: native functional layer or transformers' own (model.template)
+    grads       the device's fp32 gradient sums and their trip to the host (engine.grads)
+    reduce      where gradients go: this process's host, or every rank's slice (engine.reduce)
+    embedding   the embedding stage: on the host, or gathered on the device (engine.embed)
+    objective   what the loss head computes (engine.objective)
+
+Each difference decided here (full or LoRA, one process or sharded, the objective) is one object
+chosen once; the passes that use them (engine.step, engine.infer) never branch on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..arch import ArchSpec
+from ..config.schema import EngineConfig, OptimConfig
+from ..lora.setup import LoraSetup
+from ..model.template import make_template
+from ..parallel.comm import Dist
+from ..runtime.device import make_transport
+from ..runtime.events import Poison
+from ..runtime.loader import Loader
+from ..runtime.trace import Tracer
+from ..state.optimizer import OptimizerWorker
+from ..store import DTYPES, Store
+from .embed import Embedding, HostEmbedding, ShardedEmbedding
+from .grads import GradSums
+from .objective import Objective, TokenCE
+from .params import FullParams, LoraParams, make_params
+from .reduce import LocalReduce, ShardedReduce
+from .sharded import ShardedGrads
+
+
+@dataclass
+class Parts:
+    spec: ArchSpec
+    cfg: EngineConfig
+    ocfg: OptimConfig
+    dtype: torch.dtype
+    grad_dtype: torch.dtype
+    t: Any  # the transport (runtime.transport.CpuTransport or runtime.cuda.CudaTransport)
+    tracer: Tracer
+    poison: Poison
+    dist: Dist | None
+    params: FullParams | LoraParams
+    loader: Loader
+    optimizer: OptimizerWorker
+    tmpl: Any  # model.template.NativeTemplate or model.generic.GenericTemplate
+    grads: GradSums
+    reduce: LocalReduce | ShardedReduce
+    embedding: Embedding
+    objective: Objective
+    adam_step: int = 0  # optimizer steps applied (dropout masks are seeded by it)
+
+    @property
+    def layers(self) -> list[str]:
+        return self.params.layers
+
+
+def assemble(
+    store: Store,
+    engine: EngineConfig,
+    optim: OptimConfig,
+    *,
+    tracer: Tracer | None = None,
+    progress=lambda n: None,
+    transport=None,
+    lora: LoraSetup | None = None,
+    dist: Dist | None = None,
+    objective: Objective | None = None,
+    step_numel: int = 0,
+) -> Parts:
+    """step_numel: one layer's inputs of the largest step (0: unknown), which sizes the loader's
+    buffers for the saved inputs once."""
+    spec = store.arch
+    dtype = DTYPES[engine.dtype]
+    grad_dtype = dtype if engine.grad_dtype == "auto" else DTYPES[engine.grad_dtype]
+    tracer = tracer or Tracer(enabled=False)
+    t = transport or make_transport(engine, tracer)
+    dist = dist if dist is not None and dist.world > 1 else None
+    if dist is not None:  # the collective thread on this rank's device (CUDA)
+        dist.start(t.thread_init)
+    shard = (dist.world, dist.rank) if dist else (1, 0)
+    params = make_params(store, lora, dtype, grad_dtype, t.host_empty, progress, optim.memory, shard)
+    tied = spec.tie_embeddings
+    extra = params.extra_numel()
+    loader = Loader(
+        t,
+        params.units,
+        params.layers,
+        ["head"] + (["embed"] if tied or dist else []),  # sharded: the embedding on the device
+        engine.prefetch,
+        extra_numel=step_numel + extra if step_numel else 0,
+        extra_dtype=dtype,
+        dist=dist,
+    )
+    optimizer = OptimizerWorker(params.host, optim.kernel, tracer, t.thread_init)
+    # native functional layer, or transformers' own (with LoRA hooks on its linear modules)
+    tmpl = make_template(spec, t.device, lora.targets if lora else None)
+    sharded = ShardedGrads(dist, t, params.host, grad_dtype, replicated=lora is not None) if dist else None
+    grads = GradSums(
+        t, params.host, params.trained, grad_dtype, world=dist.world if dist else 1,
+        full=params.trains_head, embed_on_device=tied or dist is not None,
+    )  # fmt: skip
+    t.memory.set("grad_acc", grads.nbytes() + (sharded.nbytes() if sharded else 0))
+    embedding: Embedding
+    if sharded is None:
+        reduce: LocalReduce | ShardedReduce = LocalReduce(t, params.host, grads, tied)
+        embedding = HostEmbedding(t, loader, params.units, params.host, spec, dtype, tmpl.embed_scale)
+    else:
+        reduce = ShardedReduce(sharded)
+        embedding = ShardedEmbedding(
+            t, loader, params.units, params.host, spec, dtype, tmpl.embed_scale, sharded, grads
+        )
+        moe = getattr(tmpl, "moe", None)  # MoE router statistics: the global batch's
+        if moe is not None:
+            moe.reduce = sharded.all_sum_tensor
+    if n := params.attach(t.device_empty, dtype):
+        t.memory.set("dequantized layer", n)  # NF4: one layer, dequantized on the device
+    return Parts(
+        spec, engine, optim, dtype, grad_dtype, t, tracer, Poison(), dist, params, loader, optimizer, tmpl,
+        grads, reduce, embedding, objective or TokenCE(),
+    )  # fmt: skip

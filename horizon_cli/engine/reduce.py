@@ -1,0 +1,81 @@
+"""Where a step's gradients go, decided once: one process (LocalReduce) or several ranks
+(ShardedReduce).
+
+    layer(unit, g, k, sq)   a unit's fp32 gradient sum on the device -> its host grad; returns the
+                            event of its landing there (the optimizer waits on it)
+    head(...)               the same for the head once per step (and a tied embedding's share)
+    total(loss, sq, host)   the step's loss sum and squared grad norm: this process's, or every
+                            rank's (one all-reduce), so every rank clips and skips alike
+    eval_total(sum, n)      an evaluation's (loss sum, label tokens), over every rank
+    drain()                 wait for every queued reduction (before eval or save)
+
+Local: the squares of the device pieces are summed in fp64 on the host with the embedding's.
+Sharded (engine.sharded): gradients are reduce-scattered to each rank's slice (LoRA's replicated
+adapters all-reduced, counted once), the squares taken on the collective thread.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime.events import Event
+from .grads import GradSums, sumsq
+from .sharded import ShardedGrads
+
+
+class LocalReduce:
+    def __init__(self, transport, host, grads: GradSums, tied: bool):
+        self.t, self.host, self.grads, self.tied = transport, host, grads, tied
+
+    def begin_step(self) -> None:
+        pass
+
+    def layer(self, unit: str, g: torch.Tensor, k: int, sq: list) -> Event:
+        sq.extend(sumsq(g))
+        return self.grads.send(unit, g, k)
+
+    def head(self, grads: GradSums, ready: dict[str, Event], sq: list) -> None:
+        """The head's gradient (a tied LM head's share first, into the embedding's host grad,
+        which the embedding's backward then adds its rows to)."""
+        assert grads.head is not None
+        if self.tied and not self.t.shares_host:
+            ready["embed"] = self.t.d2h([(self.host["embed"].grad, grads.embed)], [self.t.record()], "g-lm")
+        sq.extend(sumsq(grads.head))
+        ready["head"] = grads.send("head", grads.head, None)
+
+    def total(self, loss_sum: torch.Tensor, sq: list, host_sq: float) -> tuple[float, float]:
+        dev_sq = torch.stack(sq).double().sum().item() if sq else 0.0
+        return float(loss_sum.item()), dev_sq + host_sq
+
+    def eval_total(self, total: torch.Tensor, tokens: int) -> tuple[float, int]:
+        return float(total.item()), tokens
+
+    def drain(self) -> None:
+        pass
+
+
+class ShardedReduce:
+    def __init__(self, sharded: ShardedGrads):
+        self.sharded = sharded
+
+    def begin_step(self) -> None:
+        self.sharded.begin_step()
+
+    def layer(self, unit: str, g: torch.Tensor, k: int, sq: list) -> Event:
+        return self.sharded.reduce(unit, g, k)
+
+    def head(self, grads: GradSums, ready: dict[str, Event], sq: list) -> None:
+        # a tied LM head's gradient stays in the embedding's device buffer and goes with it
+        assert grads.head is not None
+        ready["head"] = self.sharded.reduce("head", grads.head, "head")
+
+    def total(self, loss_sum: torch.Tensor, sq: list, host_sq: float) -> tuple[float, float]:
+        return self.sharded.total(loss_sum)
+
+    def eval_total(self, total: torch.Tensor, tokens: int) -> tuple[float, int]:
+        """This rank's share: the sums over every rank's."""
+        loss, n = self.sharded.sum_all(lambda: [float(total), float(tokens)])
+        return loss, int(n)
+
+    def drain(self) -> None:
+        self.sharded.drain()

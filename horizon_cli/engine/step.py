@@ -1,0 +1,179 @@
+"""One optimizer step, layer by layer: the heart of horizon.
+
+    forward   for each layer i: load W_i once; save its input x_i to the host; x = layer(W_i, x) for
+              every micro-batch (engine.sweep)
+    head      the objective (engine.objective) on the last hidden states of every micro-batch:
+              final norm + LM head in chunks, its backward at once (head weights load once)
+    backward  for each layer i from the top: load W_i again with the saved x_i; recompute the layer
+              under autograd (the only graph, one layer deep), backpropagate every micro-batch,
+              accumulate parameter grads in fp32 and send them to the host (engine.grads,
+              engine.reduce)
+    embed     the input gradient into the embedding's fp32 grad (engine.embed)
+    optimize  with the global grad norm known, AdamW runs on the CPU unit by unit, overlapped
+              with the next step's forward (which waits per unit, in the same order)
+
+Each decoder layer's weights cross host -> device exactly twice per step, whatever the number
+of micro-batches (invariant 2). What is trained (engine.params) and where gradients go
+(engine.reduce) are strategies of `Parts`, chosen once. See docs/engine.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..data.batch import MicroBatch
+from ..optim.adamw import AdamWHyper
+from ..planning.memory import head_work_bytes, layer_work_bytes
+from ..runtime.events import Event
+from .objective import HeadOut
+from .parts import Parts
+from .sweep import Sweep
+
+
+class TrainStep:
+    def __init__(self, p: Parts, sweep: Sweep):
+        self.p, self.sweep = p, sweep
+        self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
+        self.grad_ready: dict[str, Event] = {}  # unit -> its gradient is on the host (this step)
+        self.mb_base = 0  # sharded runs: the global index of this rank's first micro-batch
+
+    def reserve(self, step_numel: int) -> None:
+        """Size the host buffers once (pinning and unpinning L buffers mid-run doubles them)."""
+        self._ensure_ckpt(step_numel)
+        self.p.embedding.reserve(step_numel, grad=self.p.params.trains_head)
+
+    def forward_backward(
+        self, mbs: list[MicroBatch], tokens: int | None = None
+    ) -> tuple[float, int, float, HeadOut]:
+        """Fill every trained unit's host grad with d(mean loss)/dW. Returns (loss sum, label
+        tokens, squared global grad norm, the objective's output). tokens: the divisor of the
+        global batch (sharded runs; default: this batch's)."""
+        p = self.p
+        tokens = p.objective.divisor(mbs) if tokens is None else tokens
+        self.mb_base = p.dist.rank * len(mbs) if p.dist else 0
+        inv_n = 1.0 / tokens if tokens else 0.0
+        ctxs = self.sweep.contexts(mbs)
+        targets = p.objective.targets(mbs, p.t.device)  # before any compute is queued
+        shapes = [(*mb.input_ids.shape, p.spec.hidden) for mb in mbs]
+        total = sum(math.prod(s) for s in shapes)
+        self._ensure_ckpt(total)
+        saved = p.poison.promises(len(p.layers))
+        self._account(shapes)
+        self.grad_ready = {}
+        sq: list[torch.Tensor] = []
+        p.reduce.begin_step()
+
+        p.tmpl.begin_step()
+        seq = self.sweep.loads([(self.ckpt[i][:total], saved[i]) for i in range(len(p.layers))])
+        x = self.sweep.start(mbs, seq)
+        x = self.sweep.layers(x, ctxs, self.mb_base, save=(self.ckpt, saved))
+        p.tmpl.end_forward()  # MoE: every layer's routing is known, the aux loss with it
+        out = self._head(x, targets, inv_n, sq)
+        dx = self._backward_layers(out.dx, ctxs, shapes, sq)
+        with p.tracer.span("host", "embed grad + norm"):
+            host_sq = (
+                p.embedding.backward(p.embedding.scale(dx), mbs, self.grad_ready)
+                if p.params.trains_head
+                else 0.0
+            )
+            loss, sq_all = p.reduce.total(out.loss_sum, sq, host_sq)
+        return loss, tokens, sq_all, out
+
+    def apply_update(self, lr: float, norm: float) -> None:
+        p, o = self.p, self.p.ocfg
+        clip = o.grad_clip
+        scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # torch.nn.utils.clip_grad_norm_
+        p.adam_step += 1
+        h = AdamWHyper(lr, o.betas[0], o.betas[1], o.eps, o.weight_decay, p.adam_step, scale)
+        # the order the next forward needs them (layer 0 first)
+        p.loader.ready.update(p.optimizer.submit(p.params.order(), h, self.grad_ready))
+
+    # -- head and backward -------------------------------------------------------------------
+    def _head(self, x, targets, inv_n: float, sq: list) -> HeadOut:
+        p = self.p
+        head = self.sweep.acquire_head()
+        g = p.grads
+        if g.head is not None:  # a trained head (not LoRA)
+            gh = p.params.host["head"].views(g.head)
+            g.head.zero_()
+            if p.spec.tie_embeddings and g.embed is not None:  # the LM head is the embedding
+                head.g_lm = p.params.host["embed"].views(g.embed)["embed"]
+            else:
+                head.g_lm = gh["lm_head"]
+            head.g_norm = gh
+            if g.embed is not None:
+                g.embed.zero_()
+        with p.t.compute_span("head"):
+            out = p.objective.train(head, x, targets, inv_n)
+        self.sweep.release_head()
+        if g.head is not None:
+            p.reduce.head(g, self.grad_ready, sq)
+        return out
+
+    def _backward_layers(self, dx, ctxs, shapes, sq: list) -> list[torch.Tensor]:
+        p = self.p
+        for i in reversed(range(len(p.layers))):
+            unit = p.params.trained[i]  # the unit whose gradient this layer produces (None: no adapters)
+            w, extras = p.loader.acquire(f"b{i}")
+            saved = extras[-1]
+            k = i % 2
+            g, gv = p.grads.buffer(unit, k)
+            with p.t.compute_span(f"bwd {i}"):
+                w = p.params.weights(i, w)
+                w, lora, leaves, names = p.params.leaves(i, w, extras, p.adam_step)
+                want_dx = p.params.wants_dx(i)
+                if want_dx or leaves:
+                    self._backward_layer(i, w, lora, leaves, names, saved, dx, ctxs, shapes, want_dx, gv)
+            p.loader.release(f"b{i}")
+            if unit is not None:
+                p.grads.free[k] = self.grad_ready[unit] = p.reduce.layer(unit, g, k, sq)
+        return dx
+
+    def _backward_layer(self, i, w, lora, leaves, names, saved, dx, ctxs, shapes, want_dx, gv) -> None:
+        """Recompute layer i under autograd for every micro-batch: its input gradient into dx, the
+        leaves' gradients added (fp32) into gv."""
+        off = 0
+        for m, (shape, c) in enumerate(zip(shapes, ctxs, strict=True)):
+            n = math.prod(shape)
+            xi = saved[off : off + n].view(shape).detach().requires_grad_(want_dx)
+            off += n
+            if lora is not None:
+                lora.mb = self.mb_base + m  # the global micro-batch: dropout masks as on one rank
+            with torch.enable_grad():
+                y, extra = self.p.tmpl.objective(i, w, xi, c, lora)
+                outs, seeds = (
+                    ([y], [dx[m]]) if extra is None else ([y, extra], [dx[m], torch.ones_like(extra)])
+                )
+                inputs = [xi, *leaves] if want_dx else list(leaves)
+                grads = torch.autograd.grad(outs, inputs, seeds, allow_unused=True)
+            if want_dx:
+                dx[m], grads = grads[0], grads[1:]
+            for name, gw in zip(names, grads, strict=True):
+                if gw is not None:  # None: a tensor this micro-batch never reached (an unrouted expert bias)
+                    gv[name].add_(gw)  # fp32 accumulation across micro-batches
+
+    # -- buffers -----------------------------------------------------------------------------
+    def _ensure_ckpt(self, total: int) -> None:
+        """Host buffers for each layer's saved inputs: sized once from max_tokens, else grow-only."""
+        p = self.p
+        if self.ckpt and self.ckpt[0].numel() >= total:
+            return
+        for old in self.ckpt:
+            p.t.host_release(old)
+        self.ckpt = [p.t.host_empty(total, p.dtype) for _ in p.layers]
+
+    def _account(self, shapes) -> None:
+        """Device memory by category for this step's shapes (the CPU has no allocator to ask)."""
+        p = self.p
+        item = p.dtype.itemsize
+        acts = sum(math.prod(sh) for sh in shapes) * item
+        lent = p.loader.lend  # saved inputs are read where they lie
+        p.t.memory.set("ckpt", 0 if lent else p.loader.extra_bytes() or acts * len(p.loader.ring))
+        p.t.memory.set("activations", 2 * acts)
+        rows, T = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
+        tok = max(sh[0] * sh[1] for sh in shapes)
+        work = layer_work_bytes(p.spec, tok, rows, T, item) + p.params.work_bytes(tok, item)
+        p.t.memory.set("layer_work", work)
+        p.t.memory.set("head_work", head_work_bytes(p.spec, tok, p.cfg.loss_chunk, item))

@@ -1,0 +1,111 @@
+"""One sweep of the layers over a step's micro-batches: what training and inference share.
+
+loads     the sequence of loads the loader streams: every layer forward, the head, then (for a
+          training step) every layer again from the top with its saved inputs
+start     begin the loads and send the embedded inputs
+layers    each layer once over every micro-batch (invariant 2: one transfer serves them all),
+          optionally saving each layer's input to the host for the backward recompute
+head      the final norm's weights and the LM head on the device, for an objective
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..data.batch import MicroBatch
+from ..runtime.events import Promise
+from ..runtime.loader import Load
+from .objective import Head
+from .parts import Parts
+
+
+class Sweep:
+    def __init__(self, p: Parts):
+        self.p = p
+
+    def contexts(self, mbs: list[MicroBatch]) -> list:
+        """Per micro-batch: positions, rotary tables, masks (model.template)."""
+        p = self.p
+        return [p.tmpl.context(mb, p.dtype, p.t.device) for mb in mbs]
+
+    def loads(self, backward: list[tuple[torch.Tensor, Promise]] | None = None) -> list[Load]:
+        """The step's loads: forward layers, the head, then (with `backward`: per layer its saved
+        inputs and the promise of their copy) the backward layers. A layer's extras (LoRA: its
+        adapters) come along once the optimizer has updated them."""
+        p = self.p
+        ready = p.loader.ready
+        seq = [Load(f"f{i}", u, *p.params.extras(i, ready)) for i, u in enumerate(p.layers)]
+        if p.dist is not None:  # the embedding table, gathered on the device first
+            seq.insert(0, Load("embed-in", "embed"))
+        seq.append(Load("head", "head"))
+        if p.spec.tie_embeddings:
+            seq.append(Load("embed", "embed"))
+        if backward is not None:
+            for i in reversed(range(len(p.layers))):
+                extra, deps = p.params.extras(i, ready)
+                buf, saved = backward[i]
+                seq.append(Load(f"b{i}", p.layers[i], [*extra, buf], [*deps, saved]))
+        return seq
+
+    def start(self, mbs: list[MicroBatch], seq: list[Load]) -> list[torch.Tensor]:
+        """Begin the step's loads and send the embedded inputs (scaled as the family scales them).
+        Layer 0's compute needs only its weights and the embedding rows, so the rows' copy is
+        queued right behind W_0, before W_1 (whose load waits for layer 1's update, which the
+        CPU optimizer runs after the embedding's): on the in-order copy queue it must not wait
+        for that update."""
+        p = self.p
+        p.loader.begin(seq, ahead=1 if p.dist is None else 2)
+        with p.tracer.span("host", "embed"):
+            x = p.embedding.forward(mbs)
+        p.loader.fill()
+        return p.embedding.scale(x)
+
+    @torch.no_grad()
+    def layers(
+        self,
+        x: list[torch.Tensor],
+        ctxs: list,
+        mb_base: int = 0,
+        save: tuple[list[torch.Tensor], list[Promise]] | None = None,
+    ) -> list[torch.Tensor]:
+        """Every layer over every micro-batch. save: (per layer a host buffer, the promise of its
+        copy): each layer's input goes to the host first, for the backward recompute (async,
+        overlapping the compute); a training forward (dropout on). mb_base: the global index of
+        this rank's first micro-batch (dropout masks as on one rank)."""
+        p = self.p
+        for i in range(len(p.layers)):
+            if save is not None:
+                buffers, promises = save
+                pairs, off = [], 0
+                for xm in x:
+                    pairs.append((buffers[i][off : off + xm.numel()], xm.reshape(-1)))
+                    off += xm.numel()
+                ev = p.t.d2h(pairs, [p.t.record()], label=f"save{i}")
+                promises[i].set(ev)  # the transport keeps x alive until the copy has read it
+            w, extras = p.loader.acquire(f"f{i}")
+            with p.t.compute_span(f"fwd {i}"):
+                w = p.params.weights(i, w)
+                lora = p.params.layer_lora(i, extras, p.adam_step, train=save is not None)
+                out = []
+                for m, (xm, c) in enumerate(zip(x, ctxs, strict=True)):
+                    if lora is not None:
+                        lora.mb = mb_base + m
+                    out.append(p.tmpl.forward(i, w, xm, c, lora))
+                x = out
+            p.loader.release(f"f{i}")
+        return x
+
+    def acquire_head(self) -> Head:
+        """The head's weights on the device (the final norm's by name; the LM head, the
+        embedding's when tied), as an objective computes with them; `release_head` after."""
+        p = self.p
+        w, _ = p.loader.acquire("head")
+        lm = p.loader.acquire("embed")[0]["embed"] if p.spec.tie_embeddings else w["lm_head"]
+        norm_w = {k: v for k, v in w.items() if k != "lm_head"}
+        return Head(p.tmpl.final_norm, norm_w, lm, p.tmpl.logits, p.cfg.loss_chunk)
+
+    def release_head(self) -> None:
+        p = self.p
+        p.loader.release("head")
+        if p.spec.tie_embeddings:
+            p.loader.release("embed")

@@ -1,0 +1,69 @@
+"""A run's LoRA settings resolved against its model: which linear layers get adapters, their
+scale, and the adapters to start from (lora.init, read strictly), before anything is loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..arch import ArchSpec
+from ..config.schema import LoraConfig
+from ..errors import InputError
+from . import peft
+from .targets import Target, peft_note, resolve_targets, scale
+
+
+@dataclass
+class LoraSetup:
+    """A run's LoRA settings, resolved against the model."""
+
+    cfg: LoraConfig
+    targets: list[list[Target]]  # per decoder layer (empty: no adapter in that layer)
+    scale: float
+    seed: int
+    init: dict[str, torch.Tensor] | None = None  # PEFT key -> fp32, from lora.init
+    note: str = ""  # a warning for the user: the adapter does not load whole into peft (targets.peft_note)
+
+    @property
+    def r(self) -> int:
+        return self.cfg.r
+
+    def expected(self) -> dict[str, tuple[int, int]]:
+        return peft.expected_shapes(self.targets, self.cfg.r)
+
+
+def lora_setup(cfg: LoraConfig, spec: ArchSpec, seed: int = 0, read_init: bool = True) -> LoraSetup:
+    """Resolve lora.targets (InputError naming what is wrong) and read lora.init (strictly), unless
+    read_init is False: a resume starts from its checkpoint's adapters and needs no lora.init."""
+    targets = resolve_targets(cfg.targets, spec)
+    setup = LoraSetup(
+        cfg, targets, scale(cfg.alpha, cfg.r, cfg.use_rslora), seed, note=peft_note(spec, targets)
+    )
+    if read_init:
+        load_init(setup)
+    return setup
+
+
+def load_init(setup: LoraSetup) -> None:
+    """setup.init from lora.init (when given), checked against the config and the targets."""
+    cfg = setup.cfg
+    if cfg.init and setup.init is None:
+        init = Path(cfg.init)
+        pcfg = peft.read_config(init)
+        peft.check_config(pcfg, init, cfg.r, cfg.alpha, cfg.use_rslora)
+        setup.init = peft.read_weights(init, setup.expected())
+
+
+def lora_for(lora: LoraConfig | None, store, seed: int = 0, read_init: bool = True) -> LoraSetup | None:
+    """A run's lora section resolved against its store (None: full fine-tuning). A 4-bit store
+    cannot be fully fine-tuned: without a lora section it is refused."""
+    if lora is None:
+        if store.quant:
+            raise InputError(
+                f"model.path: {store.root} is a 4-bit ({store.quant}) store, which cannot be fully "
+                "fine-tuned: add a lora: section (or convert without --quantize)"
+            )
+        return None
+    return lora_setup(lora, store.arch, seed, read_init)

@@ -1,0 +1,186 @@
+"""The memory ladder: one plan per way of training (exact, lean, lora, qlora) for a config, and
+which of them fit a machine. `horizon train --dry-run` prints it, a start is refused with it.
+
+The model may be a store or only an HF config.json (`PlannedModel`: planned as `convert` would
+read it). Plans are one rank's of `world` (planning.memory, planning.lora).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..arch import ArchSpec, read_hf_config, spec_from_hf
+from ..config import Config
+from ..config.schema import LoraConfig
+from ..errors import InputError
+from ..fmt import fmt_bytes
+from ..lora.setup import LoraSetup
+from ..lora.targets import resolve_targets
+from ..parallel.topology import World
+from ..store import Store
+from .fit import RESERVE, Machine
+from .lora import lora_memory_plan
+from .memory import RUNGS, MemoryPlan, memory_plan
+
+
+@dataclass
+class PlannedModel:
+    """A model known only by its config.json (an HF checkpoint dir, or that file alone): enough
+    to plan and to dry-run, not to train. Its architecture is read as `convert` reads it."""
+
+    root: Path
+    arch: ArchSpec
+    quant: str = ""  # an HF checkpoint is planned as converted without --quantize
+
+    @property
+    def hf_dir(self) -> Path:  # where its tokenizer files would be (train.loop.load_tokenizer)
+        return self.root
+
+
+def open_model(path: Path) -> Store | PlannedModel:
+    if (path / "manifest.json").is_file() or not (path / "config.json").is_file():
+        return Store.open(path)  # a store, or the store's own error for what is neither
+    return PlannedModel(path, spec_from_hf(read_hf_config(path), where=str(path / "config.json")))
+
+
+def run_rung(cfg: Config, model: Store | PlannedModel) -> str:
+    """The ladder's rung this config runs on."""
+    if cfg.lora is not None:
+        return "qlora" if model.quant else "lora"
+    return cfg.optim.memory
+
+
+def plan_for(
+    cfg: Config,
+    spec: ArchSpec | Store | PlannedModel,
+    memory: str,
+    lora: LoraSetup | None = None,
+    world: World = World(),
+) -> MemoryPlan:
+    """The memory plan of one rung of the ladder for this config, one rank's of `world`. The
+    lora rungs are planned with the run's own adapters (`lora`), or, for a full fine-tuning
+    config, lora:'s defaults."""
+    spec = spec if isinstance(spec, ArchSpec) else spec.arch
+    e = cfg.engine
+    seq = min(cfg.data.max_seq_len, spec.max_positions)
+    if memory in ("lora", "qlora"):
+        targets, r = (lora.targets, lora.r) if lora else default_adapters(spec)
+        return lora_memory_plan(
+            spec,
+            targets,
+            r,
+            e.dtype,
+            e.grad_dtype,
+            batch=cfg.train.batch_size,
+            micro_batch=cfg.train.micro_batch_size,
+            seq=seq,
+            prefetch=e.prefetch,
+            loss_chunk=e.loss_chunk,
+            quant="nf4" if memory == "qlora" else "",
+            world=world.size,
+            per_node=world.per_node,
+        )
+    dtype = "bfloat16" if memory == "lean" else e.dtype  # lean keeps a bf16 weight
+    return memory_plan(
+        spec,
+        dtype,
+        e.grad_dtype if memory != "lean" else "auto",
+        batch=cfg.train.batch_size,
+        micro_batch=cfg.train.micro_batch_size,
+        seq=seq,
+        prefetch=e.prefetch,
+        loss_chunk=e.loss_chunk,
+        memory=memory,
+        world=world.size,
+        per_node=world.per_node,
+    )
+
+
+def plan_ladder(
+    cfg: Config, spec: ArchSpec | Store | PlannedModel, lora: LoraSetup | None = None, world: World = World()
+) -> dict[str, MemoryPlan]:
+    return {rung: plan_for(cfg, spec, rung, lora, world) for rung in RUNGS}
+
+
+def not_applicable(model: Store | PlannedModel) -> dict[str, str]:
+    """The rungs this model cannot run, with why. A 4-bit store holds its decoder layers only in
+    NF4: it cannot be fully fine-tuned, nor be a LoRA run's bf16 base (a lora: section on it runs
+    qlora). Their plans are still shown, as what the model would need converted without
+    --quantize."""
+    if not model.quant:
+        return {}
+    full = f"a 4-bit ({model.quant}) store cannot be fully fine-tuned"
+    lora = f"the store's base is 4-bit ({model.quant}): a lora: section on it runs qlora"
+    return {"exact": full, "lean": full, "lora": lora}
+
+
+def default_adapters(spec: ArchSpec) -> tuple[list, int]:
+    """lora:'s default targets and r on this model (all its linear layers where the default
+    names do not occur, e.g. fused attention)."""
+    d = LoraConfig()
+    try:
+        return resolve_targets(d.targets, spec), d.r
+    except InputError:
+        return resolve_targets("all-linear", spec), d.r
+
+
+HOW = {
+    "exact": "optim.memory: exact",
+    "lean": "optim.memory: lean",
+    "lora": "a lora: section",
+    "qlora": "a lora: section on a `convert --quantize nf4` store",
+}
+
+
+def fit_parts(plan: MemoryPlan, where: Machine) -> tuple[bool, bool, bool]:
+    """(fits, host fits, device fits): a node's host bytes against the machine's RAM, a rank's
+    device bytes against one device. With the device in host RAM (`device: cpu`) both count
+    against the host; a CUDA device keeps RESERVE for its own use."""
+    if where.device is None:
+        ok = plan.node_host_total + plan.node_device_total <= where.host
+        return ok, ok, True
+    host_ok = plan.node_host_total <= where.host
+    dev_ok = plan.device_total + RESERVE <= where.device
+    return host_ok and dev_ok, host_ok, dev_ok
+
+
+def fits(plan: MemoryPlan, where: Machine) -> tuple[bool, str]:
+    ok, host_ok, dev_ok = fit_parts(plan, where)
+    node = f" per node ({plan.per_node} ranks)" if plan.world > 1 else ""
+    if where.device is None:
+        need = plan.node_host_total + plan.node_device_total
+        return (
+            ok,
+            f"host + device (both in RAM){node} needs {fmt_bytes(need)}, {fmt_bytes(where.host)} available ({where.what})",
+        )
+    return ok, (
+        f"host{node} needs {fmt_bytes(plan.node_host_total)} of {fmt_bytes(where.host)}, "
+        f"device{' per rank' if plan.world > 1 else ''} {fmt_bytes(plan.device_total)} "
+        f"+ {fmt_bytes(RESERVE)} reserve of {fmt_bytes(where.device)} ({where.what})"
+    )
+
+
+def best_rung(rungs: dict[str, MemoryPlan], where: Machine, na: dict[str, str] | None = None) -> str | None:
+    """The most exact rung that fits (the ladder is ordered), of those the model can run."""
+    return next((r for r, p in rungs.items() if r not in (na or {}) and fit_parts(p, where)[0]), None)
+
+
+def check_fits(
+    rungs: dict[str, MemoryPlan], memory: str, where: Machine, na: dict[str, str] | None = None
+) -> None:
+    ok, why = fits(rungs[memory], where)
+    if ok:
+        return
+    ladder = "; ".join(
+        f"{r} {p.bytes_per_param:.2f} B/param, host{' per node' if p.world > 1 else ''} "
+        f"{fmt_bytes(p.node_host_total)}, "
+        + ("n/a" if r in (na or {}) else "fits" if fit_parts(p, where)[0] else "no")
+        for r, p in rungs.items()
+    )
+    best = best_rung(rungs, where, na)
+    hint = f"the largest rung that fits: {best} ({HOW[best]})" if best else "no rung fits"
+    raise InputError(
+        f"memory plan does not fit this machine: {why}. Ladder: {ladder}. {hint} "
+        "(see `horizon train CONFIG --dry-run`)"
+    )

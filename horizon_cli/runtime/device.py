@@ -1,0 +1,58 @@
+"""The device the engine computes on: `engine.device` resolved, checked, and its transport made.
+
+`auto` is CUDA when present, unless a link is to be emulated (`engine.link_gbps`, CPU only). On the
+CPU the "device" is host memory and copies are copies (runtime.transport); on CUDA they run on copy
+streams (runtime.cuda).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config.schema import EngineConfig
+from ..errors import InputError
+from .trace import Tracer
+
+
+def resolve_device(cfg: EngineConfig) -> str:
+    """engine.device with `auto` decided: CUDA when present, unless a link is to be emulated."""
+    if cfg.device != "auto":
+        return cfg.device
+    return "cuda" if torch.cuda.is_available() and not cfg.link_gbps else "cpu"
+
+
+def check_device(cfg: EngineConfig) -> str:
+    """engine.device resolved (auto decided); InputError when it names a GPU this machine lacks."""
+    dev = resolve_device(cfg)
+    if not dev.startswith("cuda"):
+        return dev
+    if not torch.cuda.is_available():
+        built = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise InputError(f"engine.device: {dev} requested, but {built} (use engine.device: cpu or auto)")
+    idx = int(dev.split(":")[1]) if ":" in dev else 0
+    n = torch.cuda.device_count()
+    if idx >= n:
+        raise InputError(f"engine.device: {dev} requested, but this machine has {n} CUDA device(s)")
+    return dev
+
+
+def cuda_index(device: str) -> int:
+    """The CUDA device `device` ("cuda" or "cuda:N") names; exit 2 if there is none such."""
+    if not torch.cuda.is_available():
+        raise InputError(f"engine.device: {device}, but no CUDA device is available")
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index >= torch.cuda.device_count():
+        raise InputError(f"engine.device: {device}, but there are {torch.cuda.device_count()} CUDA device(s)")
+    return index
+
+
+def make_transport(cfg: EngineConfig, tracer: Tracer):
+    dev = resolve_device(cfg)
+    if dev.startswith("cuda"):
+        from .cuda import CudaTransport
+
+        return CudaTransport(torch.device(dev), tracer=tracer)
+    from .transport import CpuTransport
+
+    return CpuTransport(cfg.link_gbps, tracer=tracer)

@@ -1,0 +1,67 @@
+"""The run's data as the trainer reads it: the tokenizer from the store's files, and the tokenized
+data set (through the run's cache), with one line when a format needs a tokenizer there is not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from rich.console import Console
+
+from ..arch import ArchSpec
+from ..config import Config
+from ..data import PreparedData, prepare_data
+from ..data.encode import ONLY_TOKENS, NoTokenizer
+from ..errors import InputError
+
+
+class ModelFiles(Protocol):
+    """A store, or a model planned from its config.json (train.run.PlannedModel, dry runs)."""
+
+    @property
+    def root(self) -> Path: ...
+    @property
+    def arch(self) -> ArchSpec: ...
+
+
+def load_tokenizer(store: ModelFiles, fmt: str):
+    hf = getattr(store, "hf_dir", None) or store.root / "hf"  # a PlannedModel (dry run): the HF dir itself
+    has = hf.is_dir() and any(
+        (hf / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
+    if not has:
+        if fmt in ("tokens", "auto"):  # auto may find tokens; the data stage says if it needs one
+            return None
+        raise InputError(f"{no_tokenizer(store)}, and data.format {fmt!r} needs a tokenizer{ONLY_TOKENS}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(hf))
+
+
+def no_tokenizer(store: ModelFiles) -> str:
+    """Where the tokenizer files were looked for: a store's hf/ dir, or a lone config.json's dir."""
+    if getattr(store, "hf_dir", None) is not None:
+        return f"model.path: {store.root} holds a config.json but no tokenizer files"
+    return f"model.path: store {store.root} has no tokenizer files (in {store.root / 'hf'})"
+
+
+def load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: Console) -> PreparedData:
+    """The data of the run, tokenized (through the cache at `cache_dir` when given)."""
+    try:
+        return _load_data(cfg, store, cache_dir, console)
+    except NoTokenizer as e:  # data.format auto found a format that needs one
+        raise InputError(
+            f"{no_tokenizer(store)}, and format {e.fmt!r} needs a tokenizer{ONLY_TOKENS}"
+        ) from None
+
+
+def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: Console) -> PreparedData:
+    return prepare_data(
+        cfg.data,
+        load_tokenizer(store, cfg.data.format),
+        seed=cfg.train.seed,
+        model_max_len=store.arch.max_positions,
+        vocab_size=store.arch.vocab,
+        cache_dir=cache_dir,
+        log=lambda s: console.print(s, highlight=False),
+    )

@@ -1,0 +1,192 @@
+"""`horizon train --dry-run`: every check a real start makes, writing nothing, then the plan of
+this run and the ladder of every rung, printed (and as JSON with --json)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+
+from .. import owner
+from ..config import Config, dump_yaml
+from ..errors import InputError
+from ..fmt import fmt_bytes
+from ..fsutil import write_text_atomic
+from ..planning.fit import Machine
+from ..planning.ladder import HOW, PlannedModel, best_rung, fit_parts, fits, not_applicable
+from ..planning.memory import MemoryPlan
+from ..store import Store
+from ..store import checkpoint as ckpt
+from . import compat
+from .loop import load_data
+from .rundir import RunDir
+
+
+def dry_run_report(
+    cfg: Config,
+    model: Store | PlannedModel,
+    rungs: dict[str, MemoryPlan],
+    chosen: str,
+    where: Machine,
+    console: Console,
+    json_out: Path | None,
+) -> dict:
+    """The checks of a real start that write nothing: the data is read and tokenized (not
+    cached, not even where data.cache_dir says), the run dir's resume point checked against
+    this config. Then the plan of this run and the ladder of every rung on `where`."""
+    check_data(cfg, model, console)
+    run_dir = run_dir_status(cfg, model)
+    # soft_wrap: never crop a long line (a path) at the terminal's width; the config must read back
+    yaml_text = Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default")
+    console.print(yaml_text, soft_wrap=True)
+    plan, na = rungs[chosen], not_applicable(model)
+    console.print(plan_table(plan))
+    console.print(ladder_table(rungs, where, chosen, na))
+    ok, why = fits(plan, where)
+    console.print(("[green]fits[/]: " if ok else "[red]does not fit[/]: ") + why, highlight=False)
+    best = best_rung(rungs, where, na)
+    if not ok:
+        console.print(f"largest rung that fits: {best or 'none'}" + (f" ({HOW[best]})" if best else ""))
+    console.print(f"output.dir: {run_dir}", highlight=False)
+    report = plan_json(model, rungs, chosen, where)
+    if json_out is not None:
+        write_json(json_out, report)
+    return report
+
+
+def check_data(cfg: Config, model: Store | PlannedModel, console: Console) -> None:
+    no_tokenizer = isinstance(model, PlannedModel) and not has_tokenizer(model.root)
+    if no_tokenizer and cfg.data.format not in ("tokens", "auto"):
+        if not Path(cfg.data.path).exists():
+            raise InputError(f"data.path: {cfg.data.path} not found")
+        console.print(f"data: {cfg.data.path} not tokenized ({model.root} holds no tokenizer files)")
+        return
+    load_data(replace(cfg, data=replace(cfg.data, cache_dir=None)), model, None, console)
+
+
+def has_tokenizer(d: Path) -> bool:
+    return any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def run_dir_status(cfg: Config, model: Store | PlannedModel) -> str:
+    path = Path(cfg.output.dir)
+    compat.check_accept_keys(cfg)
+    holder = owner.probe(path)
+    if holder:
+        return f"{path} is in use by {holder}: a real start would stop here"
+    good, _ = ckpt.intact(path)
+    if not good:
+        return f"{path}: a new run"
+    if not isinstance(model, Store):
+        return f"{path}: has checkpoints (resuming needs the converted store)"
+    probe = RunDir(cfg, model, Console(quiet=True))
+    probe.candidates = good
+    probe.check_resumable(good[0])
+    if probe.trained:
+        return f"{path}: complete at step {probe.resume_step}"
+    return f"{path}: resumes from {good[0].name}"
+
+
+def plan_table(plan: MemoryPlan) -> Table:
+    title = f"memory plan ({plan.params:,} parameters)"
+    if plan.trainable < plan.params:
+        title = f"memory plan ({plan.params:,} parameters, LoRA: {plan.trainable:,} trained)"
+    if plan.world > 1:
+        title += f", per rank of {ranks_text(plan)}"
+    t = Table(title=title, title_justify="left")
+    t.add_column("where")
+    t.add_column("category")
+    t.add_column("bytes", justify="right")
+    for k, v in plan.host.items():
+        t.add_row("host", k, fmt_bytes(v))
+    t.add_row("host", "[bold]total", f"[bold]{fmt_bytes(plan.host_total)}")
+    if plan.world > 1:
+        t.add_row(
+            "host", f"[bold]per node[/] ({plan.per_node} ranks)", f"[bold]{fmt_bytes(plan.node_host_total)}"
+        )
+        t.add_row("host", f"all {plan.nodes} node(s)", fmt_bytes(plan.all_host_total))
+    all_ranks = " (all ranks)" if plan.world > 1 else ""
+    t.add_row("host", f"state bytes per parameter{all_ranks}", f"{plan.bytes_per_param:.2f}")
+    for k, v in plan.device.items():
+        t.add_row("device", k, fmt_bytes(v))
+    t.add_row("device", "[bold]peak", f"[bold]{fmt_bytes(plan.device_total)}")
+    if plan.world > 1:
+        t.add_row("device", f"per node ({plan.per_node} devices)", fmt_bytes(plan.node_device_total))
+    return t
+
+
+def ranks_text(plan: MemoryPlan) -> str:
+    return f"{plan.world} ranks ({plan.nodes} node(s) of {plan.per_node})"
+
+
+def ladder_table(
+    rungs: dict[str, MemoryPlan], where: Machine, chosen: str, na: dict[str, str] | None = None
+) -> Table:
+    """na: rungs the model cannot run (not_applicable): shown, their fit 'n/a'."""
+    one = next(iter(rungs.values()))
+    sharded = one.world > 1
+    title = f"memory ladder on {where.what}" + (f", {ranks_text(one)}" if sharded else "")
+    t = Table(title=title, title_justify="left")
+    host, device = ("host per node", "device per rank") if sharded else ("host", "device")
+    for col in ("rung", "trains", "host B/param", host, device, "fits"):
+        t.add_column(col, justify="left" if col in ("rung", "trains", "fits") else "right")
+    for rung, p in rungs.items():
+        ok, _ = fits(p, where)
+        mark = " [bold](this run)[/]" if rung == chosen else ""
+        fit = "[green]yes[/]" if ok else "[red]no[/]"
+        if rung in (na or {}):
+            fit = "[yellow]n/a[/] (4-bit store)"
+        t.add_row(rung + mark, WHAT[rung], f"{p.bytes_per_param:.2f}", fmt_bytes(p.node_host_total),
+                  fmt_bytes(p.device_total), fit)  # fmt: skip
+    return t
+
+
+WHAT = {
+    "exact": "all weights, fp32 state",
+    "lean": "all weights, 8-bit state",
+    "lora": "adapters, base frozen",
+    "qlora": "adapters, NF4 base",
+}
+
+
+def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen: str, where: Machine) -> dict:
+    """host_bytes, device_bytes, host and device are one rank's (with one rank: the run's);
+    host_bytes_per_param counts every rank's state; *_per_node and host_bytes_all_nodes add up
+    the ranks of a node and of the world. A rung the model cannot run (not_applicable) has
+    `applicable: false`, `fits: false` and `not_applicable` saying why; host_fits and
+    device_fits still compare its plan with the machine."""
+    na = not_applicable(model)
+
+    def one(p: MemoryPlan, rung: str) -> dict:
+        ok, host_ok, dev_ok = fit_parts(p, where)
+        why = {"not_applicable": na[rung]} if rung in na else {}
+        return {"params": p.params, "trainable_params": p.trainable, "host_bytes": p.host_total,
+                "host_bytes_per_param": p.bytes_per_param, "device_bytes": p.device_total,
+                "applicable": rung not in na, **why,
+                "fits": ok and rung not in na, "host_fits": host_ok, "device_fits": dev_ok,
+                "host_bytes_per_rank": p.host_total, "device_bytes_per_rank": p.device_total,
+                "host_bytes_per_node": p.node_host_total, "device_bytes_per_node": p.node_device_total,
+                "host_bytes_all_nodes": p.all_host_total}  # fmt: skip
+
+    plan = rungs[chosen]
+    return {
+        "model": str(model.root),
+        "memory": chosen,
+        "world_size": plan.world,
+        "nproc_per_node": plan.per_node,
+        "nodes": plan.nodes,
+        **one(plan, chosen),
+        "host": plan.host,
+        "device": plan.device,
+        "machine": {"host_bytes": where.host, "device_bytes": where.device, "what": where.what},
+        "ladder": {rung: one(p, rung) for rung, p in rungs.items()},
+        "largest_rung_that_fits": best_rung(rungs, where, na),
+    }
+
+
+def write_json(path: Path, obj: dict) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=1) + "\n")
