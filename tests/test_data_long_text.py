@@ -11,7 +11,7 @@ import pytest
 from horizon_cli.config.schema import DataConfig
 from horizon_cli.data import IGNORE, prepare_data
 
-WORDS = "one two three four five six seven eight nine ten".split()
+WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
 
 def prep(tmp_path, texts, tok, logs=None, **cfg):
