@@ -71,7 +71,7 @@ def test_tokens_and_labels_equal_trl(tmp_path, tok, records):
     assert ours == trl_rows(records, tok)
     for ids, labels in ours:  # the loss starts after the prompt and runs to the end
         first = next(i for i, v in enumerate(labels) if v != IGNORE)
-        assert labels[first:] == ids[first:] and 0 < first
+        assert labels[first:] == ids[first:] and first > 0
 
 
 def test_train_on_prompt_trains_on_everything(tmp_path, tok):
