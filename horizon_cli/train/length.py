@@ -29,7 +29,9 @@ def resolve_length(cfg: Config, model, console: Console, dry_run: bool = False) 
 
         cache = Path(cfg.output.dir) / "cache"
         counting = replace(cfg, data=replace(cfg.data, cache_dir=None)) if dry_run else cfg  # writes nothing
-        data = load_data(counting, model, cache if cache.is_dir() and not dry_run else None, Console(quiet=True))
+        data = load_data(
+            counting, model, cache if cache.is_dir() and not dry_run else None, Console(quiet=True)
+        )
         steps = data.steps_for(cfg.train.epochs, cfg.train.batch_size)
         if speaks:
             console.print(
