@@ -77,6 +77,11 @@ def test_metadata_stays_silent_and_ignore_fields_declares_more(tmp_path, tok):
     assert len(prep(tmp_path, chats(kto_tag=True), tok, ignore_fields=["kto_tag"]).train) == 4
 
 
+def test_a_boolean_label_on_text_is_not_called_kto(tmp_path, tok):
+    with pytest.raises(InputError, match="field 'label' holds true, which may change what the record means"):
+        prep(tmp_path, [{"text": "a fine film", "label": True}], tok)
+
+
 def test_nulls_and_blanks_carry_nothing(tmp_path, tok):
     recs = chats(score=None, weight=None, label="  ")
     assert len(prep(tmp_path, recs, tok).train) == 4

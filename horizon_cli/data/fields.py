@@ -11,8 +11,8 @@ is one of three things, decided in this order:
                boolean anywhere. Such a field changes what a record teaches (LLaMA-Factory's
                `kto_tag: false` and TRL's `label: false` mark a response to avoid; a `weight`
                or `score` asks for a weighted loss), so training on the record as plain SFT
-               would be silently wrong. `kto_tag` and a boolean `label` are unpaired preference
-               (KTO) data and say so.
+               would be silently wrong. `kto_tag`, and a boolean `label` on a record with a
+               response, are unpaired preference (KTO) data and say so.
     text       anything else with content (a non-blank string, a non-empty list or object):
                named in one warning line per field, with the number of records that hold it
 
@@ -80,7 +80,8 @@ def refusal(field: str, value: object, where: str, fmt: str) -> str:
     shown = repr(value) if not isinstance(value, bool) else str(value).lower()
     shown = shown if len(shown) <= 40 else shown[:37] + "..."
     bare = field.rsplit(".", 1)[-1].lower()
-    if bare == "kto_tag" or (bare == "label" and isinstance(value, bool)):
+    paired = fmt in ("prompt_completion", "chat", "instruction")  # a response the tag may judge
+    if bare == "kto_tag" or (bare == "label" and isinstance(value, bool) and paired):
         return (
             f"{where}: field {field!r} ({shown}) marks the response desirable or not: {KTO} (to train "
             f"on every record as plain SFT anyway, list {field!r} in data.ignore_fields)"
