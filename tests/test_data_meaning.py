@@ -21,8 +21,9 @@ KTO = re.escape("unpaired preference (KTO) training is not supported")
 
 
 def prep(tmp_path, records, tokenizer, logs=None, **cfg):
-    path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path, text = tmp_path / "d.jsonl", "".join(json.dumps(r) + "\n" for r in records)
+    if not path.is_file() or path.read_text() != text:  # the same file keeps its cache key
+        path.write_text(text)
     log = logs.append if logs is not None else (lambda _: None)
     return prepare_data(DataConfig(path=str(path), **{"max_seq_len": 256, **cfg}), tokenizer, log=log)
 
@@ -101,8 +102,10 @@ def test_message_fields_with_meaning_are_refused(tmp_path, tok):
 def test_the_check_holds_on_a_cache_hit_after_ignore_fields_changes(tmp_path, tok):
     """ignore_fields is part of the cache key: an entry built while a field was declared
     metadata is not reused once the declaration is gone."""
-    recs, cache = chats(score=1.0), tmp_path / "cache"
+    recs, cache, logs = chats(score=1.0), tmp_path / "cache", []
     prep(tmp_path, recs, tok, ignore_fields=["score"], cache_dir=str(cache))
+    prep(tmp_path, recs, tok, logs, ignore_fields=["score"], cache_dir=str(cache))
+    assert any("cache hit" in x for x in logs)
     with pytest.raises(InputError, match="field 'score'"):
         prep(tmp_path, recs, tok, cache_dir=str(cache))
 
