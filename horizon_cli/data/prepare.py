@@ -94,7 +94,8 @@ def prepare_data(
 def epoch_text(rows: int, batch_size: int | None) -> str:
     if not batch_size:
         return ""
-    return f"; an epoch is {rows} rows = {rows / batch_size:g} steps of train.batch_size {batch_size}"
+    unit = "step" if rows == batch_size else "steps"
+    return f"; an epoch is {rows} rows = {rows / batch_size:g} {unit} of train.batch_size {batch_size}"
 
 
 def check_lengths(data_cfg, model_max_len: int | None) -> None:
