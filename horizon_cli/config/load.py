@@ -33,7 +33,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), base: di
         raw, problems = read_yaml(Path(path))
     for ov in overrides:
         apply_override(raw, ov)
-    cfg, more = build(Config, raw, "")
+    cfg, more = build(Config, _without_null_steps(raw), "")
     problems += more + validate(cfg) + run_length(cfg, raw)
     if problems:
         raise ConfigError(problems, source)
@@ -306,8 +306,9 @@ def validate(cfg: Config) -> list[str]:
 
 def run_length(cfg: Config, raw: dict) -> list[str]:
     """train.steps or train.epochs, exactly one (neither: steps' default). With epochs, steps is
-    None until the data is known (data.length.steps_for resolves it)."""
-    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    None until the data is known: train/length.py resolves it before anything reads it."""
+    train = raw.get("train")
+    train = train if isinstance(train, dict) else {}
     given = [k for k in ("steps", "epochs") if train.get(k) is not None]
     if len(given) == 2:
         return [
@@ -315,10 +316,18 @@ def run_length(cfg: Config, raw: dict) -> list[str]:
             "(an epoch is one pass over the training rows)"
         ]
     if given == ["epochs"]:
-        cfg.train.steps = None
-    elif cfg.train.steps is None:  # `steps: null` and no epochs
+        cfg.train.steps = None  # type: ignore[assignment]  # resolved from the data, before any use
+    elif "steps" in train and not given:  # `steps: null` and no epochs
         return ["train.steps: required (optimizer steps), or give train.epochs instead"]
     return []
+
+
+def _without_null_steps(raw: dict) -> dict:
+    """`train.steps: null` stands for "not given" (a config that gives train.epochs may say so)."""
+    train = raw.get("train")
+    if isinstance(train, dict) and "steps" in train and train["steps"] is None:
+        return {**raw, "train": {k: v for k, v in train.items() if k != "steps"}}
+    return raw
 
 
 def to_dict(cfg: Any) -> dict:

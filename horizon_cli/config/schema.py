@@ -54,7 +54,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int | None = _f(1000, min=1)  # optimizer steps; None only until resolved from epochs
+    steps: int = _f(1000, min=1)  # optimizer steps; with epochs: None until train/length.py resolves it
     epochs: float | None = _f(None, gt=0.0)  # instead of steps: passes over the training rows
     batch_size: int = _f(64, min=1)  # sequences per optimizer step (global batch)
     micro_batch_size: int = _f(4, min=1)  # sequences per forward/backward micro-batch

@@ -101,7 +101,7 @@ def _add(ex, split: bool, packer: Packer | None, rows: RowBuilder, max_len: int,
 
 
 def _add_pieces(ex, rows: RowBuilder, max_len: int) -> int:
-    parts = pieces(*ex, max_len, max_len)
+    parts = pieces(ex[0], ex[1], max_len, max_len)
     for piece in parts:
         rows.add(*piece)
     return len(parts)

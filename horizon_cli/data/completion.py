@@ -35,12 +35,12 @@ def encode_records(
 ) -> list[Example | str]:
     """A batch of prompt/completion records -> an Example each, or EMPTY (a blank completion)."""
     pairs = [_texts(tokenizer, r, w, notes, judge) for r, w in zip(records, wheres, strict=True)]
-    todo = [i for i, p in enumerate(pairs) if not isinstance(p, str)]
+    todo = {i: p for i, p in enumerate(pairs) if not isinstance(p, str)}
     encoded: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for conversational in (False, True):  # strings get the tokenizer's special tokens, templates write theirs
         idx = [i for i in todo if _is_conv(records[i]) == conversational]
         encoded.update(
-            zip(idx, _tokenize(tokenizer, [pairs[i] for i in idx], not conversational), strict=True)
+            zip(idx, _tokenize(tokenizer, [todo[i] for i in idx], not conversational), strict=True)
         )
     out: list[Example | str] = []
     for i, p in enumerate(pairs):

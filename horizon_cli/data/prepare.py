@@ -23,13 +23,13 @@ from .mixture import MixedSet
 from .tokset import TokenSet
 
 Log = Callable[[str], None]
-Rows = TokenSet | MixedSet
+RowSet = TokenSet | MixedSet
 
 
 @dataclass
 class PreparedData:
-    train: Rows
-    eval: Rows | None
+    train: RowSet
+    eval: RowSet | None
     format: str  # the format used (what `auto` chose; "chat+text" for a mixture of formats)
     pad_id: int
 
@@ -161,7 +161,7 @@ def _as_horizon(ds, spec: catalog.Spec, name: str):
     return ds, fmt, adapt
 
 
-def split_eval(ts: Rows, fraction: float, seed: int, part: int = 0) -> tuple[Rows, Rows]:
+def split_eval(ts: TokenSet, fraction: float, seed: int, part: int = 0) -> tuple[TokenSet, TokenSet]:
     """A seeded fraction of rows -> eval; the rest, in their order, -> train. `part`: the
     source's index (each source is split on its own stream)."""
     n = len(ts)

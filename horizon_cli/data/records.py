@@ -136,7 +136,7 @@ def turns_of(
     message fields read by no one are counted in `notes` once per record."""
     unread: set[str] = set()
     judge = judge or Unread("chat", "")
-    if _is_sharegpt(turns):
+    if isinstance(turns, list) and _is_sharegpt(turns):
         out = _sharegpt(turns, name, where, unread, judge)
     else:
         out = _openai(turns, name, where, unread, judge)

@@ -151,7 +151,7 @@ def retag(tags: tuple[tuple[str, str], ...], column: str):
             return m
         rest = {k: v for k, v in m.items() if k not in (t["role_tag"], t["content_tag"], "from", "value")}
         role = m.get(t["role_tag"])
-        return {"from": roles.get(role, role), "value": m.get(t["content_tag"]), **rest}
+        return {"from": roles.get(str(role), role), "value": m.get(t["content_tag"]), **rest}
 
     def apply(batch: dict) -> dict:
         if column not in batch:
