@@ -135,17 +135,30 @@ def test_dataset_info_entries_read_as_their_canonical_twins(tmp_path, tok):
     talk = [{"dialog": [{"speaker": "me", "words": "hi there"}, {"speaker": "bot", "words": "Hello world!"}]}]
     jsonl(tmp_path / "talk.jsonl", talk)
     jsonl(tmp_path / "corpus.jsonl", [{"content": t} for t in TEXTS])
+    oa = [
+        {
+            "messages": [
+                {"role": "user", "content": "hi there"},
+                {"role": "assistant", "content": "Hello world!"},
+            ]
+        }
+    ]
+    jsonl(tmp_path / "oa.jsonl", oa)
     reg = registry(tmp_path, {
         "qa": {"file_name": "qa.jsonl", "columns": {"prompt": "question", "response": "answer"}},
         "talk": {"file_name": "talk.jsonl", "formatting": "sharegpt", "columns": {"messages": "dialog"},
                  "tags": {"role_tag": "speaker", "content_tag": "words", "user_tag": "me", "assistant_tag": "bot"}},
         "corpus": {"file_name": "corpus.jsonl", "columns": {"prompt": "content"}},  # pre-training shape
+        "oa": {"file_name": "oa.jsonl", "formatting": "sharegpt", "columns": {"messages": "messages"},
+               "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                        "assistant_tag": "assistant", "system_tag": "system"}},
     })  # fmt: skip
     twins = {
         "qa": jsonl(tmp_path / "qa_twin.jsonl", [{"instruction": r["instruction"], "output": r["output"]} for r in ALPACA]),
         "talk": jsonl(tmp_path / "talk_twin.jsonl", [{"messages": [{"role": "user", "content": "hi there"},
                                                                     {"role": "assistant", "content": "Hello world!"}]}]),
         "corpus": jsonl(tmp_path / "corpus_twin.jsonl", [{"text": t} for t in TEXTS]),
+        "oa": tmp_path / "oa.jsonl",
     }  # fmt: skip
     logs: list[str] = []
     out = prep(tok, logs, path=str(reg))

@@ -7,7 +7,8 @@ true` -> preference), its `columns` (LLaMA-Factory's names -> the dataset's) and
 its message `tags`. The columns are renamed to horizon's names (`prompt` -> instruction, `query`
 -> input, `response` -> output, `messages` -> conversations, ...); a column the entry does not
 map keeps its name and is read or judged as usual (fields.py: a `kto_tag` column stops the run).
-Messages with other tags are rewritten to ShareGPT's from/value with its role names.
+Messages with other tags are rewritten to ShareGPT's from/value with its role names (tags that
+name OpenAI's role/content keys and roles leave the messages as they are, tool calls and all).
 `num_samples` scales the source's share of the mixture (num_samples / records of its rows).
 Entries that load from elsewhere (ModelScope, scripts, cloud storage) are refused, as are keys
 LLaMA-Factory does not define (a typo would silently drop a mapping).
@@ -137,7 +138,17 @@ def _tags(tags: object, formatting: str, where: str) -> tuple[tuple[str, str], .
     bad = [k for k in tags if k not in TAGS]
     if bad:
         raise InputError(f"{where}: tags: unknown tag {bad[0]!r} ({', '.join(TAGS)})")
-    return tuple((k, str(v)) for k, v in tags.items() if v != TAGS[k][0])
+    changed = {k: str(v) for k, v in tags.items() if v != TAGS[k][0]}
+    if _openai_shaped({k: v for k, (v, _) in TAGS.items()} | changed):
+        return ()  # OpenAI messages as they are: read by role/content, tool calls and all
+    return tuple(changed.items())
+
+
+def _openai_shaped(t: dict[str, str]) -> bool:
+    """Tags that name OpenAI's keys and roles, which the chat reader takes as they are."""
+    same = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+            "system_tag": "system"}  # fmt: skip
+    return all(t[k] == v for k, v in same.items()) and t["observation_tag"] in ("observation", "tool")
 
 
 def retag(tags: tuple[tuple[str, str], ...], column: str):
