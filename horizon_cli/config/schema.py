@@ -21,10 +21,25 @@ class ModelConfig:
     path: str = _f("")  # a store written by `horizon convert`
 
 
+FORMATS = ("auto", "text", "instruction", "chat", "prompt_completion", "tokens", "preference")
+
+
+@dataclass
+class SourceConfig:
+    """One source of a run's data (an item of `data.path` as a list)."""
+
+    path: str = _f("")  # a data file, a save_to_disk dir, a hub name, or a LLaMA-Factory dataset_info.json
+    format: str | None = _f(None, choices=FORMATS)  # None: data.format
+    weight: float = _f(1.0, gt=0.0)  # its rows per epoch: 2 = each twice, 0.5 = a seeded half
+    split: str | None = _f(None)  # None: data.split
+    names: list[str] | None = _f(None)  # dataset_info.json: the entries to use (None: all)
+
+
 @dataclass
 class DataConfig:
-    path: str = _f("")
-    format: str = _f("auto", choices=("auto", "text", "instruction", "chat", "tokens"))
+    # one source (a string), or several: a list of sources (a string item stands for {path: it})
+    path: str | list[SourceConfig] = _f("")
+    format: str = _f("auto", choices=FORMATS)
     max_seq_len: int = _f(2048, min=8)
     packing: bool = _f(False)
     shuffle: bool = _f(True)
@@ -32,12 +47,15 @@ class DataConfig:
     eval_fraction: float = _f(0.0, min=0.0, max=0.5)
     eval_path: str | None = _f(None)
     split: str = _f("train")  # split name for hub datasets / save_to_disk dicts
+    eval_split: str | None = _f(None)  # eval rows from this split of each source (a DatasetDict)
     cache_dir: str | None = _f(None)  # tokenization cache (default: <output.dir>/cache)
+    ignore_fields: list[str] = _f([])  # fields no format reads that are metadata (fields.py)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(1000, min=1)
+    steps: int = _f(1000, min=1)  # optimizer steps; with epochs: None until train/length.py resolves it
+    epochs: float | None = _f(None, gt=0.0)  # instead of steps: passes over the training rows
     batch_size: int = _f(64, min=1)  # sequences per optimizer step (global batch)
     micro_batch_size: int = _f(4, min=1)  # sequences per forward/backward micro-batch
     seed: int = _f(0, min=0)

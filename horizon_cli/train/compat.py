@@ -19,6 +19,7 @@ from ..errors import InputError
 
 FREE = (
     "train.steps",  # may grow: the run continues; at or below the checkpoint's step it is complete
+    "train.epochs",  # how train.steps was given; its steps are compared as train.steps
     "train.eval_every",
     "train.eval_batches",
     "train.max_bad_steps",

@@ -61,7 +61,7 @@ def dry_run_report(
 def check_data(cfg: Config, model: Store | PlannedModel, console: Console) -> None:
     no_tokenizer = isinstance(model, PlannedModel) and not has_tokenizer(model.root)
     if no_tokenizer and cfg.data.format not in ("tokens", "auto"):
-        if not Path(cfg.data.path).exists():
+        if isinstance(cfg.data.path, str) and not Path(cfg.data.path).exists():
             raise InputError(f"data.path: {cfg.data.path} not found")
         console.print(f"data: {cfg.data.path} not tokenized ({model.root} holds no tokenizer files)")
         return

@@ -27,6 +27,7 @@ from ..parallel.topology import world_for
 from ..planning.ladder import open_model
 from ..store import Store
 from ..store import checkpoint as ckpt
+from .length import resolve_length
 from .loop import Trainer
 from .metrics import tensorboard_writer
 from .ranks import claim
@@ -68,6 +69,7 @@ def run_training(
     if lora is not None and lora.note and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         console.print(f"[yellow]warning:[/] {escape(lora.note)}", highlight=False)
     check_lengths(cfg.data, model.arch.max_positions)
+    cfg = resolve_length(cfg, model, console, dry_run)  # train.epochs -> train.steps (reads the data)
     where = preflight.given_machine(*machine) if machine is not None else preflight.local_machine(cfg)
     planned = plan_run(cfg, model, lora, world)
     if dry_run:
