@@ -33,7 +33,9 @@ def digest(store: Store) -> dict[str, str]:
     for u in store.units:
         for s in store.layout(u.name).slots:
             t = store.tensor(u.name, s.name).contiguous()
-            out[f"{u.name}/{s.name}"] = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            out[f"{u.name}/{s.name}"] = hashlib.sha256(
+                t.reshape(-1).view(torch.uint8).numpy().tobytes()
+            ).hexdigest()
     return out
 
 
