@@ -224,3 +224,22 @@ def test_moe_routers_gates_and_biases_stay_in_the_store_dtype(tmp_path):
             assert torch.equal(store.tensor("layer.0", n), params[hf].detach().bfloat16()), n
         plan = base_bytes(store.arch, "bfloat16", "nf4")
         assert plan == {u.name: store.unit_bytes(u.name) for u in store.units}
+
+
+def test_a_weight_with_inf_or_nan_is_refused_and_nothing_is_written(tmp_path):
+    """NF4 cannot hold a non-finite weight (its block's scale would be inf or NaN)."""
+    from tiny_models import make_model, save
+
+    from horizon_cli.convert import convert
+    from horizon_cli.errors import InputError
+
+    model = make_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    save(model, tmp_path / "hf")
+    with pytest.raises(InputError) as e:
+        convert(tmp_path / "hf", tmp_path / "store", dtype="bfloat16", quantize="nf4")
+    assert str(e.value) == (
+        "model.layers.1.mlp.up_proj.weight: inf or NaN values in bfloat16, which NF4 cannot quantize"
+    )
+    assert not (tmp_path / "store").exists() and [p.name for p in tmp_path.iterdir()] == ["hf"]
