@@ -169,4 +169,4 @@ def _layout(store: Store) -> str:
     schemes = {p.scheme for p in store.packed.values()}
     if schemes == {"bnb"}:
         return "bitsandbytes' layout: blocks of 64, absmax double-quantized to 8 bits in groups of 256"
-    return "horizon's layout before store version 5 (torchao's arithmetic); convert again for bitsandbytes'"
+    return "horizon's layout before store version 5, torchao's arithmetic: convert again for bitsandbytes'"

@@ -97,3 +97,28 @@ def test_the_region_length_tells_the_scheme():
             assert bnb > old  # the dynamic map and fp32 scales: never the same length
             assert nf4.scheme_of_region(bnb, numel, item) == "bnb"
             assert nf4.scheme_of_region(old, numel, item) == "torchao"
+
+
+def test_inspect_names_the_older_layout():
+    from rich.console import Console
+
+    from horizon_cli.inspect import inspect_store
+
+    console = Console(record=True, width=300)
+    info = inspect_store(FIXTURES / "v4-llama", verify=True, console=console)
+    assert info["quant_scheme"] == "torchao"
+    assert (
+        "as NF4 (horizon's layout before store version 5, torchao's arithmetic: convert again for bitsandbytes')"
+        in (console.export_text())
+    )
+
+
+def test_a_manifest_whose_version_and_quantization_disagree_is_corrupt(tmp_path):
+    shutil.copytree(FIXTURES / "v4-llama", tmp_path / "s")
+    man = tmp_path / "s" / "manifest.json"
+    d = json.loads(man.read_text())
+    del d["quant"]
+    man.write_text(json.dumps(d))
+    with pytest.raises(InputError) as e:
+        Store.open(tmp_path / "s")
+    assert str(e.value) == f"{man}: corrupt manifest (format version 4 and quantization '' disagree)"
