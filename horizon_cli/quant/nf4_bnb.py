@@ -180,9 +180,7 @@ def dequantize(q: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     pairs = _pair_table(out.device)
     codes, dst = q["codes"].view(-1, BLOCK // 2), out.view(-1, BLOCK)
     for a in range(0, dst.shape[0], CHUNK):
-        vals = pairs[codes[a : a + CHUNK].to(torch.int32)].view(-1, BLOCK)  # (chunk, 64) fp32
-        if dst.dtype == torch.float32:
-            torch.mul(vals, scale[a : a + CHUNK], out=dst[a : a + CHUNK])
-        else:
-            dst[a : a + CHUNK].copy_(vals.mul_(scale[a : a + CHUNK]))
+        vals = pairs[codes[a : a + CHUNK].long()].view(-1, BLOCK)  # (chunk, 64) fp32
+        # fp32 products, each rounded once into out's dtype (TensorIterator casts on the store)
+        torch.mul(vals, scale[a : a + CHUNK], out=dst[a : a + CHUNK])
     return out
