@@ -46,8 +46,8 @@ def assert_parts_equal(ours: dict[str, torch.Tensor], q: torch.Tensor, st, what:
 
 @pytest.mark.parametrize(
     "dtype,over",
-    [("float32", {}), ("float16", {}), ("bfloat16", {}), ("bfloat16", WIDE)],
-    ids=["float32", "float16", "bfloat16", "bfloat16-wide"],
+    [("float32", {}), ("bfloat16", {}), ("bfloat16", WIDE)],  # float16: the edge cases below
+    ids=["float32", "bfloat16", "bfloat16-wide"],
 )
 def test_stored_nf4_equals_bitsandbytes_bitwise(tmp_path, dtype, over):
     """Each quantized tensor's bytes are bitsandbytes' (codes, 8-bit absmax, group absmax, offset,
