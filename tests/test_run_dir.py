@@ -56,10 +56,13 @@ def dead_pid() -> int:
 
 @pytest.fixture(scope="module")
 def trained(tiny_store, tmp_path_factory):
-    """A finished 4-step run (checkpoints step_2 and step_4), and its config."""
+    """A finished 4-step run (checkpoints step_2 and step_4), and its config. A constant schedule:
+    these tests resume it with a larger train.steps (under a decay: test_resume_steps.py)."""
     tmp = tmp_path_factory.mktemp("trained")
     data = write_jsonl(tmp / "chat.jsonl", chat_rows(24))
-    cfg = write_config(tmp / "cfg.yaml", tiny_store, data, tmp / "run", train={"steps": 4})
+    cfg = write_config(
+        tmp / "cfg.yaml", tiny_store, data, tmp / "run", train={"steps": 4}, schedule={"kind": "constant"}
+    )
     r = horizon("train", cfg)
     assert r.exit_code == 0, r.output
     return tmp / "run", cfg

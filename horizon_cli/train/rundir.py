@@ -99,7 +99,7 @@ class RunDir:
                 f"engine.dtype: {self.cfg.engine.dtype} differs from the checkpoint's "
                 f"{trainer.get('dtype')} in {ck} (its optimizer state has another layout)"
             )
-        self.accepted = compat.check_resume(ckpt.read_config_text(ck), self.cfg, str(ck))
+        self.accepted = compat.check_resume(ckpt.read_config_text(ck), self.cfg, str(ck), ckpt.step_of(ck))
 
     @property
     def resume_step(self) -> int:
