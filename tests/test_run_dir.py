@@ -410,6 +410,25 @@ def test_a_full_disk_on_run_outputs_is_one_line(run, monkeypatch, module, needle
     assert steps_in(run_dir) == ["step_2", "step_4"]
 
 
+def test_a_full_disk_writing_a_checkpoint_is_one_line(run, monkeypatch):
+    """ENOSPC while the checkpoint copies the store's hf/ files (shutil.copytree would collect it
+    into a list of (src, dst, why) tuples and print that): the line docs/reliability.md promises."""
+    run_dir, cfg = run
+    real = shutil.copyfile
+
+    def full(src, dst, *a, **kw):
+        if ".step_5" in str(dst):  # the checkpoint's temp dir
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        return real(src, dst, *a, **kw)
+
+    monkeypatch.setattr(shutil, "copyfile", full)
+    msg = error_line(horizon("train", cfg, "train.steps=5"), code=1)
+    want = f"error: {run_dir}/checkpoints/step_5: could not write the checkpoint (No space left on device); "
+    assert msg == want + "earlier ones are intact"
+    assert steps_in(run_dir) == ["step_2", "step_4"]
+    assert not [p for p in run_dir.rglob(".*")]  # no temp dir, no lock
+
+
 def test_a_full_disk_on_the_loss_plot_is_one_line(run, monkeypatch):
     import matplotlib.figure
 
