@@ -109,7 +109,11 @@ def check_family(cfg: dict, where: str) -> Family:
     return fam
 
 
-MEDIA_INPUTS = {"vision-language": "image", "audio-language": "audio", "vision-audio-language": "image and audio"}
+MEDIA_INPUTS = {
+    "vision-language": "image",
+    "audio-language": "audio",
+    "vision-audio-language": "image and audio",
+}
 
 
 def multimodal(cfg: dict) -> str | None:
