@@ -139,6 +139,41 @@ def test_a_failed_start_does_not_leave_a_new_run_dir(run, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.fixture
+def flipped(tiny_store, tmp_path) -> Path:
+    """A copy of the tiny store with one flipped byte: found while the weights load, after the
+    data was tokenized into <run>/cache."""
+    dst = Path(shutil.copytree(tiny_store, tmp_path / "flipped"))
+    unit = dst / "units" / "head.bin"
+    raw = bytearray(unit.read_bytes())
+    raw[100] ^= 1
+    unit.write_bytes(bytes(raw))
+    return dst
+
+
+def test_a_start_that_fails_late_removes_the_run_dir_it_created(run, flipped, tmp_path):
+    _, cfg = run
+    new = tmp_path / "new" / "run"
+    msg = error_line(horizon("train", cfg, f"model.path={flipped}", f"output.dir={new}"))
+    assert "checksum mismatch" in msg
+    assert not (tmp_path / "new").exists()  # not runs/new/run/cache/...
+
+
+def test_a_start_that_fails_late_leaves_an_existing_run_dir_as_it_was(run, flipped, tmp_path):
+    _, cfg = run
+    mine = tmp_path / "mine"
+    (mine / "cache" / "other-0123").mkdir(parents=True)  # a cache entry of other data, kept
+    (mine / "cache" / "other-0123" / "meta.json").write_text("{}")
+    (mine / "notes.txt").write_text("the user's\n")
+    before = snapshot(mine)
+    error_line(horizon("train", cfg, f"model.path={flipped}", f"output.dir={mine}"))
+    assert snapshot(mine) == before
+    shutil.rmtree(mine / "cache")  # a cache/ the start had to make goes too
+    before = snapshot(mine)
+    error_line(horizon("train", cfg, f"model.path={flipped}", f"output.dir={mine}"))
+    assert snapshot(mine) == before
+
+
 # -- resume with the same settings ----------------------------------------------------------------
 def test_accepted_changes_resume_and_the_checkpoint_records_its_config(run):
     run_dir, cfg = run
