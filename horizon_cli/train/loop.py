@@ -26,7 +26,7 @@ from ..engine import Engine, StepResult
 from ..engine.build import build_engine
 from ..errors import HorizonError, InputError
 from ..faults import phase
-from ..fmt import fmt_bytes
+from ..fmt import fmt_bytes, fmt_loss
 from ..lora.setup import LoraSetup, load_init
 from ..optim.schedules import lr_at
 from ..parallel.comm import Dist
@@ -222,7 +222,7 @@ class Trainer:
         return mbs[self.dist.rank * k : (self.dist.rank + 1) * k]
 
     def _show(self, prog: Progress, task, row: dict) -> None:
-        loss = f"{row['loss']:.4f}" if row["loss"] is not None else "nan"
+        loss = fmt_loss(row["loss"]) if row["loss"] is not None else "nan"
         prog.update(
             task,
             advance=1,
@@ -232,7 +232,7 @@ class Trainer:
             ram=fmt_bytes(row["host_rss_bytes"]),
         )
         if row["step"] % self.cfg.log.every == 0 or row["step"] == self.cfg.train.steps or "eval_loss" in row:
-            ev = f" eval {row['eval_loss']:.4f}" if row.get("eval_loss") is not None else ""
+            ev = f" eval {fmt_loss(row['eval_loss'])}" if row.get("eval_loss") is not None else ""
             gn = f"{row['grad_norm']:.3f}" if row["grad_norm"] is not None else "nan"
             prog.console.print(
                 f"step {row['step']:>5}/{self.cfg.train.steps}  loss {loss}{ev}  lr {row['lr']:.2e}  grad {gn}  "
@@ -334,7 +334,7 @@ class Trainer:
         self.rd.record_finished(ck, exported=self.cfg.output.export)
         phase("finished")
         self.console.print(
-            f"[green]done[/]: {step} steps, final loss {out['final_loss']}, checkpoint {ck}"
+            f"[green]done[/]: {step} steps, final loss {fmt_loss(out['final_loss'])}, checkpoint {ck}"
             + (f", HF export {out['export']}" if "export" in out else ""),
             highlight=False,
         )
