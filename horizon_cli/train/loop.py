@@ -34,6 +34,7 @@ from ..progress import byte_progress, train_columns
 from ..store import Store
 from ..store import checkpoint as ckpt
 from . import checkpoint
+from .checks import kernel_ready
 from .inputs import load_data
 from .metrics import MetricsLog, plot_loss, read_metrics
 from .ranks import main_first
@@ -70,6 +71,7 @@ class Trainer:
             self.rd.begin()
             return self._finish(self.rd.resume_step)
         self.data = self._load_data()
+        kernel_ready(self.cfg.optim.kernel, self.console)  # a build is its own phase, not step 1's
         try:
             state = self._resume()
             self.rd.begin()  # everything is checked and loaded: from here on the run dir changes

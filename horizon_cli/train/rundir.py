@@ -64,9 +64,10 @@ class RunDir:
             rd._release()
 
     @classmethod
-    def probe(cls, cfg: Config, store: Store, console: Console) -> RunDir:
-        """claim()'s checks, in its order and with its lines, creating and locking nothing."""
-        rd = cls(cfg, store, console)
+    def probe(cls, cfg: Config, store: Store | None, console: Console) -> RunDir:
+        """claim()'s checks, in its order and with its lines, creating and locking nothing (a dry
+        run). store None (a model not converted yet): the resume point is found, not checked."""
+        rd = cls(cfg, store, console)  # type: ignore[arg-type]
         rd._check_path()
         p = rd.path
         base = next(d for d in (p, *p.parents) if os.path.lexists(d))  # what mkdir would write in
@@ -75,7 +76,11 @@ class RunDir:
         holder = owner.probe(p)
         if holder:
             raise in_use(p, holder)
-        rd.inspect()
+        if store is not None:
+            rd.inspect()
+        else:
+            compat.check_accept_keys(cfg)
+            rd.candidates, rd.damaged = ckpt.intact(p)
         return rd
 
     def _check_path(self) -> None:
