@@ -70,8 +70,8 @@ class RunDir:
         rd = cls(cfg, store, console)  # type: ignore[arg-type]
         rd._check_path()
         p = rd.path
-        base = next(d for d in (p, *p.parents) if os.path.lexists(d))  # what mkdir would write in
-        if base != p and not os.access(base, os.W_OK | os.X_OK):
+        base = next(d for d in (p, *p.parents) if os.path.lexists(d))  # where mkdir or the lock writes
+        if not os.access(base, os.W_OK | os.X_OK):
             raise InputError(f"output.dir: {p} is not writable (Permission denied)")
         holder = owner.probe(p)
         if holder:
