@@ -318,7 +318,8 @@ class Trainer:
         if not self.main:
             return self._follower_finish(step, ck)
         rows = read_metrics(self.run_dir / "metrics.jsonl")
-        out = {"step": step, "checkpoint": str(ck), "final_loss": rows[-1]["loss"] if rows else None}
+        final = rows[-1]["loss"] if rows else None
+        out = {"step": step, "checkpoint": str(ck), "final_loss": final}
         if self.cfg.log.plot and rows:
             out["plot"] = str(plot_loss(rows, self.run_dir / "loss.png", title=f"{self.run_dir.name}"))
         if self.lora is not None:  # the adapter alone, as PEFT files (small: always)
@@ -336,7 +337,7 @@ class Trainer:
         self.rd.record_finished(ck, exported=self.cfg.output.export)
         phase("finished")
         self.console.print(
-            f"[green]done[/]: {step} steps, final loss {fmt_loss(out['final_loss'])}, checkpoint {ck}"
+            f"[green]done[/]: {step} steps, final loss {fmt_loss(final)}, checkpoint {ck}"
             + (f", HF export {out['export']}" if "export" in out else ""),
             highlight=False,
         )
