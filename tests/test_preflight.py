@@ -146,7 +146,7 @@ def _not_a_directory(monkeypatch, tmp_path, request):
 def _no_native_kernel(monkeypatch, tmp_path, request):
     from horizon_cli.optim import native
 
-    monkeypatch.setattr(native, "built", lambda: False)
+    monkeypatch.setattr(native, "needs_build", lambda: False)
     monkeypatch.setattr(native, "available", lambda: False)
     monkeypatch.setattr(native, "reason", lambda: "no C++ compiler ('c++' not on PATH)")
     return ["optim.kernel=native"]
