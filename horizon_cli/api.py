@@ -114,7 +114,9 @@ def plan(
     console: Console | None = None,
 ) -> PlanResult:
     """Every check a real start makes, then the memory plan and ladder (`horizon train --dry-run`).
-    machine: (host GiB, device GiB) of another machine to plan for."""
+    machine: (host GiB, device GiB) of another machine to plan for. Where the start would stop
+    (the plan does not fit, the run dir is in use, bad data, ...) raises `errors.DryRunRefused`,
+    an InputError with the start's message whose `report` still holds the plan."""
     from .train import run_training
 
     path, base = _source(config)

@@ -38,6 +38,9 @@ def run(cmd: list[str]) -> None:
 
 
 def answer(model_dir: Path, questions: list[str]) -> list[str]:
+    from horizon_cli.quiet import silence_import_noise
+
+    silence_import_noise()  # before transformers imports torchao (horizon_cli/quiet.py)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -2,7 +2,8 @@
 
 Everything that can be checked before training is checked first, so that bad input exits 2
 before anything is written: the config, the store, the device, the memory plan, the run dir and
-whether this config may resume it, the data. `--dry-run` runs the same checks and writes nothing.
+whether this config may resume it, the data (the order: train/checks.py). `--dry-run` runs the
+same checks, writes nothing but its --json, and exits 2 with the start's line where it would stop.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from rich.markup import escape
 from .. import preflight
 from ..config import Config, load_config
 from ..data.prepare import check_lengths
-from ..engine.build import check_fit, plan_run
+from ..engine.build import plan_run
 from ..errors import InputError
 from ..faults import phase
 from ..lora.setup import lora_for
@@ -27,9 +28,9 @@ from ..parallel.topology import world_for
 from ..planning.ladder import open_model
 from ..store import Store
 from ..store import checkpoint as ckpt
+from . import checks
 from .length import resolve_length
 from .loop import Trainer
-from .metrics import tensorboard_writer
 from .ranks import claim
 from .report import dry_run_report
 from .signals import runtime_failures, stop_signals
@@ -75,12 +76,10 @@ def run_training(
     if dry_run:
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
             console, json_out = Console(quiet=True), None
-        return dry_run_report(cfg, model, planned.rungs, planned.rung, where, console, json_out)
+        return dry_run_report(planned, where, console, json_out, local=machine is None)
     assert isinstance(model, Store)
-    check_fit(planned, where)
+    checks.before_claim(planned, where)
     cfg, console = join_world(cfg, console)
-    if cfg.log.tensorboard:
-        tensorboard_writer(None)  # fail now, not after loading the model
     with stop_signals(), joined(cfg.engine.device) as d, claim(cfg, model, console, d) as rd:
         phase("locked")
         if rd.finished():
