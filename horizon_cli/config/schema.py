@@ -45,6 +45,10 @@ class TrainConfig:
     eval_batches: int = _f(4, min=1)  # global batches per evaluation
     max_bad_steps: int = _f(3, min=1)  # consecutive non-finite steps that stop the run
     accept_changes: list[str] = _f([])  # resume despite these changed keys (train/compat.py)
+    # eval-time samples: a prompts file (JSONL, as `horizon generate --prompts`) answered greedily at
+    # each eval into <output.dir>/samples.jsonl; sample_tokens: new tokens per answer at most
+    samples: str | None = _f(None)
+    sample_tokens: int = _f(64, min=1)
 
 
 @dataclass
@@ -79,6 +83,9 @@ class EngineConfig:
     link_gbps: float = _f(0.0, min=0.0)  # device: cpu only — emulate a host<->device link (0: off)
     loss_chunk: int = _f(2048, min=16)  # label tokens per logits chunk in the loss head
     compute_threads: int = _f(0, min=0)  # torch intra-op threads (0: leave torch's default)
+    # generation's KV cache (horizon generate, eval samples): auto (the device when the plan says
+    # it fits there, else host memory) | device | host
+    kv_cache: str = _f("auto", choices=("auto", "device", "host"))
 
 
 @dataclass
