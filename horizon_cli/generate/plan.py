@@ -12,6 +12,7 @@ import time
 import torch
 from rich.table import Table
 
+from ..engine.generate import micro_batches
 from ..engine.kvcache import kv_bytes
 from ..errors import InputError
 from ..fmt import fmt_bytes
@@ -20,7 +21,6 @@ from ..model.template import make_template
 from ..planning.fit import RESERVE
 from ..planning.generate import GenPlan, plan_generation
 from ..runtime.device import cuda_index, resolve_device
-from .loop import micro_batches
 from .source import Source
 
 

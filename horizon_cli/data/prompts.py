@@ -1,5 +1,5 @@
-"""Prompts for generation: JSONL records (or `--prompt` texts) -> token ids, checked before any
-weight is loaded.
+"""Prompts for generation (`horizon generate`, eval-time samples): JSONL records (or `--prompt`
+texts) -> token ids, checked before any weight is loaded.
 
 Each record holds exactly one of
     prompt      text, tokenized as the tokenizer does by default (its BOS included)

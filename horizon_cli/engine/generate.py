@@ -4,7 +4,7 @@ string, its token limit or the model's last position.
 
 Rows are sorted by length and cut into micro-batches of at most `MICRO_TOKENS` prompt tokens
 (left-padded, engine.decode); a micro-batch whose rows have all stopped leaves the sweep. The
-same loop serves `horizon generate`, eval-time samples and the evaluation harness.
+same loop serves `horizon generate`, eval-time samples (train.loop) and the evaluation harness.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..data.batch import DecodeBatch
-from ..engine import Engine
-from .sample import Sampler, StopText
+from ..model.sample import Sampler, StopText
+from .engine import Engine
 
 MICRO_TOKENS = 8192  # prompt tokens per micro-batch at most (its prefill working set)
 
