@@ -88,14 +88,16 @@ def runs(tmp_path_factory):
     api.convert(root / "m" / "hf", nf4, dtype="float32", quantize="nf4", console=Console(quiet=True))
     data = write_jsonl(root / "chat.jsonl", chat_rows(8))
     lora = {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]}
+    prompts = write_jsonl(root / "samples.jsonl", [r for r in RECORDS if "prompt" in r])
+    samples = {"eval_every": 1, "samples": str(prompts), "sample_tokens": NEW}  # the full run's eval samples
     out = {}
     for name, model, extra in [
-        ("full", store, {}),
+        ("full", store, {"train": {"steps": 2, **samples}}),
         ("lora", store, {"lora": lora}),
         ("qlora", nf4, {"lora": lora}),
     ]:
-        cfg = write_config(root / f"{name}.yaml", model, data, root / name, train={"steps": 2},
-                           optim={"lr": 3e-2}, output={"export": True, "save_every": 0}, **extra)  # fmt: skip
+        sections = {"train": {"steps": 2}, "optim": {"lr": 3e-2}, "output": {"export": True, "save_every": 0}}
+        cfg = write_config(root / f"{name}.yaml", model, data, root / name, **{**sections, **extra})
         api.train(cfg, console=Console(quiet=True))
         out[name] = root / name
     return out
@@ -115,6 +117,19 @@ def test_run_dir_completions_equal_its_export(runs, kind):
     tok = make_tokenizer(run / "export")
     prompts = [r for r in RECORDS if "prompt" in r]
     assert generated(run, prompts) == hf_completions(run / "export", tok, prompts)
+
+
+def test_eval_samples_are_the_models_answers_at_each_eval(runs):
+    """samples.jsonl: the prompts answered at steps 1 and 2; step 2's answers are those of the run's
+    final checkpoint (horizon generate on the run dir), and training changed them."""
+    run = runs["full"]
+    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    prompts = [r["prompt"] for r in RECORDS if "prompt" in r]
+    assert [(r["step"], r["prompt"]) for r in rows] == [(s, p) for s in (1, 2) for p in prompts]
+    last = [r["completion_ids"] for r in rows if r["step"] == 2]
+    assert last == generated(run)
+    assert last != [r["completion_ids"] for r in rows if r["step"] == 1]
+    assert all(isinstance(r["completion"], str) for r in rows)
 
 
 def test_lora_run_equals_peft_merged_model(runs):

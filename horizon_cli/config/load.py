@@ -256,8 +256,8 @@ def validate(cfg: Config) -> list[str]:
         )
     if cfg.data.eval_path and cfg.data.eval_fraction:
         p.append("data.eval_path: give eval_path or eval_fraction, not both")
-    if cfg.train.eval_every and not (cfg.data.eval_path or cfg.data.eval_fraction):
-        p.append("train.eval_every: needs data.eval_fraction or data.eval_path")
+    if cfg.train.eval_every and not (cfg.data.eval_path or cfg.data.eval_fraction or cfg.train.samples):
+        p.append("train.eval_every: needs data.eval_fraction or data.eval_path (or train.samples)")
     if cfg.lora is not None:
         t = cfg.lora.targets
         if not t or (isinstance(t, list) and not all(t)):

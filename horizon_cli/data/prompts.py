@@ -28,11 +28,23 @@ class Prompt:
     where: str  # "FILE line N" or "--prompt N", for messages
 
 
-def read_records(path: str | Path) -> list[tuple[dict, str]]:
+def model_eos_ids(hf: Path) -> list[int]:
+    """A model's end-of-sequence ids, as transformers' generate takes them: its generation
+    config's (generation_config.json), else config.json's; [] when neither names one."""
+    for name in ("generation_config.json", "config.json"):
+        f = Path(hf) / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    return []
+
+
+def read_records(path: str | Path, what: str = "--prompts") -> list[tuple[dict, str]]:
     """(record, where) of every non-blank line; InputError naming the file and line."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"--prompts: {path} not found")
+        raise InputError(f"{what}: {path} not found")
     text = utf8.decode(path.read_bytes(), str(path))
     out = []
     for n, line in enumerate(text.splitlines(), 1):

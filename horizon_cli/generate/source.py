@@ -13,7 +13,6 @@ The tokenizer and the generation settings (EOS ids) come from the store's `hf/` 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import yaml
 
 from ..config import Config, load_config
 from ..config.schema import EngineConfig
+from ..data.prompts import model_eos_ids
 from ..errors import InputError
 from ..export.export import resolve_source
 from ..export.lora import base_store
@@ -55,15 +55,7 @@ class Source:
         return AutoTokenizer.from_pretrained(str(self.hf)) if self.has_tokenizer else None
 
     def eos_ids(self) -> list[int]:
-        """The model's end-of-sequence ids, as transformers' generate takes them: the generation
-        config's, else config.json's."""
-        for name in ("generation_config.json", "config.json"):
-            f = self.hf / name
-            if f.is_file():
-                eos = json.loads(f.read_text()).get("eos_token_id")
-                if eos is not None:
-                    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-        return []
+        return model_eos_ids(self.hf)
 
     def describe(self) -> str:
         what = f"{self.checkpoint} (" + ("LoRA on " + str(self.store.root) if self.lora else "full") + ")"
