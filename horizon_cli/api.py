@@ -206,6 +206,14 @@ def generate(
     return GenerateResult(rows, out)
 
 
+def evaluate(src: str | Path, args: Sequence[str] = ()) -> None:
+    """lm-evaluation-harness on a store or run dir (`horizon eval SRC ARGS`): its command line with
+    `--model horizon --model_args path=SRC` and `args` (--tasks, --include_path, --output_path, ...)."""
+    from .generate.harness import run_lm_eval
+
+    run_lm_eval(str(src), list(args))
+
+
 def profile(
     config: str | Path | None = None,
     *,

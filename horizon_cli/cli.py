@@ -210,6 +210,18 @@ def generate(
     )  # fmt: skip
 
 
+@app.command(name="eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@command
+def eval_(
+    ctx: typer.Context,
+    src: Annotated[Path, typer.Argument(help="A store, or a run dir (its newest intact checkpoint).")],
+) -> None:
+    """Score a model with lm-evaluation-harness (lm_eval's arguments follow: --tasks, --include_path, ...)."""
+    from . import api
+
+    api.evaluate(src, ctx.args)
+
+
 @app.command()
 @command
 def profile(

@@ -165,6 +165,11 @@ class Engine:
         with self._guard():
             return self.infer.eval_loss(mbs)
 
+    def scores(self, mbs: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per micro-batch: each label's log-prob and whether it is the argmax (engine.infer)."""
+        with self._guard():
+            return self.infer.scores(mbs)
+
     def logits(self, mb: MicroBatch) -> torch.Tensor:
         """Full (b, T, V) fp32 logits of one small micro-batch — for tests and spot checks only."""
         with self._guard():
