@@ -117,6 +117,15 @@ class LogConfig:
     every: int = _f(1, min=1)
     tensorboard: bool = _f(False)
     plot: bool = _f(True)  # loss-curve PNG in the run dir at the end
+    # experiment trackers (train/trackers.py), each an optional extra: the metrics.jsonl rows and the
+    # resolved config. W&B: project wandb_project, the run named after output.dir (WANDB_MODE,
+    # WANDB_API_KEY, ... as W&B reads them). MLflow: experiment mlflow_experiment at mlflow_uri
+    # (default: MLFLOW_TRACKING_URI, else a file store in <output.dir>/mlruns)
+    wandb: bool = _f(False)
+    wandb_project: str = _f("horizon")
+    mlflow: bool = _f(False)
+    mlflow_uri: str | None = _f(None)
+    mlflow_experiment: str = _f("horizon")
 
 
 @dataclass

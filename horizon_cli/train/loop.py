@@ -39,6 +39,7 @@ from .metrics import MetricsLog, plot_loss, read_metrics
 from .ranks import main_first
 from .rundir import RunDir
 from .samples import Samples, keep_until
+from .trackers import Trackers
 
 
 class Trainer:
@@ -80,7 +81,13 @@ class Trainer:
             if self.samples is not None and self.main:
                 keep_until(self.run_dir, state["step"])
             self.metrics = (
-                MetricsLog(self.run_dir, state["step"], self.cfg.log.tensorboard, self.console)
+                MetricsLog(
+                    self.run_dir,
+                    state["step"],
+                    self.cfg.log.tensorboard,
+                    self.console,
+                    trackers=Trackers(self.cfg, self.run_dir, state["step"], self.console),
+                )  # fmt: skip
                 if self.main
                 else _NoMetrics()
             )

@@ -33,6 +33,7 @@ from .ranks import claim
 from .report import dry_run_report
 from .samples import Samples
 from .signals import runtime_failures, stop_signals
+from .trackers import check_trackers
 
 
 def run_training(
@@ -81,6 +82,7 @@ def run_training(
     cfg, console = join_world(cfg, console)
     if cfg.log.tensorboard:
         tensorboard_writer(None)  # fail now, not after loading the model
+    check_trackers(cfg)
     with stop_signals(), joined(cfg.engine.device) as d, claim(cfg, model, console, d) as rd:
         phase("locked")
         if rd.finished():
