@@ -41,7 +41,7 @@ try:
     )
 except ImportError:  # pragma: no cover - the optional extra is missing
     raise InputError(
-        "the evaluation harness needs lm-evaluation-harness: pip install 'horizon[eval]'"
+        "the evaluation harness needs lm-evaluation-harness: pip install 'horizon-cli[eval]'"
     ) from None
 
 SAMPLING = ("do_sample", "temperature", "top_p", "top_k")
