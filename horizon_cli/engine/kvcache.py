@@ -129,3 +129,4 @@ class KVCache:
 
     def close(self) -> None:
         self.keep_only([])
+        self.t.memory.set("kv cache", 0)

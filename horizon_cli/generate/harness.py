@@ -135,7 +135,9 @@ class HorizonLM(TemplateLM):
 
     def _score_rows(self, rows: list[tuple[list[int], list[int]]]):
         """One sweep over rows of (ids, labels), cut into micro-batches; per row (logp, best)."""
-        mbs, cur = [], []
+        Row = tuple[list[int], list[int]]
+        mbs: list[list[Row]] = []
+        cur: list[Row] = []
         for r in rows:  # sorted longest first: the first row of a micro-batch sets its length
             if cur and len(cur[0][0]) * (len(cur) + 1) > MICRO_TOKENS:
                 mbs.append(cur)
