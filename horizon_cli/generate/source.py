@@ -26,6 +26,7 @@ from ..export.export import resolve_source
 from ..export.lora import base_store
 from ..lora import peft
 from ..lora.setup import LoraSetup, lora_setup
+from ..runtime.device import resolve_device
 from ..store import Store
 from ..store import checkpoint as ckpt
 from ..store.manifest import MANIFEST
@@ -64,7 +65,16 @@ class Source:
 
 def open_source(src: str | Path, engine: dict | None = None) -> Source:
     """SRC resolved (InputError naming what is wrong); `engine`: engine settings to override
-    (the Python API's; e.g. device, link_gbps, kv_cache)."""
+    (the Python API's; e.g. device, link_gbps, kv_cache). On the CPU the compute dtype is fp32
+    unless `engine` names one: the CPU's bf16 matrix products are many times slower than fp32 ones
+    at decoding's few rows (docs/benchmarks.md, "Generation")."""
+    src_ = _open(src, engine)
+    if not (engine or {}).get("dtype") and resolve_device(src_.engine) == "cpu":
+        src_.engine = replace(src_.engine, dtype="float32")
+    return src_
+
+
+def _open(src: str | Path, engine: dict | None) -> Source:
     path = Path(src)
     if (path / MANIFEST).is_file() and not (path / "checkpoints").is_dir():
         store = Store.open(path)
