@@ -5,7 +5,8 @@ link-bound model; prefill tokens/s; and the plan's figures for large models on o
     .venv/bin/python scripts/bench_generate.py --plan-only     # the paper plans alone
     .venv/bin/python scripts/bench_generate.py --json bench_out/generate.json
 
-Measured: a random-weight Llama-shaped store (scripts/synthetic.py), bf16, `engine.link_gbps` set
+Measured: a random-weight Llama-shaped store (scripts/synthetic.py), fp32 (generation computes in
+fp32 on the CPU, whose bf16 matrix products are slow at few rows), `engine.link_gbps` set
 so that one sweep of the weights takes SWEEP_MS on the link; for each batch size, greedy decoding
 of NEW tokens after prompts of PROMPT tokens through engine.generate's loop (the one `horizon
 generate` runs). Link bound: batch x link / bytes per sweep (planning/generate.py). A decode step
@@ -46,7 +47,7 @@ MODEL = dict(model_type="llama", hidden_size=512, intermediate_size=1536, num_hi
              rms_norm_eps=1e-5, tie_word_embeddings=False)  # fmt: skip
 BATCHES = (1, 4, 16, 64)
 PROMPT, NEW = 64, 16
-SWEEP_MS = 100.0  # the emulated link moves one sweep's weights in this long
+SWEEP_MS = 1000.0  # the emulated link moves one sweep's weights in this long (--sweep-ms)
 
 PAPER = {
     "Llama-3.1-70B": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
@@ -62,27 +63,38 @@ PAPER_BATCHES = (1, 16, 64, 256)
 PAPER_PROMPT, PAPER_NEW = 1024, 512
 
 
+def run_batch(store, b: int, link: float) -> tuple[list[SweepStats], float]:
+    g = torch.Generator().manual_seed(b)
+    eng = Engine(store, EngineConfig(device="cpu", dtype="float32", link_gbps=link), OptimConfig(),
+                 forward_only=True)  # fmt: skip
+    sweeps: list[SweepStats] = []
+    dec = Decoder(eng, Sampler(), max_new_tokens=NEW, on_sweep=sweeps.append)
+    prompts = [(i, torch.randint(3, MODEL["vocab_size"], (PROMPT,), generator=g).tolist()) for i in range(b)]
+    t0 = time.perf_counter()
+    dec.run(prompts)
+    wall = time.perf_counter() - t0
+    eng.close()
+    return sweeps, wall
+
+
+def decode_step_s(sweeps: list[SweepStats]) -> float:
+    dec = [s for s in sweeps if not s.prefill][1:]  # the first decode sweep warms up
+    return sum(s.seconds for s in dec) / len(dec)
+
+
 def measure(store, link: float) -> list[dict]:
+    """Per batch: decode steps with no link (the CPU's compute alone: the loader lends host memory)
+    and with the emulated link; prefill speed from the linked run."""
     rows = []
-    g = torch.Generator().manual_seed(0)
     for b in BATCHES:
-        eng = Engine(store, EngineConfig(device="cpu", dtype="bfloat16", link_gbps=link), OptimConfig(),
-                     forward_only=True)  # fmt: skip
-        sweeps: list[SweepStats] = []
-        dec = Decoder(eng, Sampler(), max_new_tokens=NEW, on_sweep=sweeps.append)
-        prompts = [
-            (i, torch.randint(3, MODEL["vocab_size"], (PROMPT,), generator=g).tolist()) for i in range(b)
-        ]
-        t0 = time.perf_counter()
-        dec.run(prompts)
-        wall = time.perf_counter() - t0
-        eng.close()
+        compute = decode_step_s(run_batch(store, b, 0.0)[0])
+        sweeps, wall = run_batch(store, b, link)
         pre = [s for s in sweeps if s.prefill]
-        dec_sweeps = [s for s in sweeps if not s.prefill][1:]  # the first decode sweep warms up
-        dec_s = sum(s.seconds for s in dec_sweeps) / len(dec_sweeps)
+        step = decode_step_s(sweeps)
+        dec = [s for s in sweeps if not s.prefill][1:]
         rows.append({"batch": b, "prefill_tokens_per_s": sum(s.tokens for s in pre) / sum(s.seconds for s in pre),
-                     "decode_step_s": dec_s, "decode_tokens_per_s": b / dec_s,
-                     "h2d_bytes_per_step": sum(s.h2d_bytes for s in dec_sweeps) / len(dec_sweeps), "wall_s": wall})  # fmt: skip
+                     "compute_step_s": compute, "decode_step_s": step, "decode_tokens_per_s": b / step,
+                     "h2d_bytes_per_step": sum(s.h2d_bytes for s in dec) / len(dec), "wall_s": wall})  # fmt: skip
     return rows
 
 
@@ -118,6 +130,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan-only", action="store_true")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--sweep-ms", type=float, default=SWEEP_MS, help="the link's time for one sweep's weights"
+    )
     args = ap.parse_args()
     result: dict = {"paper": paper()}
     print("plan: one H200 (139 GiB), PCIe 55 GB/s, prompts 1024 + 512 new tokens")
@@ -132,23 +147,24 @@ def main() -> None:
 
         torch.set_num_threads(2)
         with tempfile.TemporaryDirectory() as tmp:
-            store = random_store(Path(tmp) / "store", MODEL)
+            store = random_store(Path(tmp) / "store", MODEL, dtype="float32")
             spec = store.arch
-            sweep = weights_per_sweep(spec, "bfloat16")
-            link = sweep / (SWEEP_MS / 1e3) / 1e9
+            sweep = weights_per_sweep(spec, "float32")
+            link = sweep / (args.sweep_ms / 1e3) / 1e9
             rows = measure(store, link)
         result["measured"] = {"model": MODEL, "sweep_bytes": sweep, "link_gbps": link, "rows": rows}
-        one = rows[0]["decode_step_s"]
         print(f"\nmeasured: CPU, {sweep / 1e6:.1f} MB per sweep, link emulated at {link:.3f} GB/s "
-              f"({SWEEP_MS:g} ms per sweep), prompts {PROMPT} + {NEW} new tokens")  # fmt: skip
-        print(
-            f"{'batch':>5s} {'prefill tok/s':>13s} {'step s':>7s} {'decode tok/s':>12s} {'link bound':>10s}"
-        )
+              f"({args.sweep_ms:g} ms per sweep), prompts {PROMPT} + {NEW} new tokens")  # fmt: skip
+        print(f"{'batch':>5s} {'prefill tok/s':>13s} {'compute s':>9s} {'step s':>7s} {'decode tok/s':>12s} "
+              f"{'link bound':>10s} {'model':>8s}")  # fmt: skip
         for r in rows:
-            bound = r["batch"] / (SWEEP_MS / 1e3)
-            print(f"{r['batch']:5d} {r['prefill_tokens_per_s']:13.0f} {r['decode_step_s']:7.3f} "
-                  f"{r['decode_tokens_per_s']:12.1f} {bound:10.1f}")  # fmt: skip
-        result["measured"]["batch1_step_s"] = one
+            bound = r["batch"] / (args.sweep_ms / 1e3)
+            model = r["batch"] / max(
+                args.sweep_ms / 1e3, r["compute_step_s"]
+            )  # the slower of link and compute
+            r.update(link_bound_tokens_per_s=bound, model_tokens_per_s=model)
+            print(f"{r['batch']:5d} {r['prefill_tokens_per_s']:13.0f} {r['compute_step_s']:9.3f} "
+                  f"{r['decode_step_s']:7.3f} {r['decode_tokens_per_s']:12.1f} {bound:10.1f} {model:8.1f}")  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
