@@ -71,9 +71,11 @@ class Samples:
             prompt = (
                 r["prompt"] if isinstance(r["prompt"], str) else json.dumps(r["prompt"], ensure_ascii=False)
             )
-            answer = r["completion"] if r["completion"] is not None else json.dumps(r["completion_ids"])
+            # one line each: the answer quoted, its newlines escaped
+            out = r["completion"] if r["completion"] is not None else r["completion_ids"]
+            answer = json.dumps(out, ensure_ascii=False)
             console.print(
-                f"  [dim]sample[/] {escape(prompt[:80])!s} [dim]->[/] {escape(answer)}", highlight=False
+                f"  [dim]sample[/] {escape(prompt[:80])} [dim]->[/] {escape(answer)}", highlight=False
             )
 
 
