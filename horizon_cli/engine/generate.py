@@ -10,7 +10,7 @@ same loop serves `horizon generate`, eval-time samples (train.loop) and the eval
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,9 +58,9 @@ class Decoder:
         sampler: Sampler,
         *,
         max_new_tokens: int,
-        eos_ids: list[int] = (),  # type: ignore[assignment]
+        eos_ids: Sequence[int] = (),
         tokenizer=None,
-        stops: list[str] = (),  # type: ignore[assignment]
+        stops: Sequence[str] = (),
         host_kv: bool = False,
         pad_id: int = 0,
         on_done: Callable[[Completion], None] = lambda c: None,
