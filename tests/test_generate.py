@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle import DEVICE, make_store, one_thread  # noqa: F401 (autouse fixture)
+from tiny_models import FAMILIES, GENERIC
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.engine import Engine
@@ -64,6 +65,18 @@ def test_greedy_equals_transformers_generate(tmp_path, monkeypatch, family, host
     ours = run(store, items, Sampler(), host=host, eos=eos, new=12)
     for ids, got in zip(items, ours, strict=True):
         assert got == hf_greedy(model, ids, 12, eos)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [*FAMILIES, *GENERIC])
+def test_every_family_generates_as_transformers(tmp_path, monkeypatch, family):
+    """Every architecture that trains (native and transformers' own layers), the cache on the host."""
+    monkeypatch.setattr(loop, "MICRO_TOKENS", 24)
+    model, store = make_store(tmp_path, family)
+    items = prompts(model.config.vocab_size, seed=2)
+    eos = [model.config.eos_token_id] if model.config.eos_token_id is not None else []  # qwen2/3: none
+    for ids, got in zip(items, run(store, items, Sampler(), host=True, eos=eos, new=12), strict=True):
+        assert got == hf_greedy(model, ids, 12, eos or None)
 
 
 def test_host_and_device_cache_sample_alike_whatever_the_batch(tmp_path, monkeypatch):
