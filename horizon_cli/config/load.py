@@ -290,8 +290,8 @@ def validate(cfg: Config) -> list[str]:
     evals = [k for k in ("eval_path", "eval_fraction", "eval_split") if getattr(cfg.data, k)]
     if len(evals) > 1:
         p.append(f"data.{evals[1]}: give one of data.eval_path, eval_fraction and eval_split, not several")
-    if cfg.train.eval_every and not evals:
-        p.append("train.eval_every: needs data.eval_fraction, data.eval_path or data.eval_split")
+    if cfg.train.eval_every and not (evals or cfg.train.samples):
+        p.append("train.eval_every: needs data.eval_fraction, data.eval_path or data.eval_split (or train.samples)")
     if cfg.lora is not None:
         t = cfg.lora.targets
         if not t or (isinstance(t, list) and not all(t)):

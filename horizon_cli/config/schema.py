@@ -63,6 +63,10 @@ class TrainConfig:
     eval_batches: int = _f(4, min=1)  # global batches per evaluation
     max_bad_steps: int = _f(3, min=1)  # consecutive non-finite steps that stop the run
     accept_changes: list[str] = _f([])  # resume despite these changed keys (train/compat.py)
+    # eval-time samples: a prompts file (JSONL, as `horizon generate --prompts`) answered greedily at
+    # each eval into <output.dir>/samples.jsonl; sample_tokens: new tokens per answer at most
+    samples: str | None = _f(None)
+    sample_tokens: int = _f(64, min=1)
 
 
 @dataclass
@@ -97,6 +101,9 @@ class EngineConfig:
     link_gbps: float = _f(0.0, min=0.0)  # device: cpu only — emulate a host<->device link (0: off)
     loss_chunk: int = _f(2048, min=16)  # label tokens per logits chunk in the loss head
     compute_threads: int = _f(0, min=0)  # torch intra-op threads (0: leave torch's default)
+    # generation's KV cache (horizon generate, eval samples): auto (the device when the plan says
+    # it fits there, else host memory) | device | host
+    kv_cache: str = _f("auto", choices=("auto", "device", "host"))
 
 
 @dataclass
@@ -128,6 +135,15 @@ class LogConfig:
     every: int = _f(1, min=1)
     tensorboard: bool = _f(False)
     plot: bool = _f(True)  # loss-curve PNG in the run dir at the end
+    # experiment trackers (train/trackers.py), each an optional extra: the metrics.jsonl rows and the
+    # resolved config. W&B: project wandb_project, the run named after output.dir (WANDB_MODE,
+    # WANDB_API_KEY, ... as W&B reads them). MLflow: experiment mlflow_experiment at mlflow_uri
+    # (default: MLFLOW_TRACKING_URI, else a file store in <output.dir>/mlruns)
+    wandb: bool = _f(False)
+    wandb_project: str = _f("horizon")
+    mlflow: bool = _f(False)
+    mlflow_uri: str | None = _f(None)
+    mlflow_experiment: str = _f("horizon")
 
 
 @dataclass

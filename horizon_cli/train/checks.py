@@ -3,7 +3,7 @@ The start (train/run.py, train/loop.py) and the dry run (train/report.py) call t
 functions in this same order, so a dry run stops exactly where the start would, with its line:
 
     before_claim   the fit (host and device; a dry run for another machine: that machine's), then
-                   TensorBoard installed when log.tensorboard
+                   TensorBoard, W&B, MLflow installed when log: asks for them
     the run dir    RunDir.claim (start) / RunDir.probe (dry run), same checks, same lines: not a
                    directory, not writable, in use, which checkpoint resumes and whether this
                    config may resume it. A run dir trained to train.steps stops here (nothing to
@@ -26,6 +26,7 @@ from ..engine.build import Planned, check_fit
 from ..planning.fit import Machine
 from ..planning.ladder import check_fits, not_applicable
 from .metrics import tensorboard_writer
+from .trackers import check_trackers
 
 
 def before_claim(planned: Planned, where: Machine, local: bool = True) -> None:
@@ -36,6 +37,7 @@ def before_claim(planned: Planned, where: Machine, local: bool = True) -> None:
         check_fits(planned.rungs, planned.rung, where, not_applicable(planned.model))
     if planned.cfg.log.tensorboard:
         tensorboard_writer(None)  # fail now, not after loading the model
+    check_trackers(planned.cfg)  # log.wandb, log.mlflow
 
 
 def kernel_ready(kind: str, console: Console, build: bool = True) -> None:

@@ -33,6 +33,8 @@ FREE = (
     "train.eval_batches",
     "train.max_bad_steps",
     "train.accept_changes",
+    "train.samples",  # what is shown at each eval, not what is trained
+    "train.sample_tokens",
     "model.path",  # the model itself is compared by fingerprint, wherever it lives
     "data.cache_dir",
     "engine.device",
@@ -40,6 +42,7 @@ FREE = (
     "engine.compute_threads",
     "engine.link_gbps",
     "engine.loss_chunk",
+    "engine.kv_cache",
     "optim.kernel",
     "output",
     "log",

@@ -39,6 +39,8 @@ from .inputs import load_data
 from .metrics import MetricsLog, plot_loss, read_metrics
 from .ranks import main_first
 from .rundir import RunDir
+from .samples import Samples, keep_until
+from .trackers import Trackers
 
 
 class Trainer:
@@ -50,8 +52,10 @@ class Trainer:
         console: Console,
         lora: LoraSetup | None = None,
         dist: Dist | None = None,
+        samples: Samples | None = None,
     ):
         self.cfg, self.store, self.rd, self.console = cfg, store, rd, console
+        self.samples = samples  # eval-time samples (train.samples), answered at each eval
         self.dist = dist  # a sharded run's rank (None: one process)
         self.main = dist is None or dist.is_main
         self.lora = lora  # LoRA: the frozen base is `store` itself, checkpoints hold the adapters
@@ -76,8 +80,16 @@ class Trainer:
             state = self._resume()
             self.rd.begin()  # everything is checked and loaded: from here on the run dir changes
             self.bad = state.get("bad_steps", 0)
+            if self.samples is not None and self.main:
+                keep_until(self.run_dir, state["step"])
             self.metrics = (
-                MetricsLog(self.run_dir, state["step"], self.cfg.log.tensorboard, self.console)
+                MetricsLog(
+                    self.run_dir,
+                    state["step"],
+                    self.cfg.log.tensorboard,
+                    self.console,
+                    trackers=Trackers(self.cfg, self.run_dir, state["step"], self.console),
+                )  # fmt: skip
                 if self.main
                 else _NoMetrics()
             )
@@ -176,10 +188,18 @@ class Trainer:
                 row["tokens_per_s"] = row["input_tokens"] / row["step_s"]
                 t_prev = now
                 step += 1
+                answers = []
                 if t.eval_every and step % t.eval_every == 0:
                     row["eval_loss"] = self.evaluate()
+                if self.samples is not None and (
+                    step % t.eval_every == 0 if t.eval_every else step == t.steps
+                ):
+                    answers = self.samples.answer(self.engine, step)
                 self.metrics.write(row)
                 self._show(prog, task, row)
+                if answers and self.main:
+                    Samples.write(self.run_dir, answers)
+                    Samples.show(prog.console, answers)
                 phase("after-step", step)
                 if row["skipped"]:
                     self._bad_step(row)

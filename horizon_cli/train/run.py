@@ -33,6 +33,7 @@ from .length import resolve_length
 from .loop import Trainer
 from .ranks import claim
 from .report import dry_run_report
+from .samples import Samples
 from .signals import runtime_failures, stop_signals
 
 
@@ -71,6 +72,7 @@ def run_training(
         console.print(f"[yellow]warning:[/] {escape(lora.note)}", highlight=False)
     check_lengths(cfg.data, model.arch.max_positions)
     cfg = resolve_length(cfg, model, console, dry_run)  # train.epochs -> train.steps (reads the data)
+    samples = Samples(cfg, model, world.size) if cfg.train.samples else None  # prompts checked now
     where = preflight.given_machine(*machine) if machine is not None else preflight.local_machine(cfg)
     planned = plan_run(cfg, model, lora, world)
     if dry_run:
@@ -89,7 +91,7 @@ def run_training(
             )
             return {"step": rd.resume_step, "checkpoint": str(rd.candidates[0]), "complete": True}
         with runtime_failures():
-            return Trainer(cfg, model, rd, console, lora, dist=d).run()
+            return Trainer(cfg, model, rd, console, lora, dist=d, samples=samples).run()
 
 
 def join_world(cfg: Config, console: Console) -> tuple[Config, Console]:
