@@ -31,13 +31,17 @@ RULES = [
     (r"drop|jitter|noise", _zero),  # dropout, layerdrop, router / input jitter: off
     (r"^encoder_layers$", _cap(2)),
     (r"vocab_size$", _cap(VOCAB)),
-    (r"^(hidden_size|n_embd|n_embed|d_model|emb_dim|embed_dim|dim|word_embed_proj_dim)$", _cap(64)),
+    (
+        r"^(hidden_size|n_embd|n_embed|d_model|emb_dim|embed_dim|embedding_dim|dim|word_embed_proj_dim)$",
+        _cap(64),
+    ),
     (r"(moe|expert|shared).*(intermediate|ffn|hidden)|(intermediate|ffn).*(moe|expert|shared)", _cap(32)),
     (r"intermediate|ffn|^d_ff$|^dff$|^n_inner$|^d_inner$", _cap(64)),
     (r"key_value_heads|kv_heads|multi_query_group_num|^num_kv$", _cap(2)),
     (r"heads$|^n_head$|attention_heads", _cap(4)),
     (r"rotary_dim|rotary_emb_dim|^rope_dim$", _cap(8)),
-    (r"head_dim|^d_head$|^d_kv$|kv_channels|head_size", _cap(16)),
+    (r"head_dim|d_head$|^d_kv$|kv_channels|head_size", _cap(16)),
+    (r"^(n_groups|mamba_n_groups|ssm_n_groups)$", _cap(1)),
     (r"^(num_experts|n_routed_experts|num_local_experts|moe_num_experts|n_experts)$", _cap(4)),
     (r"^(n_shared_experts|num_shared_experts|moe_num_shared_experts)$", _cap(1)),
     (
@@ -51,7 +55,9 @@ RULES = [
     (r"d_state$|state_size$", _cap(16)),
     (r"^(sliding_window|sliding_window_size|attention_window_size|attention_chunk_size)$", _cap(8)),
 ]
-LAYERS = re.compile(r"^(num_hidden_layers|n_layer|n_layers|num_layers|decoder_layers)$")
+LAYERS = re.compile(r"^(num_hidden_layers|n_layer|n_layers|num_layers|decoder_layers|num_blocks)$")
+# (SSM heads, SSM head dim, expand): heads * head_dim must equal expand * hidden_size
+SSM = [("mamba_n_heads", "mamba_d_head", "mamba_expand"), ("mamba_num_heads", "mamba_head_dim", "expand")]
 TOKEN_ID = re.compile(r"(token_id|token_index|_token)$")
 TEXT_SUBS = ("text_config", "decoder", "language_config", "llm_config", "decoder_config", "global_config")
 
@@ -61,6 +67,10 @@ def _lfm2_moe(n: int) -> dict:  # layer_types defaults to None and the model ind
         "layer_types": ["conv" if i % 2 == 0 else "full_attention" for i in range(n)],
         "num_dense_layers": 1,
     }
+
+
+def _alternate(n: int) -> dict:  # Mamba and attention layers, alternating
+    return {"layer_types": (["linear_attention", "full_attention"] * n)[:n]}
 
 
 GEMMA4_NO_PLE = dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
@@ -77,7 +87,8 @@ FIXUPS: dict[str, dict | Callable[[int], dict]] = {
     "cohere_compass_text": {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     },
-    "dbrx": {"sub:attn_config": {"rope_theta": 10000.0}},  # DbrxAttention reads attn_config.rope_theta
+    # DbrxAttention reads attn_config.rope_theta; clip_qkv None reaches torch.clamp(min=None, max=None)
+    "dbrx": {"sub:attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # all default to None
     "dots3_note_text": {"num_key_value_heads": 4},  # its validator: kv heads == heads
     "dots3_note": {
@@ -99,10 +110,25 @@ FIXUPS: dict[str, dict | Callable[[int], dict]] = {
         "sub:text_config": GEMMA4_NO_PLE,
     },
     "mamba2": {"num_heads": 8},  # num_heads * head_dim must be expand * hidden_size
+    # all-Mamba by default, and then transformers cannot build the masks (no attention layer)
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": _alternate,
+    # transformers fails when the window is shorter than the sequence (modeling_dory.py:263-266)
+    "dory": {"sliding_window": 32},
     "reformer": {
         "axial_pos_shape": [4, 6],
         "axial_pos_embds_dim": [32, 32],
     },  # product = seq len, sum = hidden
+    # q/k widths are rounded up to a multiple of 64: at hidden 64, qk_dim_factor 0.5 the heads
+    # disagree (modeling_xlstm.py:412); chunk_size must divide the sequence
+    "xlstm": {"hidden_size": 128, "embedding_dim": 128, "chunk_size": 8},
+    # the loop spans layers 6-18 of 24 by default; the cache indexes past a shallower stack
+    "inkling2_loop_text": {
+        "loop_layer_index_start": 2,
+        "loop_layer_index_end": 4,
+        "n_layers_per_attn_res_block": 2,
+    },
+    "xmod": {"default_language": "en_XX"},  # its forward needs a language for the adapters
     "musicgen": {"use_sub": "decoder"},  # MusicgenForCausalLM takes the decoder's config
     "musicgen_melody": {"use_sub": "decoder"},
 }
@@ -115,8 +141,11 @@ def attrs(cfg: PretrainedConfig) -> dict:
 def shrink_kwargs(default: PretrainedConfig, n_layers: int | None) -> dict:
     """The attributes to pass to the class to get its tiny version."""
     kw = {}
+    cls = type(default)
     for name, value in attrs(default).items():
         if isinstance(value, PretrainedConfig) or value is None:
+            continue
+        if getattr(cls, name, "") is None:  # derived in __post_init__ from others: let it re-derive
             continue
         if LAYERS.match(name):
             if n_layers is not None and isinstance(value, int):
@@ -130,6 +159,13 @@ def shrink_kwargs(default: PretrainedConfig, n_layers: int | None) -> dict:
                 break
     if getattr(default, "is_decoder", None) is False:  # BERT-like: the causal LM needs it
         kw["is_decoder"] = True
+    heads, kv = kw.get("num_attention_heads"), "num_key_value_heads"
+    if heads and getattr(default, kv, None) == getattr(default, "num_attention_heads", None):
+        kw[kv] = heads  # no GQA in the full model (MLA, MHA): none in the tiny one either
+    hidden = kw.get("hidden_size", getattr(default, "hidden_size", None))
+    for h, d, e in SSM:
+        if all(hasattr(default, a) for a in (h, d, e)) and hidden:
+            kw[h] = max(1, getattr(default, e) * hidden // kw.get(d, getattr(default, d)))
     return kw
 
 

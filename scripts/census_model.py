@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from census_config import FIXUPS, choose_depth, text_config, tiny_config
+from census_config import FIXUPS, build, choose_depth, text_config, tiny_config
 from census_horizon import err, try_horizon, where
 from census_structure import structure
 
@@ -108,14 +108,15 @@ def quiet() -> None:
 
 
 def census_one(mt: str, out: Path) -> None:
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     quiet()
     row: dict = {"type": mt, "config_class": CONFIG_MAPPING[mt].__name__}
     row["model_class"] = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mt]
     if mt in FIXUPS:
-        row["fixups"] = FIXUPS[mt]
+        fix = FIXUPS[mt]
+        row["fixups"] = fix if isinstance(fix, dict) else f"{fix.__name__}(n_layers)"
 
     def stage(name: str) -> None:
         row["stage"] = name
@@ -130,7 +131,7 @@ def census_one(mt: str, out: Path) -> None:
     try:
         cfg = tiny_config(mt, row["depth"]["layers"])
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg).float()
+        model = build(mt, cfg).float()
         perturb(model)
     except Exception as e:  # noqa: BLE001
         row["transformers"] = {"trains": False, "why": f"build: {err(e)}", "where": where(e)}
@@ -139,9 +140,8 @@ def census_one(mt: str, out: Path) -> None:
     row["params"] = sum(p.numel() for p in model.parameters())
     row["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
     vocab = getattr(text_config(cfg), "vocab_size", None) or 128
-    data = Data(
-        min(vocab, model.get_input_embeddings().num_embeddings) if model.get_input_embeddings() else vocab
-    )
+    emb = model.get_input_embeddings()
+    data = Data(min(vocab, emb.num_embeddings) if isinstance(emb, torch.nn.Embedding) else vocab)
     with tempfile.TemporaryDirectory(prefix=f"census-{mt}-") as tmp:
         tmp = Path(tmp)
         model0 = copy.deepcopy(model)
