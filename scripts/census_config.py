@@ -26,9 +26,15 @@ def _zero(v):
     return 0.0 if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else v
 
 
+def _unit_off(v):
+    return 0.5 if isinstance(v, float) and v == 1.0 else v
+
+
 # (regex on the attribute name, new value from the old); the first rule that matches applies
 RULES = [
     (r"drop|jitter|noise", _zero),  # dropout, layerdrop, router / input jitter: off
+    # multipliers that default to 1.0 would hide whether horizon applies them (Granite, MiniCPM, ...)
+    (r"(multiplier|^logits_scaling|^logit_scale|^scale_emb|^scale_depth|^routed_scaling_factor)$", _unit_off),
     (r"^encoder_layers$", _cap(2)),
     (r"vocab_size$", _cap(VOCAB)),
     (

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from census_calls import call_order
 from census_config import FIXUPS, build, choose_depth, text_config, tiny_config
 from census_horizon import err, try_horizon, where
 from census_structure import structure
@@ -157,6 +158,13 @@ def census_one(mt: str, out: Path) -> None:
             row["structure"] = structure(model, cfg, row["depth"].get("stack"), hf)
         except Exception as e:  # noqa: BLE001
             row["structure"] = {"error": err(e), "where": where(e)}
+        stage("calls")
+        if row["depth"].get("stack"):
+            try:
+                model.eval()
+                row["calls"] = call_order(model, row["depth"]["stack"], data.probe()[0])
+            except Exception as e:  # noqa: BLE001
+                row["calls"] = {"error": err(e), "where": where(e)}
         stage("transformers")
         row["transformers"] = check_transformers(model, data)
         stage("horizon")

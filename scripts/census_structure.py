@@ -77,7 +77,29 @@ def forward_facts(cls) -> dict:
             ("def ", "@")
         ):
             arith.append(f"{start + i}: {code[:110]}")
-    return {"at": where(fn), "masks": masks, "arith": arith[:12], "lines": len(lines)}
+    return {
+        "at": where(fn),
+        "masks": masks,
+        "arith": arith[:12],
+        "lines": len(lines),
+        "loop": loop_body(lines, start),
+    }
+
+
+def loop_body(lines: list[str], start: int) -> list[str]:
+    """The lines of the forward's loop over the decoder layers (file line numbers)."""
+    for i, ln in enumerate(lines):
+        if re.match(r"\s*for .* in .*(layers|self\.h\b|self\.layer\b|blocks)", ln):
+            indent = len(ln) - len(ln.lstrip())
+            body = [f"{start + i}: {ln.strip()}"]
+            for j in range(i + 1, len(lines)):
+                lj = lines[j]
+                if lj.strip() and len(lj) - len(lj.lstrip()) <= indent:
+                    break
+                if lj.strip() and not lj.strip().startswith("#"):
+                    body.append(f"{start + j}: {lj.strip()[:100]}")
+            return body[:14]
+    return []
 
 
 def module_path(model: nn.Module, target: nn.Module) -> str | None:
