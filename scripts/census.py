@@ -12,8 +12,11 @@ step 3, each within 1e-5. It also records, from the model itself and transformer
 structure issue 19 needs (decoder stack, norm, embeddings, rotary, mask functions, multipliers,
 recurrent layers, multimodal prefixes).
 
-    nice -n 10 python scripts/census.py run [--types a,b] [--json docs/census.json] [--timeout 240]
+    nice -n 10 python scripts/census.py run [--types a,b] [--json /tmp/census-full.json] [--timeout 240]
+    python scripts/census.py compact /tmp/census-full.json docs/census.json   (the rows kept in git)
     python scripts/census.py table docs/census.json > table.md
+    python scripts/census.py summary docs/census.json      (counts, needs, mechanisms ranked)
+    python scripts/census.py stacks docs/census.json       (which generic rule finds each stack)
     python scripts/census.py one TYPE --json row.json        (the per-model child; run does this)
 
 Each type runs in a subprocess of its own (one at a time) with a timeout; `run` keeps the rows
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -126,12 +130,98 @@ def cmd_table(args) -> None:
         print(f"| `{mt}` | {row.get('model_class', '?')} | {tr} | {horizon_cell(row)} |")
 
 
+def cmd_stacks(args) -> None:
+    sys.path.insert(0, str(HERE))
+    from census_stacks import main as stacks
+
+    stacks(args.json)
+
+
+def compact_row(row: dict) -> dict:
+    """What docs/census.json keeps of a full row: the verdicts, the numbers, the structure."""
+    t = row.get("transformers") or {}
+    h = row.get("horizon") or {}
+    st = row.get("structure") or {}
+    keep_t = ("trains", "why", "where", "stochastic", "train_eval_differ", "causal", "n_without_grad")
+    keep_h = ("result", "stage", "message", "path", "loss_err", "grad_norm_err", "grad_err", "weight_err",
+              "logits_err", "worst", "problems")  # fmt: skip
+    keep_s = ("text_config", "composite", "source", "owner", "layer_classes", "layer_forward", "layer_at",
+              "final_norm", "embeddings", "rotary", "recurrent_modules", "config_scalars", "head",
+              "mask_functions_in_file", "_no_split_modules", "_can_record_outputs", "checkpoint", "error")  # fmt: skip
+    out = {k: row[k] for k in ("type", "config_class", "model_class", "built_class", "params", "attn_implementation",
+                                "fixups", "seconds", "crash") if k in row}  # fmt: skip
+    d = row.get("depth") or {}
+    out["depth"] = {
+        k: d[k] for k in ("default_layers", "stack", "kinds", "layers", "covered", "kinds_missing") if k in d
+    }
+    out["transformers"] = {k: t[k] for k in keep_t if k in t}
+    out["horizon"] = {k: h[k] for k in keep_h if k in h}
+    out["structure"] = {k: st[k] for k in keep_s if k in st}
+    for k in ("owner_forward", "causal_lm_forward"):
+        if k in st:
+            f = st[k]
+            out["structure"][k] = {
+                "at": f.get("at"),
+                "masks": f.get("masks"),
+                "arith": (f.get("arith") or [])[:6],
+            }
+            if f.get("loop"):
+                out["structure"][k]["loop"] = f["loop"][:3] + (
+                    [f"... {len(f['loop']) - 3} more"] if len(f["loop"]) > 3 else []
+                )
+    ck = out["structure"].get("checkpoint")
+    if ck:
+        out["structure"]["checkpoint"] = {k: v for k, v in ck.items() if not k.startswith("only_")}
+        out["structure"]["checkpoint"]["renamed_on_disk"] = bool(ck.get("only_on_disk"))
+    rec = out["structure"].get("_can_record_outputs")
+    if rec:
+        out["structure"]["_can_record_outputs"] = {k: v for k, v in rec.items() if k == "hidden_states"}
+    out["structure"].pop("layer_at", None)
+    if "message" in out["horizon"]:  # the tmp path and today's list of supported families: noise here
+        msg = out["horizon"]["message"].split("; supported:")[0]
+        msg = re.sub(r"^/tmp/census-[^/]+/hf/", "", msg)
+        if "not described for the generic path" in msg:
+            msg = "not described for the generic path (horizon_cli/arch/families.py)"
+        out["horizon"]["message"] = msg
+    if "calls" in row:  # kwargs as "type" or "type x N distinct" (N > 1: differs between layers)
+        out["calls"] = dict(row["calls"])
+        kw = out["calls"].get("kwargs") or {}
+        out["calls"]["kwargs"] = {
+            k: v["type"] + (f" x{v['distinct']}" if v.get("distinct", 1) > 1 else "") for k, v in kw.items()
+        }
+    lf = out["structure"].get("layer_forward")
+    if lf:
+        out["structure"]["layer_forward"] = {k: ", ".join(v) for k, v in lf.items()}
+    emb = out["structure"].get("embeddings")
+    if emb:
+        out["structure"]["embeddings"] = [e for e in emb if e.get("shape")]
+    if "crash" in out:
+        out["crash"] = {k: v for k, v in out["crash"].items() if k != "tail"}
+    return out
+
+
+def cmd_compact(args) -> None:
+    rows = json.loads(Path(args.full).read_text())
+    lines = [  # one row a line: diffs between census runs stay readable
+        f"{json.dumps(k)}:{json.dumps(compact_row(r), sort_keys=True, separators=(',', ':'))}"
+        for k, r in sorted(rows.items())
+    ]
+    Path(args.out).write_text("{\n" + ",\n".join(lines) + "\n}\n")
+
+
+def cmd_summary(args) -> None:
+    sys.path.insert(0, str(HERE))
+    from census_summary import main as summary
+
+    summary(args.json)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--types", default="")
-    r.add_argument("--json", default=str(HERE.parent / "docs" / "census.json"))
+    r.add_argument("--json", default="/tmp/census-full.json")
     r.add_argument("--work", default="/tmp/census-work")
     r.add_argument("--timeout", type=int, default=240)
     r.add_argument("--redo", action="store_true")
@@ -140,8 +230,17 @@ def main() -> None:
     o.add_argument("--json", required=True)
     t = sub.add_parser("table")
     t.add_argument("json")
+    s = sub.add_parser("summary")
+    s.add_argument("json")
+    k = sub.add_parser("stacks")
+    k.add_argument("json")
+    c = sub.add_parser("compact")
+    c.add_argument("full")
+    c.add_argument("out")
     args = ap.parse_args()
-    {"run": cmd_run, "one": cmd_one, "table": cmd_table}[args.cmd](args)
+    cmds = {"run": cmd_run, "one": cmd_one, "table": cmd_table, "summary": cmd_summary, "stacks": cmd_stacks}
+    cmds["compact"] = cmd_compact
+    cmds[args.cmd](args)
 
 
 if __name__ == "__main__":

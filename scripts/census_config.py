@@ -36,7 +36,8 @@ RULES = [
     # multipliers that default to 1.0 would hide whether horizon applies them (Granite, MiniCPM, ...)
     (r"(multiplier|^logits_scaling|^logit_scale|^scale_emb|^scale_depth|^routed_scaling_factor)$", _unit_off),
     (r"^encoder_layers$", _cap(2)),
-    (r"vocab_size$", _cap(VOCAB)),
+    (r"vocab_size", _cap(VOCAB)),  # vocab_size_per_layer_input too (Gemma 3n / 4 per-layer embeddings)
+    (r"^hidden_size_per_layer_input$", _cap(16)),
     (
         r"^(hidden_size|n_embd|n_embed|d_model|emb_dim|embed_dim|embedding_dim|dim|word_embed_proj_dim)$",
         _cap(64),
@@ -79,6 +80,10 @@ def _alternate(n: int) -> dict:  # Mamba and attention layers, alternating
     return {"layer_types": (["linear_attention", "full_attention"] * n)[:n]}
 
 
+def _conv_attention(n: int) -> dict:
+    return {"layer_types": (["conv", "full_attention"] * n)[:n]}
+
+
 GEMMA4_NO_PLE = dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
 QSA = dict(
     indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4
@@ -95,6 +100,7 @@ FIXUPS: dict[str, dict | Callable[[int], dict]] = {
     },
     # DbrxAttention reads attn_config.rope_theta; clip_qkv None reaches torch.clamp(min=None, max=None)
     "dbrx": {"sub:attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "deepseek_v2": {"num_experts_per_tok": 2},  # defaults to None: the router's topk needs it
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # all default to None
     "dots3_note_text": {"num_key_value_heads": 4},  # its validator: kv heads == heads
     "dots3_note": {
@@ -119,6 +125,7 @@ FIXUPS: dict[str, dict | Callable[[int], dict]] = {
     # all-Mamba by default, and then transformers cannot build the masks (no attention layer)
     "bamba": {"attn_layer_indices": [1]},
     "granitemoehybrid": _alternate,
+    "lfm2": _conv_attention,  # all attention by default: the short convolutions would go untested
     # transformers fails when the window is shorter than the sequence (modeling_dory.py:263-266)
     "dory": {"sliding_window": 32},
     "reformer": {
@@ -165,13 +172,13 @@ def shrink_kwargs(default: PretrainedConfig, n_layers: int | None) -> dict:
                 break
     if getattr(default, "is_decoder", None) is False:  # BERT-like: the causal LM needs it
         kw["is_decoder"] = True
-    heads, kv = kw.get("num_attention_heads"), "num_key_value_heads"
-    if heads and getattr(default, kv, None) == getattr(default, "num_attention_heads", None):
+    heads, kv, d = kw.get("num_attention_heads"), "num_key_value_heads", attrs(default)
+    if heads and d.get(kv) == d.get("num_attention_heads"):
         kw[kv] = heads  # no GQA in the full model (MLA, MHA): none in the tiny one either
-    hidden = kw.get("hidden_size", getattr(default, "hidden_size", None))
-    for h, d, e in SSM:
-        if all(hasattr(default, a) for a in (h, d, e)) and hidden:
-            kw[h] = max(1, getattr(default, e) * hidden // kw.get(d, getattr(default, d)))
+    hidden = kw.get("hidden_size", d.get("hidden_size"))
+    for h, hd, e in SSM:
+        if all(a in d for a in (h, hd, e)) and hidden:
+            kw[h] = max(1, d[e] * hidden // kw.get(hd, d[hd]))
     return kw
 
 

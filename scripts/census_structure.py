@@ -21,7 +21,7 @@ SCALARS = re.compile(
     r"multiplier|scale|scaling|softcap|normalizer|logit|residual|parallel|alibi|rope_type|position"
 )
 RECURRENT = re.compile(
-    r"Mamba|Mixer|DeltaNet|LinearAttention|Lightning|ShortConv|Conv|Recurrent|Rglru|RgLru|SSM|Lstm|LSTM|Rwkv|Retention|Kda"
+    r"Mamba|Mixer|DeltaNet|DeltaAttention|LinearAttention|Lightning|ShortConv|Conv|Recurrent|Rglru|RgLru|SSM|Lstm|LSTM|Rwkv|Retention|Kda"
 )
 MASK_CALL = re.compile(
     r"\b(create_\w*mask\w*|_prepare_4d\w*|_update_\w*mask|make_flex\w*|\w+_mask_function|_ignore_causal_mask_sdpa)\("

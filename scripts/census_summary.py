@@ -1,0 +1,239 @@
+"""Census: counts, and what each refused type needs, from the rows census.py wrote.
+
+    python scripts/census.py summary docs/census.json
+
+Each type that transformers trains gets a set of *needs*, read off its row (the observed forward,
+the structure probe): the pieces a generic path must derive beyond what horizon's generic path
+does today. A mechanism covers needs; a type is unlocked by a set of mechanisms when they cover
+all of its needs. The ranking is greedy: each next mechanism is the one that unlocks the most
+types together with those before it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+STANDARD_KWARGS = {
+    "attention_mask", "position_embeddings", "position_ids", "cache", "use_cache", "cache_position",
+    "output_router_logits", "output_attentions",
+}  # fmt: skip
+ENCODER_LIKE = ("encoder", "bert", "roberta", "electra", "ernie", "xlm", "xmod", "roformer", "rembert")
+
+# need -> (mechanism, what it is)
+MECHANISMS = {
+    "stack": "find the decoder stack generically (the ModuleList of _no_split_modules / _can_record_outputs['hidden_states'] layers), wherever it sits",
+    "prefix": "run the owner's own forward up to layer 0 (embeddings, scale, learned positions, embedding norms, rotary, masks) instead of describing it",
+    "derive": "derive what today's table says (stack at model.layers, embedding module, final norm, shared or per-layer-type rotary, masks by layer type) for any class",
+    "per_layer_kwargs": "pass each layer the extra arguments its owner passes (ALiBi, per-layer inputs, shared KV, attention scaling, Mamba masks), taken from the owner's own forward",
+    "suffix": "run what the owner calls after the last layer (final norm(s)) and the CausalLM's logit code (scaling, soft-cap) per chunk",
+    "recurrent": "hybrid / recurrent layers (Mamba, GatedDeltaNet, linear attention, short conv): state stays in the layer; packing refused",
+    "composite": "multimodal / composite checkpoints: train the language model, carry the rest",
+    "unchained": "model-level code between layers (shared blocks, hyper-connections, AltUp, loops)",
+    "non_causal": "not a causal model at all (refuse, naming it)",
+}
+
+
+def needs(row: dict) -> set[str]:
+    """What a type needs beyond today's generic path (empty: it should work as is)."""
+    calls = row.get("calls") or {}
+    st = row.get("structure") or {}
+    h = row.get("horizon") or {}
+    out: set[str] = {"derive"}
+    if h.get("result") == "exact":
+        return set()
+    t = row.get("transformers") or {}
+    if t.get("causal") is False:
+        out.add("non_causal")
+    stack = (row.get("depth") or {}).get("stack")
+    if stack not in ("model.layers", "model.language_model.layers"):
+        out.add("stack")
+    before = [b.rsplit(".", 1)[-1] for b in calls.get("before", []) if "drop" not in b]
+    emb = (calls.get("embed") or {}).get("kind")
+    if emb != "same" or set(before) - {"embed_tokens", "rotary_emb"}:
+        out.add("prefix")
+    if extra_args(calls):
+        out.add("per_layer_kwargs")
+    after = [a.rsplit(".", 1)[-1] for a in calls.get("after", [])]
+    logits = (calls.get("logits") or {}).get("kind")
+    if logits not in ("same", None) or len(after) != 2:
+        out.add("suffix")
+    if logits == "other" and h.get("path") == "generic":  # soft-capping: today's table knows it
+        out.discard("suffix")
+    if set(st.get("recurrent_modules") or {}) - {"Conv1D"}:  # GPT-2's Conv1D is a linear layer
+        out.add("recurrent")
+    if st.get("composite") or stack == "model.language_model.layers":
+        out.add("composite")
+    if calls.get("between") or calls.get("chained") is False or calls.get("calls") != calls.get("layers"):
+        out.add("unchained")
+    if not calls or "error" in calls:
+        out.add("unchained")  # nothing observed: assume the worst
+    return out
+
+
+def kind(row: dict) -> str:
+    """decoder | multimodal | seq2seq-decoder | encoder-as-decoder | non-causal | not-text | no-oracle."""
+    t = row.get("transformers") or {}
+    st = row.get("structure") or {}
+    stack = (row.get("depth") or {}).get("stack") or ""
+    if not t.get("trains"):
+        return "no-oracle"
+    if t.get("causal") is False:
+        return "non-causal"
+    if ".encoder.layer" in stack or stack.startswith(("reformer.", "cpmant.")):
+        return "encoder-as-decoder"
+    if stack.endswith("decoder.layers") and any("DecoderWrapper" in c[1] for c in st.get("top_children", [])):
+        return "seq2seq-decoder"
+    if st.get("composite") or "language_model" in stack:
+        return "multimodal"
+    return "decoder"
+
+
+def by_class(rows: dict) -> list[str]:
+    """Types whose ForCausalLM is a class another model_type owns (accept by class)."""
+    own = {}
+    for k, r in rows.items():
+        own.setdefault(r.get("model_class"), []).append(k)
+    return sorted(k for cls, ks in own.items() if len(ks) > 1 for k in ks if cls)
+
+
+def _arg(v) -> tuple[str, int]:
+    """(type, distinct objects across layers) of a layer argument, in either row format."""
+    if isinstance(v, dict):
+        return v["type"], v.get("distinct", 1)
+    t, _, n = v.partition(" x")
+    return t, int(n) if n else 1
+
+
+def extra_args(calls: dict) -> list[str]:
+    """Layer arguments beyond what today's generic path passes (None and flags do not count)."""
+    kw = calls.get("kwargs") or {}
+    return sorted(
+        k
+        for k, v in kw.items()
+        if k not in STANDARD_KWARGS and _arg(v)[0] not in ("NoneType", "bool", "DynamicCache")
+    )
+
+
+def counts(rows: dict) -> dict:
+    trains = {k: r for k, r in rows.items() if (r.get("transformers") or {}).get("trains")}
+    kinds = Counter(kind(r) for r in rows.values())
+    per_kind = {
+        k: dict(Counter((r.get("horizon") or {}).get("result") for r in rows.values() if kind(r) == k))
+        for k in kinds
+    }
+    res = Counter((r.get("horizon") or {}).get("result", "none") for r in trains.values())
+    refused = Counter(
+        _reason((r.get("horizon") or {}).get("message", ""))
+        for r in trains.values()
+        if r["horizon"]["result"] == "refused"
+    )
+    return {
+        "tried": len(rows),
+        "transformers_trains": len(trains),
+        "horizon": dict(res),
+        "refused_by": dict(refused),
+        "kinds": dict(kinds),
+        "horizon_by_kind": per_kind,
+        "shared_classes": by_class(rows),
+    }
+
+
+def _reason(msg: str) -> str:
+    if "not described for the generic path" in msg:
+        return "model-level pieces not described (generic path)"
+    if "multimodal" in msg:
+        return "multimodal wrapper"
+    return msg.split(": ", 1)[-1][:80]
+
+
+def ranking(rows: dict) -> list[tuple[str, int, int]]:
+    """Greedy: (mechanism, types unlocked with it and those before, of the trainable refused)."""
+    todo = {
+        k: needs(r)
+        for k, r in rows.items()
+        if (r.get("transformers") or {}).get("trains") and (r.get("horizon") or {}).get("result") != "exact"
+    }
+    todo = {k: n for k, n in todo.items() if "non_causal" not in n}
+    chosen: set[str] = set()
+    out = []
+    while True:
+        best, gain = None, -1
+        for m in MECHANISMS:
+            if m in chosen or m == "non_causal":
+                continue
+            g = sum(1 for n in todo.values() if n <= chosen | {m}) - sum(
+                1 for n in todo.values() if n <= chosen
+            )
+            if g > gain:
+                best, gain = m, g
+        if best is None:
+            break
+        chosen.add(best)
+        out.append((best, gain, sum(1 for n in todo.values() if n <= chosen)))
+    return out
+
+
+def _short(path: str, stack: str | None) -> str:
+    owner = (stack or "").rpartition(".")[0]
+    return path[len(owner) + 1 :] if owner and path.startswith(owner + ".") else path
+
+
+def features(row: dict) -> list[str]:
+    """One line of the appendix table: where things are and what the forward does."""
+    calls = row.get("calls") or {}
+    st = row.get("structure") or {}
+    stack = (row.get("depth") or {}).get("stack")
+    emb = calls.get("embed") or {}
+    lg = calls.get("logits") or {}
+    kw = calls.get("kwargs") or {}
+    per_type = sorted(k for k, v in kw.items() if _arg(v)[1] > 1)
+    extra = extra_args(calls)
+    rec = sorted(set(st.get("recurrent_modules") or {}) - {"Conv1D"})
+    loop = "" if calls.get("chained", True) and calls.get("calls") == calls.get("layers") else "no"
+    if calls.get("calls") and calls.get("calls") != calls.get("layers"):
+        loop = f"{calls['calls']} calls / {calls['layers']}"
+    return [
+        f"`{stack}`" if stack else "?",
+        ", ".join(_short(b, stack) for b in calls.get("before", [])),
+        ", ".join(_short(a, stack) for a in calls.get("after", [])),
+        emb.get("kind", "") + (f" ×{emb['factor']}" if "factor" in emb else ""),
+        lg.get("kind", "") + (f" ×{lg['factor']}" if "factor" in lg else ""),
+        ", ".join(per_type),
+        ", ".join(extra),
+        ", ".join(r for r in rec if r != "Conv1d") or ("Conv1d" if rec else ""),
+        loop or ("yes" if calls else "?"),
+    ]
+
+
+def appendix(rows: dict) -> None:
+    head = ["type", "kind", "stack", "before layer 0", "after the last", "layer-0 input", "logits", "per-layer",
+            "other layer args", "recurrent", "chained", "horizon"]  # fmt: skip
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for k, r in sorted(rows.items()):
+        if not (r.get("transformers") or {}).get("trains"):
+            continue
+        h = (r.get("horizon") or {}).get("result", "")
+        print(f"| `{k}` | {kind(r)} | " + " | ".join(c.replace("|", "/") for c in features(r)) + f" | {h} |")
+
+
+def main(path: str) -> None:
+    rows = json.loads(Path(path).read_text())
+    print("## counts\n")
+    print(json.dumps(counts(rows), indent=1))
+    print("\n## needs of each trainable type horizon does not train exactly\n")
+    for k, r in sorted(rows.items()):
+        t = r.get("transformers") or {}
+        if t.get("trains") and (r.get("horizon") or {}).get("result") != "exact":
+            print(f"- {k}: {', '.join(sorted(needs(r))) or '(none)'}")
+    print("\n## how often each need occurs\n")
+    c = Counter(n for r in rows.values() if (r.get("transformers") or {}).get("trains") for n in needs(r))
+    for n, k in c.most_common():
+        print(f"- {n}: {k}")
+    print("\n## greedy ranking: mechanism, types it adds, cumulative\n")
+    for m, g, cum in ranking(rows):
+        print(f"- {m}: +{g} (cumulative {cum}) — {MECHANISMS[m]}")
+    print("\n## per type (transformers trains)\n")
+    appendix(rows)
