@@ -117,9 +117,12 @@ def horizon_cell(row: dict) -> str:
 
 
 def cmd_table(args) -> None:
+    sys.path.insert(0, str(HERE))
+    from census_summary import kind
+
     rows = json.loads(Path(args.json).read_text())
-    print("| model_type | model class | transformers trains | horizon |")
-    print("|---|---|---|---|")
+    print("| model_type | model class | kind | transformers trains | horizon |")
+    print("|---|---|---|---|---|")
     for mt in sorted(rows):
         row = rows[mt]
         t = row.get("transformers") or {}
@@ -127,7 +130,7 @@ def cmd_table(args) -> None:
             tr = f"crash ({row['crash'].get('stage')})"
         else:
             tr = "yes" if t.get("trains") else f"no: {cell(t.get('why', '?'), 70)}"
-        print(f"| `{mt}` | {row.get('model_class', '?')} | {tr} | {horizon_cell(row)} |")
+        print(f"| `{mt}` | {row.get('model_class', '?')} | {kind(row)} | {tr} | {horizon_cell(row)} |")
 
 
 def cmd_stacks(args) -> None:

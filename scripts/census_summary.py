@@ -51,9 +51,10 @@ def needs(row: dict) -> set[str]:
     stack = (row.get("depth") or {}).get("stack")
     if stack not in ("model.layers", "model.language_model.layers"):
         out.add("stack")
-    before = [b.rsplit(".", 1)[-1] for b in calls.get("before", []) if "drop" not in b]
+    rotary = {r["path"] for r in st.get("rotary") or []}
+    before = [b for b in calls.get("before", []) if "drop" not in b.rsplit(".", 1)[-1] and b not in rotary]
     emb = (calls.get("embed") or {}).get("kind")
-    if emb != "same" or set(before) - {"embed_tokens", "rotary_emb"}:
+    if emb != "same" or len(before) > 1:  # "same": the one module before layer 0 is the token embedding
         out.add("prefix")
     extra = extra_args(calls)
     if extra:
