@@ -89,7 +89,7 @@ def verdict(row: dict) -> str:
 
 
 def cmd_one(args) -> None:
-    sys.path.insert(0, str(HERE))
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_model import census_one  # scripts/census_model.py: the child's work
 
     census_one(args.type, Path(args.json))
@@ -117,7 +117,7 @@ def horizon_cell(row: dict) -> str:
 
 
 def cmd_table(args) -> None:
-    sys.path.insert(0, str(HERE))
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_summary import kind
 
     rows = json.loads(Path(args.json).read_text())
@@ -134,7 +134,7 @@ def cmd_table(args) -> None:
 
 
 def cmd_stacks(args) -> None:
-    sys.path.insert(0, str(HERE))
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_stacks import main as stacks
 
     stacks(args.json)
@@ -213,7 +213,7 @@ def cmd_compact(args) -> None:
 
 
 def cmd_summary(args) -> None:
-    sys.path.insert(0, str(HERE))
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_summary import main as summary
 
     summary(args.json)

@@ -64,10 +64,10 @@ def place(
     ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     parts: dict[str, list[Part]] = {k: [] for k in mem}
     for name, shape in disk.items():
-        if name in skip or name.endswith(IGNORED_SUFFIXES) or any(p.search(name) for p in ignore):
-            continue
-        if name in mem:
+        if name in mem and name not in skip:  # before the ignore patterns (GPT-2's "attn.bias" is a regex)
             parts[name].append(_whole(name, shape, mem[name], where))
+            continue
+        if name in skip or name.endswith(IGNORED_SUFFIXES) or any(p.search(name) for p in ignore):
             continue
         target, pattern = rename_source_key(name, renamings, converters)
         if target not in mem:

@@ -175,38 +175,46 @@ def _windows(cfg: dict, family: str, n_layers: int) -> list[int | None]:
 
 def _generic_spec(cfg: dict, where: str, disk) -> ArchSpec:
     g = generic_spec(cfg, where, disk)
-    c = hf_config(g["config"])
+    c = hf_config(g["config"]).get_text_config()
 
     def get(key: str, default: Any = 0) -> Any:
         v = getattr(c, key, None)
         return default if v is None else v
 
-    hidden, heads = int(c.hidden_size), int(get("num_attention_heads", 1))
-    n_layers = int(c.num_hidden_layers)
-    masks, window = g["masks"], g["sliding_window"]
-    sliding = [
-        bool(window) and (masks == "window" or (masks == "layer_types" and t == "sliding_attention"))
-        for t in g["layer_types"]
-    ]
+    hidden = int(get("hidden_size", 0) or get("d_model", 0))
+    heads = int(get("num_attention_heads", 1))
+    n_layers = len(g["layer_kinds"])
     return ArchSpec(
-        family=c.model_type,
+        family=str(c.model_type),
         hidden=hidden,
         intermediate=int(get("intermediate_size")),
         n_layers=n_layers,
         n_heads=heads,
         n_kv_heads=int(get("num_key_value_heads", heads)),
-        head_dim=int(get("head_dim", hidden // heads)),
+        head_dim=int(get("head_dim", hidden // max(heads, 1))),
         vocab=int(c.vocab_size),
         rms_eps=float(get("rms_norm_eps", 1e-6)),
         max_positions=int(get("max_position_embeddings", 2048)),
         tie_embeddings="lm_head" not in [e["name"] for e in g["units"]["head"]],
-        rope=dict(get("rope_parameters", {})),
-        windows=[int(window) if s else None for s in sliding],
+        rope=dict(get("rope_parameters", {}) or {}),
+        windows=generic_windows(c, n_layers),
         hidden_act=str(get("hidden_act", "") or get("hidden_activation", "")),
-        padding_idx=_padding_idx(g["config"]),
+        padding_idx=_padding_idx(c.to_dict()),
         path="generic",
         generic=g,
     )
+
+
+def generic_windows(c, n_layers: int) -> list[int | None]:
+    """Per layer the sliding window (None: full attention), from the config's layer types (or one
+    window for every layer, Mistral-style), for memory plans."""
+    sw = getattr(c, "sliding_window", None)
+    if not isinstance(sw, int) or sw <= 0:
+        return [None] * n_layers
+    types = getattr(c, "layer_types", None)
+    if isinstance(types, list) and len(types) == n_layers:
+        return [sw if "sliding" in str(t) else None for t in types]
+    return [sw] * n_layers
 
 
 def _padding_idx(cfg: dict) -> int | None:

@@ -15,6 +15,7 @@ from ..arch.names import is_ignorable
 from ..errors import InputError
 from ..fsutil import atomic_dir, check_not_inside, io_failures
 from ..progress import byte_progress
+from ..store.carried import write_carried
 from ..store.manifest import DTYPES, QUANTS
 from ..store.writer import StoreWriter
 from .checkpoint import Checkpoint
@@ -66,7 +67,8 @@ def convert(
         disk = {n: tuple(i.shape) for n, i in ckpt.infos.items()}
         spec = spec_from_hf(hf_cfg, where=where, disk=disk, path="generic")
     plan = check_tensors(ckpt, spec)
-    total = sum(ckpt.infos[n].nbytes for n in plan)
+    carried = [ckpt.infos[n] for n in (spec.generic or {}).get("carried", [])]
+    total = sum(ckpt.infos[n].nbytes for n in plan) + sum(i.nbytes for i in carried)
     with io_failures(dst), atomic_dir(dst, force=force) as tmp:
         writer = StoreWriter(tmp, spec, dtype, source=str(src.resolve()), quant=quantize)
         try:
@@ -74,6 +76,9 @@ def convert(
                 for name, pieces in ckpt.tensors(set(plan)):
                     unit, tensor = plan[name]
                     writer.write_stream(unit, tensor.name, pieces, on_piece=advance, wait=False)
+                if carried:  # a multimodal checkpoint's tower, projector, ...: as they are
+                    infos = [(i.name, i.shape, i.dtype, i.nbytes) for i in carried]
+                    advance(write_carried(tmp / "hf", infos, ckpt.tensors({i.name for i in carried})))
             manifest = writer.finish()
         finally:
             writer.close()
