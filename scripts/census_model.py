@@ -17,6 +17,7 @@ from census_config import FIXUPS, build, choose_depth, text_config, tiny_config
 from census_horizon import Data, err, perturb, try_horizon, where
 from census_structure import structure
 
+
 def check_transformers(model, data: Data) -> dict:
     """Can transformers train it: forward with labels + backward, finite loss and gradients.
     Also: does the loss depend on the RNG (stochastic), on train/eval mode, and is it causal."""

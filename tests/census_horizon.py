@@ -225,7 +225,9 @@ def train_and_compare(model_ref, data, tmp: Path) -> dict:
     norms = [m["grad_norm"] for m in metrics]
     res["grad_norm_err"] = max(abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True))
     gmodel, gbad = load(grads_of_checkpoint(tmp / "run" / "checkpoints" / "step_1", tmp / "grads"))
-    res["grad_err"], res["grad_worst"], gmiss = compare(dict(gmodel.named_parameters()), ref["g1"], GRAD_FLOOR)
+    res["grad_err"], res["grad_worst"], gmiss = compare(
+        dict(gmodel.named_parameters()), ref["g1"], GRAD_FLOOR
+    )
     export(tmp / "run", tmp / "export")
     emodel, ebad = load(tmp / "export")
     want = {k: v for k, v in model_ref.state_dict().items() if v.is_floating_point()}

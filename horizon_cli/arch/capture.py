@@ -154,6 +154,7 @@ def head_stub(model: nn.Module, base: str, h: torch.Tensor) -> Iterator[None]:
     `h` (1, n, H) for last_hidden_state, so `model(inputs_embeds=h)` runs only the CausalLM's own
     code after its base model: the head and whatever it does to the logits."""
     real = model._modules[base]
+    assert real is not None
     stub = _Base(h, real)
     model._modules[base] = stub
     try:
@@ -175,13 +176,13 @@ def materialize_buffers(root: nn.Module, modules: list[nn.Module], device) -> No
                 continue
             for n in names:
                 buf = sub._buffers[n]
-                if buf.device.type == "meta":
+                if buf is not None and buf.device.type == "meta":
                     sub._buffers[n] = torch.empty_like(buf, device=device)
             if init is not None:
                 with torch.no_grad():
                     init(sub)
             for n in names:
-                if sub._buffers[n].device.type == "meta":
+                if getattr(sub._buffers[n], "device", None) == torch.device("meta"):
                     raise RuntimeError(f"{type(sub).__name__}.{n}: its value cannot be rebuilt")
 
 

@@ -36,7 +36,9 @@ from .disk import place
 from .exceptions import refuse_config
 from .probe import probe
 
-RECURRENT = re.compile(r"Mamba|Mixer|DeltaNet|DeltaAttention|LinearAttention|Lightning|ShortConv|Rglru|RgLru|Kda")
+RECURRENT = re.compile(
+    r"Mamba|Mixer|DeltaNet|DeltaAttention|LinearAttention|Lightning|ShortConv|Rglru|RgLru|Kda"
+)
 
 
 def hf_config(d: dict, attn: str | None = None):
@@ -57,7 +59,7 @@ def model_class(cfg: dict, where: str):
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    mt = cfg.get("model_type")
+    mt = str(cfg.get("model_type"))
     for name in cfg.get("architectures") or []:
         cls = getattr(transformers, str(name), None)
         if isinstance(cls, type) and hasattr(cls, "get_output_embeddings") and _lm_class(name):
@@ -95,6 +97,11 @@ def meta_model(cfg_dict: dict, attn: str | None = None, cls_name: str | None = N
     return model.eval()
 
 
+def stored_model(g: dict):
+    """The meta-device model of a store's generic description (its class, config, attention)."""
+    return meta_model(g["config"], g["attn"], g.get("class"))
+
+
 def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
     """The `generic` block of an ArchSpec (see module doc). `disk`: the checkpoint's tensor names
     and shapes (None: a config-only description, assuming the in-memory layout)."""
@@ -120,7 +127,10 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     units = {
         "embed": [_entry("embed", embed_name, mem, parts, True)],
         "head": sorted(
-            [_entry("lm_head" if n == head_weight else "@" + n, n, mem, parts, n in trained) for n in groups["head"]],
+            [
+                _entry("lm_head" if n == head_weight else "@" + n, n, mem, parts, n in trained)
+                for n in groups["head"]
+            ],
             key=lambda r: not r["trainable"],
         ),
     }
@@ -140,7 +150,9 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
         "layer_kinds": layer_kinds,
         "carried": carried,
         "moe": _moe(model, layers, where),
-        "recurrent": sorted({type(m).__name__ for la in layers for m in la.modules() if RECURRENT.search(type(m).__name__)}),
+        "recurrent": sorted(
+            {type(m).__name__ for la in layers for m in la.modules() if RECURRENT.search(type(m).__name__)}
+        ),
     }
 
 
@@ -169,7 +181,9 @@ def _groups(model, s: dict, mem: dict, embed_name: str, head_weight: str, tied: 
     return out
 
 
-def _entry(name: str, hf: str, mem: dict, parts: dict, trainable: bool, layer: tuple[str, int] | None = None) -> dict:
+def _entry(
+    name: str, hf: str, mem: dict, parts: dict, trainable: bool, layer: tuple[str, int] | None = None
+) -> dict:
     """One tensor of a unit's table: its name for the engine, in-memory name, shape, and the disk
     tensors that fill it. In a layer kind, `{i}` stands for the layer index."""
 
@@ -201,7 +215,9 @@ def _templ(name: str, layer: tuple[str, int], disk: bool) -> str:
     return name[:at] + "{i}." + name[at + len(str(i)) + 1 :]
 
 
-def _layer_kinds(layers, stack: str, mem: dict, parts: dict, first: int, prefix_rows: list) -> tuple[dict, list]:
+def _layer_kinds(
+    layers, stack: str, mem: dict, parts: dict, first: int, prefix_rows: list
+) -> tuple[dict, list]:
     """Per-layer tables, deduplicated into kinds ('k0', 'k1', ... in order of first use); the first
     layer the forward calls also holds the tensors used before it (prefix_rows, by full name)."""
     kinds: dict[str, list] = {}
@@ -232,7 +248,9 @@ def _moe(model, layers, where: str) -> dict | None:
     if rec is None:
         return None
     cls, index = getattr(rec, "target_class", None), getattr(rec, "index", 0)
-    routed = [i for i, la in enumerate(layers) if cls is not None and any(isinstance(m, cls) for m in la.modules())]
+    routed = [
+        i for i, la in enumerate(layers) if cls is not None and any(isinstance(m, cls) for m in la.modules())
+    ]
     if not routed:
         return None
     conf = model.config.get_text_config()

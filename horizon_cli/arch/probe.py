@@ -80,11 +80,13 @@ def _record(owner, layers, returns: int, watched: dict[str, nn.Module], names, s
     log = Log()
     out = None
     try:
-        with torch.enable_grad(), recorders(layers, log, returns, stop_at, extras), _no_packing_check():
-            try:
-                out = owner(**_inputs(names))
-            except Stop:
-                pass
+        with (
+            torch.enable_grad(),
+            recorders(layers, log, returns, stop_at, extras),
+            _no_packing_check(),
+            contextlib.suppress(Stop),
+        ):
+            out = owner(**_inputs(names))
     finally:
         for h in handles:
             h.remove()
@@ -154,8 +156,9 @@ def probe(model: nn.Module, where: str) -> dict:
     if not owner_path:
         raise InputError(f"{where}: the decoder stack sits in the CausalLM itself: no base model to run")
     owner = model.get_submodule(owner_path)
-    layers = list(model.get_submodule(stack))
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    layers = list(model.get_submodule(stack).children())
+    lm: Any = model  # a PreTrainedModel
+    emb, head = lm.get_input_embeddings(), lm.get_output_embeddings()
     emb_path, head_path = path_of(model, emb), path_of(model, head)
     if emb_path is None or not emb_path.startswith(owner_path + "."):
         raise InputError(f"{where}: the token embedding is not inside {type(owner).__name__}")
@@ -163,9 +166,7 @@ def probe(model: nn.Module, where: str) -> dict:
         raise InputError(f"{where}: {type(model).__name__} has no output embedding (LM head)")
     names = owner_kwargs(owner)
     stack_attr = stack[len(owner_path) + 1 :]
-    watched = {
-        f"{owner_path}.{n}": m for n, m in owner.named_children() if n != stack_attr.split(".")[0]
-    }
+    watched = {f"{owner_path}.{n}": m for n, m in owner.named_children() if n != stack_attr.split(".")[0]}
     first, _ = _record(owner, layers, 0, watched, names, stop_at=0)
     layer_events = [e for e in first if e[0] == "layer"]
     if not layer_events:
@@ -186,14 +187,14 @@ def probe(model: nn.Module, where: str) -> dict:
         except Exception as e:  # noqa: BLE001 (another return convention may fit)
             tried.append(e)
     else:
-        err = next((e for e in tried if isinstance(e, InputError)), tried[0])
-        raise err if isinstance(err, InputError) else InputError(f"{where}: {type(owner).__name__}: {err}")
+        bad = next((x for x in tried if isinstance(x, InputError)), tried[0])
+        raise bad if isinstance(bad, InputError) else InputError(f"{where}: {type(owner).__name__}: {bad}")
     res["forwarded"] = _forwarded(owner, layers, returns, watched, names)
-    for i, e in enumerate(e for e in events if e[0] == "layer"):
-        if i and any(_grad_tensors(v) for v in [*e[3][1][1:], *e[3][2].values()]):
-            kw = [k for k, v in e[3][2].items() if _grad_tensors(v)] or ["a positional argument"]
+    for i, ev in enumerate(x for x in events if x[0] == "layer"):
+        if i and any(_grad_tensors(v) for v in [*ev[3][1][1:], *ev[3][2].values()]):
+            kw = [k for k, v in ev[3][2].items() if _grad_tensors(v)] or ["a positional argument"]
             raise InputError(
-                f"{where}: layer {e[1]} receives {kw[0]!r} computed from trained weights before the layers "
+                f"{where}: layer {ev[1]} receives {kw[0]!r} computed from trained weights before the layers "
                 "(a tensor crossing layers besides the hidden state): not supported yet"
             )
     res.update(
@@ -265,7 +266,7 @@ def _returned(layer_event):
 def _logits_mode(model: nn.Module, base: str, head: nn.Module, where: str) -> str:
     """'plain' when the CausalLM's logits are its head's output, 'forward' when its forward does
     more (scaling, soft-capping, slicing)."""
-    H = model.config.get_text_config().hidden_size
+    H = _config(model).get_text_config().hidden_size
     h = torch.empty(1, T, H, device="meta")
     seen = []
     hook = head.register_forward_hook(lambda m, a, o: seen.append((a[0] if a else None, o)))
@@ -285,8 +286,14 @@ def _logits_mode(model: nn.Module, base: str, head: nn.Module, where: str) -> st
     plain = logits is y and (x is h or (isinstance(x, torch.Tensor) and x._base is h and x.shape == h.shape))
     outside = [n for n, _ in model.named_parameters() if not n.startswith(base + ".")]
     head_params = {n for n, _ in head.named_parameters()}
-    extra = [n for n in outside if n.split(".", 1)[-1] not in head_params or not n.startswith(_path(model, head))]
+    extra = [
+        n for n in outside if n.split(".", 1)[-1] not in head_params or not n.startswith(_path(model, head))
+    ]
     return "plain" if plain and not extra else "forward"
+
+
+def _config(model: nn.Module) -> Any:
+    return model.config  # a PreTrainedModel's config (nn.Module's attribute typing says Tensor | Module)
 
 
 def _path(model: nn.Module, module: nn.Module) -> str:

@@ -32,7 +32,7 @@ def _in_tower(path: str) -> bool:
 
 
 def text_layers(model: nn.Module) -> int | None:
-    cfg = model.config.get_text_config()
+    cfg = getattr(model, "config").get_text_config()  # noqa: B009 (typed as Tensor | Module)
     for key in ("num_hidden_layers", "n_layer", "n_layers", "num_layers"):
         n = getattr(cfg, key, None)
         if isinstance(n, int):
@@ -61,7 +61,9 @@ def find_stack(model: nn.Module, where: str) -> str:
             return found[0][0]
         if len(found) > 1:
             names = ", ".join(p for p, _ in found)
-            raise InputError(f"{where}: several decoder stacks ({names}): not a single decoder the generic path runs")
+            raise InputError(
+                f"{where}: several decoder stacks ({names}): not a single decoder the generic path runs"
+            )
     raise InputError(f"{where}: no decoder-layer stack found in {type(model).__name__}")
 
 

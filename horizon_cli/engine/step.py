@@ -98,8 +98,12 @@ class TrainStep:
         if g.head is not None:  # a trained head (not LoRA)
             gh = p.params.host["head"].views(g.head)
             g.head.zero_()
-            tied = p.spec.tie_embeddings and g.embed is not None  # the LM head is the embedding
-            g_embed = p.params.host["embed"].views(g.embed)["embed"] if tied else None
+            # the LM head is the embedding when tied
+            g_embed = (
+                p.params.host["embed"].views(g.embed)["embed"]
+                if p.spec.tie_embeddings and g.embed is not None
+                else None
+            )
             head.g_norm, head.g_lm = p.tmpl.head_tensors(gh, g_embed)
             if g.embed is not None:
                 g.embed.zero_()

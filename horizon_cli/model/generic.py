@@ -48,7 +48,7 @@ from ..arch.capture import (
     rows_embedding,
     with_hidden,
 )
-from ..arch.generic import meta_model
+from ..arch.generic import stored_model
 from ..arch.probe import probe
 from ..data.batch import DecodeBatch, MicroBatch
 from .moe import RouterStats
@@ -87,7 +87,7 @@ def structure(g: dict) -> dict:
     and are probed from their config once."""
     if "model" in g:
         return g["model"]
-    return probe(meta_model(g["config"], g["attn"], g.get("class")), "the store's config.json")
+    return probe(stored_model(g), "the store's config.json")
 
 
 class GenericTemplate:
@@ -98,7 +98,7 @@ class GenericTemplate:
         assert g is not None
         self.g, self.device, self.s = g, device, structure(g)
         s = self.s
-        model = meta_model(g["config"], g["attn"], g.get("class"))
+        model = stored_model(g)
         _experts_fallback(model)
         self.model, self.cfg = model, model.config.get_text_config()
         self.owner = model.get_submodule(s["owner"])
@@ -110,7 +110,9 @@ class GenericTemplate:
         outside = [m for n, m in model.named_children() if n != s["base"]]
         owner_level = [m for n, m in self.owner.named_children() if f"{s['owner']}.{n}" != s["stack"]]
         materialize_buffers(model, [*outside, *owner_level, *self.layers], device)
-        self._buffers = [{n: b for n, b in la.named_buffers() if b.device.type != "meta"} for la in self.layers]
+        self._buffers = [
+            {n: b for n, b in la.named_buffers() if b.device.type != "meta"} for la in self.layers
+        ]
         first_kind = g["kinds"][g["layer_kinds"][self.first]]
         self._prefix = {e["name"]: e["hf"] for e in first_kind if e["name"].startswith("@")}
         self._head = {e["name"]: e["hf"] for e in g["units"]["head"]}
@@ -186,9 +188,9 @@ class GenericTemplate:
             rows_embedding(self.emb, rows),
             recorders(self.layers, log, self.s["returns"], self.last),
             packed_positions(self.owner, ctx.pos) if ctx.packed else contextlib.nullcontext(),
+            contextlib.suppress(Stop),
         ):
-            with contextlib.suppress(Stop):
-                self.owner(**self._owner_inputs(ctx))
+            self.owner(**self._owner_inputs(ctx))
         return {i: (args, kwargs) for i, args, kwargs in log}
 
     # -- layers ------------------------------------------------------------------------------
@@ -256,8 +258,9 @@ class GenericTemplate:
         from .kvprobe import cache_sizes
 
         c = self.cfg
-        kv = 2 * int(getattr(c, "num_key_value_heads", None) or getattr(c, "num_attention_heads", 1))
-        kv *= int(getattr(c, "head_dim", None) or c.hidden_size // int(getattr(c, "num_attention_heads", 1)))
+        heads = int(getattr(c, "num_attention_heads", None) or 1)
+        kv = 2 * int(getattr(c, "num_key_value_heads", None) or heads)
+        kv *= int(getattr(c, "head_dim", None) or int(getattr(c, "hidden_size", 0) or 0) // heads)
         return cache_sizes(self.g, self.new_cache, [(kv, None)] * len(self.layers))
 
     # -- step --------------------------------------------------------------------------------

@@ -24,6 +24,12 @@ LM = torch.Tensor | dict[str, torch.Tensor]
 Logits = Callable[[torch.Tensor, LM], torch.Tensor]  # (x (n, H), lm) -> (n, V)
 
 
+def linear(x: torch.Tensor, lm: LM) -> torch.Tensor:
+    """The plain LM head: x @ W.T (the native path's logits)."""
+    assert isinstance(lm, torch.Tensor)
+    return F.linear(x, lm)
+
+
 def _leaves(lm: LM, train: bool) -> LM:
     if isinstance(lm, torch.Tensor):
         return lm.detach().requires_grad_(train)
@@ -56,7 +62,7 @@ def head_forward_backward(
     chunk: int,
     g_norm: dict[str, torch.Tensor] | None,
     g_lm: LM | None,
-    logits_fn: Logits = F.linear,
+    logits_fn: Logits = linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h (b, T, H) -> (loss_sum fp32 scalar, dh (b, T, H)).
 
@@ -84,7 +90,7 @@ def head_backward(
     chunk: int,
     g_norm: dict[str, torch.Tensor] | None,
     g_lm: LM | None,
-    logits_fn: Logits = F.linear,
+    logits_fn: Logits = linear,
 ) -> torch.Tensor:
     """The backward of sum_t coef_t * log p(tgt_t) over the labelled positions: dh (b, T, H), and
     the parameter grads added as in head_forward_backward. coef (n,) fp32: d objective / d log p_t,
@@ -164,7 +170,7 @@ def token_logps(
     idx: torch.Tensor,
     tgt: torch.Tensor,
     chunk: int,
-    logits_fn: Logits = F.linear,
+    logits_fn: Logits = linear,
 ) -> torch.Tensor:
     """Forward only: log p(tgt_t) (n,) fp32 at every labelled position, logits bounded by a chunk."""
     out = torch.empty(idx.numel(), dtype=torch.float32, device=h.device)
@@ -182,7 +188,7 @@ def token_scores(
     idx: torch.Tensor,
     tgt: torch.Tensor,
     chunk: int,
-    logits_fn: Logits = F.linear,
+    logits_fn: Logits = linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only (the evaluation harness): log p(tgt_t) (n,) fp32 and whether tgt_t is the most
     likely token (n,) bool, at every labelled position, logits bounded by a chunk."""
@@ -203,7 +209,7 @@ def head_loss(
     idx: torch.Tensor,
     tgt: torch.Tensor,
     chunk: int,
-    logits_fn: Logits = F.linear,
+    logits_fn: Logits = linear,
 ) -> torch.Tensor:
     """Forward only (evaluation): summed cross-entropy over labelled positions, chunked."""
     total = torch.zeros((), dtype=torch.float32, device=h.device)

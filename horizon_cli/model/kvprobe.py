@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from ..arch.generic import meta_model
+from ..arch.generic import stored_model
 
 
 def _numel(x) -> int:
@@ -31,7 +31,7 @@ def cache_sizes(g: dict, new_cache, fallback: list[tuple[int, int | None]]) -> l
 
     import transformers.masking_utils as mu
 
-    model = meta_model(g["config"], g["attn"], g.get("class"))
+    model = stored_model(g)
     for c in (model.config, model.config.get_text_config()):
         if getattr(c, "_experts_implementation", None) is not None:
             c._experts_implementation = "eager"  # the grouped GEMM has no meta kernel for fp32
@@ -42,7 +42,9 @@ def cache_sizes(g: dict, new_cache, fallback: list[tuple[int, int | None]]) -> l
     try:
         with torch.no_grad(), contextlib.suppress(Exception):
             params = inspect.signature(type(model).forward).parameters
-            model(input_ids=ids, use_cache=True, **{"cache" if "cache" in params else "past_key_values": cache})
+            model(
+                input_ids=ids, use_cache=True, **{"cache" if "cache" in params else "past_key_values": cache}
+            )
     finally:
         mu.is_tracing = real
     out = []

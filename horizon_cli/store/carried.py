@@ -34,7 +34,8 @@ def write_carried(
 ) -> int:
     """infos: (name, shape, dtype, nbytes) in file order; tensors: (name, pieces) in any order, each
     piece a 1-D run of the tensor (convert.checkpoint). Returns the bytes written."""
-    header, off = {}, 0
+    header: dict[str, dict] = {}
+    off = 0
     for name, shape, dtype, n in infos:
         header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
