@@ -2,21 +2,18 @@
 language model, carries the rest aside untouched, training changes only the language model, and
 export writes the whole checkpoint back, loadable by its own transformers class."""
 
-import sys
 from pathlib import Path
 
 import torch
 import transformers
-from conftest import write_config, write_jsonl, chat_rows
+from census_config import tiny_config
+from conftest import chat_rows, write_config, write_jsonl
 from oracle import one_thread  # noqa: F401 (autouse fixture: tiny models on one thread)
 from test_cli_store_errors import horizon
 from tiny_tokenizer import make_tokenizer
 
 from horizon_cli.convert import convert
 from horizon_cli.export import export
-
-sys.path.insert(0, str(Path(__file__).parent))
-from census_config import tiny_config  # noqa: E402
 
 
 def tiny_llava(root: Path) -> Path:

@@ -10,6 +10,8 @@ cannot be observed on the meta device:
                 backward recompute would draw other masks), bidirectional attention, custom code
   model types   that transformers maps as causal LMs but are not decoders the engine can stream
                 (encoders used as decoders, permutation or n-gram objectives)
+  layers        cross-attention to an encoder in a layer the text forward calls (the decoders of
+                BART, Marian, Whisper, ...: their CausalLM classes also take labels unshifted)
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ TYPES = {
     "xlstm": "in-place updates in its mLSTM kernels (transformers cannot train it)",
     "blt": "byte patches and several stacks",
 }
+CROSS = re.compile(r"(^|\.)(encoder_attn|crossattention|cross_attn|cross_attention)$")
 ENCODERS = ("bert", "roberta", "electra", "ernie", "xmod", "roformer", "rembert", "data2vec", "big_bird")
 
 
@@ -81,3 +84,14 @@ def _configs(cfg: dict) -> list[dict]:
         if isinstance(cfg.get(key), dict):
             out.append(cfg[key])
     return out
+
+
+def refuse_layers(layers: list, calls: list[int], cls: str, where: str) -> None:
+    """InputError when a layer the text forward calls attends to an encoder's states."""
+    for i in calls:
+        hit = next((n for n, _ in layers[i].named_modules() if CROSS.search(n)), None)
+        if hit is not None:
+            raise InputError(
+                f"{where}: {cls}'s layers attend to an encoder ({hit}): the decoder of an encoder-decoder "
+                "model is not supported; horizon trains decoder-only language models"
+            )

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..errors import InputError
 from .disk import place
-from .exceptions import refuse_config
+from .exceptions import refuse_config, refuse_layers
 from .probe import probe
 
 RECURRENT = re.compile(
@@ -111,6 +111,7 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     model = meta_model(cfg, attn, cls.__name__)
     s = probe(model, where)
     layers = list(model.get_submodule(s["stack"]))
+    refuse_layers(layers, s["calls"], cls.__name__, where)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head.weight is emb.weight
     every = list(model.named_parameters(remove_duplicate=False))

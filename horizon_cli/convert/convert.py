@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from ..arch import hf_table, read_hf_config, spec_from_hf
-from ..arch.names import is_ignorable
+from ..arch.names import is_ignorable, native_disk_names
 from ..errors import InputError
 from ..fsutil import atomic_dir, check_not_inside, io_failures
 from ..progress import byte_progress
@@ -63,9 +63,11 @@ def convert(
     where = str(src / "config.json")
     spec = spec_from_hf(hf_cfg, where=where, path=path)  # refuses an unsupported model before reading weights
     ckpt = Checkpoint(src)
+    disk = {n: tuple(i.shape) for n, i in ckpt.infos.items()}
     if spec.generic is not None:  # map the checkpoint's own names (per-expert or fused) onto memory
-        disk = {n: tuple(i.shape) for n, i in ckpt.infos.items()}
         spec = spec_from_hf(hf_cfg, where=where, disk=disk, path="generic")
+    elif spec.family != hf_cfg.get("model_type"):  # a native class saved under its own names (EXAONE)
+        spec.hf_names = native_disk_names(spec, hf_cfg, disk, where) or None
     plan = check_tensors(ckpt, spec)
     carried = [ckpt.infos[n] for n in (spec.generic or {}).get("carried", [])]
     total = sum(ckpt.infos[n].nbytes for n in plan) + sum(i.nbytes for i in carried)
