@@ -154,10 +154,13 @@ def grads_of_checkpoint(ck: Path, out: Path) -> Path:
     return out
 
 
-def load(path: Path):
+def load(path: Path, cls=None):
+    """The checkpoint at path by `cls` (the oracle's own class: Emu3's text config is not in the
+    auto mapping), else AutoModelForCausalLM."""
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    cls = cls or AutoModelForCausalLM
+    model, info = cls.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
     bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     return model.float().eval(), {k: sorted(map(str, v))[:8] for k, v in bad.items()}
 
@@ -224,12 +227,14 @@ def train_and_compare(model_ref, data, tmp: Path) -> dict:
     res["loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref["losses"], strict=True))
     norms = [m["grad_norm"] for m in metrics]
     res["grad_norm_err"] = max(abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True))
-    gmodel, gbad = load(grads_of_checkpoint(tmp / "run" / "checkpoints" / "step_1", tmp / "grads"))
+    gmodel, gbad = load(
+        grads_of_checkpoint(tmp / "run" / "checkpoints" / "step_1", tmp / "grads"), type(model_ref)
+    )
     res["grad_err"], res["grad_worst"], gmiss = compare(
         dict(gmodel.named_parameters()), ref["g1"], GRAD_FLOOR
     )
     export(tmp / "run", tmp / "export")
-    emodel, ebad = load(tmp / "export")
+    emodel, ebad = load(tmp / "export", type(model_ref))
     want = {k: v for k, v in model_ref.state_dict().items() if v.is_floating_point()}
     res["weight_err"], res["weight_worst"], wmiss = compare(emodel.state_dict(), want)
     model_ref.eval()

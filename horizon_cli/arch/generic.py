@@ -255,11 +255,8 @@ def _moe(model, layers, where: str) -> dict | None:
     if not routed:
         return None
     conf = model.config.get_text_config()
-    keys = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-    n = next((getattr(conf, k) for k in keys if isinstance(getattr(conf, k, None), int)), None)
-    top_k = next(
-        (getattr(conf, k) for k in ("num_experts_per_tok", "moe_k", "top_k") if getattr(conf, k, None)), None
-    )
+    n = _conf_int(conf, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
+    top_k = _conf_int(conf, ("num_experts_per_tok", "moe_k", "top_k", "moe_topk", "moe_top_k"))
     if not n or not top_k:
         raise InputError(f"{where}: a routed model without num_experts / num_experts_per_tok in config.json")
     aux = None
@@ -279,6 +276,17 @@ def _moe(model, layers, where: str) -> dict | None:
         "layers": routed,
         "aux_coef": aux,
     }
+
+
+def _conf_int(conf, keys: tuple[str, ...]) -> int | None:
+    """The first positive int of `keys` in the config or its sub-configs (DBRX's ffn_config)."""
+    subs = [v for v in vars(conf).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")]
+    for c in [conf, *subs]:
+        for k in keys:
+            v = getattr(c, k, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
 
 
 def switch_loss(model) -> bool:

@@ -229,8 +229,11 @@ def _generic_spec(cfg: dict, where: str, disk) -> ArchSpec:
     c = hf_config(g["config"]).get_text_config()
 
     def get(key: str, default: Any = 0) -> Any:
-        v = getattr(c, key, None)
-        return default if v is None else v
+        try:
+            v = getattr(c, key, None)
+        except Exception:  # noqa: BLE001 (a per-layer attribute without one global value: dots3)
+            v = None
+        return default if v is None or isinstance(v, (list, dict)) and not isinstance(default, dict) else v
 
     hidden = int(get("hidden_size", 0) or get("d_model", 0))
     heads = int(get("num_attention_heads", 1))
