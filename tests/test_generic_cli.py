@@ -112,3 +112,18 @@ def test_misshapen_expert_tensor_is_named(src, tmp_path):
     sd[name] = sd[name][:, :-1].contiguous()
     save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
     assert_bad(horizon("convert", src, tmp_path / "dst"), name, "shape", dst=tmp_path / "dst")
+
+
+def test_packing_refused_for_recurrent_layers(tmp_path):
+    """Bamba's Mamba layers keep a state across the row: packed documents would leak into each other."""
+    from census_config import build, tiny_config
+
+    from horizon_cli.convert import convert
+
+    build("bamba", tiny_config("bamba", 2)).save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
+    cfg = write_config(
+        tmp_path / "c.yaml", tmp_path / "store", data, tmp_path / "run", data={"packing": True}
+    )
+    assert_bad(horizon("train", cfg), "data.packing", "BambaMixer", "packing: false")

@@ -95,3 +95,15 @@ def refuse_layers(layers: list, calls: list[int], cls: str, where: str) -> None:
                 f"{where}: {cls}'s layers attend to an encoder ({hit}): the decoder of an encoder-decoder "
                 "model is not supported; horizon trains decoder-only language models"
             )
+
+
+def refuse_packing(packing: bool, spec) -> None:
+    """InputError when packed rows would meet recurrent layers (Mamba, Gated DeltaNet, short
+    convolutions): transformers resets no recurrent state at a document boundary, so one packed
+    document would leak into the next (a measured 0.028 logit difference on Qwen3-Next)."""
+    rec = (getattr(spec, "generic", None) or {}).get("recurrent") or []
+    if packing and rec:
+        raise InputError(
+            f"data.packing: {spec.family}'s layers carry a recurrent state ({', '.join(rec[:3])}) that "
+            "transformers does not reset between packed documents; set data.packing: false"
+        )

@@ -47,7 +47,8 @@ def hf_config(d: dict, attn: str | None = None):
 
     if d.get("model_type") not in CONFIG_MAPPING:
         raise InputError(f"model_type {d.get('model_type')!r} is not a transformers architecture")
-    cfg = CONFIG_MAPPING[d["model_type"]].from_dict(dict(d))
+    cls = CONFIG_MAPPING[d["model_type"]]
+    cfg = cls.from_dict(cls._decode_special_floats(dict(d)))  # {"__float__": "Infinity"}, as from_pretrained
     if attn is not None:
         cfg._attn_implementation = attn
     return cfg
