@@ -174,16 +174,35 @@ def materialize_buffers(root: nn.Module, modules: list[nn.Module], device) -> No
             names = [n for n in sub._non_persistent_buffers_set if sub._buffers.get(n) is not None]
             if not names:
                 continue
+            fresh = []
             for n in names:
                 buf = sub._buffers[n]
                 if buf is not None and buf.device.type == "meta":
-                    sub._buffers[n] = torch.empty_like(buf, device=device)
+                    sub._buffers[n] = torch.full_like(buf, _unset(buf.dtype), device=device)
+                    fresh.append(n)
+            if not fresh:
+                continue
             if init is not None:
                 with torch.no_grad():
                     init(sub)
-            for n in names:
-                if getattr(sub._buffers[n], "device", None) == torch.device("meta"):
+            for n in fresh:  # what the model's init left untouched has no value
+                b = sub._buffers[n]
+                unset = (
+                    b is not None
+                    and b.dtype != torch.bool
+                    and b.numel()
+                    and bool((b == _unset(b.dtype)).all())
+                )
+                if b is None or b.device.type == "meta" or unset:
                     raise RuntimeError(f"{type(sub).__name__}.{n}: its value cannot be rebuilt")
+
+
+def _unset(dtype: torch.dtype):
+    """A fill no initialiser leaves in a whole buffer (the float one is the largest finite value:
+    NaN compares unequal to itself)."""
+    if dtype.is_floating_point:
+        return torch.finfo(dtype).max
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
 
 
 @contextlib.contextmanager

@@ -108,8 +108,7 @@ class GenericTemplate:
         self.suffix = [(p, model.get_submodule(p)) for p in s["suffix"]]
         self.first, self.last, self.called = s["calls"][0], s["calls"][-1], set(s["calls"])
         outside = [m for n, m in model.named_children() if n != s["base"]]
-        owner_level = [m for n, m in self.owner.named_children() if f"{s['owner']}.{n}" != s["stack"]]
-        materialize_buffers(model, [*outside, *owner_level, *self.layers], device)
+        materialize_buffers(model, [*outside, self.owner], device)  # the owner's own, its layers'
         self._buffers = [
             {n: b for n, b in la.named_buffers() if b.device.type != "meta"} for la in self.layers
         ]
