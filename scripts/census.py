@@ -34,6 +34,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -189,6 +190,38 @@ def cmd_table(args) -> None:
         print(f"| `{mt}` | {row.get('model_class', '?')} | {kind(row)} | {tr} | {horizon_cell(row)} |")
 
 
+def cmd_counts(args) -> None:
+    """The census counts for docs/benchmarks.md: over the target (text decoders and the language
+    models of multimodal checkpoints that transformers trains) and over every type."""
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+    from census_summary import TARGET, kind
+
+    rows = json.loads(Path(args.json).read_text())
+    trains = {k: r for k, r in rows.items() if (r.get("transformers") or {}).get("trains")}
+    target = {k: r for k, r in trains.items() if kind(r) in TARGET}
+
+    def result(r):
+        return (r.get("horizon") or {}).get("result", "-")
+
+    print(
+        f"tried: {len(rows)}; transformers trains: {len(trains)}; target (decoder, multimodal): {len(target)}"
+    )
+    for name, group in (("target", target), ("every type transformers trains", trains)):
+        c = Counter(result(r) for r in group.values())
+        pct = 100 * c["exact"] / max(len(group), 1)
+        print(
+            f"\n{name}: {len(group)} types, exact {c['exact']} ({pct:.1f} %), "
+            + ", ".join(f"{k} {v}" for k, v in sorted(c.items()) if k != "exact")
+        )
+    print("\n| target type | kind | result | reason |\n|---|---|---|---|")
+    for k, r in sorted(target.items()):
+        if result(r) != "exact":
+            h = r.get("horizon") or {}
+            print(
+                f"| `{k}` | {kind(r)} | {result(r)} | {cell(h.get('message') or h.get('worst') or '', 140)} |"
+            )
+
+
 def cmd_stacks(args) -> None:
     sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_stacks import main as stacks
@@ -294,6 +327,8 @@ def main() -> None:
     o.add_argument("--json", required=True)
     t = sub.add_parser("table")
     t.add_argument("json")
+    n = sub.add_parser("counts")
+    n.add_argument("json")
     s = sub.add_parser("summary")
     s.add_argument("json")
     k = sub.add_parser("stacks")
@@ -303,7 +338,9 @@ def main() -> None:
     c.add_argument("out")
     args = ap.parse_args()
     cmds = {"run": cmd_run, "one": cmd_one, "table": cmd_table, "summary": cmd_summary, "stacks": cmd_stacks}
-    cmds.update(compact=cmd_compact, horizon=cmd_horizon, **{"horizon-one": cmd_horizon_one})
+    cmds.update(
+        counts=cmd_counts, compact=cmd_compact, horizon=cmd_horizon, **{"horizon-one": cmd_horizon_one}
+    )
     cmds[args.cmd](args)
 
 
