@@ -122,21 +122,24 @@ class _Extra:
     """Stands for a layer's extra output in the probe: is it passed on to the next layer?"""
 
 
-def _forwarded(owner, layers, returns: int, watched, names) -> list[int]:
-    """Positions (1, 2, ...) of a layer's extra outputs that the owner passes to the next layer
-    (all of them when the owner cannot run with stand-ins)."""
+def _forwarded(owner, layers, returns: int, watched, names) -> tuple[list[int], list[list]]:
+    """(positions 1, 2, ... of a layer's extra outputs that the owner passes to the next layer —
+    all of them when the owner cannot run with stand-ins —, and where the next layer takes each:
+    [k, "kw", name] or [k, "arg", index])."""
     if returns < 2:
-        return []
+        return [], []
     marks = tuple(_Extra() for _ in range(returns - 1))
     try:
         events, _ = _record(owner, layers, returns, watched, names, stop_at=1, extras=marks)
     except Exception:  # noqa: BLE001 (the owner computes with them)
-        return list(range(1, returns))
+        return list(range(1, returns)), []
     calls = [e[3] for e in events if e[0] == "layer"]
     if len(calls) < 2:
-        return []
-    seen = [*calls[1][1], *calls[1][2].values()]
-    return [k + 1 for k, m in enumerate(marks) if any(v is m for v in seen)]
+        return [], []
+    _, args, kwargs = calls[1]
+    where = [[k + 1, "arg", j] for k, m in enumerate(marks) for j, v in enumerate(args) if v is m]
+    where += [[k + 1, "kw", n] for k, m in enumerate(marks) for n, v in kwargs.items() if v is m]
+    return sorted({w[0] for w in where}), where
 
 
 def _grad_tensors(v) -> bool:
@@ -189,13 +192,14 @@ def probe(model: nn.Module, where: str) -> dict:
     else:
         bad = next((x for x in tried if isinstance(x, InputError)), tried[0])
         raise bad if isinstance(bad, InputError) else InputError(f"{where}: {type(owner).__name__}: {bad}")
-    res["forwarded"] = _forwarded(owner, layers, returns, watched, names)
+    res["forwarded"], res["passes"] = _forwarded(owner, layers, returns, watched, names)
     for i, ev in enumerate(x for x in events if x[0] == "layer"):
         if i and any(_grad_tensors(v) for v in [*ev[3][1][1:], *ev[3][2].values()]):
-            kw = [k for k, v in ev[3][2].items() if _grad_tensors(v)] or ["a positional argument"]
+            kw = [repr(k) for k, v in ev[3][2].items() if _grad_tensors(v)]
+            kw += [f"its positional argument {j + 1}" for j, v in enumerate(ev[3][1][1:]) if _grad_tensors(v)]
             raise InputError(
-                f"{where}: layer {ev[1]} receives {kw[0]!r} computed from trained weights before the layers "
-                "(a tensor crossing layers besides the hidden state): not supported yet"
+                f"{where}: layer {ev[1]} receives {kw[0]}, computed from trained weights before the layers "
+                "(a tensor crossing layers besides the hidden state, e.g. per-layer inputs): not supported yet"
             )
     res.update(
         stack=stack,

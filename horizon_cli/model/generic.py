@@ -29,7 +29,7 @@ as `router_logits`) and feed model.moe.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -66,6 +66,7 @@ class GenericContext:
     cache: Any = None  # generation: the micro-batch's transformers Cache (DynamicCache)
     packed: bool = False  # rows hold several documents (positions restart at each)
     calls: dict[int, tuple[tuple, dict]] | None = None
+    carry: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # layer -> its passed outputs
 
 
 def _experts_fallback(model) -> None:
@@ -205,7 +206,7 @@ class GenericTemplate:
         else:
             assert ctx.calls is not None, "the first layer's forward records every layer's arguments"
             args, kwargs = ctx.calls[i]
-        args, kwargs = with_hidden(args, kwargs, x)
+        args, kwargs = self._passed_in(i, *with_hidden(args, kwargs, x), ctx)
         lw = {k: v for k, v in w.items() if not k.startswith("@")}
         self._lora = lora
         try:
@@ -213,14 +214,40 @@ class GenericTemplate:
         finally:
             self._lora = None
         if isinstance(out, (tuple, list)):
-            for k in self.s.get("forwarded", []):
-                if out[k] is not None:
-                    raise RuntimeError(
-                        f"layer {i} returns a tensor its model passes to the next layer (output {k}): "
-                        "tensors crossing layers besides the hidden state are not supported"
-                    )
+            self._passed_out(i, out, ctx)
             out = out[0]
         return out
+
+    def _passed_in(self, i: int, args: tuple, kwargs: dict, ctx: GenericContext) -> tuple[tuple, dict]:
+        """The outputs the previous layer passed on (GLM-MoE-DSA's `prev_topk_indices`), as the
+        forward sweep computed them (the backward recompute reads the same values)."""
+        calls = self.s["calls"]
+        at = calls.index(i)
+        prev = ctx.carry.get(calls[at - 1]) if at else None
+        if not prev:
+            return args, kwargs
+        args, kwargs = list(args), dict(kwargs)
+        for k, how, key in self.s.get("passes", []):
+            if k in prev:
+                if how == "kw":
+                    kwargs[key] = prev[k]
+                else:
+                    args[key] = prev[k]
+        return tuple(args), kwargs
+
+    def _passed_out(self, i: int, out, ctx: GenericContext) -> None:
+        """Keep what layer i passes to the next one: index tensors (no gradient to carry back)."""
+        known = {p[0] for p in self.s.get("passes", [])}
+        for k in self.s.get("forwarded", []):
+            v = out[k]
+            if v is None:
+                continue
+            if k not in known or not isinstance(v, torch.Tensor) or v.is_floating_point():
+                raise RuntimeError(
+                    f"layer {i} returns a tensor its model passes to the next layer (output {k}): "
+                    "tensors crossing layers besides the hidden state are not supported"
+                )
+            ctx.carry.setdefault(i, {})[k] = v.detach()
 
     def forward(self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None) -> torch.Tensor:
         """x (b, T, H) -> (b, T, H) (the first layer: x is the embedding rows); records router
