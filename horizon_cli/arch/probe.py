@@ -137,9 +137,9 @@ def _forwarded(owner, layers, returns: int, watched, names) -> tuple[list[int], 
     if len(calls) < 2:
         return [], []
     _, args, kwargs = calls[1]
-    where = [[k + 1, "arg", j] for k, m in enumerate(marks) for j, v in enumerate(args) if v is m]
+    where: list[list] = [[k + 1, "arg", j] for k, m in enumerate(marks) for j, v in enumerate(args) if v is m]
     where += [[k + 1, "kw", n] for k, m in enumerate(marks) for n, v in kwargs.items() if v is m]
-    return sorted({w[0] for w in where}), where
+    return sorted({int(w[0]) for w in where}), where
 
 
 def _grad_tensors(v) -> bool:

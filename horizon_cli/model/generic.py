@@ -226,14 +226,14 @@ class GenericTemplate:
         prev = ctx.carry.get(calls[at - 1]) if at else None
         if not prev:
             return args, kwargs
-        args, kwargs = list(args), dict(kwargs)
+        new, kwargs = list(args), dict(kwargs)
         for k, how, key in self.s.get("passes", []):
             if k in prev:
                 if how == "kw":
                     kwargs[key] = prev[k]
                 else:
-                    args[key] = prev[k]
-        return tuple(args), kwargs
+                    new[key] = prev[k]
+        return tuple(new), kwargs
 
     def _passed_out(self, i: int, out, ctx: GenericContext) -> None:
         """Keep what layer i passes to the next one: index tensors (no gradient to carry back)."""
