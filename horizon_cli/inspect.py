@@ -138,6 +138,18 @@ def _flags(a) -> str:
     return ", ".join(flags) or "none"
 
 
+def _kernels() -> str:
+    """Which path transformers' recurrent layers take here: its optimised kernels when installed."""
+    import importlib.util
+
+    have = [m for m in ("fla", "causal_conv1d", "mamba_ssm") if importlib.util.find_spec(m) is not None]
+    return (
+        f"kernels: {', '.join(have)}"
+        if have
+        else "transformers' slow pure-torch path: no fla / causal-conv1d / mamba-ssm"
+    )
+
+
 def _generic_flags(a) -> str:
     g = a.generic
     flags = []
@@ -165,6 +177,8 @@ def _generic_flags(a) -> str:
         flags.append(f"{skipped} layers the text forward skips")
     if g.get("carried"):
         flags.append(f"{len(g['carried'])} tensors carried untouched (not the language model)")
+    if g.get("recurrent"):
+        flags.append(f"recurrent layers ({', '.join(g['recurrent'][:3])}; packing refused; {_kernels()})")
     return ", ".join(flags) or "none"
 
 

@@ -127,3 +127,23 @@ def test_packing_refused_for_recurrent_layers(tmp_path):
         tmp_path / "c.yaml", tmp_path / "store", data, tmp_path / "run", data={"packing": True}
     )
     assert_bad(horizon("train", cfg), "data.packing", "BambaMixer", "packing: false")
+
+
+def test_inspect_names_recurrent_layers(tmp_path):
+    from census_config import build, tiny_config
+
+    from horizon_cli.convert import convert
+
+    build("bamba", tiny_config("bamba", 2)).save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    import io
+
+    from rich.console import Console
+
+    from horizon_cli import api
+
+    out = io.StringIO()
+    api.inspect(tmp_path / "store", console=Console(file=out, width=400))
+    assert "recurrent layers (BambaMixer" in out.getvalue() and "packing refused" in out.getvalue(), (
+        out.getvalue()
+    )
