@@ -174,6 +174,13 @@ def probe(model: nn.Module, where: str) -> dict:
     layer_events = [e for e in first if e[0] == "layer"]
     if not layer_events:
         raise InputError(f"{where}: {type(owner).__name__}'s forward calls no decoder layer")
+    h0 = layer_events[0][2]
+    H = getattr(_config(model).get_text_config(), "hidden_size", None)
+    if isinstance(h0, torch.Tensor) and isinstance(H, int) and tuple(h0.shape) != (1, T, H):
+        raise InputError(
+            f"{where}: {type(owner).__name__} passes a hidden state of shape {tuple(h0.shape)} between its "
+            f"layers, not (batch, tokens, {H}) (several residual streams: hyper-connections): not supported"
+        )
     real = _real_returns(layers[layer_events[0][1]], layer_events[0][3])
     tried: list[Exception] = []
     for returns in [real] if real is not None else [0, 1, 2, 3]:
