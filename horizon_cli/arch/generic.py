@@ -161,7 +161,7 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
 def _groups(model, s: dict, mem: dict, embed_name: str, head_weight: str, tied: bool) -> dict[str, list[str]]:
     """Which unit each model-level tensor belongs to (module doc); layers are taken by prefix."""
     stack, owner = s["stack"] + ".", s["owner"] + "."
-    prefix_mods = [p + "." for p in s["prefix"] if p != s["embed"]]
+    prefix_mods = [p + "." for p in s["prefix"]]  # the embedding module's own others too (Inkling's norm)
     suffix_mods = [p + "." for p in s["suffix"]]
     head_mod = s["head"] + "."
     out: dict[str, list[str]] = {"prefix": [], "head": [], "carried": []}
