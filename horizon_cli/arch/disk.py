@@ -81,7 +81,8 @@ def place(
             if _concat0(conv):
                 rows.setdefault(target, []).append((conv.source_patterns.index(pattern), name, tuple(shape)))
                 continue
-            parts[target].append(_stacked(name, shape, mem[target], conv, pattern, where))
+            renamed = rename_source_key(name, renamings, [])[0]  # what the converter's pattern sees
+            parts[target].append(_stacked(name, renamed, shape, mem[target], conv, pattern, where))
     for target, srcs in rows.items():  # back to back in source order
         at = 0
         for _, name, shape in sorted(srcs):
@@ -109,7 +110,7 @@ def _whole(name: str, shape, want, where: str) -> Part:
     return Part(name, tuple(shape), 0)
 
 
-def _stacked(name: str, shape, target: tuple[int, ...], conv, pattern: str, where: str) -> Part:
+def _stacked(name: str, renamed: str, shape, target: tuple[int, ...], conv, pattern: str, where: str) -> Part:
     """A per-expert disk tensor inside a stacked (and concatenated) memory tensor."""
     ops = [type(op).__name__ for op in conv.operations]
     dims = [getattr(op, "dim", None) for op in conv.operations]
@@ -122,7 +123,9 @@ def _stacked(name: str, shape, target: tuple[int, ...], conv, pattern: str, wher
             f"{where}: tensor {name} needs the checkpoint conversion {' + '.join(ops)}, which the store "
             "cannot hold as a view (supported: stacking per-expert tensors, then concatenating them on dim 1)"
         )
-    m = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), name)
+    # a plain pattern ("experts.*.w1") or, written as a regex, r"\.experts.*.w1": `*` is the index
+    rx = pattern.replace("*", r"(\d+)") if "\\" in pattern else re.escape(pattern).replace(r"\*", r"(\d+)")
+    m = re.search(rx, name) or re.search(rx, renamed)
     if m is None or not m.groups():
         raise InputError(f"{where}: tensor {name}: cannot tell its expert index")
     e, k, n_src = int(m.group(1)), conv.source_patterns.index(pattern), len(conv.source_patterns)
