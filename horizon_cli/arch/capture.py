@@ -165,36 +165,38 @@ def head_stub(model: nn.Module, base: str, h: torch.Tensor) -> Iterator[None]:
 
 def materialize_buffers(root: nn.Module, modules: list[nn.Module], device) -> None:
     """Give the non-persistent buffers of `modules` (meta: rotary inverse frequencies, embedding
-    scales, position ids) real values on `device`, as transformers does when it loads a model
-    built on the meta device: empty tensors, then the model's own `_init_weights` on each module
-    that holds one (parameters stay on the meta device and are left alone)."""
+    scales, position ids, Falcon-H1's mup vectors) real values on `device`, as transformers does
+    when it loads a model built on the meta device: a fill, then the model's own `_init_weights`
+    on each module that holds one and on every module above it (Falcon-H1's model writes its
+    layers' vectors; parameters stay on the meta device, untouched); a buffer still at the fill
+    is an error (its value would be garbage)."""
     init = getattr(root, "_init_weights", None)
+    fresh: list[tuple[nn.Module, str]] = []
+    holders: set[int] = set()
     for mod in modules:
-        for sub in mod.modules():
-            names = [n for n in sub._non_persistent_buffers_set if sub._buffers.get(n) is not None]
-            if not names:
-                continue
-            fresh = []
-            for n in names:
-                buf = sub._buffers[n]
+        for path, sub in mod.named_modules():
+            for n in sub._non_persistent_buffers_set:
+                buf = sub._buffers.get(n)
                 if buf is not None and buf.device.type == "meta":
                     sub._buffers[n] = torch.full_like(buf, _unset(buf.dtype), device=device)
-                    fresh.append(n)
-            if not fresh:
-                continue
-            if init is not None:
-                with torch.no_grad():
-                    init(sub)
-            for n in fresh:  # what the model's init left untouched has no value
-                b = sub._buffers[n]
-                unset = (
-                    b is not None
-                    and b.dtype != torch.bool
-                    and b.numel()
-                    and bool((b == _unset(b.dtype)).all())
-                )
-                if b is None or b.device.type == "meta" or unset:
-                    raise RuntimeError(f"{type(sub).__name__}.{n}: its value cannot be rebuilt")
+                    fresh.append((sub, n))
+                    above = [
+                        m for p, m in mod.named_modules() if not p or path == p or path.startswith(p + ".")
+                    ]
+                    holders.update(id(m) for m in above)
+    if not fresh:
+        return
+    if init is not None:
+        with torch.no_grad():
+            for mod in modules:
+                for sub in mod.modules():
+                    if id(sub) in holders:
+                        init(sub)
+    for sub, n in fresh:
+        b = sub._buffers[n]
+        unset = b is not None and b.dtype != torch.bool and b.numel() and bool((b == _unset(b.dtype)).all())
+        if b is None or b.device.type == "meta" or unset:
+            raise RuntimeError(f"{type(sub).__name__}.{n}: its value cannot be rebuilt")
 
 
 def _unset(dtype: torch.dtype):
