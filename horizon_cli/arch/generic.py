@@ -165,11 +165,11 @@ def _groups(model, s: dict, mem: dict, embed_name: str, head_weight: str, tied: 
     suffix_mods = [p + "." for p in s["suffix"]]
     head_mod = s["head"] + "."
     out: dict[str, list[str]] = {"prefix": [], "head": [], "carried": []}
-    del owner
     for n in mem:
         if n == embed_name or n.startswith(stack):
             continue
-        if n.startswith(tuple(prefix_mods)):
+        own = n.startswith(owner) and "." not in n[len(owner) :]  # the owner's own (Zaya's input bias)
+        if own or n.startswith(tuple(prefix_mods)):
             out["prefix"].append(n)
         elif n.startswith(tuple(suffix_mods)) or n.startswith(head_mod):
             out["head"].append(n)
