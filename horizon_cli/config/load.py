@@ -258,6 +258,7 @@ def validate(cfg: Config) -> list[str]:
         p.append("data.eval_path: give eval_path or eval_fraction, not both")
     if cfg.train.eval_every and not (cfg.data.eval_path or cfg.data.eval_fraction):
         p.append("train.eval_every: needs data.eval_fraction or data.eval_path")
+    p += _preference_problems(cfg)
     if cfg.lora is not None:
         t = cfg.lora.targets
         if not t or (isinstance(t, list) and not all(t)):
@@ -267,6 +268,29 @@ def validate(cfg: Config) -> list[str]:
                 re.compile(t)
             except re.error as e:
                 p.append(f"lora.targets: {t!r} is not a valid regular expression ({e})")
+    return p
+
+
+def _preference_problems(cfg: Config) -> list[str]:
+    pref = cfg.preference
+    if pref is None:
+        return (
+            ["data.format: preference pairs need a preference: section (e.g. preference: {loss: dpo})"]
+            if cfg.data.format == "preference"
+            else []
+        )
+    p = []
+    if cfg.data.format not in ("auto", "preference"):
+        p.append(
+            f"preference.loss: {pref.loss} trains on preference pairs; data.format {cfg.data.format} "
+            "is not (use data.format: preference or auto)"
+        )
+    if cfg.data.packing:
+        p.append(
+            "data.packing: preference pairs are not packed (a pair's two sequences stay whole); set it false"
+        )
+    if pref.label_smoothing and pref.loss not in ("dpo", "simpo"):
+        p.append(f"preference.label_smoothing: only dpo and simpo use it, not {pref.loss}")
     return p
 
 

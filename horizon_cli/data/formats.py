@@ -7,9 +7,13 @@
                  or sharegpt {"conversations": [{"from", "value"}, ...]}; optional "system", "tools"
     tokens       {"input_ids": [int], "labels": [int] (optional, -100 = no loss)}, optional
                  "attention_mask" (all ones: horizon never pads inside a record)
+    preference   {"chosen", "rejected"} with "prompt", "instruction" or "conversations" (or an
+                 implicit prompt), or pre-tokenized {"prompt_input_ids", "chosen_input_ids",
+                 "rejected_input_ids"}: pairs, read by data.preference
 
-`auto` picks the first format whose fields are present, in the order tokens, chat, instruction,
-text (the most specific first: a pre-tokenized set may also carry its `text`).
+`auto` picks the first format whose fields are present, in the order tokens, preference, chat,
+instruction, text (the most specific first: a pre-tokenized set may also carry its `text`, a
+preference pair its `conversations` or `instruction`).
 
 Any other field is reported once (by `ignored_columns`) when it carries content: a non-blank
 string or a non-empty list or object. Numbers, booleans, nulls and blanks are metadata, and so is
@@ -22,11 +26,13 @@ from collections import Counter
 
 from ..errors import InputError
 
-FORMATS = ("text", "instruction", "chat", "tokens")
+FORMATS = ("text", "instruction", "chat", "tokens", "preference")
+DETECT = ("tokens", "preference", "chat", "instruction", "text")  # `auto`, in order
 
 # format -> groups of fields; each group needs one of its alternatives
 REQUIRED: dict[str, tuple[tuple[str, ...], ...]] = {
     "tokens": (("input_ids",),),
+    "preference": (("chosen", "chosen_input_ids"), ("rejected", "rejected_input_ids")),
     "chat": (("messages", "conversations"),),
     "instruction": (("instruction",), ("output",)),
     "text": (("text",),),
@@ -36,6 +42,16 @@ OPTIONAL = {
     "instruction": ("input", "system", "history"),
     "chat": ("system", "tools"),
     "text": (),
+    "preference": (
+        "prompt",
+        "prompt_input_ids",
+        "instruction",
+        "input",
+        "conversations",
+        "system",
+        "history",
+        "tools",
+    ),
 }
 # fields that never carry training text: ids and provenance (compared lower-case)
 META_FIELDS = frozenset(
@@ -48,13 +64,19 @@ MEDIA_FEATURES = ("Image", "Audio", "Video", "Pdf", "Nifti")  # `datasets` featu
 
 def resolve_format(fmt: str, columns: list[str], name: str) -> str:
     """Configured format (or `auto`) + the dataset's fields -> the format to use, checked."""
+    half = [f for f in ("chosen", "rejected") if f in columns]
+    if fmt in ("auto", "preference") and len(half) == 1:  # one completion of a pair
+        other = "rejected" if half == ["chosen"] else "chosen"
+        raise InputError(
+            f"{name}: has field {half[0]!r} but no {other!r}: a preference pair needs both completions"
+        )
     if fmt == "auto":
-        for cand in ("tokens", "chat", "instruction", "text"):
+        for cand in DETECT:
             if _has_fields(cand, columns):
                 return cand
         raise InputError(
             f"{name}: cannot detect the data format from fields [{', '.join(columns)}]; expected text, "
-            "instruction+output, messages or conversations, or input_ids (or set data.format)"
+            "instruction+output, messages or conversations, chosen+rejected, or input_ids (or set data.format)"
         )
     if fmt not in FORMATS:
         raise InputError(

@@ -21,6 +21,7 @@ from .collate import pad_id_of
 from .encode import EMPTY, NO_ASSISTANT, Encoder, Vocab, truncate
 from .formats import columns_for, ignored_columns, resolve_format
 from .pack import Packer
+from .pairs import PairSet, as_pairs, build_pairs
 from .tokset import RowBuilder, TokenSet
 
 RECORDS_PER_BATCH = 1000  # records tokenized per tokenizer call
@@ -29,8 +30,8 @@ Log = Callable[[str], None]
 
 @dataclass
 class PreparedData:
-    train: TokenSet
-    eval: TokenSet | None
+    train: TokenSet | PairSet  # preference data: pairs (data.pairs)
+    eval: TokenSet | PairSet | None
     format: str  # the format used (what `auto` chose)
     pad_id: int
 
@@ -74,7 +75,8 @@ def prepare_data(
             what="data.eval_path",
             vocab_size=vocab_size,
         )
-    elif data_cfg.eval_fraction > 0:
+    train, evals = as_pairs(train), as_pairs(evals)  # preference: sampled and split pair by pair
+    if evals is None and data_cfg.eval_fraction > 0:
         train, evals = split_eval(train, data_cfg.eval_fraction, seed)
     log(f"data: train: {train.summary()}")
     if evals is not None:
@@ -136,6 +138,8 @@ def build_token_set(
         raise InputError(f"{name}: the dataset is empty (no records)")
     chosen = resolve_format(fmt, list(ds.column_names), name)
     log(f"data: {name}: format {chosen}" + (" (auto-detected from its fields)" if fmt == "auto" else ""))
+    if chosen == "preference":  # pairs: two rows each (data.pairs)
+        return build_pairs(ds, tokenizer, data_cfg, name, log, _vocab("tokens", tokenizer, vocab_size))
     enc = Encoder(chosen, tokenizer, data_cfg.train_on_prompt, name, _vocab(chosen, tokenizer, vocab_size))
     read = columns_for(chosen, ds.column_names)
     stats: dict = {"records": 0, "examples": 0, EMPTY: 0, NO_ASSISTANT: 0, "no_labels": 0, "truncated": 0}

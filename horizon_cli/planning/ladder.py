@@ -64,6 +64,7 @@ def plan_for(
     spec = spec if isinstance(spec, ArchSpec) else spec.arch
     e = cfg.engine
     seq = min(cfg.data.max_seq_len, spec.max_positions)
+    rows = cfg.rows_per_example  # a preference pair is two sequences in the same micro-batch
     if memory in ("lora", "qlora"):
         targets, r = (lora.targets, lora.r) if lora else default_adapters(spec)
         return lora_memory_plan(
@@ -72,8 +73,8 @@ def plan_for(
             r,
             e.dtype,
             e.grad_dtype,
-            batch=cfg.train.batch_size,
-            micro_batch=cfg.train.micro_batch_size,
+            batch=cfg.train.batch_size * rows,
+            micro_batch=cfg.train.micro_batch_size * rows,
             seq=seq,
             prefetch=e.prefetch,
             loss_chunk=e.loss_chunk,
@@ -86,8 +87,8 @@ def plan_for(
         spec,
         dtype,
         e.grad_dtype if memory != "lean" else "auto",
-        batch=cfg.train.batch_size,
-        micro_batch=cfg.train.micro_batch_size,
+        batch=cfg.train.batch_size * rows,
+        micro_batch=cfg.train.micro_batch_size * rows,
         seq=seq,
         prefetch=e.prefetch,
         loss_chunk=e.loss_chunk,
