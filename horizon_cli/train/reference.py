@@ -1,0 +1,152 @@
+"""The reference of a preference run (dpo, ipo): every pair's chosen and rejected log-prob under the
+initial weights (LoRA: the base with the adapters off), computed once before step 1 by streamed
+forward-only sweeps (engine.Engine.sequence_logps: each layer loaded once per train.batch_size
+pairs, not once per pair), kept in the run dir and reused on resume.
+
+    <run>/reference/train.npy   (pairs, 2) float32: chosen, rejected, in the training pairs' order
+    <run>/reference/eval.npy    the same for the held-out pairs (when there are)
+    <run>/reference/meta.json   per file its CRC32 and shape; what the numbers belong to: the pairs'
+                                fingerprint (data.pairs.PairSet.fingerprint), the model's, the
+                                compute dtype, LoRA or not
+
+Written with `fsutil.atomic_dir` (rank 0), so a crash leaves no half reference. A resumed run
+reads it back; one whose reference is missing, damaged or made for other pairs is refused when it
+trains every weight (the initial weights are gone: a checkpoint's are not the reference), and
+recomputed from the base when it trains LoRA adapters (the base never changes).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ..data import PreparedData
+from ..data.batch import IGNORE, MicroBatch
+from ..data.pairs import PairSet, collate_pairs
+from ..errors import InputError
+from ..fsutil import atomic_dir, read_json
+
+
+def reference(
+    engine, data: PreparedData, cfg, run_dir: Path, console: Console, fresh: bool, model_fp: str, main: bool
+) -> dict[str, np.ndarray]:
+    """The reference log-probs of the training pairs ("train") and the held-out ones ("eval"):
+    read back, or computed (fresh: before step 1; main: this rank writes the run dir)."""
+    sets = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
+    where = Path(run_dir) / "reference"
+    meta = {
+        "model": model_fp,
+        "dtype": cfg.engine.dtype,
+        "lora": cfg.lora is not None,
+        "pairs": {k: s.fingerprint() for k, s in sets.items()},
+    }
+    found, why = load(where, meta)
+    if found is not None:
+        console.print(f"reference: {where} ({_count(found)} pairs, reused)", highlight=False)
+        return found
+    if not fresh and cfg.lora is None:
+        raise InputError(
+            f"output.dir: {where} {why}; a resumed run cannot rebuild it (the reference is the initial "
+            "weights, not a checkpoint's): restore it, or start again in another output.dir"
+        )
+    if not fresh:
+        console.print(f"[yellow]note:[/] {where} {why}; recomputing it from the base (adapters off)")
+    out = {k: compute(engine, s, cfg, data.pad_id, console, k) for k, s in sets.items()}  # type: ignore[arg-type]
+    if main:
+        save(where, out, meta)
+    return out
+
+
+def compute(engine, pairs: PairSet, cfg, pad_id: int, console: Console, name: str) -> np.ndarray:
+    """(pairs, 2) float32: forward-only sweeps over train.batch_size pairs at a time, each rank its
+    share of every sweep's micro-batches, the results summed over the ranks."""
+    t, world, rank = cfg.train, *_ranks(engine)
+    out = np.zeros((len(pairs), 2), dtype=np.float32)
+    cols = (
+        TextColumn("[bold]reference"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("pairs"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*cols, console=console, transient=False) as prog:
+        task = prog.add_task(name, total=len(pairs))
+        for a in range(0, len(pairs), t.batch_size):
+            idx = np.arange(a, min(len(pairs), a + t.batch_size))
+            mbs = collate_pairs(pairs.rows(idx), t.micro_batch_size, pad_id)
+            per = math.ceil(len(mbs) / world)
+            mine = list(range(rank, len(mbs), world))
+            todo = [mbs[i] for i in mine] + [_unlabelled(mbs[0])] * (per - len(mine))
+            vec = torch.zeros(2 * len(idx), dtype=torch.float32)
+            rows = 2 * t.micro_batch_size
+            for i, lp in zip(mine, engine.sequence_logps(todo, adapters=False), strict=False):
+                vec[i * rows : i * rows + lp.numel()] = lp
+            out[idx] = engine.sum_over_ranks(vec).numpy().reshape(-1, 2)
+            prog.advance(task, len(idx))
+    return out
+
+
+def load(where: Path, meta: dict) -> tuple[dict[str, np.ndarray] | None, str]:
+    """(the arrays, "") when `where` holds a reference for exactly `meta`, else (None, why not)."""
+    if not (where / "meta.json").is_file():
+        return None, "does not exist"
+    try:
+        got = read_json(where / "meta.json")
+    except InputError:
+        return None, "has an unreadable meta.json"
+    for k in ("model", "dtype", "lora", "pairs"):
+        if got.get(k) != meta[k]:
+            return None, f"was computed for other {'data' if k == 'pairs' else k} ({k} differs)"
+    out = {}
+    for name, info in got.get("files", {}).items():
+        path = where / f"{name}.npy"
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            return None, f"lacks {path.name}"
+        if zlib.crc32(raw) != info.get("crc32"):
+            return None, f"is damaged ({path.name} fails its checksum)"
+        out[name] = np.load(io.BytesIO(raw))
+    if set(out) != set(meta["pairs"]):
+        return None, "lacks a set"
+    return out, ""
+
+
+def save(where: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    files = {}
+    with atomic_dir(where, force=True) as tmp:
+        for name, arr in arrays.items():
+            buf = io.BytesIO()
+            np.save(buf, arr.astype(np.float32))
+            raw = buf.getvalue()
+            (tmp / f"{name}.npy").write_bytes(raw)
+            files[name] = {"crc32": zlib.crc32(raw), "shape": list(arr.shape)}
+        (tmp / "meta.json").write_text(json.dumps({**meta, "files": files}, indent=1) + "\n")
+
+
+def sweeps(pairs: int, batch: int) -> int:
+    """Forward-only sweeps of the layers the reference pass makes over `pairs` pairs."""
+    return math.ceil(pairs / batch) if pairs else 0
+
+
+def _count(arrays: dict[str, np.ndarray]) -> int:
+    return sum(len(a) for a in arrays.values())
+
+
+def _ranks(engine) -> tuple[int, int]:
+    d = engine.dist
+    return (d.world, d.rank) if d is not None else (1, 0)
+
+
+def _unlabelled(mb: MicroBatch) -> MicroBatch:
+    """A rank short of a micro-batch runs a copy without labels (every rank must sweep alike)."""
+    return replace(mb, labels=torch.full_like(mb.labels, IGNORE), extras={})
