@@ -1,18 +1,21 @@
 """The reference of a preference run (dpo, ipo): every pair's chosen and rejected log-prob under the
-initial weights (LoRA: the base with the adapters off), computed once before step 1 by streamed
-forward-only sweeps (engine.Engine.sequence_logps: each layer loaded once per train.batch_size
+initial weights, computed once before step 1 by streamed forward-only sweeps (engine.Engine.sequence_logps: each layer loaded once per train.batch_size
 pairs, not once per pair), kept in the run dir and reused on resume.
 
     <run>/reference/train.npy   (pairs, 2) float32: chosen, rejected, in the training pairs' order
     <run>/reference/eval.npy    the same for the held-out pairs (when there are)
     <run>/reference/meta.json   per file its CRC32 and shape; what the numbers belong to: the pairs'
                                 fingerprint (data.pairs.PairSet.fingerprint), the model's, the
-                                compute dtype, LoRA or not
+                                compute dtype, the policy it is (below)
+
+LoRA: fresh adapters start at B = 0, so the initial weights are the base: the pass runs with the
+adapters off (the base alone, no adapter work). Adapters started from `lora.init` are the initial
+policy with them on, as TRL's DPOTrainer copies a given adapter into its "ref" adapter.
 
 Written with `fsutil.atomic_dir` (rank 0), so a crash leaves no half reference. A resumed run
-reads it back; one whose reference is missing, damaged or made for other pairs is refused when it
-trains every weight (the initial weights are gone: a checkpoint's are not the reference), and
-recomputed from the base when it trains LoRA adapters (the base never changes).
+reads it back; one whose reference is missing, damaged or made for other pairs is refused (the
+initial weights are gone: a checkpoint's are not the reference), except with fresh LoRA adapters,
+whose reference, the base, never changes: it is recomputed.
 """
 
 from __future__ import annotations
@@ -43,30 +46,33 @@ def reference(
     read back, or computed (fresh: before step 1; main: this rank writes the run dir)."""
     sets = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
     where = Path(run_dir) / "reference"
+    base = cfg.lora is not None and not cfg.lora.init  # fresh adapters: the initial policy is the base
     meta = {
         "model": model_fp,
         "dtype": cfg.engine.dtype,
-        "lora": cfg.lora is not None,
+        "policy": "base (adapters off)" if base else "initial weights",
         "pairs": {k: s.fingerprint() for k, s in sets.items()},
     }
     found, why = load(where, meta)
     if found is not None:
         console.print(f"reference: {where} ({_count(found)} pairs, reused)", highlight=False)
         return found
-    if not fresh and cfg.lora is None:
+    if not fresh and not base:
         raise InputError(
             f"output.dir: {where} {why}; a resumed run cannot rebuild it (the reference is the initial "
             "weights, not a checkpoint's): restore it, or start again in another output.dir"
         )
     if not fresh:
         console.print(f"[yellow]note:[/] {where} {why}; recomputing it from the base (adapters off)")
-    out = {k: compute(engine, s, cfg, data.pad_id, console, k) for k, s in sets.items()}  # type: ignore[arg-type]
+    out = {k: compute(engine, s, cfg, data.pad_id, console, k, not base) for k, s in sets.items()}  # type: ignore[arg-type]
     if main:
         save(where, out, meta)
     return out
 
 
-def compute(engine, pairs: PairSet, cfg, pad_id: int, console: Console, name: str) -> np.ndarray:
+def compute(
+    engine, pairs: PairSet, cfg, pad_id: int, console: Console, name: str, adapters: bool = True
+) -> np.ndarray:
     """(pairs, 2) float32: forward-only sweeps over train.batch_size pairs at a time, each rank its
     share of every sweep's micro-batches, the results summed over the ranks."""
     t, world, rank = cfg.train, *_ranks(engine)
@@ -88,7 +94,7 @@ def compute(engine, pairs: PairSet, cfg, pad_id: int, console: Console, name: st
             todo = [mbs[i] for i in mine] + [_unlabelled(mbs[0])] * (per - len(mine))
             vec = torch.zeros(2 * len(idx), dtype=torch.float32)
             rows = 2 * t.micro_batch_size
-            for i, lp in zip(mine, engine.sequence_logps(todo, adapters=False), strict=False):
+            for i, lp in zip(mine, engine.sequence_logps(todo, adapters), strict=False):
                 vec[i * rows : i * rows + lp.numel()] = lp
             out[idx] = engine.sum_over_ranks(vec).numpy().reshape(-1, 2)
             prog.advance(task, len(idx))
@@ -103,7 +109,7 @@ def load(where: Path, meta: dict) -> tuple[dict[str, np.ndarray] | None, str]:
         got = read_json(where / "meta.json")
     except InputError:
         return None, "has an unreadable meta.json"
-    for k in ("model", "dtype", "lora", "pairs"):
+    for k in ("model", "dtype", "policy", "pairs"):
         if got.get(k) != meta[k]:
             return None, f"was computed for other {'data' if k == 'pairs' else k} ({k} differs)"
     out = {}
