@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,6 +129,23 @@ def test_metrics_are_means_over_the_pairs(make, tmp_path):
         assert r["rewards_margin"] == pytest.approx(r["rewards_chosen"] - r["rewards_rejected"], abs=1e-6)
     assert rows[0]["rewards_margin"] == 0.0  # step 1: the policy is the reference
     assert rows[-1]["eval_rewards_accuracy"] is not None and rows[-1]["eval_loss"] > 0
+
+
+def test_llama70b_dpo_plans_as_sft_on_one_h200_and_1_5_tb():
+    """A pair is two sequences: 32 pairs plan as the SFT config's 64 sequences, and fit."""
+    from test_configs import LLAMA_31_70B
+
+    from horizon_cli.arch import spec_from_hf
+    from horizon_cli.config import load_config
+    from horizon_cli.planning.ladder import plan_for
+
+    configs = Path(__file__).parent.parent / "configs"
+    dpo, sft = (load_config(configs / f"llama70b-{n}.yaml") for n in ("dpo", "sft"))
+    spec = spec_from_hf(LLAMA_31_70B)
+    plan, same = plan_for(dpo, spec, "exact"), plan_for(sft, spec, "exact")
+    assert dpo.preference is not None and dpo.train.batch_size * 2 == sft.train.batch_size
+    assert plan.host == same.host and plan.device == same.device
+    assert plan.host_total < 1.5e12 * 0.8 and plan.device_total < 141e9 * 0.5
 
 
 @pytest.mark.slow

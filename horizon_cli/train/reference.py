@@ -36,6 +36,7 @@ from ..data import PreparedData
 from ..data.batch import IGNORE, MicroBatch
 from ..data.pairs import PairSet, collate_pairs
 from ..errors import InputError
+from ..faults import phase
 from ..fsutil import atomic_dir, read_json
 
 
@@ -64,9 +65,11 @@ def reference(
         )
     if not fresh:
         console.print(f"[yellow]note:[/] {where} {why}; recomputing it from the base (adapters off)")
+    phase("reference")
     out = {k: compute(engine, s, cfg, data.pad_id, console, k, not base) for k, s in sets.items()}  # type: ignore[arg-type]
     if main:
         save(where, out, meta)
+        phase("reference-saved")
     return out
 
 
@@ -139,9 +142,27 @@ def save(where: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
         (tmp / "meta.json").write_text(json.dumps({**meta, "files": files}, indent=1) + "\n")
 
 
-def sweeps(pairs: int, batch: int) -> int:
-    """Forward-only sweeps of the layers the reference pass makes over `pairs` pairs."""
-    return math.ceil(pairs / batch) if pairs else 0
+def reference_plan(cfg, data: PreparedData | None, layers: int) -> dict | None:
+    """What the reference pass will cost (the dry run's plan): None without one (SFT, simpo, orpo).
+    A sweep loads each layer once and runs the forward only: a training step loads it twice and
+    computes about four forwards' worth (forward, recompute, backward), so a sweep costs about a
+    half to a quarter of a step, whichever of the link and the compute bounds the run."""
+    if cfg.preference is None or cfg.preference.loss not in ("dpo", "ipo"):
+        return None
+    out: dict = {"pairs": None, "sweeps": None, "layer_loads": None, "step_equivalents": None}
+    if data is not None:
+        pairs = len(data.train) + (len(data.eval) if data.eval is not None else 0)
+        n = math.ceil(len(data.train) / cfg.train.batch_size)
+        n += math.ceil(len(data.eval) / cfg.train.batch_size) if data.eval is not None else 0
+        out.update(pairs=pairs, sweeps=n, layer_loads=n * layers, step_equivalents=[n / 4, n / 2])
+        text = (
+            f"reference pass: {pairs:,} pairs in {n:,} forward-only sweeps of the layers (each layer loaded "
+            f"{n:,} times), about {n / 4:,.1f} to {n / 2:,.1f} training steps' time; kept in "
+            f"{cfg.output.dir}/reference"
+        )
+    else:
+        text = "reference pass: one forward-only sweep per train.batch_size pairs (the data is not tokenized here)"
+    return out | {"text": text}
 
 
 def _count(arrays: dict[str, np.ndarray]) -> int:

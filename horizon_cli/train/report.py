@@ -13,6 +13,7 @@ from rich.table import Table
 
 from .. import owner
 from ..config import Config, dump_yaml
+from ..data import PreparedData
 from ..errors import InputError
 from ..fmt import fmt_bytes
 from ..fsutil import write_text_atomic
@@ -22,7 +23,9 @@ from ..planning.memory import MemoryPlan
 from ..store import Store
 from ..store import checkpoint as ckpt
 from . import compat
+from .batches import make_batches
 from .loop import load_data
+from .reference import reference_plan
 from .rundir import RunDir
 
 
@@ -38,7 +41,7 @@ def dry_run_report(
     """The checks of a real start that write nothing: the data is read and tokenized (not
     cached, not even where data.cache_dir says), the run dir's resume point checked against
     this config. Then the plan of this run and the ladder of every rung on `where`."""
-    check_data(cfg, model, console)
+    data = check_data(cfg, model, console)
     run_dir = run_dir_status(cfg, model)
     # soft_wrap: never crop a long line (a path) at the terminal's width; the config must read back
     yaml_text = Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default")
@@ -53,19 +56,26 @@ def dry_run_report(
         console.print(f"largest rung that fits: {best or 'none'}" + (f" ({HOW[best]})" if best else ""))
     console.print(f"output.dir: {run_dir}", highlight=False)
     report = plan_json(model, rungs, chosen, where)
+    ref = reference_plan(cfg, data, model.arch.n_layers)  # dpo/ipo: the pass before step 1
+    if ref is not None:
+        console.print(ref.pop("text"), highlight=False)
+        report["reference"] = ref
     if json_out is not None:
         write_json(json_out, report)
     return report
 
 
-def check_data(cfg: Config, model: Store | PlannedModel, console: Console) -> None:
+def check_data(cfg: Config, model: Store | PlannedModel, console: Console) -> PreparedData | None:
+    """The data read and tokenized as a start would (None: not tokenized, no tokenizer files)."""
     no_tokenizer = isinstance(model, PlannedModel) and not has_tokenizer(model.root)
-    if no_tokenizer and cfg.data.format not in ("tokens", "auto"):
+    if no_tokenizer and cfg.data.format not in ("tokens", "auto", "preference"):
         if not Path(cfg.data.path).exists():
             raise InputError(f"data.path: {cfg.data.path} not found")
         console.print(f"data: {cfg.data.path} not tokenized ({model.root} holds no tokenizer files)")
-        return
-    load_data(replace(cfg, data=replace(cfg.data, cache_dir=None)), model, None, console)
+        return None
+    data = load_data(replace(cfg, data=replace(cfg.data, cache_dir=None)), model, None, console)
+    make_batches(cfg, data)  # a preference: section and preference data go together
+    return data
 
 
 def has_tokenizer(d: Path) -> bool:
