@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -107,8 +108,11 @@ class PairEncoder:
         return pair
 
     # -- records -> prompt and completions (strings, or message lists) -------------------------
-    def _texts(self, rec: dict, where: str):
+    def _texts(self, rec: dict, where: str) -> tuple[Any, Any, Any, list | None]:
+        """(prompt, chosen, rejected, tools): strings, or message lists."""
         form, tools = self.form, _tools(rec.get("tools"), where)
+        chosen: Any
+        rejected: Any
         if form == "sharegpt":
             conv = chat_record(
                 {"conversations": rec.get("conversations"), "system": rec.get("system")}, where, self.notes
@@ -226,6 +230,6 @@ def _reply(m, what: str, where: str) -> dict:
     if not isinstance(m, dict):
         raise InputError(f"{where}: {what} must be one message ({{from, value}}), got {type(m).__name__}")
     role = m.get("from", m.get("role"))
-    if SHAREGPT_ROLES.get(role, role) != "assistant":
+    if SHAREGPT_ROLES.get(str(role), role) != "assistant":
         raise InputError(f"{where}: {what} must be an assistant message, got from={role!r}")
     return {"role": "assistant", "content": text_of(m.get("value", m.get("content")), what, where)}

@@ -189,8 +189,8 @@ def _ratio(counts: dict[str, float], key: str) -> float:
 
 
 def _to(t: PairTargets, device) -> PairTargets:
-    move = lambda x: None if x is None else x.to(device)  # noqa: E731
     return PairTargets(
-        move(t.idx), move(t.tgt), move(t.seq), move(t.comp), move(t.n_pred), move(t.n_comp),
-        move(t.valid), move(t.ref), t.counts,
+        idx=t.idx.to(device), tgt=t.tgt.to(device), seq=t.seq.to(device), comp=t.comp.to(device),
+        n_pred=t.n_pred.to(device), n_comp=t.n_comp.to(device), valid=t.valid.to(device),
+        ref=None if t.ref is None else t.ref.to(device), counts=t.counts,
     )  # fmt: skip

@@ -46,13 +46,14 @@ def reference(
     """The reference log-probs of the training pairs ("train") and the held-out ones ("eval"):
     read back, or computed (fresh: before step 1; main: this rank writes the run dir)."""
     sets = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
+    assert all(isinstance(s, PairSet) for s in sets.values()), "a preference run trains on pairs"
     where = Path(run_dir) / "reference"
     base = cfg.lora is not None and not cfg.lora.init  # fresh adapters: the initial policy is the base
     meta = {
         "model": model_fp,
         "dtype": cfg.engine.dtype,
         "policy": "base (adapters off)" if base else "initial weights",
-        "pairs": {k: s.fingerprint() for k, s in sets.items()},
+        "pairs": {k: s.fingerprint() for k, s in sets.items()},  # type: ignore[union-attr]
     }
     found, why = load(where, meta)
     if found is not None:
