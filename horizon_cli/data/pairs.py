@@ -25,9 +25,9 @@ from ..errors import InputError
 from .batch import IGNORE, MicroBatch
 from .collate import collate
 from .encode import Vocab
-from .formats import ignored_columns
+from .fields import Unread, unread_columns
 from .preference import Pair, PairEncoder, columns_of, pair_form
-from .tokset import Row, RowBuilder, TokenSet
+from .tokset import Row, RowBuilder, RowTable, TokenSet
 
 RECORDS_PER_BATCH = 1000
 PROMPT_FILLS, NO_LABELS = "prompt fills max_seq_len", "nothing to predict"
@@ -35,19 +35,24 @@ NAMED = 5  # skipped records named in the summary, per reason
 Log = Callable[[str], None]
 
 
-def build_pairs(ds, tokenizer, data_cfg, name: str, log: Log, vocab: Vocab | None) -> TokenSet:
-    """A dataset of preference records -> its TokenSet of pairs (two rows each)."""
+def build_pairs(
+    ds, tokenizer, data_cfg, name: str, log: Log, vocab: Vocab | None, adapt: Callable | None = None
+) -> TokenSet:
+    """A dataset of preference records -> its TokenSet of pairs (two rows each). `adapt`: a
+    function of a batch of columns applied before encoding (a registry's message tags)."""
     form = pair_form(list(ds.column_names))
     read = columns_of(form, ds.column_names)
-    enc = PairEncoder(form, tokenizer, name, vocab)
+    judge = Unread("preference", name, frozenset(data_cfg.ignore_fields))
+    ignored = unread_columns(ds, read, judge)  # refuses meaning (kto_tag, score, ...) before any work
+    enc = PairEncoder(form, tokenizer, name, vocab, judge)
     stats: dict = {"records": 0, "pairs": 0, "truncated": 0, "cut_tokens": 0, "form": form, "skipped": {}}
     rows = RowBuilder()
     for batch in ds.select_columns(read).iter(batch_size=RECORDS_PER_BATCH):
-        for res in enc.encode(batch, first=stats["records"] + 1):
+        for res in enc.encode(adapt(batch) if adapt else batch, first=stats["records"] + 1):
             stats["records"] += 1
             _add(res, rows, data_cfg.max_seq_len, stats)
     ts = rows.build("preference", stats)
-    ignored = ignored_columns(ds, read) + enc.notes
+    ignored += enc.notes
     stats.update(
         rows=len(ts), tokens=ts.num_tokens, label_tokens=ts.label_tokens, ignored_fields=dict(ignored)
     )
@@ -112,7 +117,7 @@ class PairSet:
 
     packed = False
 
-    def __init__(self, rows: TokenSet, index: np.ndarray | None = None):
+    def __init__(self, rows: RowTable, index: np.ndarray | None = None):
         self.ts, self.index = rows, index
         self.format, self.stats = rows.format, rows.stats
 

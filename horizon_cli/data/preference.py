@@ -31,13 +31,14 @@ import numpy as np
 from ..errors import InputError
 from . import templates
 from .encode import Vocab, _int_array
-from .records import SHAREGPT_ROLES, _tools, chat_record, instruction_record, text_of
+from .fields import Unread
+from .records import SHAREGPT_ROLES, chat_record, instruction_record, text_of, tools_of, turns_of
 
 TOKENS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
 # form -> the fields it reads (the first listed decide the form, in this order)
 FORMS: dict[str, tuple[str, ...]] = {
     "tokens": TOKENS,
-    "sharegpt": ("conversations", "chosen", "rejected", "system", "tools"),
+    "sharegpt": ("conversations", "messages", "chosen", "rejected", "system", "tools"),
     "alpaca": ("instruction", "input", "chosen", "rejected", "system", "history"),
     "trl": ("prompt", "chosen", "rejected", "tools"),
     "implicit": ("chosen", "rejected", "tools"),
@@ -56,7 +57,9 @@ def pair_form(columns: list[str]) -> str:
     """Which preference form a dataset's fields are (format `preference`)."""
     if "chosen_input_ids" in columns or "rejected_input_ids" in columns:
         return "tokens"
-    for form in ("sharegpt", "alpaca", "trl"):
+    if "conversations" in columns or "messages" in columns:
+        return "sharegpt"
+    for form in ("alpaca", "trl"):
         if FORMS[form][0] in columns:
             return form
     return "implicit"
@@ -69,12 +72,13 @@ def columns_of(form: str, columns: list[str]) -> list[str]:
 class PairEncoder:
     """Encodes a dataset's preference records (`name`) of one form into Pairs or skip reasons."""
 
-    def __init__(self, form: str, tokenizer, name: str, vocab: Vocab | None):
+    def __init__(self, form: str, tokenizer, name: str, vocab: Vocab | None, judge: Unread | None = None):
         if form != "tokens" and tokenizer is None:
             from .encode import NoTokenizer
 
             raise NoTokenizer("preference")
         self.form, self.tok, self.name, self.vocab = form, tokenizer, name, vocab
+        self.judge = judge or Unread("preference", name)  # message fields no one reads (fields.py)
         self.chat = form != "tokens" and templates.chat_template_of(tokenizer) is not None
         self.notes: Counter = Counter()  # message fields no form reads, per record
 
@@ -110,13 +114,12 @@ class PairEncoder:
     # -- records -> prompt and completions (strings, or message lists) -------------------------
     def _texts(self, rec: dict, where: str) -> tuple[Any, Any, Any, list | None]:
         """(prompt, chosen, rejected, tools): strings, or message lists."""
-        form, tools = self.form, _tools(rec.get("tools"), where)
+        form, tools = self.form, tools_of(rec.get("tools"), where)
         chosen: Any
         rejected: Any
         if form == "sharegpt":
-            conv = chat_record(
-                {"conversations": rec.get("conversations"), "system": rec.get("system")}, where, self.notes
-            )
+            turns = {k: rec.get(k) for k in ("messages", "conversations", "system")}
+            conv = chat_record(turns, where, self.notes, self.judge)
             prompt = conv.messages
             chosen, rejected = (
                 [_reply(rec[k], k, where)] for k in ("chosen", "rejected")
@@ -129,11 +132,11 @@ class PairEncoder:
             prompt = ins.as_chat().messages[:-1]
             chosen, rejected = ([{"role": "assistant", "content": c}] for c in (chosen, rejected))
         else:
-            chosen, rejected = (_value(rec[k], k, where) for k in ("chosen", "rejected"))
+            chosen, rejected = (self._value(rec[k], k, where) for k in ("chosen", "rejected"))
             if form == "implicit":
                 prompt, chosen, rejected = extract_prompt(chosen, rejected)
             else:
-                prompt = _value(rec.get("prompt"), "prompt", where)
+                prompt = self._value(rec.get("prompt"), "prompt", where)
             if isinstance(prompt, list) != isinstance(chosen, list) or isinstance(chosen, list) != isinstance(
                 rejected, list
             ):
@@ -159,6 +162,16 @@ class PairEncoder:
         n = min(_common(p, pc), _common(p, pr))
         arr = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
         return Pair(arr(p[:n]), arr(pc[n:]), arr(pr[n:]))
+
+    def _value(self, v, what: str, where: str):
+        """A string, or a message list [{role, content}] read as chats are (records.turns_of: tool
+        calls kept, the fields no one reads judged)."""
+        if not isinstance(v, list):
+            return text_of(v, what, where)
+        msgs, weights = turns_of(v, what, where, self.notes, self.judge)
+        if any(w is not None for w in weights):
+            raise InputError(f"{where}: {what} has a message weight, which a preference pair has no use for")
+        return msgs
 
     def _render(self, messages: list[dict], tools, gen: bool = False) -> list[int]:
         out = self.tok.apply_chat_template(
@@ -204,23 +217,6 @@ def _blank(v) -> bool:
     if isinstance(v, str):
         return not v.strip()
     return not v or all(not str(m.get("content") or "").strip() for m in v)
-
-
-def _value(v, what: str, where: str):
-    """A string, or a message list [{role, content}] (content as text)."""
-    if isinstance(v, list):
-        out = []
-        for i, m in enumerate(v):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise InputError(f"{where}: {what}[{i}] must be a message with a string 'role'")
-            out.append(
-                {
-                    **{k: x for k, x in m.items() if x is not None},
-                    "content": text_of(m.get("content"), f"{what}[{i}] content", where),
-                }
-            )
-        return out
-    return text_of(v, what, where)
 
 
 def _reply(m, what: str, where: str) -> dict:

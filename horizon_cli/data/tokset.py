@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Protocol
 
 import numpy as np
 
@@ -31,6 +32,27 @@ class Row:
     def position_ids(self) -> np.ndarray:
         """(L,) int64 positions restarting at 0 at each document."""
         return positions(self.doc_ids, len(self.input_ids))
+
+
+class Rows(Protocol):
+    """What the sampler and the loop read of a set of rows (a TokenSet, or mixture.MixedSet)."""
+
+    def __len__(self) -> int: ...
+    def rows(self, indices) -> list[Row]: ...
+
+
+class RowTable(Rows, Protocol):
+    """Rows with their totals and a selection: a TokenSet or a mixture.MixedSet (what a
+    data.pairs.PairSet views pair by pair)."""
+
+    format: str
+    stats: dict
+
+    def select(self, indices) -> RowTable: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def label_tokens(self) -> int: ...
 
 
 @dataclass
