@@ -66,8 +66,12 @@ def test_bad_preference_input_is_one_line(make, tmp_path):
     chat = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
     msg = one_error_line(horizon("train", make(data_path=chat)))
     assert "preference.loss: dpo trains on preference pairs" in msg and "format chat" in msg
+    assert (
+        one_error_line(horizon("train", make(data_path=chat), "--dry-run")) == msg
+    )  # train/checks.py's order
     msg = one_error_line(horizon("train", make(preference=None)))
     assert "holds preference pairs (format preference); add a preference: section" in msg
+    assert one_error_line(horizon("train", make(preference=None), "--dry-run")) == msg
     assert "preference.beta: 0.0 must be greater than 0.0" in one_error_line(
         horizon("train", make(), "preference.beta=0")
     )
@@ -129,6 +133,22 @@ def test_metrics_are_means_over_the_pairs(make, tmp_path):
         assert r["rewards_margin"] == pytest.approx(r["rewards_chosen"] - r["rewards_rejected"], abs=1e-6)
     assert rows[0]["rewards_margin"] == 0.0  # step 1: the policy is the reference
     assert rows[-1]["eval_rewards_accuracy"] is not None and rows[-1]["eval_loss"] > 0
+
+
+def test_the_cli_trains_dpo_by_epochs_of_pairs_with_eval_time_samples(make, tmp_path):
+    """horizon train end to end: train.epochs counts pairs (after the eval split), evaluations
+    report the pair metrics, train.samples answers its prompts at each evaluation."""
+    ask = write_jsonl(tmp_path / "ask.jsonl", [{"prompt": "what is 2 plus 3?"}])
+    train = {"steps": None, "epochs": 0.5, "eval_every": 1, "samples": str(ask), "sample_tokens": 3}
+    r = horizon("train", make(train=train, data={"eval_fraction": 0.25}))
+    assert r.exit_code == 0, r.output
+    assert "train.epochs 0.5 of 18 pairs at train.batch_size 4 = train.steps 3" in r.output  # ceil(9 / 4)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [x["step"] for x in rows] == [1, 2, 3] and all(
+        x["eval_rewards_accuracy"] is not None for x in rows
+    )
+    answers = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [a["step"] for a in answers] == [1, 2, 3] and all(len(a["completion_ids"]) <= 3 for a in answers)
 
 
 def test_llama70b_dpo_plans_as_sft_on_one_h200_and_1_5_tb():
