@@ -68,8 +68,10 @@ def run_training(
     if lora is not None and lora.note and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         console.print(f"[yellow]warning:[/] {escape(lora.note)}", highlight=False)
     check_lengths(cfg.data, model.arch.max_positions)
-    where = preflight.given_machine(*machine) if machine is not None else preflight.local_machine(cfg)
-    planned = plan_run(cfg, model, lora, world)
+    where = (
+        preflight.given_machine(*machine) if machine is not None else preflight.local_machine(rank_cfg(cfg))
+    )
+    planned = plan_run(cfg, model, lora, world, where)  # with the kept layers auto fits to `where`
     if dry_run:
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
             console, json_out = Console(quiet=True), None
@@ -88,7 +90,16 @@ def run_training(
             )
             return {"step": rd.resume_step, "checkpoint": str(rd.candidates[0]), "complete": True}
         with runtime_failures():
-            return Trainer(cfg, model, rd, console, lora, dist=d).run()
+            return Trainer(cfg, model, rd, console, lora, dist=d, keep=planned.plan.kept).run()
+
+
+def rank_cfg(cfg: Config) -> Config:
+    """The config as this rank runs it: under torchrun on its own GPU (cuda:LOCAL_RANK), so its fit
+    and its kept layers are judged on its own device's free memory."""
+    world, _, local = world_from_env()
+    if world == 1:
+        return cfg
+    return replace(cfg, engine=replace(cfg.engine, device=rank_device(cfg.engine.device, local)))
 
 
 def join_world(cfg: Config, console: Console) -> tuple[Config, Console]:
