@@ -68,9 +68,10 @@ def run_training(
     if lora is not None and lora.note and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         console.print(f"[yellow]warning:[/] {escape(lora.note)}", highlight=False)
     check_lengths(cfg.data, model.arch.max_positions)
-    where = (
-        preflight.given_machine(*machine) if machine is not None else preflight.local_machine(rank_cfg(cfg))
-    )
+    if machine is not None:
+        where = preflight.given_machine(*machine)
+    else:  # a real start under torchrun: this rank's own device (a dry run reports rank 0's)
+        where = preflight.local_machine(cfg if dry_run else rank_cfg(cfg))
     planned = plan_run(cfg, model, lora, world, where)  # with the kept layers auto fits to `where`
     if dry_run:
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
