@@ -1,0 +1,242 @@
+"""Kept layers (engine.keep_activations): the last K layers keep their graph and weights from the
+forward to the backward. Kept and recomputed runs give the same model bit for bit (the kept graph
+is the graph recompute builds), a step moves 2L - K layer loads, the plan's K is what its budget
+holds (and what the engine and the trainer use), the plan's bytes cover what a kept layer's graph
+really saves, and a run killed with K > 0 resumes bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import chat_rows, write_config, write_jsonl
+from fake_cuda import FakeCuda
+from oracle import engine_weights, make_store, micro_batches, one_thread, random_rows  # noqa: F401
+from rich.console import Console
+from typer.testing import CliRunner
+
+from horizon_cli.cli import app
+from horizon_cli.config import load_config
+from horizon_cli.config.schema import EngineConfig, LoraConfig, OptimConfig
+from horizon_cli.engine import Engine
+from horizon_cli.engine.keep import KeptLayers
+from horizon_cli.errors import ConfigError
+from horizon_cli.lora.setup import lora_setup
+from horizon_cli.planning.fit import RESERVE, Machine
+from horizon_cli.planning.ladder import fit_parts, plan_for
+from horizon_cli.runtime.cuda import CudaTransport
+from horizon_cli.store import Store
+from horizon_cli.train import run_training
+
+VOCAB = 96
+
+
+def run(store, dtype, keep, link=0.0, lora=None, transport=None, steps=3):
+    """`steps` optimizer steps of 4 rows in 2 micro-batches: (results, trained tensors)."""
+    ecfg = EngineConfig(device="cpu", dtype=dtype, loss_chunk=16, link_gbps=link)
+    eng = Engine(store, ecfg, OptimConfig(kernel="torch", lr=1e-3), keep=keep, lora=lora, transport=transport)
+    try:
+        res = [eng.step(micro_batches(random_rows(4, VOCAB, seed=s), 2), 1e-3) for s in range(steps)]
+        eng.wait()
+        w = eng.host.tensors() if lora is not None else engine_weights(eng)
+        return res, {k: v.clone() for k, v in w.items()}
+    finally:
+        eng.close()
+
+
+def assert_same(a, b) -> None:
+    (ra, wa), (rb, wb) = a, b
+    assert [(r.loss, r.grad_norm, r.aux_loss) for r in ra] == [(r.loss, r.grad_norm, r.aux_loss) for r in rb]
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+@pytest.mark.parametrize("dtype,keep,link", [("float32", 3, 0.0), ("bfloat16", 1, 1e6)])
+def test_kept_equals_recomputed_bitwise(tmp_path, dtype, keep, link):
+    """Every layer kept, host memory lent (fp32); the top layer kept, copies over a link (bf16):
+    weights, losses and norms bitwise those of recomputing every layer; 2L - K layer loads."""
+    _, store = make_store(tmp_path, "llama", False, dtype=dtype, num_hidden_layers=3)
+    ref, kept = run(store, dtype, 0, link), run(store, dtype, keep, link)
+    assert_same(ref, kept)
+    assert all(r.weight_loads == 6 and r.kept_layers == 0 for r in ref[0])
+    assert all(r.weight_loads == 6 - keep and r.kept_layers == keep for r in kept[0])
+    if link:  # a kept layer's weights and saved inputs cross the link once, not twice
+        assert kept[0][-1].h2d_bytes < ref[0][-1].h2d_bytes
+
+
+def test_moe_and_qlora_kept_equal_recomputed(tmp_path):
+    """MoE with its aux loss trained (router statistics recorded in the forward, the layer's
+    share added in the backward from the logits its graph held), every layer kept; and QLoRA with
+    dropout, the top layer kept (its own dequantized buffer: the shared one serves the next layer)."""
+    _, moe = make_store(tmp_path / "moe", "qwen3_moe", False, dtype="bfloat16", output_router_logits=True)
+    ref, kept = run(moe, "bfloat16", 0), run(moe, "bfloat16", moe.arch.n_layers)
+    assert_same(ref, kept)
+    assert ref[0][0].aux_loss is not None
+    _, nf4 = make_store(
+        tmp_path / "nf4", "llama", False, dtype="bfloat16", quantize="nf4", num_hidden_layers=3
+    )
+
+    def setup():
+        return lora_setup(LoraConfig(r=4, alpha=8, dropout=0.1, targets="all-linear"), nf4.arch)
+
+    ref, kept = run(nf4, "bfloat16", 0, lora=setup()), run(nf4, "bfloat16", 1, lora=setup())
+    assert_same(ref, kept)
+    assert [r.weight_loads for r in kept[0]] == [5, 5, 5]
+
+
+def test_kept_slots_are_ordered_on_cuda_streams(tmp_path):
+    """The CUDA transport (through tests/fake_cuda.py's checks of every stream access) with a kept
+    layer: the same numbers as the CPU recomputing every layer, no access out of order."""
+    _, store = make_store(tmp_path, "llama", True, dtype="bfloat16", num_hidden_layers=3)
+    fake = FakeCuda(index=0)
+    with fake.watching():
+        got = run(store, "bfloat16", 2, transport=CudaTransport(torch.device("cuda", 0), api=fake), steps=2)
+    assert_same(run(store, "bfloat16", 0, steps=2), got)
+    assert fake.problems == []
+
+
+def test_plan_covers_what_kept_graphs_save(tmp_path, monkeypatch):
+    """What the kept layers' forwards really save for their backward (every tensor autograd packs,
+    by storage, weights excluded) stays within the engine's accounting of their graphs, which is
+    the plan's formula (planning.memory.kept_graph_bytes) on the step's shapes."""
+    saved: dict[int, int] = {}
+    weights: set[int] = set()
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    forward = KeptLayers.forward
+
+    def counted(self, *args):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return forward(self, *args)
+
+    monkeypatch.setattr(KeptLayers, "forward", counted)
+    over = dict(hidden_size=64, intermediate_size=160, num_attention_heads=8, num_key_value_heads=2)
+    cases = [("llama", "float32", None), ("gemma2", "bfloat16", None), ("qwen3_moe", "bfloat16", None),
+             ("qwen3", "bfloat16", LoraConfig(r=4, alpha=8, dropout=0.1, targets="all-linear"))]  # fmt: skip
+    for family, dtype, lcfg in cases:
+        extra = {"head_dim": 8} if family != "llama" else {}
+        _, store = make_store(tmp_path / family, family, False, dtype=dtype, **over, **extra)
+        lora = lora_setup(lcfg, store.arch) if lcfg else None
+        ecfg = EngineConfig(device="cpu", dtype=dtype, loss_chunk=16)
+        eng = Engine(store, ecfg, OptimConfig(kernel="torch"), lora=lora, keep=2)
+        try:
+            weights.clear()
+            weights.update(u.stream.untyped_storage().data_ptr() for u in eng.units.values())
+            if eng.base is not None:
+                weights.update(b.untyped_storage().data_ptr() for b in eng.base.kept.values())
+            saved.clear()
+            eng.step(micro_batches(random_rows(4, VOCAB, seed=1, lo=40, hi=48), 2), 1e-3)
+            accounted = eng.t.memory.current["kept graphs"]
+            assert 0 < sum(saved.values()) <= accounted, (family, sum(saved.values()), accounted)
+        finally:
+            eng.close()
+
+
+def tiny_cfg(keep) -> object:
+    base = {"model": {"path": "m"}, "data": {"path": "d", "max_seq_len": 64}, "output": {"dir": "o"},
+            "train": {"batch_size": 8, "micro_batch_size": 2}, "engine": {"keep_activations": keep}}  # fmt: skip
+    return load_config(None, base=base)
+
+
+def test_auto_keeps_what_the_budget_holds(tmp_path):
+    """auto: the most whole layers whose bytes fit the room the K = 0 plan leaves (a CUDA device:
+    free memory less the plan and the reserve; the CPU: RAM less host and device plans and the
+    reserve), none when not one fits, at most L; a number N keeps min(N, L) whatever the room."""
+    _, store = make_store(tmp_path, "llama", False, num_hidden_layers=4)
+    spec, L = store.arch, store.arch.n_layers
+    p0 = plan_for(tiny_cfg(0), spec, "exact")
+    per = sum(p0.kept_layer)
+    assert p0.kept == 0 and per > 0 and p0.layers == L
+    host = 1 << 40
+    for n in (0, 1, 3, L, L + 2):
+        where = Machine(host, p0.device_total + RESERVE + n * per + per // 2, "a device")
+        p = plan_for(tiny_cfg("auto"), spec, "exact", where=where)
+        assert p.kept == min(n, L) and p.kept_bytes == p.kept * per, n
+        assert p.device_total == p0.device_total + p.kept_bytes and fit_parts(p, where)[2]
+        assert p.host["saved activations"] == (L - p.kept) * p0.saved_layer
+    short = Machine(host, p0.device_total + RESERVE + per - 1, "a device")
+    assert plan_for(tiny_cfg("auto"), spec, "exact", where=short).kept == 0
+    assert plan_for(tiny_cfg("auto"), spec, "exact").kept == 0  # no machine to fit to
+    p2 = plan_for(tiny_cfg(2), spec, "exact", where=short)
+    assert p2.kept == 2 and not fit_parts(p2, short)[2]  # a number is kept as given: the fit check judges it
+    assert plan_for(tiny_cfg(99), spec, "exact").kept == L
+    cpu = Machine(p0.node_host_total + p0.node_device_total + RESERVE + 2 * per, None, "RAM")
+    assert plan_for(tiny_cfg("auto"), spec, "exact", where=cpu).kept == 2
+
+
+def test_dry_run_shows_k_and_its_bytes(tiny_store, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(8))
+    cfg = write_config(
+        tmp_path / "cfg.yaml", tiny_store, data, tmp_path / "run", engine={"keep_activations": 0}
+    )
+    p0 = plan_for(load_config(cfg), Store.open(tiny_store), "exact")
+    budget = p0.device_total + RESERVE + 1.5 * sum(p0.kept_layer)  # room for one kept layer and a half
+    out = tmp_path / "plan.json"
+    r = CliRunner().invoke(
+        app, ["train", str(cfg), "engine.keep_activations=auto", "--dry-run", "--json", str(out),
+              "--host-gib", "64", "--device-gib", str(budget / 2**30)],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    plan = json.loads(out.read_text())
+    assert (plan["kept_layers"], plan["kept_bytes"]) == (1, sum(p0.kept_layer))
+    assert plan["device_bytes"] == p0.device_total + plan["kept_bytes"] and plan["fits"]
+    assert plan["device"]["kept layers: graphs"] == p0.kept_layer[1]
+    assert "1 of 2, 3 layer loads per step" in r.output
+
+
+def test_bad_keep_activations_is_refused_naming_the_key():
+    for bad in ("all", -1, 1.5, True):
+        with pytest.raises(ConfigError, match=r"engine\.keep_activations"):
+            tiny_cfg(bad)
+
+
+def test_killed_run_with_kept_layers_resumes_bitwise(tiny_store, tmp_path):
+    """K = 1, SIGKILLed after step 3 (checkpoint at step 2), resumed with auto, which keeps the K
+    the run began with: the final model bitwise that of an uninterrupted run recomputing every layer."""
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
+
+    def config(name, keep):
+        return write_config(tmp_path / f"{name}.yaml", tiny_store, data, tmp_path / name,
+                            engine={"keep_activations": keep})  # fmt: skip
+
+    run_training(config("ref", 0), [], console=Console(quiet=True))
+    cfg = config("kill", 1)
+    env = {"HORIZON_FAULT": "after-step:3", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run([sys.executable, "-m", "horizon_cli.cli", "train", str(cfg)],
+                       env={**os.environ, **env}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == -9, r.stderr[-2000:]
+    assert "keep_activations: 1 of 2 layers kept" in r.stdout
+    console = Console(record=True, width=200)
+    run_training(config("kill", "auto"), [], console=console)
+    said = console.export_text()
+    assert "resuming from" in said and "keep_activations: 1 of 2 layers kept" in said
+    ref, got = tmp_path / "ref" / "checkpoints" / "step_6", tmp_path / "kill" / "checkpoints" / "step_6"
+    skip = {"state/config.yaml", "state/trainer.json", "checksums.json"}  # the config differs: K
+    files = sorted(str(p.relative_to(ref)) for p in ref.rglob("*") if p.is_file())
+    files = [f for f in files if f not in skip]
+    assert (
+        any(f.endswith(".m.bin") for f in files)
+        and sorted(
+            str(p.relative_to(got))
+            for p in got.rglob("*")
+            if p.is_file() and str(p.relative_to(got)) not in skip
+        )
+        == files
+    )
+    for f in files:
+        assert (ref / f).read_bytes() == (got / f).read_bytes(), f
+    tr = json.loads((got / "state" / "trainer.json").read_text())
+    assert tr["kept_layers"] == 1
+    losses = [[json.loads(x)["loss"] for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+              for n in ("ref", "kill")]  # fmt: skip
+    assert losses[0] == losses[1]
