@@ -132,10 +132,11 @@ def test_plan_covers_what_kept_graphs_save(tmp_path, monkeypatch):
 
     monkeypatch.setattr(KeptLayers, "forward", counted)
     over = dict(hidden_size=64, intermediate_size=160, num_attention_heads=8, num_key_value_heads=2)
-    cases = [("llama", "float32", None), ("gemma2", "bfloat16", None), ("qwen3_moe", "bfloat16", None),
+    cases = [("llama", "float32", None), ("mistral", "bfloat16", None), ("qwen2", "bfloat16", None),
+             ("gemma2", "bfloat16", None), ("qwen3_moe", "bfloat16", None),
              ("qwen3", "bfloat16", LoraConfig(r=4, alpha=8, dropout=0.1, targets="all-linear"))]  # fmt: skip
     for family, dtype, lcfg in cases:
-        extra = {"head_dim": 8} if family != "llama" else {}
+        extra = {"head_dim": 8} if family in ("gemma2", "qwen3_moe", "qwen3") else {}
         _, store = make_store(tmp_path / family, family, False, dtype=dtype, **over, **extra)
         lora = lora_setup(lcfg, store.arch) if lcfg else None
         ecfg = EngineConfig(device="cpu", dtype=dtype, loss_chunk=16)

@@ -134,11 +134,27 @@ def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int
 
 def kept_graph_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int, vectors: int) -> int:
     """What a kept layer's autograd graph holds for one micro-batch from its forward to its
-    backward (the tensors the forward saved): the layer's working set above, plus, for each of
-    its `vectors` 1-D tensors (taken as norms over the hidden size), the fp32 copies RMSNorm
-    saves (input and normalized in fp32, normalized in the compute dtype: 10 B per element).
-    tests/test_keep.py checks that it covers what real layers save."""
-    return layer_work_bytes(spec, tokens, rows, T, item) + tokens * vectors * spec.hidden * 10
+    backward (the tensors its forward saved), per token:
+
+      native   model/layer.py's ops: each RMSNorm its input and normalized copies in fp32 and the
+               compute dtype (10 B per element; Qwen3's q/k norms too); q and k before RoPE,
+               rotated and after, v, the attention output and o_proj's input (5 q + 4 kv); the
+               MLP's gate, up, silu(gate) and their product (4 I); the CPU's dense mask where a
+               window is shorter than the sequence
+      generic  transformers' layers (any op sequence): the working set above, plus for each of
+               the layer's `vectors` 1-D tensors (taken as norms over the hidden size) 10 B per
+               element
+
+    tests/test_keep.py checks both against what real layers save (autograd's saved tensors)."""
+    H = spec.hidden
+    if spec.generic is not None:
+        return layer_work_bytes(spec, tokens, rows, T, item) + tokens * vectors * H * 10
+    q, kv = spec.q_dim, spec.kv_dim
+    per_tok = (
+        20 * H + (10 * (q + kv) if spec.qk_norm else 0) + (5 * q + 4 * kv + 4 * spec.intermediate) * item
+    )
+    masked = any(w is not None and w < T for w in spec.windows)
+    return tokens * per_tok + (rows * T * T if masked else 0)
 
 
 def layer_vectors(lays) -> int:
