@@ -35,12 +35,13 @@ from horizon_cli.train import run_training
 VOCAB = 96
 
 
-def run(store, dtype, keep, link=0.0, lora=None, transport=None, steps=3):
+def run(store, dtype, keep, link=0.0, lora=None, transport=None, steps=3, objective=None):
     """`steps` optimizer steps of 4 rows in 2 micro-batches: (results, trained tensors). On
     HORIZON_TEST_DEVICE (scripts/gpu_check.sh: cuda) unless a transport is given."""
     device = "cpu" if transport is not None or link else DEVICE
     ecfg = EngineConfig(device=device, dtype=dtype, loss_chunk=16, link_gbps=link)
-    eng = Engine(store, ecfg, OptimConfig(kernel="torch", lr=1e-3), keep=keep, lora=lora, transport=transport)
+    ocfg = OptimConfig(kernel="torch", lr=1e-3)
+    eng = Engine(store, ecfg, ocfg, keep=keep, lora=lora, transport=transport, objective=objective)
     try:
         res = [eng.step(micro_batches(random_rows(4, VOCAB, seed=s), 2), 1e-3) for s in range(steps)]
         eng.wait()
@@ -98,6 +99,26 @@ def test_moe_and_qlora_kept_equal_recomputed(tmp_path):
     ref, kept = run(nf4, "bfloat16", 0, lora=setup()), run(nf4, "bfloat16", 1, lora=setup())
     assert_same(ref, kept, "bfloat16", DEVICE)
     assert [r.weight_loads for r in kept[0]] == [5, 5, 5]
+
+
+def test_a_sequence_objective_kept_equals_recomputed(tmp_path):
+    """The head is the same for kept layers: a two-pass objective (the preference losses' seam,
+    engine/objective.py) gives the same model keeping every layer as recomputing them."""
+    from horizon_cli.engine.objective import SequenceObjective
+
+    class TwoPassCE(SequenceObjective):  # cross-entropy as a function of per-token log-probs
+        name = "two-pass-ce"
+
+        def loss(self, logps, targets):
+            return -torch.cat(logps).sum(), {"logps_sum": torch.cat(logps).sum()}
+
+    _, store = make_store(tmp_path, "llama", True, num_hidden_layers=2)
+    ref, kept = (
+        run(store, "float32", 0, objective=TwoPassCE()),
+        run(store, "float32", 2, objective=TwoPassCE()),
+    )
+    assert_same(ref, kept, "float32", DEVICE)
+    assert [r.stats for r in ref[0]] == [r.stats for r in kept[0]] or DEVICE != "cpu"
 
 
 def test_kept_slots_are_ordered_on_cuda_streams(tmp_path):
