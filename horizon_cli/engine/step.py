@@ -14,8 +14,8 @@
               with the next step's forward (which waits per unit, in the same order)
 
 Each decoder layer's weights cross host -> device twice per step (a kept layer's once: 2L - K
-loads), whatever the number of micro-batches (invariant 2). What is trained (engine.params) and where gradients go
-(engine.reduce) are strategies of `Parts`, chosen once. See docs/engine.md.
+loads), whatever the number of micro-batches (invariant 2). What is trained (engine.params) and
+where gradients go (engine.reduce) are strategies of `Parts`, chosen once. See docs/engine.md.
 """
 
 from __future__ import annotations
