@@ -122,6 +122,27 @@ def test_a_sequence_objective_kept_equals_recomputed(tmp_path):
     assert [r.stats for r in ref[0]] == [r.stats for r in kept[0]] or DEVICE != "cpu"
 
 
+@pytest.mark.parametrize("where", ["fwd 0", "fwd 3 kept", "bwd 2 kept", "bwd 1"])
+def test_an_error_with_kept_layers_stops_the_engine_and_close_returns(tmp_path, where):
+    """An error anywhere in a step that keeps the top 2 of 4 layers (held buffers, queued
+    backward loads waiting for saved inputs never sent): the step raises, close() returns, the
+    engine refuses further work."""
+    from test_engine_robust import closes_within, fail_at
+
+    _, store = make_store(tmp_path, "llama", False, num_hidden_layers=4)
+    eng = Engine(
+        store, EngineConfig(device="cpu", dtype="float32", prefetch=3), OptimConfig(kernel="torch"), keep=2
+    )
+    rows = random_rows(8, VOCAB, seed=1)
+    eng.step(micro_batches(rows[:4], 2), 1e-3)
+    fail_at(eng.t, where, RuntimeError("injected"))
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step(micro_batches(rows[4:], 2), 1e-3)
+    assert closes_within(eng, 10.0), where
+    with pytest.raises(Exception, match="stopped at an earlier error"):
+        eng.step(micro_batches(rows[4:], 2), 1e-3)
+
+
 def test_kept_slots_are_ordered_on_cuda_streams(tmp_path):
     """The CUDA transport (through tests/fake_cuda.py's checks of every stream access) with a kept
     layer: the same numbers as the CPU recomputing every layer, no access out of order."""
