@@ -177,10 +177,13 @@ def test_plan_covers_what_kept_graphs_save(tmp_path, monkeypatch):
     over = dict(hidden_size=64, intermediate_size=160, num_attention_heads=8, num_key_value_heads=2)
     cases = [("llama", "float32", None), ("mistral", "bfloat16", None), ("qwen2", "bfloat16", None),
              ("gemma2", "bfloat16", None), ("qwen3_moe", "bfloat16", None),
-             ("qwen3", "bfloat16", LoraConfig(r=4, alpha=8, dropout=0.1, targets="all-linear"))]  # fmt: skip
+             ("qwen3", "bfloat16", LoraConfig(r=4, alpha=8, dropout=0.1, targets="all-linear")),
+             ("llama", "bfloat16", LoraConfig(r=4, alpha=8, targets="all-linear"))]  # fmt: skip
     for family, dtype, lcfg in cases:
         extra = {"head_dim": 8} if family in ("gemma2", "qwen3_moe", "qwen3") else {}
-        _, store = make_store(tmp_path / family, family, False, dtype=dtype, **over, **extra)
+        _, store = make_store(
+            tmp_path / f"{family}-{dtype}-{bool(lcfg)}", family, False, dtype=dtype, **over, **extra
+        )
         lora = lora_setup(lcfg, store.arch) if lcfg else None
         ecfg = EngineConfig(device="cpu", dtype=dtype, loss_chunk=16)
         eng = Engine(store, ecfg, OptimConfig(kernel="torch"), lora=lora, keep=2)

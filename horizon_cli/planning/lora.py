@@ -54,12 +54,12 @@ def adapter_work_bytes(targets: list[list[Target]], r: int, tokens: int, item: i
 
 
 def adapter_kept_bytes(targets: list[list[Target]], r: int, dropout: float, tokens: int, item: int) -> int:
-    """What the adapters add to a kept layer's graph for one micro-batch: their outputs (above)
-    and, with dropout, per adapted linear its dropped input and the mask (2 x in features)."""
-    drop = 0
-    if dropout:
-        drop = max((sum(2 * t.in_features for t in layer) for layer in targets), default=0)
-    return adapter_work_bytes(targets, r, tokens, item) + tokens * drop * item
+    """What the adapters add to a kept layer's graph for one micro-batch, per token and adapted
+    linear: A's output (r; B's input), and with dropout its dropped input and the mask (2 x in
+    features). The rest (B's output, scaled and added) is not saved for the backward."""
+    drop = 2 if dropout else 0
+    widest = max((sum(r + drop * t.in_features for t in layer) for layer in targets), default=0)
+    return tokens * widest * item
 
 
 def lora_memory_plan(
