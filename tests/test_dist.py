@@ -122,8 +122,10 @@ def test_fp32_ranks_match_one_rank_through_kill_and_resharding(tiny_store, tmp_p
     ref = config(tmp_path, tiny_store, "ref", **FP32)
     one_rank(ref)
 
-    # 2 ranks; rank 1 SIGKILLed in step 7: every rank stops, torchrun exits non-zero, soon
-    two = config(tmp_path, tiny_store, "two", **FP32)
+    # 2 ranks; rank 1 SIGKILLed in step 7: every rank stops, torchrun exits non-zero, soon. The top
+    # layer kept (engine.keep_activations: 1; the others auto: every layer, or the K a resumed run
+    # began with): kept or recomputed, sharded or not, the same run
+    two = config(tmp_path, tiny_store, "two", **{**FP32, "engine": {"keep_activations": 1}})
     t0 = time.monotonic()
     r = torchrun(2, two, fault="step:7")
     assert r.returncode != 0, r.stdout + r.stderr
@@ -137,7 +139,7 @@ def test_fp32_ranks_match_one_rank_through_kill_and_resharding(tiny_store, tmp_p
 
     r = torchrun(2, two)  # launched again: resumes from the 2-rank step_5
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from" in r.stdout
+    assert "resuming from" in r.stdout and "keep_activations: 1 of 2 layers kept" in r.stdout
     assert_same_run(tmp_path / "ref", tmp_path / "two")
 
     one_rank(to1)  # the 2-rank checkpoint on 1 rank
