@@ -10,6 +10,8 @@ shell over these (horizon_cli.cli); bad input raises `horizon_cli.errors.InputEr
     run = horizon.train("configs/demo.yaml", ["optim.lr=2e-5"])
     print(run.final_loss, run.export)
     horizon.export("runs/a", "hf/a")
+    out = horizon.generate("runs/a", prompts=["What is the capital of France?"], max_new_tokens=32)
+    print(out.rows[0]["completion"])
 
 `console`: where progress and reports go (a rich Console; default: the terminal; pass
 `Console(quiet=True)` for silence).
@@ -114,7 +116,9 @@ def plan(
     console: Console | None = None,
 ) -> PlanResult:
     """Every check a real start makes, then the memory plan and ladder (`horizon train --dry-run`).
-    machine: (host GiB, device GiB) of another machine to plan for."""
+    machine: (host GiB, device GiB) of another machine to plan for. Where the start would stop
+    (the plan does not fit, the run dir is in use, bad data, ...) raises `errors.DryRunRefused`,
+    an InputError with the start's message whose `report` still holds the plan."""
     from .train import run_training
 
     path, base = _source(config)
@@ -166,6 +170,50 @@ def inspect(store: str | Path, *, verify: bool = False, console: Console | None 
 
     info = inspect_store(Path(store), verify=verify, console=_console(console))
     return InspectResult(info["params"], info["path"], info["bytes"], info)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    rows: list[dict]  # per prompt, in input order: its fields + completion, completion_ids, finish_reason
+    output: Path | None = None
+
+
+def generate(
+    src: str | Path,
+    *,
+    prompts: Sequence[str] = (),
+    prompts_file: str | Path | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop: Sequence[str] = (),
+    batch_size: int = 32,
+    output: str | Path | None = None,
+    engine: Mapping[str, Any] | None = None,
+    console: Console | None = None,
+    echo=None,
+) -> GenerateResult:
+    """Streamed generation on a store or a run dir (`horizon generate`). engine: engine settings
+    to override (device, dtype, prefetch, link_gbps, kv_cache, ...); echo(line): where completions
+    print as they finish when there is no output file (default: the console)."""
+    from .generate import Settings, run_generate
+
+    settings = Settings(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop), batch_size)
+    out = Path(output) if output is not None else None
+    rows = run_generate(
+        src, prompts_file, list(prompts), settings, out, _console(console), dict(engine or {}), echo
+    )
+    return GenerateResult(rows, out)
+
+
+def evaluate(src: str | Path, args: Sequence[str] = ()) -> None:
+    """lm-evaluation-harness on a store or run dir (`horizon eval SRC ARGS`): its command line with
+    `--model horizon --model_args path=SRC` and `args` (--tasks, --include_path, --output_path, ...)."""
+    from .generate.harness import run_lm_eval
+
+    run_lm_eval(str(src), list(args))
 
 
 def profile(

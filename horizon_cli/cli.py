@@ -184,6 +184,46 @@ def train(
 
 @app.command()
 @command
+def generate(
+    src: Annotated[Path, typer.Argument(help="A store, or a run dir (its newest intact checkpoint).")],
+    prompts_file: Annotated[
+        Path | None,
+        typer.Option("--prompts", help="JSONL prompts: each line a prompt, messages or input_ids field."),
+    ] = None,
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="A prompt text (repeatable).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="New tokens per prompt at most.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0: greedy; above 0: sampling.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Sampling: nucleus probability (1: off).")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Sampling: the k most likely tokens only (0: off).")] = 0,
+    seed: Annotated[int, typer.Option(help="Sampling: the seed (each prompt its own stream).")] = 0,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop at this text (repeatable).")] = None,
+    batch_size: Annotated[int, typer.Option(help="Prompts that share each sweep of the weights.")] = 32,
+    output: Annotated[Path | None, typer.Option(help="Write the completions as JSONL here.")] = None,
+) -> None:
+    """Generate with the streamed engine: one sweep of the layers per new token for a whole batch."""
+    from . import api
+
+    api.generate(
+        src, prompts=prompt or [], prompts_file=prompts_file, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop or [], batch_size=batch_size,
+        output=output, console=console, echo=typer.echo,
+    )  # fmt: skip
+
+
+@app.command(name="eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@command
+def eval_(
+    ctx: typer.Context,
+    src: Annotated[Path, typer.Argument(help="A store, or a run dir (its newest intact checkpoint).")],
+) -> None:
+    """Score a model with lm-evaluation-harness (lm_eval's arguments follow: --tasks, --include_path, ...)."""
+    from . import api
+
+    api.evaluate(src, ctx.args)
+
+
+@app.command()
+@command
 def profile(
     config: Annotated[
         Path | None, typer.Argument(help="YAML config (default: a built-in tiny model).")

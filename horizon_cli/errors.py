@@ -15,6 +15,15 @@ class InputError(HorizonError):
     exit_code = 2
 
 
+class DryRunRefused(InputError):
+    """`--dry-run` of a start that would stop: the start's own line (exit 2), and the plan the dry
+    run printed (and wrote with --json) in `report`."""
+
+    def __init__(self, message: str, report: dict):
+        super().__init__(message)
+        self.report = report
+
+
 class ConfigError(InputError):
     """One or more config problems; each names the dotted key."""
 

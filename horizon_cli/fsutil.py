@@ -136,6 +136,33 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+class _CopyFailed(Exception):
+    """Carries a file copy's OSError through shutil.copytree, which would collect it into a list."""
+
+    def __init__(self, err: OSError):
+        self.err = err
+
+
+def copy_tree(src: Path, dst: Path) -> None:
+    """shutil.copytree, but the first file that cannot be copied (a full disk) raises its own
+    OSError, naming the file and its strerror, at once: copytree would go on with the other files
+    and raise shutil.Error holding a list of (src, dst, why) tuples, which reads as a Python list."""
+
+    def copy(a: str, b: str) -> object:
+        try:
+            return shutil.copy2(a, b)
+        except OSError as e:
+            raise _CopyFailed(e) from None
+
+    try:
+        shutil.copytree(src, dst, copy_function=copy)
+    except _CopyFailed as f:
+        raise f.err from None
+    except shutil.Error as e:  # a folder's copystat: the first failure, as one OSError
+        first = e.args[0][0] if e.args and e.args[0] else (src, dst, str(e))
+        raise OSError(None, str(first[2]), str(first[1])) from None
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to a temp sibling, fsync, rename over `path`. On failure (a full disk...)
     the temp file is removed, `path` is as it was, and the OSError names `path`."""

@@ -51,8 +51,8 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
         rows += [
             (
                 "quantized",
-                f"{m.quant}: {n_q} linear weights of the decoder layers as NF4 (blocks of 64, "
-                "int8 scales in groups of 256); norms, embedding, head in " + m.dtype,
+                f"{m.quant}: {n_q} linear weights of the decoder layers as NF4 ({_layout(store)}); "
+                "norms, embedding, head in " + m.dtype,
             ),
             ("training", "LoRA only (a 4-bit base cannot be fully fine-tuned)"),
         ]
@@ -82,7 +82,9 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
             f"host memory to train (LoRA): base {fmt_bytes(base)} ({base / m.params:.2f} B/param) "
             "+ the adapters' state (`horizon train CONFIG --dry-run` shows it)"
         )
-        return {"params": m.params, "path": a.path, "quant": m.quant, "bytes": total, "base_bytes": base}
+        scheme = next(iter({p.scheme for p in store.packed.values()}))
+        return {"params": m.params, "path": a.path, "quant": m.quant, "quant_scheme": scheme,
+                "bytes": total, "base_bytes": base}  # fmt: skip
     plans = {d: memory_plan(a, d, batch=0) for d in ("bfloat16", "float32")}
     host = Table(title="host memory to train (excluding activations)", title_justify="left")
     host.add_column("category")
@@ -153,3 +155,11 @@ def _generic_flags(a) -> str:
     if frozen:
         flags.append(f"{frozen} frozen buffers")
     return ", ".join(flags) or "none"
+
+
+def _layout(store: Store) -> str:
+    """How a quantized store's NF4 tensors are laid out (the scheme its version records)."""
+    schemes = {p.scheme for p in store.packed.values()}
+    if schemes == {"bnb"}:
+        return "bitsandbytes' layout: blocks of 64, absmax double-quantized to 8 bits in groups of 256"
+    return "horizon's layout before store version 5, torchao's arithmetic: convert again for bitsandbytes'"

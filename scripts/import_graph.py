@@ -23,7 +23,7 @@ MAX_LINES = 400
 
 # lowest first; a name is a subpackage or a top-level module of horizon_cli
 LAYERS: list[tuple[str, ...]] = [
-    ("__init__", "errors", "faults", "utf8", "fsutil", "owner", "fmt"),
+    ("__init__", "quiet", "errors", "faults", "utf8", "fsutil", "owner", "fmt"),
     ("config", "quant", "optim", "parallel", "progress"),
     ("arch",),
     ("store", "lora"),

@@ -115,6 +115,10 @@ def sha256(path: Path) -> str:
 
 
 def build(gguf: Path, out: Path, dtype: str) -> None:
+    sys.path.insert(0, str(REPO))
+    from horizon_cli.quiet import silence_import_noise
+
+    silence_import_noise()  # before transformers imports torchao (horizon_cli/quiet.py)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 

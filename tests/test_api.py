@@ -48,3 +48,20 @@ def test_errors_are_exceptions_with_exit_codes(tiny_store, tmp_path):
     with pytest.raises(InputError) as e:
         horizon.convert(tmp_path / "nowhere", tmp_path / "store", console=QUIET)
     assert e.value.exit_code == 2
+
+
+def test_a_plan_a_start_would_refuse_raises_with_the_plan(tiny_store, tmp_path):
+    from horizon_cli import owner
+    from horizon_cli.errors import DryRunRefused
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
+    cfg = yaml.safe_load(write_config(tmp_path / "cfg.yaml", tiny_store, data, tmp_path / "run").read_text())
+    (tmp_path / "run").mkdir()
+    lock = owner.DirLock.acquire(tmp_path / "run")  # a start would stop: the run dir is in use
+    try:
+        with pytest.raises(DryRunRefused) as e:
+            horizon.plan(cfg, console=QUIET)
+    finally:
+        lock.release()
+    assert e.value.exit_code == 2 and "is in use by" in str(e.value)
+    assert e.value.report["fits"] and e.value.report["ladder"]["exact"]["host_bytes"] > 0

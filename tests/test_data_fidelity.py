@@ -233,9 +233,9 @@ def test_unread_fields_with_content_are_named_once_each(tmp_path, tok):
     msgs = [dict(m) for m in CHAT["messages"]]
     msgs[2]["reasoning_content"] = "think first"
     recs = [
-        {**CHAT, "images": ["cat.png"], "id": 1, "source": "web", "score": 4.5, "notes": ""},
-        {"messages": msgs, "images": [], "id": 2, "source": "web", "score": 3.0, "notes": " "},
-        {**CHAT, "images": ["dog.png"], "id": 3, "source": "web", "score": 1.0, "notes": ""},
+        {**CHAT, "images": ["cat.png"], "id": 1, "source": "web", "token_count": 45, "notes": ""},
+        {"messages": msgs, "images": [], "id": 2, "source": "web", "token_count": 30, "notes": " "},
+        {**CHAT, "images": ["dog.png"], "id": 3, "source": "web", "token_count": 10, "notes": ""},
     ]
     path, cache, logs = write(tmp_path, recs), tmp_path / "cache", []
     prep(path, tok, logs, cache=cache)
@@ -363,7 +363,7 @@ def test_corrupt_or_mismatched_cache_entry_is_rebuilt_with_a_note(tmp_path, tok)
 def test_media_columns_are_counted_without_decoding():
     import datasets
 
-    from horizon_cli.data.formats import ignored_columns
+    from horizon_cli.data.fields import Unread, unread_columns
 
     feats = {
         "text": datasets.Value("string"),
@@ -378,4 +378,4 @@ def test_media_columns_are_counted_without_decoding():
         },
         features=datasets.Features(feats),
     )  # decoding "not a png" would raise
-    assert ignored_columns(ds, ["text"]) == {"images": 1}
+    assert unread_columns(ds, ["text"], Unread("text", "d")) == {"images": 1}

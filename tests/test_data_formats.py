@@ -240,13 +240,21 @@ def test_explicit_format_missing_fields(tmp_path, tok):
         prep(tmp_path, [{"instruction": "a"}], tok, format="instruction")
 
 
-def test_truncation_counts_rows(tmp_path, tok):
+def test_truncation_counts_records_and_tokens(tmp_path, tok_plain):
     long = " ".join(["one two three four five"] * 10)
-    out, logs = prep(tmp_path, [{"text": long}, {"text": "hi"}], tok, max_seq_len=16)
-    assert len(out.train[0].input_ids) == 16
-    assert out.train[0].input_ids[0] == tok.bos_token_id
-    assert out.train.stats["truncated"] == 1
-    assert any("1 truncated to max_seq_len 16" in line for line in logs)
+    recs = [{"instruction": "hi", "output": long}, {"instruction": "hi", "output": "ok"}]
+    out, logs = prep(tmp_path, recs, tok_plain, max_seq_len=96)
+    row = out.train[0]
+    assert len(row.input_ids) == 96 and row.input_ids[0] == tok_plain.bos_token_id
+    full, _ = prep(tmp_path, recs[:1], tok_plain, max_seq_len=1024)
+    whole = full.train[0]
+    assert row.input_ids.tolist() == whole.input_ids[:96].tolist()  # the head, cut
+    cut, cut_loss = len(whole.input_ids) - 96, int((whole.labels[96:] != IGNORE).sum())
+    assert cut > 0 and cut_loss == cut  # the cut part is all response
+    assert out.train.stats["truncated"] == 1 and out.train.stats["cut_tokens"] == cut
+    assert any(
+        f"1 truncated to max_seq_len 96 ({cut} tokens cut, {cut_loss} of them with loss)" in x for x in logs
+    )
 
 
 def test_chat_without_template_is_an_input_error(tmp_path, tok_plain):

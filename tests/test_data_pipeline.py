@@ -70,13 +70,24 @@ def test_packing_greedy_rows_doc_ids_positions_and_boundaries(tmp_path, tok):
     assert packed.label_tokens == plain.label_tokens
 
 
-def test_packing_truncates_long_examples_first(tmp_path, tok):
+def test_packing_truncates_long_chat_examples_first(tmp_path, tok):
     path = tmp_path / "d.jsonl"
-    long = " ".join(WORDS * 5)
-    path.write_text(json.dumps({"text": long}) + "\n" + json.dumps({"text": "one"}) + "\n")
-    packed = prep(path, tok, max_seq_len=16, packing=True).train
-    assert [len(packed[i].input_ids) for i in range(len(packed))] == [16, 3]
-    assert packed.stats["truncated"] == 1
+    long = {
+        "messages": [{"role": "user", "content": " ".join(WORDS * 5)}, {"role": "assistant", "content": "hi"}]
+    }
+    short = {"messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}]}
+    path.write_text(json.dumps(long) + "\n" + json.dumps(short) + "\n")
+    logs: list[str] = []
+    packed = prep(path, tok, logs, max_seq_len=16, packing=True, train_on_prompt=True).train
+    whole = len(tok.apply_chat_template(short["messages"], tokenize=True, return_dict=True)["input_ids"])
+    assert [len(packed[i].input_ids) for i in range(len(packed))] == [16, whole]
+    full = len(tok.apply_chat_template(long["messages"], tokenize=True, return_dict=True)["input_ids"])
+    assert packed.stats["truncated"] == 1 and packed.stats["cut_tokens"] == full - 16
+    assert packed.stats["cut_label_tokens"] == full - 16  # train_on_prompt: every cut token had loss
+    assert any(
+        f"1 truncated to max_seq_len 16 ({full - 16} tokens cut, {full - 16} of them with loss)" in x
+        for x in logs
+    )
 
 
 # ---- cache
@@ -216,7 +227,7 @@ def test_eval_path_with_other_fields_names_the_eval_file(tmp_path, tok):
 
 def test_eval_fraction_and_eval_path_together(tmp_path, tok):
     path = write_texts(tmp_path / "d.jsonl", 3)
-    with pytest.raises(InputError, match="not both"):
+    with pytest.raises(InputError, match="give one of data.eval_path, eval_fraction and eval_split"):
         prep(path, tok, eval_fraction=0.1, eval_path=str(path))
 
 

@@ -99,10 +99,18 @@ def weights(run: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def grad_norms(run: Path) -> list[float]:
+    return [json.loads(x)["grad_norm"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def assert_same_run(ref: Path, run: Path, rel: float = 1e-5) -> None:
+    """Losses, eval losses, grad norms (what clipping sees: a norm off by sqrt(world) clips
+    wrongly) and the exported weights."""
     a, b = losses(ref), losses(run)
     assert len(a) == len(b) >= 10
     assert max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True)) < rel, (a, b)
+    a, b = grad_norms(ref), grad_norms(run)
+    assert len(a) == len(b) and max(abs(x - y) / x for x, y in zip(a, b, strict=True)) < rel, (a, b)
     wa, wb = weights(ref), weights(run)
     assert wa.keys() == wb.keys()
     for k in wa:
@@ -199,9 +207,10 @@ def test_bf16_exact_lean_lora_and_moe_on_two_ranks_match_one(untied_store, moe_s
         for name in ("exact1", "exact2", "lean1", "lean2")
     }
     lora = {"r": 4, "alpha": 8, "dropout": 0.1}  # dropout: masks drawn per global micro-batch
+    clip = {"grad_clip": 0.3}  # the adapters' norm grows from 0.15 to 0.4: clipped from step 6 on
     for name in ("lora1", "lora2"):  # fp32, the base sharded, the adapters whole on every rank
         cfgs[name] = config(
-            tmp_path, tiny_store, name, lora=lora, engine=recompute if "2" in name else {}, **FP32
+            tmp_path, tiny_store, name, lora=lora, optim=clip, engine=recompute if "2" in name else {}, **FP32
         )
     for name in ("moe1", "moe2"):  # the aux loss needs the global batch's router statistics
         cfgs[name] = config(tmp_path, moe_store, name, engine=recompute if "2" in name else {}, **FP32)
@@ -213,7 +222,9 @@ def test_bf16_exact_lean_lora_and_moe_on_two_ranks_match_one(untied_store, moe_s
     a, b = aux_losses(tmp_path / "moe1"), aux_losses(tmp_path / "moe2")
     assert max(abs(x - y) / x for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
     cfgs.pop("moe1"), cfgs.pop("moe2")
-    assert_same_run(tmp_path / "lora1", tmp_path / "lora2")  # losses, merged export
+    norms = grad_norms(tmp_path / "lora1")
+    assert min(norms) < clip["grad_clip"] < max(norms), norms  # the clip fires on some steps only
+    assert_same_run(tmp_path / "lora1", tmp_path / "lora2")  # losses, grad norms, merged export
     a1, a2 = (load_file(tmp_path / n / "adapter" / "adapter_model.safetensors") for n in ("lora1", "lora2"))
     assert a1.keys() == a2.keys()
     for k in a1:

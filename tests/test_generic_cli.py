@@ -78,6 +78,25 @@ def test_refused_at_convert(src, tmp_path, change, needles):
     assert_bad(horizon("convert", src, tmp_path / "dst"), "config.json", *needles, dst=tmp_path / "dst")
 
 
+@pytest.mark.parametrize(
+    "config_cls,arch,mt,text",
+    [
+        ("LlavaConfig", "LlavaForConditionalGeneration", "llava", "llama"),
+        ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "qwen2_vl", "qwen2_vl_text"),
+    ],
+)
+def test_a_vision_language_checkpoint_is_named_as_one(src, tmp_path, config_cls, arch, mt, text):
+    """Not 'not a causal LM': what it is, and that image inputs and the wrapper are not supported yet."""
+    import transformers
+
+    cfg = getattr(transformers, config_cls)().to_dict()
+    (src / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
+    want = [f"{arch} (model_type {mt!r}) is a multimodal (vision-language) checkpoint"]
+    want += [f"(its language model: {text!r})", "image inputs", "not supported yet"]
+    line = assert_bad(horizon("convert", src, tmp_path / "dst"), *want, dst=tmp_path / "dst")
+    assert "not a causal LM" not in line
+
+
 def test_router_aux_loss_the_family_does_not_have(tmp_path):
     src = save(make_model("deepseek_v3", output_router_logits=True), tmp_path / "src")
     assert_bad(

@@ -58,8 +58,10 @@ def test_dry_run_plans_a_config_json_for_another_machine(planned):
     cfg = ROOT / "configs" / "mistral-large-123b-sft.yaml"
     r = horizon("train", cfg, *over, "optim.memory=exact", "--dry-run", "--json", out,
                 "--host-gib", H200_1_5TB[0], "--device-gib", H200_1_5TB[1])  # fmt: skip
-    assert r.exit_code == 0, r.output
+    # the plan printed and written, then the line a start gives, exit 2 (a start would stop there)
+    assert r.exit_code == 2, r.output
     assert "memory ladder" in r.output and "largest rung that fits: lean" in r.output
+    assert r.output.strip().splitlines()[-1].startswith("error: memory plan does not fit this machine")
     plan = json.loads(out.read_text())
     for key in (
         "params",
@@ -145,7 +147,8 @@ def test_dry_run_on_a_lone_config_json_with_chat_data_names_the_directory(planne
     directory has none (it is not a store)."""
     tmp, over = planned
     cfg = ROOT / "configs" / "mistral-large-123b-sft.yaml"
-    r = horizon("train", cfg, *over, "data.format=auto", "--dry-run", "--host-gib", 64, "--device-gib", 80)
+    # a machine it fits (a start checks the fit before the data, and so does a dry run)
+    r = horizon("train", cfg, *over, "data.format=auto", "--dry-run", "--host-gib", 4096, "--device-gib", 192)
     errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
     assert r.exit_code == 2 and len(errors) == 1, r.output
     msg = errors[0]

@@ -68,6 +68,32 @@ def test_a_build_that_cannot_finish_falls_back_to_torch_with_a_warning(
     assert "warning: native AdamW kernel unavailable, using the torch path" in r.output
 
 
+def test_the_first_build_is_a_phase_of_its_own_before_the_weights_load(
+    fresh, tiny_store, tmp_path, monkeypatch
+):
+    """The one-time build is shown as its own phase (a line, a spinner on a terminal) before the
+    weights load, never inside the first step (it once showed as `5 tok/s 99.76 s/step`)."""
+    from horizon_cli.optim.adamw import AdamWHyper, adamw_fp32_
+
+    def compile_(n, build):  # the library a build makes, here the torch reference with its calls
+        (build / f"{n}.so").write_bytes(b"library")
+        return types.SimpleNamespace(
+            adamw_fp32=lambda p, g, m, v, *s, isa: adamw_fp32_(p, g, m, v, AdamWHyper(*s))
+        )
+
+    monkeypatch.setattr(native, "_compile", compile_)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_store, data, tmp_path / "run", train={"steps": 1})
+    r = CliRunner().invoke(app, ["train", str(cfg)], env={"COLUMNS": "2000"})
+    assert r.exit_code == 0, r.output
+    order = ["native AdamW kernel: building it", "native AdamW kernel: built in", "load weights",
+             "AdamW kernel native", "step     1/1"]  # fmt: skip
+    at = [r.output.find(s) for s in order]
+    assert -1 not in at and at == sorted(at), r.output
+    r = CliRunner().invoke(app, ["train", str(cfg), "train.steps=2"], env={"COLUMNS": "2000"})
+    assert r.exit_code == 0 and "native AdamW kernel: build" not in r.output, r.output  # built: no phase
+
+
 @pytest.mark.slow
 def test_a_real_build_killed_midway_then_built_again(tmp_path):
     """The real compiler, killed a few seconds into its first build; the next build finishes."""

@@ -4,6 +4,7 @@ and writes nothing, `profile` checks its output paths before measuring."""
 
 from __future__ import annotations
 
+import json
 import resource
 
 import pytest
@@ -110,3 +111,76 @@ def test_the_fit_check_honours_rlimit_as(cfg, monkeypatch):
     msg = error_line(horizon("train", cfg))
     assert "does not fit" in msg and "RLIMIT_AS" in msg
     assert "does not fit" in horizon("train", cfg, "--dry-run").output
+
+
+def _tensorboard_missing(monkeypatch, tmp_path, request):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # `import` raises ImportError
+    return ["log.tensorboard=true"]
+
+
+def _small_host(monkeypatch, tmp_path, request):
+    monkeypatch.setattr(preflight, "host_available", lambda: (1 << 20, "test limit"))
+    return []
+
+
+def _small_host_and_bad_data(monkeypatch, tmp_path, request):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"nothing": "here"}])
+    return [*_small_host(monkeypatch, tmp_path, request), f"data.path={bad}"]  # the fit is checked first
+
+
+def _in_use(monkeypatch, tmp_path, request):
+    from horizon_cli import owner
+
+    (tmp_path / "run").mkdir()
+    request.addfinalizer(owner.DirLock.acquire(tmp_path / "run").release)  # as a running start holds it
+    return []
+
+
+def _not_a_directory(monkeypatch, tmp_path, request):
+    (tmp_path / "run").write_text("a file")
+    return []
+
+
+def _no_native_kernel(monkeypatch, tmp_path, request):
+    from horizon_cli.optim import native
+
+    monkeypatch.setattr(native, "needs_build", lambda: False)
+    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "reason", lambda: "no C++ compiler ('c++' not on PATH)")
+    return ["optim.kernel=native"]
+
+
+def _bad_data(monkeypatch, tmp_path, request):
+    return [f"data.path={write_jsonl(tmp_path / 'bad.jsonl', [{'nothing': 'here'}])}"]
+
+
+@pytest.mark.parametrize(
+    "fault,needle",
+    [
+        (_small_host, "does not fit"),
+        (_small_host_and_bad_data, "does not fit"),
+        (_tensorboard_missing, "log.tensorboard: needs the tensorboard package"),
+        (_in_use, "is in use by PID"),
+        (_not_a_directory, "is not a directory"),
+        (_bad_data, "bad.jsonl"),
+        (_no_native_kernel, "optim.kernel: native AdamW kernel unavailable (no C++ compiler"),
+    ],
+    ids=["no-fit", "no-fit-and-bad-data", "tensorboard", "in-use", "not-a-dir", "bad-data", "native-kernel"],
+)
+def test_a_dry_run_stops_where_the_start_stops_with_its_line(
+    cfg, tmp_path, monkeypatch, request, fault, needle
+):
+    """The same checks in the same order (train/checks.py): the dry run prints and writes its
+    plan, then exits 2 with exactly the line the start gives, and writes nothing else."""
+    over = fault(monkeypatch, tmp_path, request)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    out = tmp_path / "plan.json"
+    dry = horizon("train", cfg, *over, "--dry-run", "--json", out)
+    line = error_line(dry)
+    assert needle in line
+    assert "memory plan" in dry.output and json.loads(out.read_text())["ladder"]
+    out.unlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written but the plan
+    assert error_line(horizon("train", cfg, *over)) == line

@@ -56,10 +56,13 @@ def dead_pid() -> int:
 
 @pytest.fixture(scope="module")
 def trained(tiny_store, tmp_path_factory):
-    """A finished 4-step run (checkpoints step_2 and step_4), and its config."""
+    """A finished 4-step run (checkpoints step_2 and step_4), and its config. A constant schedule:
+    these tests resume it with a larger train.steps (under a decay: test_resume_steps.py)."""
     tmp = tmp_path_factory.mktemp("trained")
     data = write_jsonl(tmp / "chat.jsonl", chat_rows(24))
-    cfg = write_config(tmp / "cfg.yaml", tiny_store, data, tmp / "run", train={"steps": 4})
+    cfg = write_config(
+        tmp / "cfg.yaml", tiny_store, data, tmp / "run", train={"steps": 4}, schedule={"kind": "constant"}
+    )
     r = horizon("train", cfg)
     assert r.exit_code == 0, r.output
     return tmp / "run", cfg
@@ -137,6 +140,41 @@ def test_a_failed_start_does_not_leave_a_new_run_dir(run, tmp_path):
     new = tmp_path / "new" / "run"
     error_line(horizon("train", cfg, f"data.path={bad}", f"output.dir={new}"))
     assert not (tmp_path / "new").exists()
+
+
+@pytest.fixture
+def flipped(tiny_store, tmp_path) -> Path:
+    """A copy of the tiny store with one flipped byte: found while the weights load, after the
+    data was tokenized into <run>/cache."""
+    dst = Path(shutil.copytree(tiny_store, tmp_path / "flipped"))
+    unit = dst / "units" / "head.bin"
+    raw = bytearray(unit.read_bytes())
+    raw[100] ^= 1
+    unit.write_bytes(bytes(raw))
+    return dst
+
+
+def test_a_start_that_fails_late_removes_the_run_dir_it_created(run, flipped, tmp_path):
+    _, cfg = run
+    new = tmp_path / "new" / "run"
+    msg = error_line(horizon("train", cfg, f"model.path={flipped}", f"output.dir={new}"))
+    assert "checksum mismatch" in msg
+    assert not (tmp_path / "new").exists()  # not runs/new/run/cache/...
+
+
+def test_a_start_that_fails_late_leaves_an_existing_run_dir_as_it_was(run, flipped, tmp_path):
+    _, cfg = run
+    mine = tmp_path / "mine"
+    (mine / "cache" / "other-0123").mkdir(parents=True)  # a cache entry of other data, kept
+    (mine / "cache" / "other-0123" / "meta.json").write_text("{}")
+    (mine / "notes.txt").write_text("the user's\n")
+    before = snapshot(mine)
+    error_line(horizon("train", cfg, f"model.path={flipped}", f"output.dir={mine}"))
+    assert snapshot(mine) == before
+    shutil.rmtree(mine / "cache")  # a cache/ the start had to make goes too
+    before = snapshot(mine)
+    error_line(horizon("train", cfg, f"model.path={flipped}", f"output.dir={mine}"))
+    assert snapshot(mine) == before
 
 
 # -- resume with the same settings ----------------------------------------------------------------
@@ -408,6 +446,25 @@ def test_a_full_disk_on_run_outputs_is_one_line(run, monkeypatch, module, needle
         assert (run_dir / needle).read_bytes() == before
     assert not [p for p in run_dir.rglob(".*")]  # no temp file, no lock
     assert steps_in(run_dir) == ["step_2", "step_4"]
+
+
+def test_a_full_disk_writing_a_checkpoint_is_one_line(run, monkeypatch):
+    """ENOSPC while the checkpoint copies the store's hf/ files (shutil.copytree would collect it
+    into a list of (src, dst, why) tuples and print that): the line docs/reliability.md promises."""
+    run_dir, cfg = run
+    real = shutil.copyfile
+
+    def full(src, dst, *a, **kw):
+        if ".step_5" in str(dst):  # the checkpoint's temp dir
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        return real(src, dst, *a, **kw)
+
+    monkeypatch.setattr(shutil, "copyfile", full)
+    msg = error_line(horizon("train", cfg, "train.steps=5"), code=1)
+    want = f"error: {run_dir}/checkpoints/step_5: could not write the checkpoint (No space left on device); "
+    assert msg == want + "earlier ones are intact"
+    assert steps_in(run_dir) == ["step_2", "step_4"]
+    assert not [p for p in run_dir.rglob(".*")]  # no temp dir, no lock
 
 
 def test_a_full_disk_on_the_loss_plot_is_one_line(run, monkeypatch):

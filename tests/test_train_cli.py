@@ -2,6 +2,7 @@
 one line naming what is wrong, nothing half-written)."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -61,12 +62,29 @@ def test_train_writes_the_run_dir(run_cfg, tmp_path):
     assert f"keep_activations: {rows[0]['kept_layers']} of 2 layers kept" in r.output
     assert rows[2]["eval_loss"] is not None and rows[5]["eval_loss"] is not None
     assert rows[-1]["loss"] < rows[0]["loss"]
+    final = re.search(r"done: 6 steps, final loss (\d+\.\d{4}), checkpoint", " ".join(r.output.split()))
+    assert final and abs(float(final[1]) - rows[-1]["loss"]) <= 5e-5, r.output  # not 17 digits
     assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_6"]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(run / "export")
     assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 400)
+
+
+@pytest.mark.parametrize(
+    "loss,shown",
+    [
+        (5.655882679332386, "5.6559"),
+        (0.0002021684875370751, "0.0002022"),
+        (3.14159e-6, "3.142e-06"),
+        (0.0, "0.0000"),
+    ],
+)
+def test_a_loss_prints_as_a_number_for_people(loss, shown):
+    from horizon_cli.fmt import fmt_loss
+
+    assert fmt_loss(loss) == shown
 
 
 def test_tokens_format_and_overrides(run_cfg, tmp_path):

@@ -72,6 +72,15 @@ def check_family(cfg: dict, where: str) -> Family:
             f"{where}: {arch} is a multimodal wrapper (model_type {mt!r}); horizon trains its decoder-only "
             f"text model: convert a {TEXT_OF[mt]!r} checkpoint"
         )
+    media = multimodal(cfg) if mt not in GENERIC else None
+    if media is not None:  # until the language model of a wrapper converts (issue 19)
+        text = (cfg.get("text_config") or {}).get("model_type")
+        inner = f" (its language model: {text!r})" if text else ""
+        raise InputError(
+            f"{where}: {arch} (model_type {mt!r}) is a multimodal ({media}) checkpoint{inner}: horizon "
+            f"trains decoder-only language models; {MEDIA_INPUTS[media]} inputs and this multimodal "
+            "wrapper are not supported yet"
+        )
     if mt not in CONFIG_MAPPING or mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise InputError(
             f"{where}: unsupported architecture {arch!r} (model_type {mt!r}): not a causal LM in transformers; "
@@ -98,6 +107,26 @@ def check_family(cfg: dict, where: str) -> Family:
                 f"{where}: {key} = {cfg[key]}: dropout and router noise are not supported (set it to 0)"
             )
     return fam
+
+
+MEDIA_INPUTS = {
+    "vision-language": "image",
+    "audio-language": "audio",
+    "vision-audio-language": "image and audio",
+}
+
+
+def multimodal(cfg: dict) -> str | None:
+    """'vision-language' (LLaVA, Qwen2-VL, ...), 'audio-language' or 'vision-audio-language' for
+    a checkpoint that wraps a language model with another modality's tower, else None. Read off
+    the config's sub-configs, and transformers' image-text-to-text mapping for the model type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    vision = "vision_config" in cfg or cfg.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    audio = "audio_config" in cfg
+    if vision and audio:
+        return "vision-audio-language"
+    return "vision-language" if vision else "audio-language" if audio else None
 
 
 def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:

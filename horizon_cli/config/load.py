@@ -33,8 +33,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), base: di
         raw, problems = read_yaml(Path(path))
     for ov in overrides:
         apply_override(raw, ov)
-    cfg, more = build(Config, raw, "")
-    problems += more + validate(cfg)
+    cfg, more = build(Config, _without_null_steps(raw), "")
+    problems += more + validate(cfg) + run_length(cfg, raw)
     if problems:
         raise ConfigError(problems, source)
     return cfg
@@ -130,6 +130,11 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
             values[name], sub = build(typing.cast(type, tp), raw[name], dotted + ".")
             problems += sub
             continue
+        item = _section_list(tp)
+        if item is not None and isinstance(raw[name], list):
+            values[name], sub = build_list(item, raw[name], dotted)
+            problems += sub
+            continue
         value, err = coerce(raw[name], tp)
         if err:
             problems.append(f"{dotted}: {err}")
@@ -137,6 +142,32 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
         problems += check_meta(dotted, value, f.metadata)
         values[name] = value
     return cls(**values), problems
+
+
+def build_list(cls: type, raw: list, dotted: str) -> tuple[list, list[str]]:
+    """A list of sections (data.path's sources): each item a mapping, or a string standing for
+    {path: it}; problems name the item (`data.path[1].weight`)."""
+    out, problems = [], []
+    if not raw:
+        return [], [f"{dotted}: an empty list (give at least one source)"]
+    for i, item in enumerate(raw):
+        if isinstance(item, str):
+            item = {"path": item}
+        obj, sub = build(cls, item, f"{dotted}[{i}].")
+        out.append(obj)
+        problems += sub
+    return out, problems
+
+
+def _section_list(tp: Any) -> type | None:
+    """The section type of a `... | list[Section]` field, else None."""
+    members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    for m in members:
+        if typing.get_origin(m) is list:
+            (item,) = typing.get_args(m)
+            if dataclasses.is_dataclass(item):
+                return typing.cast(type, item)
+    return None
 
 
 def _optional_section(tp: Any) -> Any:
@@ -234,6 +265,8 @@ def validate(cfg: Config) -> list[str]:
             f"train.batch_size: {cfg.train.batch_size} is not a multiple of "
             f"train.micro_batch_size ({cfg.train.micro_batch_size})"
         )
+    if isinstance(cfg.data.path, list):
+        p += [f"data.path[{i}].path: required" for i, src in enumerate(cfg.data.path) if not src.path]
     b = cfg.optim.betas
     if len(b) != 2 or not all(0.0 <= x < 1.0 for x in b):
         p.append(f"optim.betas: expected two numbers in [0, 1), got {b}")
@@ -259,10 +292,13 @@ def validate(cfg: Config) -> list[str]:
             "optim.memory: lean is for full fine-tuning; a lora: run trains its adapters exactly "
             "(they are small) and its base has no optimizer state: leave optim.memory: exact"
         )
-    if cfg.data.eval_path and cfg.data.eval_fraction:
-        p.append("data.eval_path: give eval_path or eval_fraction, not both")
-    if cfg.train.eval_every and not (cfg.data.eval_path or cfg.data.eval_fraction):
-        p.append("train.eval_every: needs data.eval_fraction or data.eval_path")
+    evals = [k for k in ("eval_path", "eval_fraction", "eval_split") if getattr(cfg.data, k)]
+    if len(evals) > 1:
+        p.append(f"data.{evals[1]}: give one of data.eval_path, eval_fraction and eval_split, not several")
+    if cfg.train.eval_every and not (evals or cfg.train.samples):
+        p.append(
+            "train.eval_every: needs data.eval_fraction, data.eval_path or data.eval_split (or train.samples)"
+        )
     if cfg.lora is not None:
         t = cfg.lora.targets
         if not t or (isinstance(t, list) and not all(t)):
@@ -273,6 +309,32 @@ def validate(cfg: Config) -> list[str]:
             except re.error as e:
                 p.append(f"lora.targets: {t!r} is not a valid regular expression ({e})")
     return p
+
+
+def run_length(cfg: Config, raw: dict) -> list[str]:
+    """train.steps or train.epochs, exactly one (neither: steps' default). With epochs, steps is
+    None until the data is known: train/length.py resolves it before anything reads it."""
+    train = raw.get("train")
+    train = train if isinstance(train, dict) else {}
+    given = [k for k in ("steps", "epochs") if train.get(k) is not None]
+    if len(given) == 2:
+        return [
+            "train.epochs: give train.steps or train.epochs, not both "
+            "(an epoch is one pass over the training rows)"
+        ]
+    if given == ["epochs"]:
+        cfg.train.steps = None  # type: ignore[assignment]  # resolved from the data, before any use
+    elif "steps" in train and not given:  # `steps: null` and no epochs
+        return ["train.steps: required (optimizer steps), or give train.epochs instead"]
+    return []
+
+
+def _without_null_steps(raw: dict) -> dict:
+    """`train.steps: null` stands for "not given" (a config that gives train.epochs may say so)."""
+    train = raw.get("train")
+    if isinstance(train, dict) and "steps" in train and train["steps"] is None:
+        return {**raw, "train": {k: v for k, v in train.items() if k != "steps"}}
+    return raw
 
 
 def to_dict(cfg: Any) -> dict:

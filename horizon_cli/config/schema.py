@@ -21,10 +21,25 @@ class ModelConfig:
     path: str = _f("")  # a store written by `horizon convert`
 
 
+FORMATS = ("auto", "text", "instruction", "chat", "prompt_completion", "tokens", "preference")
+
+
+@dataclass
+class SourceConfig:
+    """One source of a run's data (an item of `data.path` as a list)."""
+
+    path: str = _f("")  # a data file, a save_to_disk dir, a hub name, or a LLaMA-Factory dataset_info.json
+    format: str | None = _f(None, choices=FORMATS)  # None: data.format
+    weight: float = _f(1.0, gt=0.0)  # its rows per epoch: 2 = each twice, 0.5 = a seeded half
+    split: str | None = _f(None)  # None: data.split
+    names: list[str] | None = _f(None)  # dataset_info.json: the entries to use (None: all)
+
+
 @dataclass
 class DataConfig:
-    path: str = _f("")
-    format: str = _f("auto", choices=("auto", "text", "instruction", "chat", "tokens"))
+    # one source (a string), or several: a list of sources (a string item stands for {path: it})
+    path: str | list[SourceConfig] = _f("")
+    format: str = _f("auto", choices=FORMATS)
     max_seq_len: int = _f(2048, min=8)
     packing: bool = _f(False)
     shuffle: bool = _f(True)
@@ -32,12 +47,15 @@ class DataConfig:
     eval_fraction: float = _f(0.0, min=0.0, max=0.5)
     eval_path: str | None = _f(None)
     split: str = _f("train")  # split name for hub datasets / save_to_disk dicts
+    eval_split: str | None = _f(None)  # eval rows from this split of each source (a DatasetDict)
     cache_dir: str | None = _f(None)  # tokenization cache (default: <output.dir>/cache)
+    ignore_fields: list[str] = _f([])  # fields no format reads that are metadata (fields.py)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(1000, min=1)
+    steps: int = _f(1000, min=1)  # optimizer steps; with epochs: None until train/length.py resolves it
+    epochs: float | None = _f(None, gt=0.0)  # instead of steps: passes over the training rows
     batch_size: int = _f(64, min=1)  # sequences per optimizer step (global batch)
     micro_batch_size: int = _f(4, min=1)  # sequences per forward/backward micro-batch
     seed: int = _f(0, min=0)
@@ -45,6 +63,10 @@ class TrainConfig:
     eval_batches: int = _f(4, min=1)  # global batches per evaluation
     max_bad_steps: int = _f(3, min=1)  # consecutive non-finite steps that stop the run
     accept_changes: list[str] = _f([])  # resume despite these changed keys (train/compat.py)
+    # eval-time samples: a prompts file (JSONL, as `horizon generate --prompts`) answered greedily at
+    # each eval into <output.dir>/samples.jsonl; sample_tokens: new tokens per answer at most
+    samples: str | None = _f(None)
+    sample_tokens: int = _f(64, min=1)
 
 
 @dataclass
@@ -82,6 +104,9 @@ class EngineConfig:
     # the last K layers keep their autograd graph and weights on the device from forward to backward
     # (no recompute, no second load); auto: as many as the plan's free memory holds; 0: recompute all
     keep_activations: int | str = _f("auto")
+    # generation's KV cache (horizon generate, eval samples): auto (the device when the plan says
+    # it fits there, else host memory) | device | host
+    kv_cache: str = _f("auto", choices=("auto", "device", "host"))
 
 
 @dataclass
@@ -113,6 +138,15 @@ class LogConfig:
     every: int = _f(1, min=1)
     tensorboard: bool = _f(False)
     plot: bool = _f(True)  # loss-curve PNG in the run dir at the end
+    # experiment trackers (train/trackers.py), each an optional extra: the metrics.jsonl rows and the
+    # resolved config. W&B: project wandb_project, the run named after output.dir (WANDB_MODE,
+    # WANDB_API_KEY, ... as W&B reads them). MLflow: experiment mlflow_experiment at mlflow_uri
+    # (default: MLFLOW_TRACKING_URI, else a file store in <output.dir>/mlruns)
+    wandb: bool = _f(False)
+    wandb_project: str = _f("horizon")
+    mlflow: bool = _f(False)
+    mlflow_uri: str | None = _f(None)
+    mlflow_experiment: str = _f("horizon")
 
 
 @dataclass

@@ -47,3 +47,44 @@ class MicroBatch:
         pos = torch.arange(T, dtype=torch.int64).expand(len(rows), T).contiguous()
         lengths = torch.tensor([len(r_ids) for r_ids, _ in rows], dtype=torch.int64)
         return MicroBatch(ids, lab, pos, None, lengths)
+
+
+@dataclass
+class DecodeBatch:
+    """One micro-batch of a generation's sweep: rows left-padded, so every row's newest token sits
+    at the same index (one write position into the KV cache, one position for the head).
+
+    input_ids  (b, T) int64: this sweep's tokens (the prompts at prefill, the newest token after)
+    pad        (b,) int64: left padding of each row (its first `pad` cached positions are not
+               attended to)
+    past       positions already in the KV cache (0 at prefill)
+    """
+
+    input_ids: torch.Tensor
+    pad: torch.Tensor
+    past: int = 0
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """(b, T) each token's position in its own sequence (padding: 0), as transformers'
+        generate derives them from the attention mask."""
+        T = self.input_ids.shape[1]
+        pos = self.past + torch.arange(T, dtype=torch.int64)[None, :] - self.pad[:, None]
+        return pos.clamp_min(0)
+
+    def attention_mask(self) -> torch.Tensor:
+        """(b, past + T) bool: True for real tokens (transformers' 2-D attention mask)."""
+        S = self.past + self.input_ids.shape[1]
+        return torch.arange(S, dtype=torch.int64)[None, :] >= self.pad[:, None]
+
+    def next(self, tokens: torch.Tensor) -> DecodeBatch:
+        """The following sweep's batch: one new token per row (b, 1)."""
+        return DecodeBatch(tokens.reshape(-1, 1), self.pad, self.past + self.input_ids.shape[1])
+
+    @staticmethod
+    def left_padded(prompts: list[list[int]], pad_id: int) -> DecodeBatch:
+        T = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), T), pad_id, dtype=torch.int64)
+        for r, p in enumerate(prompts):
+            ids[r, T - len(p) :] = torch.as_tensor(p, dtype=torch.int64)
+        return DecodeBatch(ids, torch.tensor([T - len(p) for p in prompts], dtype=torch.int64))

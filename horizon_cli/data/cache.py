@@ -2,7 +2,8 @@
 
 Key = sha256 of (source fingerprint: file path + size + mtime, or the save_to_disk
 fingerprint; format; max_seq_len; packing; train_on_prompt; tokenizer identity; the model's
-vocab size, which the token ids were checked against; CACHE_VERSION).
+vocab size, which the token ids were checked against; how the records are read: a registry's
+column names and tags, data.ignore_fields; CACHE_VERSION).
 An entry is a directory `<cache_dir>/<stem>-<key>/` of flat .npy arrays (tokens, labels,
 offsets, optional doc_ids) and meta.json (the key, each array's shape, dtype and CRC32), written
 under a temporary name and renamed into place, so a reader never sees half an entry. A load
@@ -25,7 +26,9 @@ import numpy as np
 from .templates import chat_template_of
 from .tokset import TokenSet
 
-CACHE_VERSION = 2  # 2: checksums and key in meta.json; system/history/tools rendered
+CACHE_VERSION = (
+    3  # 2: checksums and key in meta.json; system/history/tools rendered; 3: long text split, cuts counted
+)
 CRC_CHUNK = 64 << 20
 ARRAYS = ("tokens", "labels", "offsets", "doc_ids")
 
@@ -55,8 +58,10 @@ def cache_key(
     train_on_prompt: bool,
     tok_fp: str,
     vocab: int | None = None,
+    reading: dict | None = None,
 ) -> str:
     parts = {
+        "reading": reading or {},
         "vocab": vocab,
         "version": CACHE_VERSION,
         "source": source_key,

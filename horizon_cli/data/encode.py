@@ -10,6 +10,7 @@ is itself where it carries loss, IGNORE where it does not.
                  marker) unless train_on_prompt
     chat         chat template rendering (it writes BOS and end-of-turn markers itself);
                  loss on assistant turns (except those with weight 0) unless train_on_prompt
+    prompt_completion  as TRL's SFTTrainer (completion.py): loss on the completion
     tokens       input_ids exactly as given; labels as given or a copy of input_ids
 
 Character spans from `templates` become token labels through the fast tokenizer's offsets: a
@@ -26,8 +27,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from . import templates
+from . import completion, templates
 from .batch import IGNORE
+from .fields import Unread
 from .records import chat_record, instruction_record, text_of
 from .templates import Rendered
 
@@ -60,7 +62,8 @@ class Encoder:
     """Encodes the records of one dataset (`name`) in the format `fmt`.
 
     `encode` gives per record an Example, or the reason it gives none (EMPTY, NO_ASSISTANT);
-    `notes` counts, per record, the message fields that were ignored.
+    `notes` counts, per record, the message fields that were ignored; `ignore` names the fields
+    that are metadata (data.ignore_fields; fields.py).
     """
 
     fmt: str
@@ -69,11 +72,13 @@ class Encoder:
     name: str
     vocab: Vocab | None = None
     notes: Counter = field(default_factory=Counter)
+    ignore: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.fmt != "tokens" and self.tokenizer is None:
             raise NoTokenizer(self.fmt)
         self._gen_prompt: bool | None = None
+        self.judge = Unread(self.fmt, self.name, self.ignore)
 
     def where(self, record: int) -> str:
         return f"{self.name}: record {record}"
@@ -82,18 +87,27 @@ class Encoder:
         """Columns of a batch of records, the first being record number `first` (from 1)."""
         n = len(next(iter(batch.values())))
         records = [{k: v[i] for k, v in batch.items()} for i in range(n)]
+        wheres = [self.where(first + i) for i in range(n)]
         if self.fmt == "tokens":
-            return [self._tokens(r, self.where(first + i)) for i, r in enumerate(records)]
+            return [self._tokens(r, w) for r, w in zip(records, wheres, strict=True)]
+        if self.fmt == "prompt_completion":
+            out = completion.encode_records(
+                self.tokenizer, records, wheres, self.notes, self.judge, self.train_on_prompt
+            )
+        else:
+            out = self._encode_rendered(records, first)
+        for ex, w in zip(out, wheres, strict=True):
+            if not isinstance(ex, str):
+                self._check_ids(ex[0], w)
+        return out
+
+    def _encode_rendered(self, records: list[dict], first: int) -> list[Example | str]:
         rendered, add_special, add_eos = self._render(records, first)
         if self.train_on_prompt:
             rendered = [r if isinstance(r, str) else Rendered(r.text, None) for r in rendered]
         todo = [r for r in rendered if not isinstance(r, str)]
         encoded = iter(encode_rendered(self.tokenizer, todo, add_special, add_eos))
-        out = [r if isinstance(r, str) else next(encoded) for r in rendered]
-        for i, ex in enumerate(out):
-            if not isinstance(ex, str):
-                self._check_ids(ex[0], self.where(first + i))
-        return out
+        return [r if isinstance(r, str) else next(encoded) for r in rendered]
 
     def _render(self, records: list[dict], first: int) -> tuple[list[Rendered | str], bool, bool]:
         """text / instruction / chat records -> (Rendered or a drop reason, add_special, add_eos)."""
@@ -116,7 +130,7 @@ class Encoder:
         for i, r in enumerate(records):
             where = self.where(first + i)
             if self.fmt == "chat":
-                conv = chat_record(r, where, self.notes)
+                conv = chat_record(r, where, self.notes, self.judge)
             else:
                 conv = instruction_record(r, where).as_chat()
             if not conv.messages:

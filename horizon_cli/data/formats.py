@@ -1,33 +1,39 @@
-"""Data stage 2a, formats: which fields a format reads, `auto` detection, the fields it ignores.
+"""Data stage 2a, formats: which fields a format reads, and `auto` detection.
 
-    text         {"text": str}
-    instruction  {"instruction", "input" (optional), "output"}  (Alpaca), optional LLaMA-Factory
-                 "system" and "history" [[prompt, response], ...]
-    chat         {"messages": [{"role", "content", ...}, ...]}
-                 or sharegpt {"conversations": [{"from", "value"}, ...]}; optional "system", "tools"
-    tokens       {"input_ids": [int], "labels": [int] (optional, -100 = no loss)}, optional
-                 "attention_mask" (all ones: horizon never pads inside a record)
+    text               {"text": str}
+    prompt_completion  {"prompt", "completion"} (TRL): both strings, or both message lists
+                       [{"role", "content"}, ...]; optional "tools"
+    instruction        {"instruction", "input" (optional), "output"}  (Alpaca), optional LLaMA-Factory
+                       "system" and "history" [[prompt, response], ...]
+    chat               {"messages": [{"role", "content", ...}, ...]}
+                       or sharegpt {"conversations": [{"from", "value"}, ...]}; optional "system", "tools"
+    tokens             {"input_ids": [int], "labels": [int] (optional, -100 = no loss)}, optional
+                       "attention_mask" (all ones: horizon never pads inside a record)
+    preference         {"chosen", "rejected"} with a "prompt", "messages"/"conversations" or
+                       "instruction": recognised so that pairs are never read as something else,
+                       and refused (preference training is not supported yet)
 
-`auto` picks the first format whose fields are present, in the order tokens, chat, instruction,
-text (the most specific first: a pre-tokenized set may also carry its `text`).
+`auto` picks the first format whose fields are present, in the order tokens, preference, chat,
+prompt_completion, instruction, text (the most specific first: a pre-tokenized set may also carry
+its `text`, a preference pair its `messages` or `instruction`).
 
-Any other field is reported once (by `ignored_columns`) when it carries content: a non-blank
-string or a non-empty list or object. Numbers, booleans, nulls and blanks are metadata, and so is
-any field named in META_FIELDS (ids, provenance), so they are ignored silently.
+The fields a format does not read are judged by `fields.py`: metadata, text (a warning), or
+meaning (refused).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-
 from ..errors import InputError
 
-FORMATS = ("text", "instruction", "chat", "tokens")
+FORMATS = ("text", "instruction", "chat", "prompt_completion", "tokens", "preference")
+DETECT = ("tokens", "preference", "chat", "prompt_completion", "instruction", "text")  # `auto`, in order
 
 # format -> groups of fields; each group needs one of its alternatives
 REQUIRED: dict[str, tuple[tuple[str, ...], ...]] = {
     "tokens": (("input_ids",),),
+    "preference": (("chosen",), ("rejected",)),
     "chat": (("messages", "conversations"),),
+    "prompt_completion": (("prompt",), ("completion",)),
     "instruction": (("instruction",), ("output",)),
     "text": (("text",),),
 }
@@ -35,27 +41,29 @@ OPTIONAL = {
     "tokens": ("labels", "attention_mask"),
     "instruction": ("input", "system", "history"),
     "chat": ("system", "tools"),
+    "prompt_completion": ("tools",),
     "text": (),
+    "preference": ("prompt", "messages", "conversations", "instruction", "input", "system", "tools"),
 }
-# fields that never carry training text: ids and provenance (compared lower-case)
-META_FIELDS = frozenset(
-    ("id", "idx", "index", "uid", "uuid", "key", "hash", "md5", "sha256", "source", "sources", "dataset",
-     "dataset_name", "subset", "split", "url", "license", "meta", "metadata", "timestamp", "created_at",
-     "date", "lang", "language", "category", "task", "tags")
-)  # fmt: skip
-MEDIA_FEATURES = ("Image", "Audio", "Video", "Pdf", "Nifti")  # `datasets` features decoded on read
+# formats recognised but not trained yet: why, in one line
+UNSUPPORTED = {
+    "preference": "fields chosen and rejected hold preference pairs, and preference training "
+    "(format preference) is not supported yet; horizon trains text, instruction, chat, "
+    "prompt_completion and tokens data",
+}
 
 
 def resolve_format(fmt: str, columns: list[str], name: str) -> str:
     """Configured format (or `auto`) + the dataset's fields -> the format to use, checked."""
     if fmt == "auto":
-        for cand in ("tokens", "chat", "instruction", "text"):
-            if _has_fields(cand, columns):
-                return cand
-        raise InputError(
-            f"{name}: cannot detect the data format from fields [{', '.join(columns)}]; expected text, "
-            "instruction+output, messages or conversations, or input_ids (or set data.format)"
-        )
+        found = next((cand for cand in DETECT if _has_fields(cand, columns)), None)
+        if found is None:
+            raise InputError(
+                f"{name}: cannot detect the data format from fields [{', '.join(columns)}]; expected text, "
+                "instruction+output, prompt+completion, messages or conversations, or input_ids "
+                "(or set data.format)"
+            )
+        return _supported(found, name)
     if fmt not in FORMATS:
         raise InputError(
             f"data.format: unknown format {fmt!r} (expected auto or one of {', '.join(FORMATS)})"
@@ -65,6 +73,12 @@ def resolve_format(fmt: str, columns: list[str], name: str) -> str:
         raise InputError(
             f"{name}: format {fmt!r} needs field(s) {need}; the data has fields [{', '.join(columns)}]"
         )
+    return _supported(fmt, name)
+
+
+def _supported(fmt: str, name: str) -> str:
+    if fmt in UNSUPPORTED:
+        raise InputError(f"{name}: {UNSUPPORTED[fmt]}")
     return fmt
 
 
@@ -74,50 +88,6 @@ def columns_for(fmt: str, columns: list[str]) -> list[str]:
     groups = [tuple(f for f in group if f in columns)[:1] for group in REQUIRED[fmt]]
     wanted = {f for group in groups for f in group} | set(OPTIONAL[fmt])
     return [c for c in columns if c in wanted]
-
-
-def carries_content(value: object) -> bool:
-    """A non-blank string or a non-empty list or object (numbers and booleans are metadata)."""
-    if isinstance(value, str):
-        return bool(value.strip())
-    if isinstance(value, list | tuple | dict):
-        return len(value) > 0
-    return False
-
-
-def ignored_columns(ds, read: list[str], batch_size: int = 1000) -> Counter:
-    """Columns of `ds` (a datasets.Dataset) that no format field reads -> records where they
-    carry content. Media columns (images, audio) are counted from arrow, without decoding."""
-    counts: Counter = Counter()
-    other = [c for c in ds.column_names if c not in read and c.lower() not in META_FIELDS]
-    media = [c for c in other if _has_media(ds.features[c])]
-    for c in media:
-        counts[c] = _nonempty_rows(ds.data.column(c))
-    plain = [c for c in other if c not in media]
-    if plain:
-        for batch in ds.select_columns(plain).iter(batch_size=batch_size):
-            for c in plain:
-                counts[c] += sum(map(carries_content, batch[c]))
-    return +counts  # drop zero counts
-
-
-def _has_media(feature) -> bool:
-    if type(feature).__name__ in MEDIA_FEATURES:
-        return True
-    if isinstance(feature, dict):
-        return any(_has_media(f) for f in feature.values())
-    inner = getattr(feature, "feature", None)  # List, LargeList, Sequence
-    return inner is not None and _has_media(inner)
-
-
-def _nonempty_rows(col) -> int:
-    """Rows of an arrow column that are not null (and, for lists, not empty)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
-        return int(pc.sum(pc.greater(pc.list_value_length(col), 0)).as_py() or 0)
-    return len(col) - col.null_count
 
 
 def _has_fields(fmt: str, columns: list[str]) -> bool:

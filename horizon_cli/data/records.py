@@ -3,7 +3,8 @@
 Nothing a user wrote is dropped without a word: every text field goes through `text_of`
 (scalars become their text, a list or object where text is meant is an error), every field
 this module reads is listed below, and `notes` counts the fields it ignores so the caller can
-name them (see `formats.ignored_columns` for whole columns).
+name them, and a message field that may change what the turn means (a number, a boolean, or a
+name like `train` or `label`) stops the run (see `fields.py`, which judges whole columns too).
 
     instruction  Alpaca, with LLaMA-Factory's `system` and `history` ([[prompt, response], ...])
                  -> Instruction(system, history, instruction, input, output)
@@ -22,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import InputError
-from .formats import carries_content
+from .fields import Unread
 
 # sharegpt `from` -> chat role; function_call turns become assistant tool calls
 SHAREGPT_ROLES = {
@@ -110,16 +111,12 @@ def instruction_record(record: dict, where: str) -> Instruction:
     )
 
 
-def chat_record(record: dict, where: str, notes: Counter) -> Chat:
-    """A chat record -> Chat; an empty message list if it has none."""
-    unread: set[str] = set()
+def chat_record(record: dict, where: str, notes: Counter, judge: Unread | None = None) -> Chat:
+    """A chat record -> Chat; an empty message list if it has none. `judge` decides what the
+    message fields no one reads are (fields.Unread)."""
     name = "messages" if record.get("messages") is not None else "conversations"
-    turns = record.get(name) or []
-    if _is_sharegpt(turns):
-        msgs, weights = _sharegpt(turns, name, where, unread)
-    else:
-        msgs, weights = _openai(turns, name, where, unread)
-    notes.update(unread)  # counted once per record
+    msgs, weights = turns_of(record.get(name) or [], name, where, notes, judge)
+    system = text_of(record.get("system"), "system", where)
     system = text_of(record.get("system"), "system", where)
     if system:
         if msgs and msgs[0]["role"] == "system":
@@ -129,7 +126,22 @@ def chat_record(record: dict, where: str, notes: Counter) -> Chat:
             msgs.insert(0, {"role": "system", "content": system})
             weights.insert(0, None)
     no_loss = frozenset(i for i, w in enumerate(weights) if w == 0)
-    return Chat(msgs, _tools(record.get("tools"), where), no_loss)
+    return Chat(msgs, tools_of(record.get("tools"), where), no_loss)
+
+
+def turns_of(
+    turns: object, name: str, where: str, notes: Counter, judge: Unread | None = None
+) -> tuple[list[dict], list]:
+    """A list of OpenAI or ShareGPT turns (field `name`) -> (messages, per-message weights); the
+    message fields read by no one are counted in `notes` once per record."""
+    unread: set[str] = set()
+    judge = judge or Unread("chat", "")
+    if isinstance(turns, list) and _is_sharegpt(turns):
+        out = _sharegpt(turns, name, where, unread, judge)
+    else:
+        out = _openai(turns, name, where, unread, judge)
+    notes.update(unread)
+    return out
 
 
 def _is_sharegpt(turns: object) -> bool:
@@ -137,7 +149,9 @@ def _is_sharegpt(turns: object) -> bool:
     return isinstance(turns, list) and bool(turns) and isinstance(turns[0], dict) and "from" in turns[0]
 
 
-def _openai(messages: object, name: str, where: str, unread: set[str]) -> tuple[list[dict], list]:
+def _openai(
+    messages: object, name: str, where: str, unread: set[str], judge: Unread
+) -> tuple[list[dict], list]:
     if not isinstance(messages, list):
         raise InputError(f"{where}: {name} must be a list, got {_kind(messages)}")
     out, weights = [], []
@@ -148,13 +162,13 @@ def _openai(messages: object, name: str, where: str, unread: set[str]) -> tuple[
         for key in ("tool_call_id", "name"):
             if m.get(key) not in (None, ""):
                 msg[key] = text_of(m[key], f"message {i} {key!r}", where)
-        unread |= _unread(m, OPENAI_FIELDS, name)
+        unread |= _unread(m, OPENAI_FIELDS, name, f"{where}: message {i}", judge)
         out.append(msg)
         weights.append(_weight(m, i, where))
     return out, weights
 
 
-def _sharegpt(turns: list, name: str, where: str, unread: set[str]) -> tuple[list[dict], list]:
+def _sharegpt(turns: list, name: str, where: str, unread: set[str], judge: Unread) -> tuple[list[dict], list]:
     out, weights = [], []
     for i, t in enumerate(turns):
         m = _message(t, "from", "value", where, i)
@@ -170,7 +184,7 @@ def _sharegpt(turns: list, name: str, where: str, unread: set[str]) -> tuple[lis
                 "content": "",
                 "tool_calls": _function_call(m["content"], f"{name}[{i}]", where),
             }
-        unread |= _unread(t, SHAREGPT_FIELDS, name)
+        unread |= _unread(t, SHAREGPT_FIELDS, name, f"{where}: message {i}", judge)
         out.append(msg)
         weights.append(_weight(t, i, where))
     return out, weights
@@ -228,7 +242,7 @@ def _function_call(value: str, what: str, where: str) -> list[dict]:
     return _tool_calls(calls, what, where)
 
 
-def _tools(tools: object, where: str) -> list | None:
+def tools_of(tools: object, where: str) -> list | None:
     """The record's tool schemas: a list, or a JSON string of one (LLaMA-Factory)."""
     if tools in (None, "", []):
         return None
@@ -254,8 +268,14 @@ def _prune(value):
     return value
 
 
-def _unread(m: dict, known: set[str], list_field: str) -> set[str]:
-    return {f"{list_field}[].{k}" for k, v in m.items() if k not in known and carries_content(v)}
+def _unread(m: dict, known: set[str], list_field: str, where: str, judge: Unread) -> set[str]:
+    """The fields of message m read by no one that carry text (an InputError for meaning)."""
+    out = set()
+    for k, v in m.items():
+        shown = f"{list_field}[].{k}"
+        if k not in known and judge.check(k, v, where, shown):
+            out.add(shown)
+    return out
 
 
 def _kind(v: object) -> str:

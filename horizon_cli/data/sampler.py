@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .tokset import Row, TokenSet
+from .tokset import Row, Rows
 
 
 def batch_indices(n: int, step: int, batch_size: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -39,6 +39,6 @@ def epoch_permutation(n: int, epoch: int, seed: int) -> np.ndarray:
     return perm
 
 
-def batch_rows(tokset: TokenSet, step: int, batch_size: int, seed: int, shuffle: bool) -> list[Row]:
+def batch_rows(tokset: Rows, step: int, batch_size: int, seed: int, shuffle: bool) -> list[Row]:
     """The rows of step `step`'s global batch."""
     return tokset.rows(batch_indices(len(tokset), step, batch_size, seed, shuffle))

@@ -36,9 +36,10 @@ class Source:
     split: str
     key: dict | None
     what: str = "data.path"  # the config key that named it
+    options: tuple[tuple[str, str], ...] = ()  # hub: load_dataset's name (subset) and data_dir (folder)
 
 
-def open_source(path: str, split: str = "train", what: str = "data.path") -> Source:
+def open_source(path: str, split: str = "train", what: str = "data.path", options: tuple = ()) -> Source:
     """Classify `path` and fingerprint it; a missing local path is an InputError naming it."""
     if not path:
         raise InputError(f"{what}: not set (a data file, a save_to_disk directory or a hub name)")
@@ -53,12 +54,16 @@ def open_source(path: str, split: str = "train", what: str = "data.path") -> Sou
         st = p.stat()
         if st.st_size == 0:
             raise InputError(f"{path}: the dataset is empty (the file has no bytes)")
-        return Source(
-            path, "file", split, {"file": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-        )
+        if split != "train":
+            raise InputError(
+                f"{what}: {path} is a single file, without splits; split {split!r} needs a DatasetDict "
+                "(a save_to_disk directory or a hub dataset)"
+            )
+        key = {"file": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        return Source(path, "file", split, key, what)
     if p.suffix.lower() in BUILDERS or not HUB_NAME.fullmatch(path):
         raise InputError(f"{what}: {path}: no such file or directory")
-    return Source(path, "hub", split, None, what)
+    return Source(path, "hub", split, None, what, options)
 
 
 def load_records(src: Source) -> Any:
@@ -83,7 +88,7 @@ def load_records(src: Source) -> Any:
 
 def hub_key(src: Source, ds: Any) -> dict:
     """Cache fingerprint of a hub dataset, known only once it is loaded."""
-    return {"hub": src.path, "split": src.split, "fingerprint": ds._fingerprint}
+    return {"hub": src.path, "split": src.split, "options": src.options, "fingerprint": ds._fingerprint}
 
 
 def _load_file(path: str) -> Any:
@@ -121,7 +126,7 @@ def _load_hub(src: Source) -> Any:
     import huggingface_hub.constants as hub
 
     try:
-        return datasets.load_dataset(src.path, split=src.split)
+        return datasets.load_dataset(src.path, split=src.split, **dict(src.options))
     except Exception as e:
         if datasets.config.HF_HUB_OFFLINE or hub.HF_HUB_OFFLINE:
             raise InputError(
@@ -129,7 +134,7 @@ def _load_hub(src: Source) -> Any:
                 "(HF_HUB_OFFLINE=1) so it cannot be loaded as a dataset name"
             ) from None
         raise InputError(
-            f"data.path: {src.path}: not a local path; loading it from the hub failed: {_root_cause(e)}"
+            f"{src.what}: {src.path}: not a local path; loading it from the hub failed: {_root_cause(e)}"
         ) from None
 
 
@@ -139,9 +144,15 @@ def _pick_split(ds: Any, src: Source) -> Any:
 
     if isinstance(ds, datasets.DatasetDict):
         if src.split not in ds:
-            raise InputError(f"{src.path}: no split {src.split!r} (splits: {', '.join(ds)}); set data.split")
+            raise InputError(
+                f"{src.path}: no split {src.split!r} (splits: {', '.join(ds)}); set {_split_key(src)}"
+            )
         return ds[src.split]
     return ds
+
+
+def _split_key(src: Source) -> str:
+    return "data.eval_split" if "eval_split" in src.what else "data.split"
 
 
 def _disk_key(p: Path, split: str, path: str) -> dict:
@@ -149,7 +160,8 @@ def _disk_key(p: Path, split: str, path: str) -> dict:
     if (p / "dataset_dict.json").is_file():
         p = p / split
         if not (p / "state.json").is_file():
-            raise InputError(f"{path}: no split {split!r} in this DatasetDict; set data.split")
+            splits = sorted(d.name for d in p.parent.iterdir() if (d / "state.json").is_file())
+            raise InputError(f"{path}: no split {split!r} in this DatasetDict (splits: {', '.join(splits)})")
     elif not (p / "state.json").is_file():
         raise InputError(f"{path}: a directory, but not a datasets save_to_disk directory (no state.json)")
     try:

@@ -65,7 +65,7 @@ def has_generation_prompt(tokenizer) -> bool:
     """Whether the template writes an assistant header for add_generation_prompt=True."""
     probe = [{"role": "user", "content": "x"}]
     try:
-        return _render(tokenizer, probe, True, "") != _render(tokenizer, probe, False, "")
+        return render(tokenizer, probe, True, "") != render(tokenizer, probe, False, "")
     except InputError:
         return True
 
@@ -77,7 +77,7 @@ def chat(tokenizer, conv: Chat, where: str, gen_prompt: bool = True) -> Rendered
     InputError when the rendering lost something the record holds (see `check_rendered`).
     """
     messages, tools = conv.messages, conv.tools
-    full = _render(tokenizer, messages, False, where, tools)
+    full = render(tokenizer, messages, False, where, tools)
     check_rendered(tokenizer, conv, full, where)
     spans: list[tuple[int, int]] = []
     cursor = 0
@@ -127,7 +127,7 @@ def _check_part(tokenizer, full: str, without: list[dict], tools, names: list, w
     """`what` is rendered when the text changes without it and each of its names appears."""
     missing = [n for n in names if isinstance(n, str) and n not in full]
     try:
-        same = _render(tokenizer, without, False, "", tools) == full
+        same = render(tokenizer, without, False, "", tools) == full
     except InputError:  # the template needs the part to render at all: it uses it
         same = False
     if same or missing:
@@ -140,8 +140,8 @@ def _span_by_prefix(
 ) -> tuple[int, int] | None:
     """Q[len(P):] when P (prompt) prefixes Q (prompt + reply) and Q prefixes the full text."""
     try:
-        p = _render(tokenizer, messages[:i], True, "", tools)
-        q = _render(tokenizer, messages[: i + 1], False, "", tools)
+        p = render(tokenizer, messages[:i], True, "", tools)
+        q = render(tokenizer, messages[: i + 1], False, "", tools)
     except InputError:  # e.g. a template that refuses a conversation starting with the assistant
         return None
     if not (q.startswith(p) and full.startswith(q)):
@@ -173,7 +173,7 @@ def _special_texts(tokenizer) -> list[str]:
     return sorted(texts, key=len, reverse=True)
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, where: str, tools=None) -> str:
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool, where: str, tools=None) -> str:
     try:
         return tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Protocol
 
 import numpy as np
 
@@ -31,6 +32,13 @@ class Row:
     def position_ids(self) -> np.ndarray:
         """(L,) int64 positions restarting at 0 at each document."""
         return positions(self.doc_ids, len(self.input_ids))
+
+
+class Rows(Protocol):
+    """What the sampler and the loop read of a set of rows (a TokenSet, or mixture.MixedSet)."""
+
+    def __len__(self) -> int: ...
+    def rows(self, indices) -> list[Row]: ...
 
 
 @dataclass

@@ -4,6 +4,7 @@ forward-only passes (engine.infer) over them, and the guard that stops the pipel
     step(mbs, lr)      forward, backward and (unless non-finite) the AdamW update of one global batch
     eval_loss(mbs)     summed loss and label tokens, forward only
     logits(mb)         full logits of a small micro-batch
+    open_cache / decode  generation: a batch's KV cache, and one sweep per new token (engine.decode)
     wait() / close()   let queued updates land / stop the workers
 
 Every public operation runs under `_guard`: an error (or Ctrl-C) poisons the pipeline so no worker
@@ -22,13 +23,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config.schema import EngineConfig, OptimConfig
-from ..data.batch import MicroBatch
+from ..data.batch import DecodeBatch, MicroBatch
 from ..errors import HorizonError
 from ..lora.setup import LoraSetup
 from ..parallel.comm import Dist
 from ..runtime.trace import Tracer
 from ..store import Store
+from .decode import Generation
 from .infer import Inference
+from .kvcache import KVCache
 from .objective import Objective
 from .parts import assemble
 from .step import TrainStep
@@ -68,6 +71,7 @@ class Engine:
         dist: Dist | None = None,
         objective: Objective | None = None,
         keep: int | None = None,
+        forward_only: bool = False,
     ):
         """max_tokens: the most tokens a step will hold (train.batch_size x data.max_seq_len); the
         buffers for saved inputs are then sized once (0: they grow with the longest step seen).
@@ -77,18 +81,25 @@ class Engine:
         objective: what the loss head computes (engine.objective; default: SFT's cross-entropy).
         keep: the last K layers keep graph and weights from forward to backward (engine.keep); None:
         `engine.keep_activations` when it is a number, none for `auto`, which is a plan's decision
-        (engine.build passes the plan's K)."""
-        step_numel = max_tokens * store.arch.hidden  # one layer's inputs, whole step (0: unknown)
-        if keep is None:
+        (engine.build passes the plan's K).
+        forward_only: nothing is trained (generation, evaluation): the store's units frozen, no
+        optimizer state (engine.params.FrozenParams); `lora` then names adapters to apply. Such an
+        engine keeps nothing (K applies to training steps only)."""
+        step_numel = 0 if forward_only else max_tokens * store.arch.hidden  # one layer's inputs, whole step
+        if forward_only:
+            keep = 0
+        elif keep is None:
             keep = engine.keep_activations if isinstance(engine.keep_activations, int) else 0
         p = assemble(
             store, engine, optim, tracer=tracer, progress=progress, transport=transport, lora=lora,
             dist=dist, objective=objective, step_numel=step_numel, keep=min(keep, store.arch.n_layers),
+            forward_only=forward_only,
         )  # fmt: skip
         self.p = p
         self.sweep = Sweep(p)
         self.trainer = TrainStep(p, self.sweep)
         self.infer = Inference(p, self.sweep)
+        self.gen = Generation(p, self.sweep)
         if step_numel:
             self.trainer.reserve(step_numel)
         p.t.memory.set("weights", p.loader.weight_bytes())
@@ -167,10 +178,27 @@ class Engine:
         with self._guard():
             return self.infer.eval_loss(mbs)
 
+    def scores(self, mbs: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per micro-batch: each label's log-prob and whether it is the argmax (engine.infer)."""
+        with self._guard():
+            return self.infer.scores(mbs)
+
     def logits(self, mb: MicroBatch) -> torch.Tensor:
         """Full (b, T, V) fp32 logits of one small micro-batch — for tests and spot checks only."""
         with self._guard():
             return self.infer.logits(mb)
+
+    def open_cache(self, dbs: list[DecodeBatch], new_tokens: int, host: bool) -> KVCache:
+        """A KV cache for a batch of left-padded micro-batches (host: kept in host memory between
+        sweeps, engine.kvcache)."""
+        with self._guard():
+            return self.gen.open(dbs, new_tokens, host)
+
+    def decode(self, dbs: list[DecodeBatch], kv: KVCache) -> list[torch.Tensor]:
+        """One generation sweep (prefill or one new token per row): per micro-batch the (b, V)
+        fp32 logits of each row's newest position, on the device."""
+        with self._guard():
+            return self.gen.step(dbs, kv)
 
     def wait(self) -> None:
         """Block until every queued update has landed in the host store (before eval or save)."""

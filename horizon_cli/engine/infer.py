@@ -2,6 +2,7 @@
 
     hidden    the last hidden states of every micro-batch, and the head on the device
     eval_loss the objective's summed loss and the label tokens (evaluation: cross-entropy)
+    scores    per labelled token its log-prob and whether it is the argmax (the evaluation harness)
     logits    full (b, T, V) logits of a small micro-batch (tests, spot checks)
 
 The same sweep as a training step's forward (engine.sweep), without saving inputs and with
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..data.batch import MicroBatch
+from ..model.head import label_index, token_scores
 from .objective import Head
 from .parts import Parts
 from .sweep import Sweep
@@ -40,6 +42,22 @@ class Inference:
         total = p.objective.evaluate(head, x, targets)
         self.sweep.release_head()
         return p.reduce.eval_total(total, sum(mb.label_tokens for mb in mbs))
+
+    @torch.no_grad()
+    def scores(self, mbs: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per micro-batch, at its labelled positions in row-major order: log p of the label (n,)
+        fp32 and whether it is the most likely token (n,) bool, on the host. One sweep."""
+        p = self.p
+        where = [label_index(mb.labels) for mb in mbs]  # on the host, before any compute
+        x, head = self.hidden(mbs)
+        out = []
+        for xm, (idx, tgt) in zip(x, where, strict=True):
+            dev = p.t.device
+            logp, best = token_scores(xm, head.norm, head.norm_w, head.lm, idx.to(dev), tgt.to(dev), head.chunk,
+                                      head.logits)  # fmt: skip
+            out.append((logp.cpu(), best.cpu()))
+        self.sweep.release_head()
+        return out
 
     @torch.no_grad()
     def logits(self, mb: MicroBatch) -> torch.Tensor:

@@ -166,9 +166,28 @@ class LoraParams:
         return self.base.attach(device_empty, dtype, kept)
 
 
+class FrozenParams(LoraParams):
+    """Forward only (generation, evaluation, a reference pass): every unit frozen — its streaming
+    copy only, no master, moments or gradients (an NF4 store's layers stay packed and are
+    dequantized on the device); with a LoRA setup (its `init`: the adapters to apply) the
+    adapters ride with their layers as in training, dropout off."""
+
+    def __init__(
+        self, store: Store, setup: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, shard
+    ):
+        if setup is None:  # no adapters: an empty setup, so no lora.{i} unit exists
+            from ..config.schema import LoraConfig
+
+            setup = LoraSetup(LoraConfig(), [[] for _ in range(store.arch.n_layers)], 1.0, 0)
+        super().__init__(store, setup, dtype, grad_dtype, alloc, progress, shard)
+
+
 def make_params(
-    store: Store, lora: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, memory, shard
-):
+    store: Store, lora: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, memory, shard,
+    forward_only: bool = False,
+):  # fmt: skip
+    if forward_only:
+        return FrozenParams(store, lora, dtype, grad_dtype, alloc, progress, shard)
     if lora is None:
         return FullParams(store, dtype, grad_dtype, alloc, progress, memory, shard)
     return LoraParams(store, lora, dtype, grad_dtype, alloc, progress, shard)

@@ -51,7 +51,7 @@ class Parts:
     tracer: Tracer
     poison: Poison
     dist: Dist | None
-    params: FullParams | LoraParams
+    params: FullParams | LoraParams  # (FrozenParams is a LoraParams)
     loader: Loader
     optimizer: OptimizerWorker
     tmpl: Any  # model.template.NativeTemplate or model.generic.GenericTemplate
@@ -80,10 +80,13 @@ def assemble(
     objective: Objective | None = None,
     step_numel: int = 0,
     keep: int = 0,
+    forward_only: bool = False,
 ) -> Parts:
     """step_numel: one layer's inputs of the largest step (0: unknown), which sizes the loader's
     buffers for the saved inputs once. keep: K, the kept layers (the last K): each gets weight
-    buffers of its own."""
+    buffers of its own. forward_only: every unit frozen, nothing trained (engine.params.FrozenParams:
+    generation, evaluation), and nothing kept."""
+    assert not (forward_only and keep), "a forward-only engine keeps no graphs"
     spec = store.arch
     dtype = DTYPES[engine.dtype]
     grad_dtype = dtype if engine.grad_dtype == "auto" else DTYPES[engine.grad_dtype]
@@ -93,7 +96,9 @@ def assemble(
     if dist is not None:  # the collective thread on this rank's device (CUDA)
         dist.start(t.thread_init)
     shard = (dist.world, dist.rank) if dist else (1, 0)
-    params = make_params(store, lora, dtype, grad_dtype, t.host_empty, progress, optim.memory, shard)
+    params = make_params(
+        store, lora, dtype, grad_dtype, t.host_empty, progress, optim.memory, shard, forward_only
+    )
     tied = spec.tie_embeddings
     extra = params.extra_numel()
     loader = Loader(

@@ -31,15 +31,26 @@ class Sweep:
         p = self.p
         return [p.tmpl.context(mb, p.dtype, p.t.device) for mb in mbs]
 
-    def loads(self, backward: list[tuple[torch.Tensor, Promise]] | None = None, kept: int = 0) -> list[Load]:
+    def loads(
+        self, backward: list[tuple[torch.Tensor, Promise]] | None = None, kept: int = 0, kv=None
+    ) -> list[Load]:
         """The step's loads: forward layers, the head, then (with `backward`: per layer its saved
         inputs and the promise of their copy) the backward layers but the `kept` last ones, whose
         forward loads go to buffers of their own. A layer's extras (LoRA: its adapters) come along
-        once the optimizer has updated them."""
+        once the optimizer has updated them; with `kv` (a generation's KV cache held on the host,
+        engine.kvcache) so do the layer's cached K/V, once written back. A forward-only pass
+        (`backward` None: evaluation, generation) keeps nothing."""
         p = self.p
         ready = p.loader.ready
+        assert backward is not None or kept == 0, "only a training step keeps layers"
         first = len(p.layers) - kept
-        seq = [Load(f"f{i}", u, *p.params.extras(i, ready), kept=i >= first) for i, u in enumerate(p.layers)]
+        seq = []
+        for i, u in enumerate(p.layers):
+            extra, deps = p.params.extras(i, ready)
+            if kv is not None:
+                kv_extra, kv_deps = kv.extras(i)
+                extra, deps = [*extra, *kv_extra], [*deps, *kv_deps]
+            seq.append(Load(f"f{i}", u, extra, deps, kept=i >= first))
         if p.dist is not None:  # the embedding table, gathered on the device first
             seq.insert(0, Load("embed-in", "embed"))
         seq.append(Load("head", "head"))
@@ -73,13 +84,17 @@ class Sweep:
         mb_base: int = 0,
         save: tuple[list[torch.Tensor], list[Promise]] | None = None,
         keep: KeptLayers | None = None,
+        kv=None,
     ) -> list[torch.Tensor]:
         """Every layer over every micro-batch. save: (per layer a host buffer, the promise of its
         copy): each layer's input goes to the host first, for the backward recompute (async,
         overlapping the compute); a training forward (dropout on). mb_base: the global index of
         this rank's first micro-batch (dropout masks as on one rank). keep: the kept layers, run
-        under autograd and held (their loads stay acquired until their backward releases them)."""
+        under autograd and held (their loads stay acquired until their backward releases them); a
+        training step's only. kv: a generation's KV cache (engine.kvcache): its layer's K/V bound
+        before the compute, kept after it."""
         p = self.p
+        assert keep is None or kv is None, "a generation keeps no graphs"
         for i in range(len(p.layers)):
             if keep is not None and i in keep:
                 w, extras = p.loader.acquire(f"f{i}")
@@ -95,6 +110,8 @@ class Sweep:
                 ev = p.t.d2h(pairs, [p.t.record()], label=f"save{i}")
                 promises[i].set(ev)  # the transport keeps x alive until the copy has read it
             w, extras = p.loader.acquire(f"f{i}")
+            if kv is not None:
+                extras = kv.bind(i, extras)  # the params' extras remain
             with p.t.compute_span(f"fwd {i}"):
                 w = p.params.weights(i, w)
                 lora = p.params.layer_lora(i, extras, p.adam_step, train=save is not None)
@@ -104,6 +121,8 @@ class Sweep:
                         lora.mb = mb_base + m
                     out.append(p.tmpl.forward(i, w, xm, c, lora))
                 x = out
+            if kv is not None:
+                kv.keep(i)
             p.loader.release(f"f{i}")
         return x
 

@@ -17,7 +17,7 @@ from ..errors import InputError
 from ..fsutil import atomic_dir, check_not_inside, io_failures, read_json
 from ..progress import byte_progress
 from ..store import Store
-from ..store.checkpoint import is_lora
+from ..store.checkpoint import SUMS, check_given, is_lora
 from ..store.checkpoint import latest as latest_checkpoint
 from ..store.manifest import MANIFEST
 from .lora import Merge, base_store, copy_adapter
@@ -30,6 +30,8 @@ def resolve_source(src: Path) -> Path:
     """A store, or a run dir whose latest complete checkpoint is a store."""
     src = Path(src)
     if (src / MANIFEST).is_file() or is_lora(src):  # a store, or a LoRA run's checkpoint
+        if (src / SUMS).is_file() or is_lora(src):  # a checkpoint: every listed file as written
+            check_given(src)
         return src
     if not src.exists():
         raise InputError(f"{src}: not found")

@@ -31,13 +31,21 @@ def _flex():
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float) -> torch.Tensor:
-    """q (b, heads, T, hd), k/v (b, kv_heads, T, hd) -> (b, heads, T, hd)."""
+    """q (b, heads, T, hd), k/v (b, kv_heads, S, hd) -> (b, heads, T, hd). S > T: q are the last T
+    positions of a cached sequence (generation); mask None then means every key is visible
+    (SDPA's is_causal aligns top-left, which is causal only for S == T)."""
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, BlockMask):
         fn = _flex() if q.is_cuda else flex_attention
         return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None and q.shape[-2] == k.shape[-2],
+        scale=scale,
+        enable_gqa=gqa,
     )
 
 

@@ -17,7 +17,9 @@ outputs are caught with forward hooks on the router modules (the class transform
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +27,7 @@ from torch.func import functional_call
 
 from ..arch import ArchSpec
 from ..arch.generic import hf_config, meta_model
-from ..data.batch import MicroBatch
+from ..data.batch import DecodeBatch, MicroBatch
 from .moe import RouterStats
 
 MASK_KIND = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
@@ -39,6 +41,21 @@ class GenericContext:
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # key -> cos, sin (b, T, rotary dim)
     masks: dict[str, torch.Tensor | None]  # kind -> transformers' mask for this attention impl
     tokens: torch.Tensor  # (b*T,) fp32: 1 for real tokens, 0 for padding
+    cache: Any = None  # generation: the micro-batch's transformers Cache (DynamicCache)
+
+
+class _Probed(Exception):
+    pass
+
+
+class _CacheProbe:
+    """Stands in for a Cache on the meta device: records what a layer would cache, then stops it."""
+
+    numel = 0
+
+    def update(self, *states, **kw):
+        self.numel = sum(s.shape[1] * s.shape[-1] for s in states if isinstance(s, torch.Tensor))
+        raise _Probed
 
 
 def _experts_fallback(model) -> None:
@@ -111,14 +128,55 @@ class GenericTemplate:
 
     # -- per micro-batch ---------------------------------------------------------------------
     def context(self, mb: MicroBatch, dtype: torch.dtype, device) -> GenericContext:
+        tokens = torch.ones(mb.input_ids.shape, dtype=torch.float32)
+        if mb.lengths is not None:
+            tokens = (torch.arange(mb.input_ids.shape[1])[None, :] < mb.lengths[:, None]).float()
+        return self._context(
+            mb.input_ids.shape, mb.position_ids.to(device), None, None, tokens, dtype, device
+        )
+
+    def new_cache(self):
+        """A micro-batch's KV cache: transformers' DynamicCache for this config (sliding-window
+        layers keep only their window, as transformers' generate does)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.cfg)
+
+    def kv_row_numel(self) -> list[tuple[int, int | None]]:
+        """Per layer: elements its cache keeps per position of one row, and the most positions it
+        keeps (a sliding window; None: all). Read off transformers' own layer on the meta device:
+        it runs up to its cache update with one token (no memory, no weights)."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            probe = _CacheProbe()
+            x = torch.empty(1, 1, self.cfg.hidden_size, device="meta")
+            pos = torch.zeros(1, 1, dtype=torch.int64, device="meta")
+            kw: dict[str, object] = {"attention_mask": None, "position_ids": pos, "cache": probe}
+            if self.rotary is not None:
+                key = self.rope_keys[i]
+                kw["position_embeddings"] = self.rotary(x, pos) if key == "all" else self.rotary(x, pos, key)
+            with contextlib.suppress(_Probed):
+                layer(x, **kw)
+            window = self.g["sliding_window"] if self.kinds[i] != "full" else None
+            out.append((probe.numel, window))
+        return out
+
+    def gen_context(self, db: DecodeBatch, cache, dtype: torch.dtype, device) -> GenericContext:
+        """A generation sweep: the masks transformers builds from the 2-D attention mask (left
+        padding) and the cache's sizes, positions as its generate derives them."""
+        att = db.attention_mask()
+        tokens = att[:, db.past :].float()
+        return self._context(db.input_ids.shape, db.position_ids.to(device), att.to(device), cache, tokens,
+                             dtype, device)  # fmt: skip
+
+    def _context(self, shape, pos, att, cache, tokens, dtype, device) -> GenericContext:
         from transformers.masking_utils import (
             create_causal_mask,
             create_chunked_causal_mask,
             create_sliding_window_causal_mask,
         )
 
-        pos = mb.position_ids.to(device)
-        b, T = mb.input_ids.shape
+        b, T = shape
         like = torch.zeros((), dtype=dtype, device=device).expand(b, T, 1)  # shape, dtype, device only
         fns = {
             "full": create_causal_mask,
@@ -126,7 +184,7 @@ class GenericTemplate:
             "chunked": create_chunked_causal_mask,
         }
         masks = {
-            k: fns[k](config=self.cfg, inputs_embeds=like, attention_mask=None, cache=None, position_ids=pos)
+            k: fns[k](config=self.cfg, inputs_embeds=like, attention_mask=att, cache=cache, position_ids=pos)
             for k in set(self.kinds)
         }
         rope = {}
@@ -134,10 +192,7 @@ class GenericTemplate:
             for key in set(self.rope_keys):
                 args = (like, pos) if key == "all" else (like, pos, key)
                 rope[key] = self.rotary(*args)
-        tokens = torch.ones(b, T, dtype=torch.float32)
-        if mb.lengths is not None:
-            tokens = (torch.arange(T)[None, :] < mb.lengths[:, None]).float()
-        return GenericContext(pos, rope, masks, tokens.reshape(-1).to(device))
+        return GenericContext(pos, rope, masks, tokens.reshape(-1).to(device), cache)
 
     # -- layers ------------------------------------------------------------------------------
     def _call(
@@ -146,6 +201,8 @@ class GenericTemplate:
         kw: dict[str, object] = {"attention_mask": ctx.masks[self.kinds[i]], "position_ids": ctx.pos}
         if self.rotary is not None:
             kw["position_embeddings"] = ctx.rope[self.rope_keys[i]]
+        if ctx.cache is not None:
+            kw["cache"] = ctx.cache
         self._lora = lora
         try:
             out = functional_call(self.layers[i], w, (x,), kw, strict=True)

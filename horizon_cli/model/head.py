@@ -159,6 +159,27 @@ def token_logps(
 
 
 @torch.no_grad()
+def token_scores(
+    h: torch.Tensor,
+    norm: Norm,
+    norm_w: dict[str, torch.Tensor],
+    lm_w: torch.Tensor,
+    idx: torch.Tensor,
+    tgt: torch.Tensor,
+    chunk: int,
+    logits_fn: Logits = F.linear,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only (the evaluation harness): log p(tgt_t) (n,) fp32 and whether tgt_t is the most
+    likely token (n,) bool, at every labelled position, logits bounded by a chunk."""
+    logp = torch.empty(idx.numel(), dtype=torch.float32, device=h.device)
+    best = torch.empty(idx.numel(), dtype=torch.bool, device=h.device)
+    for a, b, logits in _forward_chunks(h, norm, norm_w, lm_w, idx, chunk, logits_fn):
+        logp[a:b] = -F.cross_entropy(logits, tgt[a:b], reduction="none")
+        best[a:b] = logits.argmax(dim=-1) == tgt[a:b]
+    return logp, best
+
+
+@torch.no_grad()
 def head_loss(
     h: torch.Tensor,
     norm: Norm,

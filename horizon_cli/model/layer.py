@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -77,11 +78,14 @@ class AttnContext:
 
     masks maps a window (None = full attention) to its mask (engine/attend.py: a bool (b, 1, T, T)
     tensor, True = attend, or a flex block mask), or to None when plain causal attention is exact.
+    cache: generation's KV cache (a transformers Cache: each layer appends its K/V and attends to
+    all of them; masks are then (b, 1, T, S) over the S cached positions), or None.
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
     masks: dict[int | None, Mask]
+    cache: Any = None
 
 
 def _linear(x: torch.Tensor, w: Weights, wname: str, bname: str, lora: Lora = None) -> torch.Tensor:
@@ -90,9 +94,15 @@ def _linear(x: torch.Tensor, w: Weights, wname: str, bname: str, lora: Lora = No
 
 
 def attention(
-    w: Weights, x: torch.Tensor, ctx: AttnContext, spec: ArchSpec, window: int | None, lora: Lora = None
+    w: Weights,
+    x: torch.Tensor,
+    ctx: AttnContext,
+    spec: ArchSpec,
+    window: int | None,
+    lora: Lora = None,
+    layer: int = 0,
 ) -> torch.Tensor:
-    """x (b, T, H) normed -> (b, T, H)."""
+    """x (b, T, H) normed -> (b, T, H). layer: this layer's index in ctx.cache."""
     b, T, _ = x.shape
     hd = spec.head_dim
     q = _linear(x, w, "wq", "bq", lora).view(b, T, spec.n_heads, hd)
@@ -102,6 +112,8 @@ def attention(
         q, k = rms_norm(q, w["q_norm"], spec.rms_eps), rms_norm(k, w["k_norm"], spec.rms_eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, T, hd)
     q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+    if ctx.cache is not None:  # generation: the cached positions' K/V, then these T (b, kv, S, hd)
+        k, v = ctx.cache.update(k, v, layer)
     out = attend(q, k, v, ctx.masks.get(window), hd**-0.5)  # grouped-query K/V shared, not copied
     out = out.transpose(1, 2).reshape(b, T, spec.q_dim)
     return _linear(out, w, "wo", "bo", lora)
@@ -114,8 +126,15 @@ def mlp(w: Weights, x: torch.Tensor, lora: Lora = None) -> torch.Tensor:
 
 
 def layer_forward(
-    w: Weights, x: torch.Tensor, ctx: AttnContext, spec: ArchSpec, window: int | None, lora: Lora = None
+    w: Weights,
+    x: torch.Tensor,
+    ctx: AttnContext,
+    spec: ArchSpec,
+    window: int | None,
+    lora: Lora = None,
+    layer: int = 0,
 ) -> torch.Tensor:
-    """One pre-norm decoder layer: x (b, T, H) -> (b, T, H). lora: adapters on its linear layers."""
-    h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window, lora)
+    """One pre-norm decoder layer: x (b, T, H) -> (b, T, H). lora: adapters on its linear layers;
+    layer: its index (in a generation's KV cache)."""
+    h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window, lora, layer)
     return h + mlp(w, rms_norm(h, w["mlp_norm"], spec.rms_eps), lora)

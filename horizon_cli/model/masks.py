@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..arch import ArchSpec
-from ..data.batch import MicroBatch
+from ..data.batch import DecodeBatch, MicroBatch
 from .attend import Mask, block_mask, dense_mask
 from .layer import AttnContext, rope_tables
 
@@ -32,3 +32,31 @@ def attn_context(
         else:
             masks[window] = (block_mask if fused else dense_mask)(doc, window, b, T, device)
     return AttnContext(cos, sin, masks)
+
+
+def cached_context(
+    db: DecodeBatch, spec: ArchSpec, inv: torch.Tensor, dtype: torch.dtype, device, cache
+) -> AttnContext:
+    """A generation sweep's context: RoPE tables of the new tokens' positions, and per window a
+    bool (b, 1, T, past + T) mask over the cached positions and the new ones (True = attend):
+    causal, not a row's left padding, within the window. A padding query (prefill) sees itself
+    only, so no row of the kernel is empty (its output is never read). None where every key is
+    visible: no padding, no window cutting in (then SDPA runs unmasked, causal at prefill)."""
+    device = torch.device(device)
+    cos, sin = rope_tables(inv, db.position_ids.to(device), dtype)
+    b, T = db.input_ids.shape
+    S = db.past + T
+    padded = bool((db.pad > 0).any())
+    q = (db.past + torch.arange(T, device=device))[:, None]  # (T, 1) cache index of each query
+    j = torch.arange(S, device=device)[None, :]  # (1, S)
+    real = db.attention_mask().to(device)[:, None, None, :]  # (b, 1, 1, S)
+    masks: dict[int | None, Mask] = {}
+    for window in set(spec.windows):
+        if not padded and (window is None or window >= S):
+            masks[window] = None
+            continue
+        ok = j <= q
+        if window is not None:
+            ok = ok & (q - j < window)
+        masks[window] = (ok[None, None] & real) | (j == q)[None, None]
+    return AttnContext(cos, sin, masks, cache)

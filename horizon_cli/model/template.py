@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from ..arch import ArchSpec
-from ..data.batch import MicroBatch
+from ..data.batch import DecodeBatch, MicroBatch
 from .layer import AttnContext, Lora, inv_freq, layer_forward, rms_norm
-from .masks import attn_context
+from .masks import attn_context, cached_context
 
 
 class NativeTemplate:
@@ -34,7 +34,22 @@ class NativeTemplate:
         return attn_context(mb, self.spec, self.inv, dtype, device)
 
     def forward(self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None) -> torch.Tensor:
-        return layer_forward(w, x, ctx, self.spec, self.spec.windows[i], lora)
+        return layer_forward(w, x, ctx, self.spec, self.spec.windows[i], lora, i)
+
+    # -- generation --------------------------------------------------------------------------
+    def new_cache(self):
+        """A micro-batch's KV cache: transformers' DynamicCache, one plain layer per decoder layer
+        (K/V of every position; windows are applied by the masks)."""
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    def kv_row_numel(self) -> list[tuple[int, int | None]]:
+        """Per layer: cached elements per position of one row (K and V), most positions kept."""
+        return [(2 * self.spec.kv_dim, None)] * self.spec.n_layers
+
+    def gen_context(self, db: DecodeBatch, cache, dtype: torch.dtype, device) -> AttnContext:
+        return cached_context(db, self.spec, self.inv, dtype, device, cache)
 
     def objective(
         self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None

@@ -59,6 +59,22 @@ def available() -> bool:
     return _module is not None
 
 
+def needs_build() -> bool:
+    """available() would compile (a minute): not tried in this process, and no build on this
+    machine yet. The trainer shows the build as a phase of its own (train/checks.py)."""
+    if _reason is not None:
+        return False
+    try:
+        return not (_build_root() / _module_name() / DONE).is_file()
+    except OSError:  # a source missing: available() says so, at once
+        return False
+
+
+def cache_dir() -> Path:
+    """Where builds are kept (one per source hash, torch and Python version)."""
+    return _build_root()
+
+
 def reason() -> str:
     """Why the kernel is unavailable ("" when it is available)."""
     available()

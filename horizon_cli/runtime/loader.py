@@ -112,6 +112,17 @@ class Loader:
         kept_extra = sum(s.extra.numel() * s.extra.element_size() for s in self.kept if s.extra is not None)
         return sum(s.flat.numel() * s.flat.element_size() for s in slots) + kept_extra
 
+    def reserve_extra(self, numel: int, dtype: torch.dtype) -> None:
+        """Size every buffer's extra tensors for loads bringing up to `numel` elements (a
+        generation's host KV cache), once, rather than growing them load by load."""
+        if self.lend:
+            return
+        for s in self.ring:
+            if s.extra is None or s.extra.numel() < numel:
+                assert s.key is None, "reserve_extra between sequences of loads"
+                s.extra = None
+                s.extra = self.t.device_empty(numel, dtype)
+
     def extra_bytes(self) -> int:
         return sum(s.extra.numel() * s.extra.element_size() for s in self.ring if s.extra is not None)
 

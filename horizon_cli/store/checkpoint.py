@@ -118,6 +118,18 @@ def check(ck: Path, deep: bool = False) -> str | None:
     return None
 
 
+def check_given(ck: Path) -> None:
+    """A checkpoint named directly (`horizon export RUN/checkpoints/step_N`) is read only when
+    intact: CheckpointDamaged naming the file at fault. A LoRA checkpoint is checked byte for byte
+    (its adapter files are what is read, and small); a store's unit files are left to the tensor
+    checksums its reader checks."""
+    why = check(ck, deep=is_lora(ck))
+    if why is not None:
+        raise CheckpointDamaged(
+            f"{why} (a damaged checkpoint: `horizon export` of its run dir takes the newest intact one)"
+        )
+
+
 def intact(run_dir: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
     """(complete checkpoints that pass the shallow check, newest first; [(damaged one, why)])."""
     good, bad = [], []

@@ -18,9 +18,11 @@ from ..errors import InputError
 FORMAT = "horizon-store"
 VERSION = 1  # native architectures
 VERSION_GENERIC = 2  # `arch` carries the generic path's tensor table (arch.generic)
-VERSION_QUANT = 4  # decoder layers are packed: NF4 linear weights (`quant`, store.packed)
-VERSION_QUANT_V3 = 3  # the same, from before routers and biases were kept (store.packed.kept): read only
-READABLE = (VERSION, VERSION_GENERIC, VERSION_QUANT_V3, VERSION_QUANT)
+VERSION_QUANT = 5  # decoder layers are packed: NF4 linear weights as bitsandbytes (`quant`, store.packed)
+VERSION_QUANT_V4 = 4  # the same in horizon's earlier NF4 layout (torchao's arithmetic): read only
+VERSION_QUANT_V3 = 3  # as 4, from before routers and biases were kept (store.packed.kept): read only
+QUANT_VERSIONS = (VERSION_QUANT_V3, VERSION_QUANT_V4, VERSION_QUANT)
+READABLE = (VERSION, VERSION_GENERIC, *QUANT_VERSIONS)
 MANIFEST = "manifest.json"
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -76,7 +78,8 @@ class Manifest:
         d["arch"] = self.arch.to_dict()
         d["version"] = VERSION_GENERIC if self.arch.generic is not None else VERSION
         if self.quant:
-            d["version"] = VERSION_QUANT_V3 if self.version == VERSION_QUANT_V3 else VERSION_QUANT
+            old = (VERSION_QUANT_V3, VERSION_QUANT_V4)
+            d["version"] = self.version if self.version in old else VERSION_QUANT  # written as read
         else:
             del d["quant"]  # unquantized stores keep their version-1/2 manifest
         return json.dumps(d, indent=1)
@@ -108,6 +111,10 @@ def read_manifest(root: Path) -> Manifest:
             raise ValueError(f"unknown dtype {d['dtype']!r}")
         if d.get("quant", "") not in QUANTS:
             raise ValueError(f"unknown quantization {d['quant']!r}")
+        if bool(d.get("quant")) != (d["version"] in QUANT_VERSIONS):
+            raise ValueError(
+                f"format version {d['version']} and quantization {d.get('quant', '')!r} disagree"
+            )
         units = [UnitEntry(**{**u, "tensors": [TensorEntry(**t) for t in u["tensors"]]}) for u in d["units"]]
         return Manifest(
             dtype=d["dtype"],

@@ -5,8 +5,9 @@ the dense buffer the engine computes with) and adds, for decoder layers, a byte 
 file: each slot (checkpoint tensor) is a region of its own, starting on a REGION-byte boundary,
 holding either the tensor's raw bytes in the store dtype (norms, biases, tensors that are not whole
 NF4 blocks, and in a routed layer the small gates that decide routing: `kept`) or its NF4 parts
-(quant/nf4.py). The embedding and the head stay dense and keep the plain layout. A packed layer crosses the link as these bytes and is dequantized into the dense
-layout on the device.
+(quant/nf4.py) in the layout of the store's scheme (`scheme_of`: bitsandbytes' since version 5).
+The embedding and the head stay dense and keep the plain layout. A packed layer crosses the link
+as these bytes and is dequantized into the dense layout on the device.
 """
 
 from __future__ import annotations
@@ -17,8 +18,15 @@ from ..arch import ArchSpec
 from ..arch.names import is_expert
 from ..quant import nf4
 from .layout import UnitLayout, round_up
+from .manifest import VERSION_QUANT
 
 REGION = 128  # bytes
+
+
+def scheme_of(version: int) -> str:
+    """The NF4 layout of a quantized store of this manifest version: bitsandbytes' from version 5
+    on, torchao's arithmetic before (versions 3 and 4, read only)."""
+    return "bnb" if version >= 5 else "torchao"
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class PackedLayout:
     name: str
     slots: tuple[PackedSlot, ...]
     nbytes: int  # bytes of the unit, REGION aligned
+    scheme: str = nf4.SCHEME  # the NF4 layout of its quantized slots (quant/nf4.py)
 
     def slot(self, name: str) -> PackedSlot:
         for s in self.slots:
@@ -75,17 +84,19 @@ def kept(spec: ArchSpec, lay: UnitLayout) -> frozenset[str]:
 
 
 def packed_layout(
-    spec: ArchSpec, lay: UnitLayout, itemsize: int, quant: str, legacy: bool = False
+    spec: ArchSpec, lay: UnitLayout, itemsize: int, quant: str, version: int = VERSION_QUANT
 ) -> PackedLayout:
-    """legacy: a version-3 store's packing, from before `kept` (every tensor of whole blocks NF4,
-    routers and expert biases included)."""
+    """The packing a quantized store of manifest `version` has: version 3's from before `kept`
+    (every tensor of whole blocks NF4, routers and expert biases included); the NF4 layout by
+    `scheme_of(version)`."""
     if quant != "nf4":
         raise ValueError(f"unknown quantization {quant!r}")
-    keep = frozenset() if legacy else kept(spec, lay)
+    keep = frozenset() if version <= 3 else kept(spec, lay)
+    scheme = scheme_of(version)
     out, off = [], 0
     for s in lay.slots:
         q = "nf4" if nf4.quantizable(s.shape) and s.name not in keep else ""
-        n = nf4.nbytes(s.numel, itemsize) if q else s.numel * itemsize
+        n = nf4.nbytes(s.numel, itemsize, scheme) if q else s.numel * itemsize
         out.append(PackedSlot(s.name, s.hf, s.shape, off, n, s.numel, s.offset, q))
         off = round_up(off + n, REGION)
-    return PackedLayout(lay.name, tuple(out), max(off, REGION))
+    return PackedLayout(lay.name, tuple(out), max(off, REGION), scheme)

@@ -19,7 +19,7 @@ from ..errors import InputError
 from ..fsutil import read_exact
 from ..quant import nf4
 from .layout import UnitLayout, unit_layout
-from .manifest import MANIFEST, VERSION_QUANT_V3, Manifest, UnitEntry, read_manifest
+from .manifest import MANIFEST, Manifest, UnitEntry, read_manifest
 from .packed import PackedLayout, packed_layout, packs
 from .writer import tensor_bytes
 
@@ -36,10 +36,10 @@ class Store:
         self.layouts = {u.name: unit_layout(self.arch, u.name) for u in manifest.units}
         self.quant = manifest.quant
         item = self.dtype.itemsize
-        # quantized stores: the byte layout of each packed unit (decoder layers)
-        legacy = manifest.version == VERSION_QUANT_V3  # routers and expert biases NF4 too
+        # quantized stores: the byte layout of each packed unit (decoder layers), as the store's
+        # version has it (its NF4 scheme; version 3: routers and expert biases NF4 too)
         self.packed: dict[str, PackedLayout] = {
-            n: packed_layout(self.arch, lay, item, self.quant, legacy)
+            n: packed_layout(self.arch, lay, item, self.quant, manifest.version)
             for n, lay in self.layouts.items()
             if packs(n, self.quant)
         }
@@ -60,7 +60,7 @@ class Store:
             path = self.root / u.file
             if not path.is_file():
                 raise InputError(f"{path}: missing unit file of store {self.root}")
-            if path.stat().st_size < u.nbytes or u.nbytes < self.unit_bytes(u.name):
+            if path.stat().st_size < u.nbytes:
                 raise InputError(f"{path}: truncated ({path.stat().st_size} of {u.nbytes} bytes)")
             lay, dt = self.layouts[u.name], self.manifest.dtype
             want = [
@@ -72,7 +72,7 @@ class Store:
                     for s in self.packed[u.name].slots
                 ]
             got = [(t.name, t.hf, list(t.shape), t.offset, t.nbytes, t.dtype) for t in u.tensors]
-            if lay.numel != u.numel or got != want:
+            if lay.numel != u.numel or got != want or u.nbytes < self.unit_bytes(u.name):
                 raise InputError(
                     f"{self.root / MANIFEST}: unit {u.name} does not match its architecture's layout"
                 )
@@ -106,7 +106,8 @@ class Store:
             if not p.quant:
                 return raw.view(self.dtype).view(p.shape)
             out = torch.empty(p.numel, dtype=self.dtype)
-            return nf4.dequantize_packed(raw, p.numel, self.dtype, out).view(p.shape)
+            scheme = self.packed[unit].scheme
+            return nf4.dequantize_packed(raw, p.numel, self.dtype, out, scheme).view(p.shape)
         s = self.layouts[unit].slot(name)
         return self.unit_view(unit)[s.offset : s.offset + s.numel].view(s.shape)
 

@@ -134,8 +134,9 @@ class StoreWriter:
 
     def _write_nf4(self, unit: str, p: PackedSlot, pieces, on_piece, wait: bool) -> int:
         """Quantize a tensor as its pieces arrive (whole blocks at a time; a piece's tail waits for
-        the next piece), then write the double-quantized scales. The region's checksum runs over
-        its parts and the zero padding between them, in file order."""
+        the next piece), then write the double-quantized scales (quant/nf4.py, bitsandbytes'
+        layout). The region's checksum runs over its parts and the zero padding between them, in
+        file order."""
         fd, pos, crc = self.fds[unit], 0, 0
         absmax: list[torch.Tensor] = []
         tail = torch.empty(0, dtype=self.torch_dtype)
@@ -143,10 +144,12 @@ class StoreWriter:
             flat = piece.reshape(-1)
             if pos + tail.numel() + flat.numel() > p.numel:
                 raise InputError(f"{p.hf}: more than the {p.numel} elements of shape {p.shape}")
-            x = torch.cat([tail, flat.to(self.torch_dtype)])
+            x = torch.cat([tail, flat.to(self.torch_dtype)])  # the store dtype, as bitsandbytes gets it
             whole = x.numel() // nf4.BLOCK * nf4.BLOCK
             for i in range(0, whole, PIECE):
                 codes, amax = nf4.quantize_blocks(x[i : min(whole, i + PIECE)])
+                if not _finite(amax):
+                    raise InputError(f"{p.hf}: inf or NaN values in {self.dtype}, which NF4 cannot quantize")
                 data = tensor_bytes(codes)
                 crc = zlib.crc32(data, crc)
                 self._drain()
@@ -157,13 +160,15 @@ class StoreWriter:
             on_piece(flat.numel() * flat.element_size())
         if pos + tail.numel() != p.numel:
             raise InputError(f"{p.hf}: {pos + tail.numel()} elements where shape {p.shape} needs {p.numel}")
-        scales, factors, mean = nf4.double_quantize(torch.cat(absmax))
+        scales = nf4.double_quantize(torch.cat(absmax))
         parts = nf4.parts(p.numel, self.itemsize)
         end = parts["codes"][1]
-        for name, t in (("scales", scales), ("factors", factors), ("mean", mean.reshape(1))):
-            off, n = parts[name]
+        for name, (off, n) in parts.items():
+            if name == "codes":
+                continue
             crc = zlib.crc32(bytes(off - end), crc)  # the padding before this part
-            data = tensor_bytes(t)
+            data = tensor_bytes(scales[name])
+            assert len(data) == n, (name, len(data), n)
             crc = zlib.crc32(data, crc)
             _pwrite_all(fd, data, p.offset + off)
             end = off + n

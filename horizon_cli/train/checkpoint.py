@@ -34,7 +34,7 @@ import torch
 from .. import owner
 from ..errors import HorizonError, InputError
 from ..faults import phase
-from ..fsutil import fsync_tree, read_exact, replace_dir
+from ..fsutil import copy_tree, fsync_tree, read_exact, replace_dir
 from ..lora import peft
 from ..store import Store, StoreWriter
 from ..store import checkpoint as ckpt
@@ -119,7 +119,7 @@ def _write(engine, tmp: Path, trainer: dict, config_yaml: str, model_store: Stor
         w.close()
     phase("checkpoint-store", trainer["step"])
     if (model_store.root / "hf").is_dir():
-        shutil.copytree(model_store.root / "hf", tmp / "hf")
+        copy_tree(model_store.root / "hf", tmp / "hf")
     _write_state(engine, tmp, trainer, config_yaml, STATE_BUFFERS)
 
 

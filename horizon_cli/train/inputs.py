@@ -64,4 +64,5 @@ def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: 
         vocab_size=store.arch.vocab,
         cache_dir=cache_dir,
         log=lambda s: console.print(s, highlight=False),
+        batch_size=cfg.train.batch_size,
     )

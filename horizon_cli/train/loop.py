@@ -26,7 +26,7 @@ from ..engine import Engine, StepResult
 from ..engine.build import build_engine
 from ..errors import HorizonError, InputError
 from ..faults import phase
-from ..fmt import fmt_bytes
+from ..fmt import fmt_bytes, fmt_loss
 from ..lora.setup import LoraSetup, load_init
 from ..optim.schedules import lr_at
 from ..parallel.comm import Dist
@@ -34,11 +34,14 @@ from ..progress import byte_progress, train_columns
 from ..store import Store
 from ..store import checkpoint as ckpt
 from . import checkpoint
+from .checks import kernel_ready
 from .inputs import load_data
 from .kept import kept_layers
 from .metrics import MetricsLog, plot_loss, read_metrics
 from .ranks import main_first
 from .rundir import RunDir
+from .samples import Samples, keep_until
+from .trackers import Trackers
 
 
 class Trainer:
@@ -51,10 +54,12 @@ class Trainer:
         lora: LoraSetup | None = None,
         dist: Dist | None = None,
         keep: int = 0,
+        samples: Samples | None = None,
     ):
         """keep: the kept layers K the plan chose (engine.keep_activations; planning.keep)."""
         self.cfg, self.store, self.rd, self.console = cfg, store, rd, console
         self.keep = keep
+        self.samples = samples  # eval-time samples (train.samples), answered at each eval
         self.dist = dist  # a sharded run's rank (None: one process)
         self.main = dist is None or dist.is_main
         self.lora = lora  # LoRA: the frozen base is `store` itself, checkpoints hold the adapters
@@ -74,12 +79,21 @@ class Trainer:
             self.rd.begin()
             return self._finish(self.rd.resume_step)
         self.data = self._load_data()
+        kernel_ready(self.cfg.optim.kernel, self.console)  # a build is its own phase, not step 1's
         try:
             state = self._resume()
             self.rd.begin()  # everything is checked and loaded: from here on the run dir changes
             self.bad = state.get("bad_steps", 0)
+            if self.samples is not None and self.main:
+                keep_until(self.run_dir, state["step"])
             self.metrics = (
-                MetricsLog(self.run_dir, state["step"], self.cfg.log.tensorboard, self.console)
+                MetricsLog(
+                    self.run_dir,
+                    state["step"],
+                    self.cfg.log.tensorboard,
+                    self.console,
+                    trackers=Trackers(self.cfg, self.run_dir, state["step"], self.console),
+                )  # fmt: skip
                 if self.main
                 else _NoMetrics()
             )
@@ -179,10 +193,18 @@ class Trainer:
                 row["tokens_per_s"] = row["input_tokens"] / row["step_s"]
                 t_prev = now
                 step += 1
+                answers = []
                 if t.eval_every and step % t.eval_every == 0:
                     row["eval_loss"] = self.evaluate()
+                if self.samples is not None and (
+                    step % t.eval_every == 0 if t.eval_every else step == t.steps
+                ):
+                    answers = self.samples.answer(self.engine, step)
                 self.metrics.write(row)
                 self._show(prog, task, row)
+                if answers and self.main:
+                    Samples.write(self.run_dir, answers)
+                    Samples.show(prog.console, answers)
                 phase("after-step", step)
                 if row["skipped"]:
                     self._bad_step(row)
@@ -228,7 +250,7 @@ class Trainer:
         return mbs[self.dist.rank * k : (self.dist.rank + 1) * k]
 
     def _show(self, prog: Progress, task, row: dict) -> None:
-        loss = f"{row['loss']:.4f}" if row["loss"] is not None else "nan"
+        loss = fmt_loss(row["loss"]) if row["loss"] is not None else "nan"
         prog.update(
             task,
             advance=1,
@@ -238,7 +260,7 @@ class Trainer:
             ram=fmt_bytes(row["host_rss_bytes"]),
         )
         if row["step"] % self.cfg.log.every == 0 or row["step"] == self.cfg.train.steps or "eval_loss" in row:
-            ev = f" eval {row['eval_loss']:.4f}" if row.get("eval_loss") is not None else ""
+            ev = f" eval {fmt_loss(row['eval_loss'])}" if row.get("eval_loss") is not None else ""
             gn = f"{row['grad_norm']:.3f}" if row["grad_norm"] is not None else "nan"
             prog.console.print(
                 f"step {row['step']:>5}/{self.cfg.train.steps}  loss {loss}{ev}  lr {row['lr']:.2e}  grad {gn}  "
@@ -323,7 +345,8 @@ class Trainer:
         if not self.main:
             return self._follower_finish(step, ck)
         rows = read_metrics(self.run_dir / "metrics.jsonl")
-        out = {"step": step, "checkpoint": str(ck), "final_loss": rows[-1]["loss"] if rows else None}
+        final = rows[-1]["loss"] if rows else None
+        out = {"step": step, "checkpoint": str(ck), "final_loss": final}
         if self.cfg.log.plot and rows:
             out["plot"] = str(plot_loss(rows, self.run_dir / "loss.png", title=f"{self.run_dir.name}"))
         if self.lora is not None:  # the adapter alone, as PEFT files (small: always)
@@ -341,7 +364,7 @@ class Trainer:
         self.rd.record_finished(ck, exported=self.cfg.output.export)
         phase("finished")
         self.console.print(
-            f"[green]done[/]: {step} steps, final loss {out['final_loss']}, checkpoint {ck}"
+            f"[green]done[/]: {step} steps, final loss {fmt_loss(final)}, checkpoint {ck}"
             + (f", HF export {out['export']}" if "export" in out else ""),
             highlight=False,
         )

@@ -18,7 +18,8 @@ class MetricsLog:
     up to the checkpoint's, by step number: a line garbled by a crash is dropped (and counted),
     never the history after it."""
 
-    def __init__(self, run_dir: Path, resume_step: int, tensorboard: bool, console=None):
+    def __init__(self, run_dir: Path, resume_step: int, tensorboard: bool, console=None, trackers=None):
+        """trackers: experiment trackers (train.trackers.Trackers) that get every row too."""
         self.path = Path(run_dir) / "metrics.jsonl"
         rows, bad = read_metrics_counted(self.path)
         kept = [r for r in rows if r.get("step", 0) <= resume_step] if resume_step else []
@@ -30,6 +31,7 @@ class MetricsLog:
             write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
             self.f = open(self.path, "a")  # noqa: SIM115 - held open for the whole run
         self.tb = tensorboard_writer(Path(run_dir) / "tensorboard") if tensorboard else None
+        self.trackers = trackers
 
     def write(self, row: dict) -> None:
         with io_failure(self.path):
@@ -39,12 +41,16 @@ class MetricsLog:
             for k, v in row.items():
                 if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
                     self.tb.add_scalar(k, v, row["step"])
+        if self.trackers is not None:
+            self.trackers.log(row)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a failed flush was already reported by write()
             self.f.close()
         if self.tb is not None:
             self.tb.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 @contextlib.contextmanager

@@ -1,5 +1,7 @@
-"""`horizon train --dry-run`: every check a real start makes, writing nothing, then the plan of
-this run and the ladder of every rung, printed (and as JSON with --json)."""
+"""`horizon train --dry-run`: every check a real start makes (train/checks.py, in its order),
+writing nothing, then the plan of this run and the ladder of every rung, printed (and as JSON with
+--json). Where the start would stop, the plan is still printed and written, then the start's own
+line ends the dry run with exit status 2 (errors.DryRunRefused, which carries the plan)."""
 
 from __future__ import annotations
 
@@ -11,35 +13,37 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
-from .. import owner
 from ..config import Config, dump_yaml
-from ..errors import InputError
+from ..engine.build import Planned
+from ..errors import DryRunRefused, InputError
 from ..fmt import fmt_bytes
 from ..fsutil import write_text_atomic
 from ..planning.fit import Machine
 from ..planning.ladder import HOW, PlannedModel, best_rung, fit_parts, fits, not_applicable
 from ..planning.memory import MemoryPlan
 from ..store import Store
-from ..store import checkpoint as ckpt
-from . import compat
-from .loop import load_data
+from .checks import before_claim, kernel_ready
+from .inputs import load_data
 from .rundir import RunDir
 
 
 def dry_run_report(
-    cfg: Config,
-    model: Store | PlannedModel,
-    rungs: dict[str, MemoryPlan],
-    chosen: str,
-    where: Machine,
-    console: Console,
-    json_out: Path | None,
+    planned: Planned, where: Machine, console: Console, json_out: Path | None, local: bool = True
 ) -> dict:
     """The checks of a real start that write nothing: the data is read and tokenized (not
     cached, not even where data.cache_dir says), the run dir's resume point checked against
-    this config. Then the plan of this run and the ladder of every rung on `where`."""
-    check_data(cfg, model, console)
-    run_dir = run_dir_status(cfg, model)
+    this config. Then the plan of this run and the ladder of every rung on `where`.
+    local: `where` is this machine (else --host-gib/--device-gib's: this device is not checked)."""
+    cfg, model, rungs, chosen = planned.cfg, planned.model, planned.rungs, planned.rung
+    refused, run_dir = None, None
+    try:  # the start's checks, in its order (train/checks.py): the first that fails is its line
+        before_claim(planned, where, local)
+        run_dir, trained = run_dir_status(cfg, model)
+        if not trained:
+            check_data(cfg, model, console)
+            kernel_ready(cfg.optim.kernel, console, build=False)
+    except InputError as e:
+        refused = e
     # soft_wrap: never crop a long line (a path) at the terminal's width; the config must read back
     yaml_text = Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default")
     console.print(yaml_text, soft_wrap=True)
@@ -51,17 +55,20 @@ def dry_run_report(
     best = best_rung(rungs, where, na)
     if not ok:
         console.print(f"largest rung that fits: {best or 'none'}" + (f" ({HOW[best]})" if best else ""))
-    console.print(f"output.dir: {run_dir}", highlight=False)
+    if run_dir is not None:
+        console.print(f"output.dir: {run_dir}", highlight=False)
     report = plan_json(model, rungs, chosen, where)
     if json_out is not None:
         write_json(json_out, report)
+    if refused is not None:
+        raise DryRunRefused(str(refused), report) from None
     return report
 
 
 def check_data(cfg: Config, model: Store | PlannedModel, console: Console) -> None:
     no_tokenizer = isinstance(model, PlannedModel) and not has_tokenizer(model.root)
     if no_tokenizer and cfg.data.format not in ("tokens", "auto"):
-        if not Path(cfg.data.path).exists():
+        if isinstance(cfg.data.path, str) and not Path(cfg.data.path).exists():
             raise InputError(f"data.path: {cfg.data.path} not found")
         console.print(f"data: {cfg.data.path} not tokenized ({model.root} holds no tokenizer files)")
         return
@@ -72,23 +79,19 @@ def has_tokenizer(d: Path) -> bool:
     return any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
-def run_dir_status(cfg: Config, model: Store | PlannedModel) -> str:
+def run_dir_status(cfg: Config, model: Store | PlannedModel) -> tuple[str, bool]:
+    """(what a start would do with output.dir, whether it is trained to train.steps: then the
+    start only finishes it). The claim's checks and lines (RunDir.probe)."""
     path = Path(cfg.output.dir)
-    compat.check_accept_keys(cfg)
-    holder = owner.probe(path)
-    if holder:
-        return f"{path} is in use by {holder}: a real start would stop here"
-    good, _ = ckpt.intact(path)
-    if not good:
-        return f"{path}: a new run"
-    if not isinstance(model, Store):
-        return f"{path}: has checkpoints (resuming needs the converted store)"
-    probe = RunDir(cfg, model, Console(quiet=True))
-    probe.candidates = good
-    probe.check_resumable(good[0])
+    store = model if isinstance(model, Store) else None
+    probe = RunDir.probe(cfg, store, Console(quiet=True))
+    if not probe.candidates:
+        return f"{path}: a new run", False
+    if store is None:
+        return f"{path}: has checkpoints (resuming needs the converted store)", False
     if probe.trained:
-        return f"{path}: complete at step {probe.resume_step}"
-    return f"{path}: resumes from {good[0].name}"
+        return f"{path}: complete at step {probe.resume_step}", True
+    return f"{path}: resumes from {probe.candidates[0].name}", False
 
 
 def plan_table(plan: MemoryPlan) -> Table:

@@ -2,7 +2,8 @@
 
 Everything that can be checked before training is checked first, so that bad input exits 2
 before anything is written: the config, the store, the device, the memory plan, the run dir and
-whether this config may resume it, the data. `--dry-run` runs the same checks and writes nothing.
+whether this config may resume it, the data (the order: train/checks.py). `--dry-run` runs the
+same checks, writes nothing but its --json, and exits 2 with the start's line where it would stop.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from rich.markup import escape
 from .. import preflight
 from ..config import Config, load_config
 from ..data.prepare import check_lengths
-from ..engine.build import check_fit, plan_run
+from ..engine.build import plan_run
 from ..errors import InputError
 from ..faults import phase
 from ..lora.setup import lora_for
@@ -27,10 +28,12 @@ from ..parallel.topology import world_for
 from ..planning.ladder import open_model
 from ..store import Store
 from ..store import checkpoint as ckpt
+from . import checks
+from .length import resolve_length
 from .loop import Trainer
-from .metrics import tensorboard_writer
 from .ranks import claim
 from .report import dry_run_report
+from .samples import Samples
 from .signals import runtime_failures, stop_signals
 
 
@@ -68,6 +71,8 @@ def run_training(
     if lora is not None and lora.note and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         console.print(f"[yellow]warning:[/] {escape(lora.note)}", highlight=False)
     check_lengths(cfg.data, model.arch.max_positions)
+    cfg = resolve_length(cfg, model, console, dry_run)  # train.epochs -> train.steps (reads the data)
+    samples = Samples(cfg, model, world.size) if cfg.train.samples else None  # prompts checked now
     if machine is not None:
         where = preflight.given_machine(*machine)
     else:  # a real start under torchrun: this rank's own device (a dry run reports rank 0's)
@@ -76,12 +81,10 @@ def run_training(
     if dry_run:
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
             console, json_out = Console(quiet=True), None
-        return dry_run_report(cfg, model, planned.rungs, planned.rung, where, console, json_out)
+        return dry_run_report(planned, where, console, json_out, local=machine is None)
     assert isinstance(model, Store)
-    check_fit(planned, where)
+    checks.before_claim(planned, where)
     cfg, console = join_world(cfg, console)
-    if cfg.log.tensorboard:
-        tensorboard_writer(None)  # fail now, not after loading the model
     with stop_signals(), joined(cfg.engine.device) as d, claim(cfg, model, console, d) as rd:
         phase("locked")
         if rd.finished():
@@ -91,7 +94,9 @@ def run_training(
             )
             return {"step": rd.resume_step, "checkpoint": str(rd.candidates[0]), "complete": True}
         with runtime_failures():
-            return Trainer(cfg, model, rd, console, lora, dist=d, keep=planned.plan.kept).run()
+            return Trainer(
+                cfg, model, rd, console, lora, dist=d, keep=planned.plan.kept, samples=samples
+            ).run()
 
 
 def rank_cfg(cfg: Config) -> Config:

@@ -3,10 +3,12 @@ start that fails changes nothing.
 
     claim()   lock the dir (a second `horizon train` exits 2 naming the holder), pick the newest
               intact checkpoint and check that this config may resume it (compat.py). Reads only.
+    probe()   the same checks without locking or creating anything (`--dry-run`): the same lines.
     begin()   called once the resume point is loaded and the run really starts: rename damaged
               checkpoints aside, sweep what killed processes left, write config.yaml, prune.
-    release   on the way out: unlock, and remove the dir again if this start made it and
-              nothing was written into it.
+    release   on the way out: unlock. A start that failed before begin() removes what it wrote
+              (the tokenization cache, <run>/cache): a run dir it created goes entirely, an
+              existing one is left as it was.
 
     <run>/.lock           held (flock) while a process trains here; removed on exit
     <run>/finished.json   written last by a run that finished: its step and what it exported
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +35,7 @@ from ..store import checkpoint as ckpt
 from . import compat
 
 FINISHED = "finished.json"
+CACHE = "cache"  # <run>/cache: the run's tokenization cache (train/inputs.py), filled before begin()
 
 
 class RunDir:
@@ -40,6 +44,8 @@ class RunDir:
         self.path = Path(cfg.output.dir)
         self.lock: owner.DirLock | None = None
         self.made: list[Path] = []  # folders this start created (outermost first)
+        self.cached: set[str] | None = None  # entries of <run>/cache before this start (None: none there)
+        self.begun = False  # begin() ran: the run dir is in use, a failure leaves it as it is
         self.candidates: list[Path] = []  # intact checkpoints, newest first
         self.damaged: list[tuple[Path, str]] = []
         self.accepted: list[str] = []  # trajectory changes the config accepts
@@ -57,22 +63,46 @@ class RunDir:
         finally:
             rd._release()
 
+    @classmethod
+    def probe(cls, cfg: Config, store: Store | None, console: Console) -> RunDir:
+        """claim()'s checks, in its order and with its lines, creating and locking nothing (a dry
+        run). store None (a model not converted yet): the resume point is found, not checked."""
+        rd = cls(cfg, store, console)  # type: ignore[arg-type]
+        rd._check_path()
+        p = rd.path
+        base = next(d for d in (p, *p.parents) if os.path.lexists(d))  # where mkdir or the lock writes
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise InputError(f"output.dir: {p} is not writable (Permission denied)")
+        holder = owner.probe(p)
+        if holder:
+            raise in_use(p, holder)
+        if store is not None:
+            rd.inspect()
+        else:
+            compat.check_accept_keys(cfg)
+            rd.candidates, rd.damaged = ckpt.intact(p)
+        return rd
+
+    def _check_path(self) -> None:
+        if self.path.exists() and not self.path.is_dir():
+            raise InputError(f"output.dir: {self.path} is not a directory")
+
     def _lock(self) -> None:
+        self._check_path()
         p = self.path
-        if p.exists() and not p.is_dir():
-            raise InputError(f"output.dir: {p} is not a directory")
         self.made = [d for d in (p, *p.parents) if not os.path.lexists(d)][::-1]
         try:
             p.mkdir(parents=True, exist_ok=True)
             self.lock = owner.DirLock.acquire(p)
         except owner.Locked as e:
             self._remove_made()
-            raise InputError(
-                f"output.dir: {p} is in use by {e.holder} (one `horizon train` per run dir)"
-            ) from None
+            raise in_use(p, e.holder) from None
         except OSError as e:
             self._remove_made()
             raise InputError(f"output.dir: {p} is not writable ({e.strerror or e})") from None
+        cache = p / CACHE
+        if os.path.lexists(cache):
+            self.cached = set(os.listdir(cache)) if cache.is_dir() and not cache.is_symlink() else set()
 
     def inspect(self) -> None:
         """Which checkpoint a start resumes, and whether this config may resume it (read-only)."""
@@ -99,7 +129,7 @@ class RunDir:
                 f"engine.dtype: {self.cfg.engine.dtype} differs from the checkpoint's "
                 f"{trainer.get('dtype')} in {ck} (its optimizer state has another layout)"
             )
-        self.accepted = compat.check_resume(ckpt.read_config_text(ck), self.cfg, str(ck))
+        self.accepted = compat.check_resume(ckpt.read_config_text(ck), self.cfg, str(ck), ckpt.step_of(ck))
 
     @property
     def resume_step(self) -> int:
@@ -143,6 +173,7 @@ class RunDir:
         write_text_atomic(self.path / "config.yaml", dump_yaml(self.cfg))
         ckpt.prune(self.path, self.cfg.output.keep_last)
         self.made = []  # the run dir is in use now: never removed on the way out
+        self.begun = True
         for line in self.accepted:
             self.console.print(f"[yellow]note:[/] resuming with a changed setting: {escape(line)}")
 
@@ -155,12 +186,41 @@ class RunDir:
     # -- release -------------------------------------------------------------------------------
     def _release(self) -> None:
         if self.lock is not None:
+            if not self.begun:
+                self._undo()  # while still locked: no other start can be writing here
             self.lock.release()
             self.lock = None
         self._remove_made()
+
+    def _undo(self) -> None:
+        """A start that failed before begin(): remove what it wrote (everything in a run dir it
+        created; in an existing one, the cache entries it added), never what was there before."""
+        if self.path in self.made:
+            for child in self.path.iterdir():
+                if child.name != owner.DirLock.NAME:
+                    _remove(child)
+            return
+        cache = self.path / CACHE
+        if self.cached is None:
+            _remove(cache)
+        elif cache.is_dir() and not cache.is_symlink():
+            for name in set(os.listdir(cache)) - self.cached:
+                _remove(cache / name)
 
     def _remove_made(self) -> None:
         for d in reversed(self.made):
             with contextlib.suppress(OSError):
                 d.rmdir()  # only while still empty
         self.made = []
+
+
+def in_use(path: Path, holder: str) -> InputError:
+    return InputError(f"output.dir: {path} is in use by {holder} (one `horizon train` per run dir)")
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()

@@ -28,7 +28,7 @@ from pathlib import Path
 from .. import __version__, owner
 from ..errors import HorizonError, InputError
 from ..faults import phase
-from ..fsutil import fsync_tree, read_exact, replace_dir
+from ..fsutil import copy_tree, fsync_tree, read_exact, replace_dir
 from ..parallel.comm import Dist
 from ..parallel.crc import crc32_of_pieces
 from ..store import Store
@@ -147,7 +147,7 @@ def _finish(engine, tmp, final, trainer, crcs: dict, model_store, write_meta) ->
         _manifest(engine, tmp, trainer["step"], model_store, crcs)
         phase("checkpoint-store", trainer["step"])
         if (model_store.root / "hf").is_dir():
-            shutil.copytree(model_store.root / "hf", tmp / "hf")
+            copy_tree(model_store.root / "hf", tmp / "hf")
         known = {k: v for k, v in crcs.items() if isinstance(k, str)}  # the state files'
         write_meta(tmp, known)  # trainer.json, config.yaml, then checksums.json
         phase("checkpoint-written", trainer["step"])

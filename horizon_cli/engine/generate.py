@@ -1,0 +1,137 @@
+"""The generation loop over one batch of prompts: prefill, then one sweep of the layers per new
+token for every row still generating (engine.decode), until each row stops at an EOS id, a stop
+string, its token limit or the model's last position.
+
+Rows are sorted by length and cut into micro-batches of at most `MICRO_TOKENS` prompt tokens
+(left-padded, engine.decode); a micro-batch whose rows have all stopped leaves the sweep. The
+same loop serves `horizon generate`, eval-time samples (train.loop) and the evaluation harness.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..data.batch import DecodeBatch
+from ..model.sample import Sampler, StopText
+from .engine import Engine
+
+MICRO_TOKENS = 8192  # prompt tokens per micro-batch at most (its prefill working set)
+
+
+def micro_batches(prompts: list[tuple[int, list[int]]]) -> list[list[tuple[int, list[int]]]]:
+    """(index, ids) rows sorted by length (less padding), cut into micro-batches of at most
+    MICRO_TOKENS padded prompt tokens."""
+    groups: list[list[tuple[int, list[int]]]] = [[]]
+    for r in sorted(prompts, key=lambda p: len(p[1])):
+        if groups[-1] and len(r[1]) * (len(groups[-1]) + 1) > MICRO_TOKENS:  # r is the longest yet
+            groups.append([])
+        groups[-1].append(r)
+    return groups
+
+
+@dataclass
+class Completion:
+    index: int  # the prompt's place in the input
+    ids: list[int] = field(default_factory=list)  # generated ids (an EOS id included)
+    text: str | None = None  # decoded (special tokens skipped), cut before a stop string
+    finish: str = ""  # eos | stop | length
+
+
+@dataclass
+class SweepStats:
+    """One sweep's figures, for progress: rows advanced, seconds, bytes over the link."""
+
+    tokens: int
+    seconds: float
+    h2d_bytes: int
+    prefill: bool
+
+
+class Decoder:
+    def __init__(
+        self,
+        engine: Engine,
+        sampler: Sampler,
+        *,
+        max_new_tokens: int,
+        eos_ids: Sequence[int] = (),
+        tokenizer=None,
+        stops: Sequence[str] = (),
+        host_kv: bool = False,
+        pad_id: int = 0,
+        on_done: Callable[[Completion], None] = lambda c: None,
+        on_sweep: Callable[[SweepStats], None] = lambda s: None,
+    ):
+        self.engine, self.sampler = engine, sampler
+        self.max_new, self.eos = max_new_tokens, set(eos_ids)
+        self.tokenizer, self.stop = tokenizer, StopText(tokenizer, list(stops)) if tokenizer else None
+        self.host_kv, self.pad_id = host_kv, pad_id
+        self.on_done, self.on_sweep = on_done, on_sweep
+        self.positions = engine.spec.max_positions
+
+    def run(self, prompts: list[tuple[int, list[int]]]) -> list[Completion]:
+        """(index, prompt ids) of one batch -> their completions, in the order given."""
+        groups = micro_batches(prompts)
+        dbs = [DecodeBatch.left_padded([ids for _, ids in g], self.pad_id) for g in groups]
+        limits = [[min(self.max_new, self.positions - len(ids)) for _, ids in g] for g in groups]
+        kv = self.engine.open_cache(dbs, max(max(lim) for lim in limits), self.host_kv)
+        out = {i: Completion(i) for i, _ in prompts}
+        active = list(range(len(groups)))
+        try:
+            logits = self._sweep(dbs, kv, prefill=True)
+            while True:
+                still, nxt = [], []
+                for m, lg in zip(active, logits, strict=True):
+                    rows = [i for i, _ in groups[m]]
+                    tok = self.sampler.pick(lg, rows).cpu()  # the embedding gathers rows on the host
+                    if self._advance([out[i] for i in rows], tok.tolist(), limits[m]):
+                        still.append(m)
+                        nxt.append(dbs[m].next(tok.reshape(-1, 1)))
+                if not still:
+                    break
+                for m, db in zip(still, nxt, strict=True):
+                    dbs[m] = db
+                active = still
+                kv.keep_only(active)
+                logits = self._sweep([dbs[m] for m in active], kv, prefill=False)
+        finally:
+            kv.close()
+        for i, _ in prompts:
+            self.sampler.forget(i)
+        return [out[i] for i, _ in prompts]
+
+    def _sweep(self, dbs: list[DecodeBatch], kv, prefill: bool) -> list[torch.Tensor]:
+        t = self.engine.t
+        t.stats.reset()
+        t0 = time.perf_counter()
+        logits = self.engine.decode(dbs, kv)
+        tokens = sum(db.input_ids.numel() for db in dbs)
+        self.on_sweep(SweepStats(tokens, time.perf_counter() - t0, t.stats.h2d_bytes, prefill))
+        return logits
+
+    def _advance(self, rows: list[Completion], tokens: list[int], limits: list[int]) -> bool:
+        """Append each row's new token (rows already stopped ignore theirs); True while any row of
+        the micro-batch still generates."""
+        going = False
+        for c, tok, lim in zip(rows, tokens, limits, strict=True):
+            if c.finish:
+                continue
+            c.ids.append(tok)
+            cut = self.stop.cut(c.ids) if self.stop is not None else None
+            if tok in self.eos:
+                c.finish = "eos"
+            elif cut is not None:
+                c.finish, c.text = "stop", cut
+            elif len(c.ids) >= lim:
+                c.finish = "length"
+            if c.finish:
+                if c.text is None and self.tokenizer is not None:
+                    c.text = self.tokenizer.decode(c.ids, skip_special_tokens=True)
+                self.on_done(c)
+            else:
+                going = True
+        return going

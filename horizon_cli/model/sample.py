@@ -1,0 +1,75 @@
+"""Choosing the next token, and when a row stops.
+
+Sampler     greedy (temperature 0: the argmax, as transformers' greedy search), or sampling
+            from softmax(logits / T) restricted to the top-k tokens and then to the smallest
+            set whose probability reaches top-p (the order and rules of transformers'
+            Temperature, TopK and TopP logits warpers). Each prompt draws from a generator of
+            its own, seeded by (--seed, its index in the input), so a prompt's sample does not
+            depend on the batch it ran in.
+StopText    a row's text stop strings (--stop): the completion ends before the first of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Sampler:
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0):
+        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
+        self._gens: dict[int, torch.Generator] = {}
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """(b, V) fp32 logits -> the scores sampling draws from: filtered tokens at -inf."""
+        x = logits / self.temperature
+        if self.top_k and self.top_k < x.shape[-1]:
+            kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p < 1.0:
+            # ascending: drop the least likely tokens while what they add up to stays <= 1 - top_p;
+            # the most likely token always stays
+            vals, order = torch.sort(x, dim=-1)
+            cum = torch.softmax(vals, dim=-1).cumsum(dim=-1)
+            drop = cum <= 1.0 - self.top_p
+            drop[..., -1] = False
+            x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        return x
+
+    def pick(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """(b, V) fp32 logits of prompts `rows` (their indices in the input) -> (b,) int64 tokens."""
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(self.warp(logits), dim=-1)
+        out = [
+            torch.multinomial(probs[r], 1, generator=self._gen(i, logits.device)) for r, i in enumerate(rows)
+        ]
+        return torch.cat(out)
+
+    def _gen(self, row: int, device) -> torch.Generator:
+        g = self._gens.get(row)
+        if g is None:
+            g = self._gens[row] = torch.Generator(device=device)
+            g.manual_seed((self.seed * 0x9E3779B97F4A7C15 + row) % (1 << 63))
+        return g
+
+    def forget(self, row: int) -> None:
+        self._gens.pop(row, None)
+
+
+class StopText:
+    """Text stop strings: checked on the decoded completion after each new token."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+
+    def cut(self, ids: list[int]) -> str | None:
+        """The completion before the first stop string, or None when none has appeared."""
+        if not self.stops:
+            return None
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return text[: min(hits)] if hits else None

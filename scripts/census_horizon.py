@@ -1,0 +1,191 @@
+"""Census: horizon on one tiny model through its public entry points, against transformers.
+
+save_pretrained -> horizon_cli.convert.convert (fp32 store) -> `horizon train` (3 AdamW steps,
+4 rows a step in 2 micro-batches, clipping off, a checkpoint every step) -> horizon_cli.export.export
+-> AutoModelForCausalLM.from_pretrained; the oracle is the same model trained resident with
+torch.optim.AdamW on the same batches, its loss the one transformers computes from `labels`.
+
+Step-1 gradients come from the step-1 checkpoint's first moment: with clipping off,
+m1 = (1 - beta1) * g1, so g1 = m1 / (1 - beta1) to an ulp. The checkpoint's store with its unit
+files replaced by g1 is exported (checksums off: the bytes are no longer the weights) and loaded by
+transformers, which maps every tensor back to its in-memory name (fused experts included).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+# Adam normalises each gradient element: one near zero that is a sum of larger terms (fp32 order
+# of summation differs between the two runs) moves its weight by up to ~lr either way. eps 1e-6
+# keeps those elements in Adam's linear range (|g| << eps: step ~ lr g / eps) and leaves the
+# others normalised; with eps 1e-8 a 6-layer Gemma 3 differs by 8e-5 after 3 steps, all its
+# gradients within 5e-7
+HP = dict(lr=3e-4, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.0, grad_clip=0.0, kernel="torch")
+STEPS, BATCH, MICRO = 3, 4, 2
+TOL = 1e-5
+
+
+def err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:600]
+
+
+def where(e: BaseException) -> str:
+    """The innermost frames of a failure (file:line function)."""
+    tb = traceback.extract_tb(e.__traceback__)[-3:]
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(tb))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        return float("inf")
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    diff = float((a - b).abs().max()) if b.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def reference(model, data) -> dict:
+    """Resident transformers + torch.optim.AdamW: loss, gradient norm of every step, step-1 grads."""
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        params, lr=HP["lr"], betas=tuple(HP["betas"]), eps=HP["eps"], weight_decay=HP["weight_decay"]
+    )
+    losses, norms, g1 = [], [], {}
+    for s in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        ids, labels = data.step(s)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+        norms.append(float(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None) ** 0.5))
+        if s == 0:
+            g1 = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    return {"losses": losses, "norms": norms, "g1": g1}
+
+
+def train_config(tmp: Path, data) -> Path:
+    rows = [{"input_ids": ids, "labels": labels} for ids, labels in data.rows(STEPS * BATCH)]
+    (tmp / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "model": {"path": str(tmp / "store")},
+        "data": {"path": str(tmp / "data.jsonl"), "format": "tokens", "max_seq_len": 32, "shuffle": False},
+        "train": {"steps": STEPS, "batch_size": BATCH, "micro_batch_size": MICRO, "seed": 0},
+        "optim": HP,
+        "schedule": {"kind": "constant", "warmup_steps": 0},
+        "engine": {"device": "cpu", "dtype": "float32", "compute_threads": 1},
+        "output": {"dir": str(tmp / "run"), "save_every": 1, "keep_last": STEPS, "export": False},
+        "log": {"every": 1, "plot": False},
+    }
+    path = tmp / "train.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def grads_of_checkpoint(ck: Path, out: Path) -> Path:
+    """An HF checkpoint whose tensors are the step's gradients, from the first moment m1."""
+    g = out.parent / "grad-store"
+    shutil.copytree(ck, g)
+    man = json.loads((g / "manifest.json").read_text())
+    assert man["dtype"] == "float32", man["dtype"]
+    scale = 1.0 - HP["betas"][0]
+    for u in man["units"]:
+        m = np.fromfile(g / "state" / f"{u['name']}.m.bin", dtype=np.float32)
+        buf = np.zeros(u["nbytes"] // 4, dtype=np.float32)
+        buf[: m.size] = m / np.float32(scale)
+        buf.tofile(g / u["file"])
+    from horizon_cli.export import export
+
+    export(g, out, verify=False)
+    return out
+
+
+def load(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    return model.float().eval(), {k: sorted(map(str, v))[:8] for k, v in bad.items()}
+
+
+def compare(tensors: dict, ref: dict) -> tuple[float, str, list[str]]:
+    worst, name = 0.0, ""
+    missing = sorted(set(ref) - set(tensors))
+    for k, b in ref.items():
+        if k in tensors:
+            e = rel_err(tensors[k], b)
+            if e > worst:
+                worst, name = e, k
+    return worst, name, missing
+
+
+def try_horizon(hf: Path, model_ref, data, trains: bool, tmp: Path) -> dict:
+    """hf: the tiny model's save_pretrained dir; model_ref: a copy of it for the oracle run."""
+    from horizon_cli.convert import convert
+    from horizon_cli.errors import HorizonError
+
+    try:
+        convert(hf, tmp / "store", dtype="float32")
+    except HorizonError as e:
+        return {"result": "refused", "stage": "convert", "message": str(e)}
+    except Exception as e:  # noqa: BLE001 (a census row, not a crash)
+        return {"result": "failed", "stage": "convert", "message": err(e), "where": where(e)}
+    arch = json.loads((tmp / "store" / "manifest.json").read_text())["arch"]
+    out = {"path": arch.get("path", "native")}
+    if not trains:
+        return {**out, "result": "accepted", "message": "transformers cannot train it: no oracle"}
+    try:
+        return {**out, **train_and_compare(model_ref, data, tmp)}
+    except Exception as e:  # noqa: BLE001
+        return {**out, "result": "failed", "stage": "compare", "message": err(e), "where": where(e)}
+
+
+def train_and_compare(model_ref, data, tmp: Path) -> dict:
+    from typer.testing import CliRunner
+
+    from horizon_cli.cli import app
+    from horizon_cli.export import export
+
+    cfg = train_config(tmp, data)
+    r = CliRunner().invoke(app, ["train", str(cfg)])
+    if r.exit_code != 0:
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        msg = next((ln for ln in lines if ln.startswith("error:")), (lines or [""])[-1])
+        if r.exception is not None and not isinstance(r.exception, SystemExit):
+            msg = f"{msg} {err(r.exception)} at {where(r.exception)}"
+        return {"result": "refused" if r.exit_code == 2 else "failed", "stage": "train", "message": msg}
+    metrics = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    ref = reference(model_ref, data)
+    res = {"losses": [m["loss"] for m in metrics], "ref_losses": ref["losses"]}
+    res["loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref["losses"], strict=True))
+    norms = [m["grad_norm"] for m in metrics]
+    res["grad_norm_err"] = max(abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True))
+    gmodel, gbad = load(grads_of_checkpoint(tmp / "run" / "checkpoints" / "step_1", tmp / "grads"))
+    res["grad_err"], res["grad_worst"], gmiss = compare(dict(gmodel.named_parameters()), ref["g1"])
+    export(tmp / "run", tmp / "export")
+    emodel, ebad = load(tmp / "export")
+    want = {k: v for k, v in model_ref.state_dict().items() if v.is_floating_point()}
+    res["weight_err"], res["weight_worst"], wmiss = compare(emodel.state_dict(), want)
+    model_ref.eval()
+    ids, _ = data.probe()
+    with torch.no_grad():
+        res["logits_err"] = rel_err(emodel(input_ids=ids).logits, model_ref(input_ids=ids).logits)
+    problems = {k: v for k, v in {"grad_load": gbad, "export_load": ebad}.items() if v}
+    if gmiss or wmiss:
+        problems["missing"] = (gmiss + wmiss)[:8]
+    if problems:
+        res["problems"] = problems
+    errs = {k: res[k] for k in ("loss_err", "grad_norm_err", "grad_err", "weight_err", "logits_err")}
+    res["result"] = "exact" if max(errs.values()) <= TOL and not problems else "mismatch"
+    k = max(errs, key=errs.get)
+    worst = {"grad_err": res["grad_worst"], "weight_err": res["weight_worst"]}.get(k, "")
+    res["worst"] = f"{k} {errs[k]:.2e} {worst}".strip() + (f" {problems}" if problems else "")
+    return res

@@ -1,0 +1,106 @@
+"""Experiment trackers: a run with `log.wandb` (W&B's offline mode) and `log.mlflow` (MLflow's local
+file store) logs every metrics.jsonl row at its step and the resolved config, and a resumed run
+continues the same tracker runs; a missing package is refused in one line before anything starts."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+
+import pytest
+from conftest import chat_rows, write_config, write_jsonl
+from test_train_cli import horizon, one_error_line
+
+from horizon_cli.train.metrics import read_metrics
+
+wandb = pytest.importorskip("wandb")
+mlflow = pytest.importorskip("mlflow")
+
+
+def wandb_records(path) -> list:
+    """The records of an offline W&B run file (a LevelDB-style log of protobuf records after a
+    7-byte header; blocks of 32 KiB)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, out, part = path.read_bytes(), 7, [], b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):
+            out.append(part + chunk)
+            part = b""
+        elif kind in (2, 3):
+            part += chunk
+    recs = []
+    for d in out:
+        r = pb.Record()
+        r.ParseFromString(d)
+        recs.append(r)
+    return recs
+
+
+def wandb_history(run_dir) -> tuple[dict[int, dict], dict, set[str]]:
+    """{step: {key: value}}, the config, and the run ids, over every offline run file."""
+    hist, config, ids = {}, {}, set()
+    for f in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        for r in wandb_records(f):
+            kind = r.WhichOneof("record_type")
+            if kind == "history":
+                items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+                hist[items["_step"]] = {k: v for k, v in items.items() if not k.startswith("_")}
+            elif kind == "run":
+                ids.add(r.run.run_id)
+                for u in r.run.config.update:
+                    config["/".join(u.nested_key) or u.key] = json.loads(u.value_json)
+    return hist, config, ids
+
+
+def test_wandb_and_mlflow_get_every_row_and_the_config(tiny_store, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(8))
+    run = tmp_path / "run"
+    log = {"wandb": True, "mlflow": True, "wandb_project": "tiny"}
+    # a constant schedule: train.steps may grow on resume (train/compat.py)
+    cfg = write_config(
+        tmp_path / "c.yaml", tiny_store, data, run, train={"steps": 3}, log=log, schedule={"kind": "constant"}
+    )
+    assert horizon("train", cfg).exit_code == 0
+    assert horizon("train", cfg, "train.steps=5").exit_code == 0  # resumed: the same tracker runs go on
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    ids = json.loads((run / "trackers.json").read_text())
+
+    hist, config, run_ids = wandb_history(run)
+    assert run_ids == {ids["wandb"]}
+    assert sorted(hist) == [1, 2, 3, 4, 5]
+    for r in rows:
+        got = hist[r["step"]]
+        assert got["loss"] == pytest.approx(r["loss"], rel=1e-12) and got["lr"] == pytest.approx(r["lr"])
+        assert got["weight_loads"] == r["weight_loads"] and "skipped" not in got
+    assert config["optim"]["lr"] == 3.0e-3 and config["log"]["wandb_project"] == "tiny"
+
+    client = mlflow.tracking.MlflowClient((run / "mlruns").as_uri())
+    loss = {m.step: m.value for m in client.get_metric_history(ids["mlflow"], "loss")}
+    assert loss == {r["step"]: pytest.approx(r["loss"]) for r in rows}
+    params = client.get_run(ids["mlflow"]).data.params
+    assert params["optim.lr"] == "0.003" and params["train.steps"] == "3"  # the config at the start
+    arts = {a.path for a in client.list_artifacts(ids["mlflow"])}
+    assert {"config_step_0.yaml", "config_step_3.yaml"} <= arts  # and at every (re)start
+
+
+def test_missing_tracker_package_is_refused_before_anything(tiny_store, tmp_path, monkeypatch):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(4))
+    for key, module in (("wandb", "wandb"), ("mlflow", "mlflow")):
+        monkeypatch.setitem(sys.modules, module, None)  # `import wandb` now raises ImportError
+        run = tmp_path / f"run-{key}"
+        cfg = write_config(tmp_path / f"{key}.yaml", tiny_store, data, run, log={key: True})
+        msg = one_error_line(horizon("train", cfg))
+        assert f"log.{key}: needs the {module} package" in msg and f"horizon-cli[{key}]" in msg
+        assert not run.exists()
