@@ -287,6 +287,11 @@ MUTATIONS: list[Mutation] = [
       "(5 * q + 4 * kv) * item",
       ["tests/test_keep.py::test_plan_covers_what_kept_graphs_save"],
       "the plan's kept graph leaves out the MLP's saved tensors"),
+    M("kept-forward-only", "engine", "horizon_cli/engine/engine.py",
+      "        if forward_only:\n            keep = 0\n        elif keep is None:",
+      "        if keep is None:",
+      ["tests/test_keep.py::test_forward_only_engines_keep_nothing_and_generation_beside_kept_layers"],
+      "a forward-only engine (generation, evaluation) keeps layers as a training run's config says"),
     # ---- optimizer ---------------------------------------------------------------------------------
     M("optim-grad-slice", "optim", "horizon_cli/state/optimizer.py",
       "g, s = st.grad[a:b], st.state",

@@ -200,6 +200,66 @@ def test_plan_covers_what_kept_graphs_save(tmp_path, monkeypatch):
             eng.close()
 
 
+def test_forward_only_engines_keep_nothing_and_generation_beside_kept_layers(tmp_path):
+    """K applies to training steps only: a forward-only engine (generation, evaluation) keeps no
+    layer and holds no kept buffer whatever engine.keep_activations says. A training engine
+    keeping 2 of 3 layers generates (the KV cache on the device, and on the host through the
+    ring's extra buffers, over a link) the tokens one recomputing every layer generates, and
+    trains on after it as that one does: the decode path's loads never touch the kept buffers."""
+    from horizon_cli.engine.generate import Decoder
+    from horizon_cli.model.sample import Sampler
+
+    _, store = make_store(tmp_path, "llama", False, num_hidden_layers=3)
+    ecfg = EngineConfig(device="cpu", dtype="float32", loss_chunk=16, link_gbps=1e6, keep_activations=2)
+    fo = Engine(store, ecfg, OptimConfig(kernel="torch"), forward_only=True)
+    try:
+        assert fo.kept_layers == 0 and fo.p.loader.kept == []
+        assert not any(k.startswith("kept") for k in fo.t.memory.current)
+    finally:
+        fo.close()
+    g = torch.Generator().manual_seed(0)
+    prompts = [(i, torch.randint(3, VOCAB, (n,), generator=g).tolist()) for i, n in enumerate((3, 9, 6))]
+    got = {}
+    for keep in (0, 2):
+        eng = Engine(store, ecfg, OptimConfig(kernel="torch", lr=1e-3), keep=keep, max_tokens=4 * 16)
+        try:
+            rows = random_rows(8, VOCAB, seed=3)
+            res = [eng.step(micro_batches(rows[:4], 2), 1e-3)]
+            eng.wait()
+            out = [[c.ids for c in Decoder(eng, Sampler(), max_new_tokens=5, host_kv=h).run(prompts)]
+                   for h in (False, True)]  # fmt: skip
+            res.append(eng.step(micro_batches(rows[4:], 2), 1e-3))
+            eng.wait()
+            got[keep] = (out, [(r.loss, r.grad_norm, r.weight_loads) for r in res], engine_weights(eng))
+        finally:
+            eng.close()
+    (out0, res0, w0), (out2, res2, w2) = got[0], got[2]
+    assert out0[0] == out0[1] == out2[0] == out2[1] and all(len(ids) == 5 for ids in out0[0])
+    assert [r[:2] for r in res0] == [r[:2] for r in res2]
+    assert [r[2] for r in res0] == [6, 6] and [r[2] for r in res2] == [4, 4]
+    assert all(torch.equal(w0[k], w2[k]) for k in w0)
+
+
+def test_a_resumed_auto_run_keeps_the_k_it_began_with(tmp_path):
+    """train/kept.py: `auto` on resume keeps the checkpoint's K while the plan's K (the most that
+    fits) is at least that, else the plan's; a number is the plan's K, recorded or not."""
+    from horizon_cli.train.kept import kept_layers
+
+    ck = tmp_path / "ck"
+    (ck / "state").mkdir(parents=True)
+    (ck / "state" / "trainer.json").write_text(json.dumps({"kept_layers": 2}))
+    quiet = Console(quiet=True)
+    assert kept_layers(3, tiny_cfg("auto"), ck, None, 4, quiet) == 2
+    assert kept_layers(1, tiny_cfg("auto"), ck, None, 4, quiet) == 1
+    assert kept_layers(3, tiny_cfg(3), ck, None, 4, quiet) == 3
+    assert kept_layers(3, tiny_cfg("auto"), None, None, 4, quiet) == 3
+    console = Console(record=True, width=200)
+    kept_layers(3, tiny_cfg("auto"), ck, None, 4, console)
+    assert "keep_activations: 2 of 4 layers kept from forward to backward (6 layer loads per step" in (
+        console.export_text()
+    )
+
+
 def tiny_cfg(keep) -> object:
     base = {"model": {"path": "m"}, "data": {"path": "d", "max_seq_len": 64}, "output": {"dir": "o"},
             "train": {"batch_size": 8, "micro_batch_size": 2}, "engine": {"keep_activations": keep}}  # fmt: skip
@@ -258,6 +318,7 @@ def test_bad_keep_activations_is_refused_naming_the_key():
             tiny_cfg(bad)
 
 
+@pytest.mark.slow
 def test_killed_run_with_kept_layers_resumes_bitwise(tiny_store, tmp_path):
     """K = 1, SIGKILLed after step 3 (checkpoint at step 2), resumed with auto, which keeps the K
     the run began with: the final model bitwise that of an uninterrupted run recomputing every layer."""
