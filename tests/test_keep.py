@@ -310,6 +310,16 @@ def test_dry_run_shows_k_and_its_bytes(tiny_store, tmp_path):
     assert plan["device_bytes"] == p0.device_total + plan["kept_bytes"] and plan["fits"]
     assert plan["device"]["kept layers: graphs"] == p0.kept_layer[1]
     assert "1 of 2, 3 layer loads per step" in r.output
+    # two kept layers do not fit there: the start's fit check (train/checks.py) stops the dry run
+    # with its line, exit 2, after the plan is printed and written
+    r = CliRunner().invoke(
+        app, ["train", str(cfg), "engine.keep_activations=2", "--dry-run", "--json", str(out),
+              "--host-gib", "64", "--device-gib", str(budget / 2**30)],
+    )  # fmt: skip
+    assert r.exit_code == 2, r.output
+    assert "this plan keeps 2 layers" in r.output and "engine.keep_activations" in r.output
+    plan = json.loads(out.read_text())
+    assert plan["kept_layers"] == 2 and not plan["fits"]
 
 
 def test_bad_keep_activations_is_refused_naming_the_key():
