@@ -151,6 +151,17 @@ def test_the_cli_trains_dpo_by_epochs_of_pairs_with_eval_time_samples(make, tmp_
     assert [a["step"] for a in answers] == [1, 2, 3] and all(len(a["completion_ids"]) <= 3 for a in answers)
 
 
+def test_a_dpo_run_keeping_layers_trains_what_recomputing_trains(make, tmp_path):
+    """engine.keep_activations under the pair objective: the kept graph is the one recompute
+    builds, so every metric of every step is the same, bit for bit (fp32, one process)."""
+    for keep in (0, 2):
+        quiet(make(f"keep{keep}", train={"steps": 2}, engine={"keep_activations": keep}))
+    a, b = (read_metrics(tmp_path / f"keep{k}" / "metrics.jsonl") for k in (0, 2))
+    assert [r["kept_layers"] for r in a] == [0, 0] and [r["kept_layers"] for r in b] == [2, 2]
+    for k in ("loss", "grad_norm", "rewards_margin", "logps_chosen", "logps_rejected"):
+        assert [r[k] for r in a] == [r[k] for r in b], k
+
+
 def test_llama70b_dpo_plans_as_sft_on_one_h200_and_1_5_tb():
     """A pair is two sequences: 32 pairs plan as the SFT config's 64 sequences, and fit."""
     from test_configs import LLAMA_31_70B

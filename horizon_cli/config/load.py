@@ -272,6 +272,11 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"optim.betas: expected two numbers in [0, 1), got {b}")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.engine.device):
         p.append(f"engine.device: {cfg.engine.device!r} is not allowed (auto, cpu, cuda or cuda:N)")
+    keep = cfg.engine.keep_activations
+    if isinstance(keep, str) and keep != "auto" or isinstance(keep, int) and keep < 0:
+        p.append(
+            f"engine.keep_activations: {keep!r} is not allowed (auto, or a number of layers >= 0; 0 recomputes every layer)"
+        )
     if cfg.engine.link_gbps and cfg.engine.device not in ("cpu", "auto"):
         p.append("engine.link_gbps: only emulates a link with engine.device: cpu")
     if cfg.optim.memory == "lean" and cfg.engine.dtype != "bfloat16":

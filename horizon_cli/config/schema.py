@@ -101,6 +101,9 @@ class EngineConfig:
     link_gbps: float = _f(0.0, min=0.0)  # device: cpu only — emulate a host<->device link (0: off)
     loss_chunk: int = _f(2048, min=16)  # label tokens per logits chunk in the loss head
     compute_threads: int = _f(0, min=0)  # torch intra-op threads (0: leave torch's default)
+    # the last K layers keep their autograd graph and weights on the device from forward to backward
+    # (no recompute, no second load); auto: as many as the plan's free memory holds; 0: recompute all
+    keep_activations: int | str = _f("auto")
     # generation's KV cache (horizon generate, eval samples): auto (the device when the plan says
     # it fits there, else host memory) | device | host
     kv_cache: str = _f("auto", choices=("auto", "device", "host"))

@@ -50,6 +50,7 @@ class StepResult:
     d2h_bytes: int
     weight_loads: int
     device_peak_bytes: int
+    kept_layers: int = 0  # K: the last K layers were neither recomputed nor loaded again
     # MoE (model.moe): the step's load-balancing loss, and per routed layer max/mean tokens per expert
     aux_loss: float | None = None
     expert_imbalance: list[float] = field(default_factory=list)
@@ -70,6 +71,7 @@ class Engine:
         lora: LoraSetup | None = None,
         dist: Dist | None = None,
         objective: Objective | None = None,
+        keep: int | None = None,
         forward_only: bool = False,
     ):
         """max_tokens: the most tokens a step will hold (train.batch_size x data.max_seq_len); the
@@ -78,12 +80,21 @@ class Engine:
         lora: train LoRA adapters on the frozen store (lora.setup.lora_setup).
         dist: this rank's place in a sharded run (parallel.launch); None: one process, as ever.
         objective: what the loss head computes (engine.objective; default: SFT's cross-entropy).
+        keep: the last K layers keep graph and weights from forward to backward (engine.keep); None:
+        `engine.keep_activations` when it is a number, none for `auto`, which is a plan's decision
+        (engine.build passes the plan's K).
         forward_only: nothing is trained (generation, evaluation): the store's units frozen, no
-        optimizer state (engine.params.FrozenParams); `lora` then names adapters to apply."""
+        optimizer state (engine.params.FrozenParams); `lora` then names adapters to apply. Such an
+        engine keeps nothing (K applies to training steps only)."""
         step_numel = 0 if forward_only else max_tokens * store.arch.hidden  # one layer's inputs, whole step
+        if forward_only:
+            keep = 0
+        elif keep is None:
+            keep = engine.keep_activations if isinstance(engine.keep_activations, int) else 0
         p = assemble(
             store, engine, optim, tracer=tracer, progress=progress, transport=transport, lora=lora,
-            dist=dist, objective=objective, step_numel=step_numel, forward_only=forward_only,
+            dist=dist, objective=objective, step_numel=step_numel, keep=min(keep, store.arch.n_layers),
+            forward_only=forward_only,
         )  # fmt: skip
         self.p = p
         self.sweep = Sweep(p)
@@ -104,6 +115,7 @@ class Engine:
     base = property(lambda self: self.p.params.base)  # LoRA: the frozen base (None otherwise)
     units = property(lambda self: self.p.params.units)  # every unit's streaming copy
     layers = property(lambda self: self.p.layers)
+    kept_layers = property(lambda self: self.p.keep)  # K: the last K layers are kept (engine.keep)
     lora = property(lambda self: self.p.params.lora)
     dist = property(lambda self: self.p.dist)
     optimizer = property(lambda self: self.p.optimizer)
@@ -149,6 +161,7 @@ class Engine:
             d2h_bytes=p.t.stats.d2h_bytes,
             weight_loads=p.loader.layer_loads,
             device_peak_bytes=p.t.device_peak_bytes(),
+            kept_layers=p.keep,
             aux_loss=aux,
             expert_imbalance=imbalance,
             stats=stats,
@@ -248,5 +261,5 @@ def oom_message(e: BaseException) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
     return (
         f"device out of memory during the step ({first}); lower train.micro_batch_size, "
-        "data.max_seq_len or engine.prefetch (`horizon train CONFIG --dry-run` shows the device plan)"
+        "data.max_seq_len, engine.keep_activations or engine.prefetch (`horizon train CONFIG --dry-run` shows the device plan)"
     )

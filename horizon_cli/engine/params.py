@@ -29,7 +29,7 @@ import torch
 
 from ..lora.setup import LoraSetup
 from ..model.lora import LayerLora, layer_lora
-from ..planning.lora import adapter_work_bytes
+from ..planning.lora import adapter_kept_bytes, adapter_work_bytes
 from ..runtime.events import READY, Event
 from ..state.adapters import lora_state
 from ..state.frozen import FrozenState
@@ -90,7 +90,10 @@ class FullParams:
     def work_bytes(self, tokens: int, item: int) -> int:
         return 0
 
-    def attach(self, device_empty: Alloc, dtype: torch.dtype) -> int:
+    def kept_bytes(self, tokens: int, item: int) -> int:
+        return 0
+
+    def attach(self, device_empty: Alloc, dtype: torch.dtype, kept: list[str]) -> int:
         return 0
 
 
@@ -165,10 +168,17 @@ class LoraParams:
         assert self.lora is not None
         return adapter_work_bytes(self.lora.targets, self.lora.cfg.r, tokens, item)
 
-    def attach(self, device_empty: Alloc, dtype: torch.dtype) -> int:
-        """NF4: the device buffer one layer is dequantized into (its bytes; 0: nothing is packed)."""
+    def kept_bytes(self, tokens: int, item: int) -> int:
+        """What the adapters add to a kept layer's graph for one micro-batch (planning.lora)."""
+        assert self.lora is not None
+        c = self.lora.cfg
+        return adapter_kept_bytes(self.lora.targets, c.r, c.dropout, tokens, item)
+
+    def attach(self, device_empty: Alloc, dtype: torch.dtype, kept: list[str]) -> int:
+        """NF4: the device buffer one layer is dequantized into, and one of its own for each kept
+        layer (their bytes; 0: nothing is packed)."""
         assert self.base is not None
-        return self.base.attach(device_empty, dtype)
+        return self.base.attach(device_empty, dtype, kept)
 
 
 class FrozenParams(LoraParams):

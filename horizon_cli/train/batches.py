@@ -14,12 +14,14 @@ so a resumed run sees the batches it would have seen.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
+import torch
 
 from ..config import Config
 from ..data import PreparedData, batch_indices, batch_rows, collate
-from ..data.batch import MicroBatch
+from ..data.batch import IGNORE, MicroBatch
 from ..data.pairs import collate_pairs
 from ..engine.objective import Objective
 from ..engine.pairs import STATS, PairObjective
@@ -110,3 +112,8 @@ def make_batches(cfg: Config, data: PreparedData) -> SftBatches:
             "section to train on them (e.g. preference: {loss: dpo})"
         )
     return PairBatches(cfg, data) if pairs else SftBatches(cfg, data)
+
+
+def unlabelled(mb: MicroBatch) -> MicroBatch:
+    """A copy of `mb` with no labels: a rank short of an eval micro-batch runs it and adds nothing."""
+    return replace(mb, labels=torch.full_like(mb.labels, IGNORE))

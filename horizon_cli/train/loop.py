@@ -34,9 +34,10 @@ from ..progress import byte_progress, train_columns
 from ..store import Store
 from ..store import checkpoint as ckpt
 from . import checkpoint
-from .batches import make_batches
+from .batches import make_batches, unlabelled
 from .checks import kernel_ready
 from .inputs import load_data
+from .kept import kept_layers
 from .metrics import MetricsLog, plot_loss, read_metrics
 from .ranks import main_first
 from .rundir import RunDir
@@ -53,9 +54,12 @@ class Trainer:
         console: Console,
         lora: LoraSetup | None = None,
         dist: Dist | None = None,
+        keep: int = 0,
         samples: Samples | None = None,
     ):
+        """keep: the kept layers K the plan chose (engine.keep_activations; planning.keep)."""
         self.cfg, self.store, self.rd, self.console = cfg, store, rd, console
+        self.keep = keep
         self.samples = samples  # eval-time samples (train.samples), answered at each eval
         self.dist = dist  # a sharded run's rank (None: one process)
         self.main = dist is None or dist.is_main
@@ -149,10 +153,11 @@ class Trainer:
 
     def _build_engine(self, ck: Path | None) -> Engine:
         src = Store.open(ck) if ck and self.lora is None else self.store
+        keep = kept_layers(self.keep, self.cfg, ck, self.dist, self.store.arch.n_layers, self.console)
         with byte_progress(self.console, "load weights", src.nbytes()) as advance:
             obj = self.batches.objective  # None: SFT's TokenCE; preference: the pair objective
             engine = build_engine(
-                self.cfg, src, lora=self.lora, dist=self.dist, progress=advance, objective=obj
+                self.cfg, src, lora=self.lora, dist=self.dist, progress=advance, objective=obj, keep=keep
             )
         if self.dist is not None and (ck is None or self.lora is not None):  # the model's checksums, split
             from .sharded_checkpoint import verify_split
@@ -245,6 +250,7 @@ class Trainer:
             "d2h_bytes": res.d2h_bytes,
             "weight_loads": res.weight_loads,
             "device_peak_bytes": res.device_peak_bytes,
+            "kept_layers": res.kept_layers,  # K: the last K layers neither recomputed nor loaded again
             "host_rss_bytes": self.proc.memory_info().rss,
             "aux_loss": res.aux_loss,  # MoE: load-balancing loss (None for dense models)
             "expert_imbalance": res.expert_imbalance,  # MoE: max/mean tokens per expert, per routed layer
@@ -310,7 +316,7 @@ class Trainer:
         k = -(-len(mbs) // w)
         mine = mbs[r::w]
         while len(mine) < k:
-            mine.append(_unlabelled(mbs[0]))
+            mine.append(unlabelled(mbs[0]))
         return mine
 
     def save(self, step: int) -> Path:
@@ -323,6 +329,7 @@ class Trainer:
             "model_fingerprint": ckpt.model_fingerprint(self.store),
             "seed": self.cfg.train.seed,
             "lora": self.lora is not None,
+            "kept_layers": self.engine.kept_layers,  # reused on resume (engine.keep_activations: auto)
         }
         if self.lora is not None:  # the checkpoint holds no weights: name the frozen base
             trainer["base"] = str(self.store.root.resolve())
@@ -386,13 +393,3 @@ class _NoMetrics:
 
     def close(self) -> None:
         pass
-
-
-def _unlabelled(mb: MicroBatch) -> MicroBatch:
-    from dataclasses import replace
-
-    import torch
-
-    from ..data.batch import IGNORE
-
-    return replace(mb, labels=torch.full_like(mb.labels, IGNORE))

@@ -127,6 +127,11 @@ def plan_table(plan: MemoryPlan) -> Table:
     for k, v in plan.device.items():
         t.add_row("device", k, fmt_bytes(v))
     t.add_row("device", "[bold]peak", f"[bold]{fmt_bytes(plan.device_total)}")
+    t.add_row(
+        "device",
+        "kept layers (engine.keep_activations)",
+        f"{plan.kept} of {plan.layers}, {2 * plan.layers - plan.kept} layer loads per step",
+    )
     if plan.world > 1:
         t.add_row("device", f"per node ({plan.per_node} devices)", fmt_bytes(plan.node_device_total))
     return t
@@ -145,7 +150,7 @@ def ladder_table(
     title = f"memory ladder on {where.what}" + (f", {ranks_text(one)}" if sharded else "")
     t = Table(title=title, title_justify="left")
     host, device = ("host per node", "device per rank") if sharded else ("host", "device")
-    for col in ("rung", "trains", "host B/param", host, device, "fits"):
+    for col in ("rung", "trains", "host B/param", host, device, "kept layers", "fits"):
         t.add_column(col, justify="left" if col in ("rung", "trains", "fits") else "right")
     for rung, p in rungs.items():
         ok, _ = fits(p, where)
@@ -154,7 +159,7 @@ def ladder_table(
         if rung in (na or {}):
             fit = "[yellow]n/a[/] (4-bit store)"
         t.add_row(rung + mark, WHAT[rung], f"{p.bytes_per_param:.2f}", fmt_bytes(p.node_host_total),
-                  fmt_bytes(p.device_total), fit)  # fmt: skip
+                  fmt_bytes(p.device_total), str(p.kept), fit)  # fmt: skip
     return t
 
 
@@ -167,7 +172,8 @@ WHAT = {
 
 
 def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen: str, where: Machine) -> dict:
-    """host_bytes, device_bytes, host and device are one rank's (with one rank: the run's);
+    """host_bytes, device_bytes, host and device are one rank's (with one rank: the run's), as
+    kept_layers (K, engine.keep_activations) and kept_bytes (what they hold on the device);
     host_bytes_per_param counts every rank's state; *_per_node and host_bytes_all_nodes add up
     the ranks of a node and of the world. A rung the model cannot run (not_applicable) has
     `applicable: false`, `fits: false` and `not_applicable` saying why; host_fits and
@@ -183,7 +189,8 @@ def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen:
                 "fits": ok and rung not in na, "host_fits": host_ok, "device_fits": dev_ok,
                 "host_bytes_per_rank": p.host_total, "device_bytes_per_rank": p.device_total,
                 "host_bytes_per_node": p.node_host_total, "device_bytes_per_node": p.node_device_total,
-                "host_bytes_all_nodes": p.all_host_total}  # fmt: skip
+                "host_bytes_all_nodes": p.all_host_total,
+                "kept_layers": p.kept, "kept_bytes": p.kept_bytes}  # fmt: skip
 
     plan = rungs[chosen]
     return {

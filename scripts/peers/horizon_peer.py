@@ -8,7 +8,8 @@
           checkpoint would dominate.
 
 Either way the engine runs with engine.device cpu, the job's dtype, the native AdamW kernel when
-it builds (optim.kernel auto), micro-batches of job['micro'] rows.
+it builds (optim.kernel auto), micro-batches of job['micro'] rows, engine.keep_activations
+job['keep'] (default auto: as `horizon train` decides it; the engine driver asks the same plan).
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ def plan_of(cfg_path: Path) -> dict:
 
     cfg = load_config(cfg_path, [])
     store = Store.open(cfg.model.path)
-    p = plan_for(cfg, store, run_rung(cfg, store), lora_for(cfg.lora, store))
+    from horizon_cli.preflight import local_machine
+
+    # with its kept layers (engine.keep_activations: auto fits them to this machine, as `train` does)
+    p = plan_for(cfg, store, run_rung(cfg, store), lora_for(cfg.lora, store), where=local_machine(cfg))
     return {
         "params": p.params,
         "host": p.host,
@@ -39,6 +43,8 @@ def plan_of(cfg_path: Path) -> dict:
         "device_total": p.device_total,  # engine.device cpu: "device" buffers are host RAM too
         "state_bytes": p.state_bytes,
         "bytes_per_param": p.bytes_per_param,
+        "kept_layers": p.kept,
+        "kept_bytes": p.kept_bytes,
     }
 
 
@@ -53,7 +59,12 @@ def write_config(job: dict, run_dir: Path) -> Path:
         "optim": {k: o[k] for k in ("lr", "betas", "eps", "weight_decay", "grad_clip")}
         | {"kernel": "auto", "memory": o.get("memory", "exact")},
         "schedule": {"kind": "constant"},
-        "engine": {"device": "cpu", "dtype": job["dtype"], "compute_threads": job["threads"]},
+        "engine": {
+            "device": "cpu",
+            "dtype": job["dtype"],
+            "compute_threads": job["threads"],
+            "keep_activations": job.get("keep", "auto"),
+        },  # fmt: skip
         "output": {"dir": str(run_dir), "export": False},
         "log": {"every": 1, "plot": False},
     }
@@ -81,6 +92,7 @@ def run_cli(job: dict) -> dict:
         "tokens": [r["input_tokens"] for r in rows],  # optimizer of the previous step
         "rss_step_ends": [r["host_rss_bytes"] for r in rows],
         "rss_train_peak": s.peak,  # whole run_training: data, engine load, steps, final checkpoint
+        "kept_layers": rows[-1].get("kept_layers"),
         "config": str(cfg),
         "plan": plan_of(cfg),
     }
@@ -105,6 +117,8 @@ def run_engine(job: dict) -> dict:
     cfg = load_config(cfg_path, [])
     torch.set_num_threads(cfg.engine.compute_threads)
     from horizon_cli.lora.setup import lora_for
+    from horizon_cli.planning.ladder import plan_for, run_rung
+    from horizon_cli.preflight import local_machine
 
     store = Store.open(cfg.model.path)
     lora = lora_for(cfg.lora, store)
@@ -114,8 +128,15 @@ def run_engine(job: dict) -> dict:
         from horizon_cli.engine.pairs import PairObjective
 
         objective = PairObjective(PreferenceConfig(loss=job["preference"]))
+    keep = plan_for(cfg, store, run_rung(cfg, store), lora, where=local_machine(cfg)).kept  # as `train`
     engine = Engine(
-        store, cfg.engine, cfg.optim, max_tokens=job["batch"] * job["seq"], lora=lora, objective=objective
+        store,
+        cfg.engine,
+        cfg.optim,
+        max_tokens=job["batch"] * job["seq"],
+        lora=lora,
+        keep=keep,
+        objective=objective,
     )
     trim = _malloc_trim if job.get("malloc_trim") else lambda: None
     trim()
@@ -152,6 +173,7 @@ def run_engine(job: dict) -> dict:
         "rss_train_peak": s.peak,
         "rss_setup": rss_setup,
         "kernel": kernel,
+        "kept_layers": keep,
         "plan": plan_of(cfg_path),
     }
 
@@ -194,7 +216,10 @@ def run(job: dict) -> dict:
     res.update(
         params=plan["params"], micro_batch=job["micro"], driver=job.get("driver", "cli"), rss_imports=imports
     )
-    res["notes"] = f"horizon {getattr(horizon_cli, '__version__', '?')}, driver {res['driver']}"
+    res["notes"] = (
+        f"horizon {getattr(horizon_cli, '__version__', '?')}, driver {res['driver']}, "
+        f"kept layers {res.get('kept_layers')}"
+    )
     return res
 
 
