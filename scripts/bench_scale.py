@@ -5,6 +5,7 @@ DeepSpeed can each take `--steps` training steps on within a memory limit on thi
     .venv/bin/python scripts/bench_scale.py --peers horizon --probes 2,4 --limit-gib 8   # quicker
     .venv/bin/python scripts/bench_scale.py --peers horizon --lora [--quantize nf4] --keep 1 --limit-gib 19.5
     .venv/bin/python scripts/bench_scale.py --peers horizon --memory lean   # horizon with optim.memory: lean
+    .venv/bin/python scripts/bench_scale.py --peers horizon --preference dpo --batch 2   # DPO, one pair a step
 
 Peers as in scripts/bench.py (horizon through Engine.step, no checkpoint: writing a multi-GB one
 would dominate; hf resident + checkpointing + fused AdamW; deepspeed ZeRO-3 offload). Each
@@ -59,6 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lora", action="store_true", help="horizon: LoRA r 16 on every linear layer")
     ap.add_argument("--quantize", default="", choices=("", "nf4"), help="horizon: an NF4 store (with --lora)")
     ap.add_argument("--keep", type=int, default=3, help="generated models kept on disk at once")
+    ap.add_argument(
+        "--preference", default="", choices=("", "dpo"),
+        help="horizon: DPO on pairs of rows (--batch counts sequences: 2 = one pair), reference pass included",
+    )  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -131,6 +136,8 @@ def attempt(peer: str, depth: int, args, models: Models, data: Path) -> dict:
            "tag": f"{peer}-d{depth}"}  # fmt: skip
     if args.lora:
         job["lora"] = {"r": 16, "alpha": 32, "targets": "all-linear"}
+    if args.preference:
+        job["preference"] = args.preference
     limit = int(args.limit_gib * GiB)
     wait_for_memory(limit + GiB)
     r = run_peer(PEER_SCRIPT[peer], job, args.work / "runs", limit_bytes=limit, timeout_s=args.timeout)

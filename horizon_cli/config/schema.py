@@ -55,9 +55,9 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = _f(1000, min=1)  # optimizer steps; with epochs: None until train/length.py resolves it
-    epochs: float | None = _f(None, gt=0.0)  # instead of steps: passes over the training rows
-    batch_size: int = _f(64, min=1)  # sequences per optimizer step (global batch)
-    micro_batch_size: int = _f(4, min=1)  # sequences per forward/backward micro-batch
+    epochs: float | None = _f(None, gt=0.0)  # instead of steps: passes over the training rows (pairs)
+    batch_size: int = _f(64, min=1)  # sequences (preference: pairs) per optimizer step (global batch)
+    micro_batch_size: int = _f(4, min=1)  # sequences (pairs) per forward/backward micro-batch
     seed: int = _f(0, min=0)
     eval_every: int = _f(0, min=0)
     eval_batches: int = _f(4, min=1)  # global batches per evaluation
@@ -126,6 +126,17 @@ class LoraConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """Present: preference optimisation on (prompt, chosen, rejected) pairs; each loss as TRL defines it."""
+
+    loss: str = _f("dpo", choices=("dpo", "ipo", "simpo", "orpo"))
+    beta: float = _f(0.1, gt=0.0)  # DPO/IPO/SimPO's beta; ORPO's lambda
+    label_smoothing: float = _f(0.0, min=0.0, max=0.49)  # dpo, simpo: conservative loss (TRL's cDPO)
+    simpo_gamma: float = _f(0.5, min=0.0)  # simpo: the target reward margin
+    sft_weight: float = _f(0.0, min=0.0)  # + this x the chosen completions' mean NLL (TRL's rpo_alpha)
+
+
+@dataclass
 class OutputConfig:
     dir: str = _f("")
     save_every: int = _f(0, min=0)  # checkpoint every N steps (0: only at the end)
@@ -158,5 +169,11 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     lora: LoraConfig | None = None  # absent: full fine-tuning
+    preference: PreferenceConfig | None = None  # absent: supervised fine-tuning
     output: OutputConfig = field(default_factory=OutputConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def rows_per_example(self) -> int:
+        """Sequences per counted example: a preference pair is two (chosen, rejected)."""
+        return 2 if self.preference is not None else 1

@@ -63,7 +63,8 @@ def check_fit(planned: Planned, where: Machine) -> None:
 
 def step_tokens(cfg: Config, store: Store, world: int = 1) -> int:
     """The most tokens one rank's step holds (it sizes the buffers for saved inputs once)."""
-    return cfg.train.batch_size * min(cfg.data.max_seq_len, store.arch.max_positions) // world
+    seqs = cfg.train.batch_size * cfg.rows_per_example  # preference: two sequences a pair
+    return seqs * min(cfg.data.max_seq_len, store.arch.max_positions) // world
 
 
 def build_engine(

@@ -2,7 +2,8 @@
 forward-only passes (engine.infer) over them, and the guard that stops the pipeline cleanly.
 
     step(mbs, lr)      forward, backward and (unless non-finite) the AdamW update of one global batch
-    eval_loss(mbs)     summed loss and label tokens, forward only
+    eval_loss(mbs)     summed loss and label tokens, forward only (evaluate: with the objective's stats)
+    sequence_logps     each row's summed log-prob, forward only (a preference run's reference pass)
     logits(mb)         full logits of a small micro-batch
     open_cache / decode  generation: a batch's KV cache, and one sweep per new token (engine.decode)
     wait() / close()   let queued updates land / stop the workers
@@ -140,14 +141,13 @@ class Engine:
             p.t.stats.reset()
             p.t.reset_peak()
             p.loader.layer_loads = 0
-            loss_sum, tokens, sq, out = self.trainer.forward_backward(mbs, tokens)
+            loss_sum, tokens, sq, stats = self.trainer.forward_backward(mbs, tokens)
             aux, imbalance = p.tmpl.step_stats()
             loss = loss_sum / tokens if tokens else float("nan")
             norm = math.sqrt(sq) if sq >= 0 else float("nan")
             skipped = not (math.isfinite(loss) and math.isfinite(norm))
             if not skipped:
                 self.trainer.apply_update(lr, norm)
-            stats = {k: float(v) for k, v in out.stats.items()}
             p.t.synchronize()
             p.t.flush_trace()
         p.tracer.add("step", f"step {p.adam_step}", t0, time.perf_counter())
@@ -175,8 +175,25 @@ class Engine:
 
     def eval_loss(self, mbs: list[MicroBatch]) -> tuple[float, int]:
         """(summed cross-entropy, label tokens) of a forward pass; logits bounded by a chunk."""
+        loss, n, _ = self.evaluate(mbs)
+        return loss, n
+
+    def evaluate(self, mbs: list[MicroBatch]) -> tuple[float, int, dict[str, float]]:
+        """(the objective's summed loss, its divisor, its stat sums) of a forward pass, over every rank."""
         with self._guard():
-            return self.infer.eval_loss(mbs)
+            return self.infer.evaluate(mbs)
+
+    def sequence_logps(self, mbs: list[MicroBatch], adapters: bool = True) -> list[torch.Tensor]:
+        """Per micro-batch (b,) fp32 on the host: each row's summed log-prob of its labelled tokens,
+        forward only, each layer loaded once for all of `mbs`. adapters=False: LoRA's base alone
+        (the reference of a preference run)."""
+        with self._guard():
+            return self.infer.sequence_logps(mbs, adapters)
+
+    def sum_over_ranks(self, v: torch.Tensor) -> torch.Tensor:
+        """A small host vector summed over the ranks (itself on one process)."""
+        with self._guard():
+            return self.p.reduce.sum_vector(v)
 
     def scores(self, mbs: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per micro-batch: each label's log-prob and whether it is the argmax (engine.infer)."""

@@ -51,10 +51,10 @@ class TrainStep:
 
     def forward_backward(
         self, mbs: list[MicroBatch], tokens: int | None = None
-    ) -> tuple[float, int, float, HeadOut]:
-        """Fill every trained unit's host grad with d(mean loss)/dW. Returns (loss sum, label
-        tokens, squared global grad norm, the objective's output). tokens: the divisor of the
-        global batch (sharded runs; default: this batch's)."""
+    ) -> tuple[float, int, float, dict[str, float]]:
+        """Fill every trained unit's host grad with d(mean loss)/dW. Returns (loss sum, divisor,
+        squared global grad norm, the objective's stat sums), the global batch's (every rank's).
+        tokens: the divisor of the global batch (sharded runs; default: this batch's)."""
         p = self.p
         tokens = p.objective.divisor(mbs) if tokens is None else tokens
         self.mb_base = p.dist.rank * len(mbs) if p.dist else 0
@@ -84,8 +84,8 @@ class TrainStep:
                 if p.params.trains_head
                 else 0.0
             )
-            loss, sq_all = p.reduce.total(out.loss_sum, sq, host_sq)
-        return loss, tokens, sq_all, out
+            loss, sq_all, stats = p.reduce.total(out.loss_sum, sq, host_sq, out.stats)
+        return loss, tokens, sq_all, stats
 
     def apply_update(self, lr: float, norm: float) -> None:
         p, o = self.p, self.p.ocfg

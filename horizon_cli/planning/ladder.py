@@ -71,6 +71,7 @@ def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) 
     spec = spec if isinstance(spec, ArchSpec) else spec.arch
     e = cfg.engine
     seq = min(cfg.data.max_seq_len, spec.max_positions)
+    rows = cfg.rows_per_example  # a preference pair is two sequences in the same micro-batch
     if memory in ("lora", "qlora"):
         targets, r = (lora.targets, lora.r) if lora else default_adapters(spec)
         return lora_memory_plan(
@@ -79,8 +80,8 @@ def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) 
             r,
             e.dtype,
             e.grad_dtype,
-            batch=cfg.train.batch_size,
-            micro_batch=cfg.train.micro_batch_size,
+            batch=cfg.train.batch_size * rows,
+            micro_batch=cfg.train.micro_batch_size * rows,
             seq=seq,
             prefetch=e.prefetch,
             loss_chunk=e.loss_chunk,
@@ -94,8 +95,8 @@ def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) 
         spec,
         dtype,
         e.grad_dtype if memory != "lean" else "auto",
-        batch=cfg.train.batch_size,
-        micro_batch=cfg.train.micro_batch_size,
+        batch=cfg.train.batch_size * rows,
+        micro_batch=cfg.train.micro_batch_size * rows,
         seq=seq,
         prefetch=e.prefetch,
         loss_chunk=e.loss_chunk,

@@ -122,8 +122,22 @@ def run_engine(job: dict) -> dict:
 
     store = Store.open(cfg.model.path)
     lora = lora_for(cfg.lora, store)
+    objective = None
+    if job.get("preference"):  # rows 2k, 2k + 1 a pair: the second half of each row its completion
+        from horizon_cli.config.schema import PreferenceConfig
+        from horizon_cli.engine.pairs import PairObjective
+
+        objective = PairObjective(PreferenceConfig(loss=job["preference"]))
     keep = plan_for(cfg, store, run_rung(cfg, store), lora, where=local_machine(cfg)).kept  # as `train`
-    engine = Engine(store, cfg.engine, cfg.optim, max_tokens=job["batch"] * job["seq"], lora=lora, keep=keep)
+    engine = Engine(
+        store,
+        cfg.engine,
+        cfg.optim,
+        max_tokens=job["batch"] * job["seq"],
+        lora=lora,
+        keep=keep,
+        objective=objective,
+    )
     trim = _malloc_trim if job.get("malloc_trim") else lambda: None
     trim()
     o = job["optim"]
@@ -136,8 +150,10 @@ def run_engine(job: dict) -> dict:
                 MicroBatch(ids, ids, torch.arange(ids.shape[1]).expand_as(ids).contiguous())
                 for ids in ids_list
             ]
+            if objective is not None:
+                mbs = _pairs(engine, mbs)
             t0 = time.perf_counter()
-            r = engine.step(mbs, o["lr"])
+            r = engine.step(mbs, o["lr"], engine.objective.divisor(mbs))
             if k == len(batches) - 1:
                 engine.wait()  # the last update, which the next step would otherwise overlap
             trim()
@@ -160,6 +176,27 @@ def run_engine(job: dict) -> dict:
         "kept_layers": keep,
         "plan": plan_of(cfg_path),
     }
+
+
+def _pairs(engine, mbs):
+    """Rows as pairs: the first half of each row its prompt (no loss), the rest its completion; the
+    reference log-probs from the engine's forward-only pass over them (the memory it takes counts)."""
+    import torch
+
+    from horizon_cli.data.batch import IGNORE
+
+    for mb in mbs:
+        mb.labels = mb.input_ids.clone()
+        mb.labels[:, : mb.labels.shape[1] // 2] = IGNORE
+        mb.lengths = torch.full((mb.input_ids.shape[0],), mb.input_ids.shape[1])
+    ref = engine.sequence_logps(mbs)
+    pairs = sum(mb.input_ids.shape[0] for mb in mbs) // 2
+    chosen = sum(int((mb.labels[0::2, 1:] != IGNORE).sum()) for mb in mbs)
+    seq = sum(mb.input_ids.shape[0] // 2 * (mb.input_ids.shape[1] - 1) for mb in mbs)
+    for mb, lp in zip(mbs, ref, strict=True):
+        counts = {"pairs": pairs, "chosen_tokens": chosen, "chosen_seq_tokens": seq}
+        mb.extras = {"ref": lp, **{k: torch.tensor(float(v)) for k, v in counts.items()}}
+    return mbs
 
 
 def run(job: dict) -> dict:
