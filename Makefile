@@ -27,10 +27,10 @@ demo-dpo: install
 	$(BIN)/python scripts/demo.py --dpo
 
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadfile
 
 test-slow: install
-	$(BIN)/python -m pytest -m 'slow or not slow and not gpu and not smollm2'
+	$(BIN)/python -m pytest -n auto --dist loadfile -m 'slow or not slow and not gpu and not smollm2'
 
 lint: install
 	$(BIN)/ruff check horizon_cli tests scripts kernels
