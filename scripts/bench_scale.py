@@ -68,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--preference", default="", choices=("", "dpo"),
         help="DPO on pairs of rows (--batch counts sequences: 2 = one pair), reference included (horizon, deepspeed)",
     )  # fmt: skip
+    ap.add_argument("--ds-zero", type=json.loads, default={}, help="deepspeed: zero_optimization keys (JSON)")
     return ap.parse_args(argv)
 
 
@@ -142,6 +143,8 @@ def attempt(peer: str, depth: int, args, models: Models, data: Path) -> dict:
         job["lora"] = {"r": 16, "alpha": 32, "targets": "all-linear"}
     if args.preference:
         job["preference"] = args.preference
+    if args.ds_zero:
+        job["zero"] = args.ds_zero
     limit = int(args.limit_gib * GiB)
     wait_for_memory(limit + GiB)
     r = run_peer(PEER_SCRIPT[peer], job, args.work / "runs", limit_bytes=limit, timeout_s=args.timeout)

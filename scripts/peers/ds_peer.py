@@ -31,7 +31,12 @@ def ds_config(job: dict) -> dict:
         "train_micro_batch_size_per_gpu": job["micro"],
         "gradient_accumulation_steps": job["batch"] // job["micro"],
         "gradient_clipping": o["grad_clip"],
-        "zero_optimization": {"stage": 3, "offload_param": off, "offload_optimizer": off},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": off,
+            "offload_optimizer": off,
+            **job.get("zero", {}),
+        },
         "bf16": {"enabled": job["dtype"] == "bfloat16"},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
