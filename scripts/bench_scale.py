@@ -69,7 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="DPO on pairs of rows (--batch counts sequences: 2 = one pair), reference included (horizon, deepspeed)",
     )  # fmt: skip
     ap.add_argument("--ds-zero", type=json.loads, default={}, help="deepspeed: zero_optimization keys (JSON)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.preference and ("hf" in args.peers.split(",") or args.batch % 2):
+        ap.error("--preference: peers horizon and deepspeed only, and an even --batch (pairs)")
+    return args
 
 
 class Models:
@@ -202,8 +205,6 @@ def search(peer: str, args, models: Models, data: Path, log: list) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.preference and ("hf" in args.peers.split(",") or args.batch % 2):
-        raise SystemExit("error: --preference: peers horizon and deepspeed only, and an even --batch (pairs)")
     exit_on_sigterm()
     args.work.mkdir(parents=True, exist_ok=True)
     rows = make_rows(args.batch * args.steps, args.seq, args.vocab, seed=1)
