@@ -145,13 +145,13 @@ def run_engine(job: dict) -> dict:
     batches = step_batches(read_rows(job["data"]), job["steps"], job["batch"], job["micro"])
     losses, norms, times, tokens, ends = [], [], [], [], []
     with RssSampler() as s:
-        for k, ids_list in enumerate(batches):
-            mbs = [
-                MicroBatch(ids, ids, torch.arange(ids.shape[1]).expand_as(ids).contiguous())
-                for ids in ids_list
-            ]
-            if objective is not None:
-                mbs = _pairs(engine, mbs)
+        steps = [
+            [MicroBatch(ids, ids, torch.arange(ids.shape[1]).expand_as(ids).contiguous()) for ids in ids_list]
+            for ids_list in batches
+        ]
+        if objective is not None:  # the reference pass before step 1 (initial weights), as `train` does
+            steps = [_pairs(engine, mbs) for mbs in steps]
+        for k, (ids_list, mbs) in enumerate(zip(batches, steps, strict=True)):
             t0 = time.perf_counter()
             r = engine.step(mbs, o["lr"], engine.objective.divisor(mbs))
             if k == len(batches) - 1:
