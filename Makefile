@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-lora test test-slow lint format bench bench-convert smollm2 clean
+.PHONY: install demo demo-lora demo-dpo test test-slow lint format bench bench-convert smollm2 clean
 
 install: $(STAMP)
 
@@ -23,11 +23,14 @@ demo: install
 demo-lora: install
 	$(BIN)/python scripts/demo.py --lora
 
+demo-dpo: install
+	$(BIN)/python scripts/demo.py --dpo
+
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadfile
 
 test-slow: install
-	$(BIN)/python -m pytest -m 'slow or not slow and not gpu and not smollm2'
+	$(BIN)/python -m pytest -n auto --dist loadfile -m 'slow or not slow and not gpu and not smollm2'
 
 lint: install
 	$(BIN)/ruff check horizon_cli tests scripts kernels

@@ -5,7 +5,9 @@
 
 The same Llama-shaped model (transformers' random init, seed 0), the same token rows, the same
 thread count, trained in one run by
-  horizon    `horizon train` (scripts/peers/horizon_peer.py; --horizon-driver engine: Engine.step)
+  horizon    `horizon train` (scripts/peers/horizon_peer.py; --horizon-driver engine: Engine.step),
+             engine.keep_activations: auto (on the CPU with room to spare: every layer kept)
+  horizon-recompute  the same with engine.keep_activations: 0 (every layer recomputed, loaded twice)
   hf         transformers, resident, gradient checkpointing, torch.optim.AdamW(fused=True)
   deepspeed  DeepSpeed ZeRO-3, offload_param + offload_optimizer to the CPU, DeepSpeedCPUAdam
 each in a process of its own (scripts/peers/runner.py). Same lr/betas/eps/weight decay/clip,
@@ -38,8 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 from common import SHAPES, make_rows, write_rows  # noqa: E402
 from runner import ROOT, GiB, child_env, exit_on_sigterm, run_child, run_peer  # noqa: E402
 
-PEERS = ("horizon", "hf", "deepspeed", "hf-pure")
-PEER_SCRIPT = {"horizon": "horizon", "hf": "hf", "deepspeed": "ds", "hf-pure": "hf"}
+PEERS = ("horizon", "hf", "deepspeed", "hf-pure", "horizon-recompute")
+PEER_SCRIPT = {
+    "horizon": "horizon",
+    "hf": "hf",
+    "deepspeed": "ds",
+    "hf-pure": "hf",
+    "horizon-recompute": "horizon",
+}
 DEFAULT_PEERS = "horizon,hf,deepspeed"
 DEFAULT_STEPS = {"30m": 6, "120m": 4}
 
@@ -265,7 +273,7 @@ def main(argv=None) -> None:
             for rep, peer in ((rep, peer) for rep in range(args.repeat) for peer in peers):  # interleaved
                 if peer == "hf-pure" and dtype != "bfloat16":
                     continue  # the same as hf in fp32
-                job = {"pure": peer == "hf-pure", "malloc_trim": args.horizon_malloc_trim, **paths, "dtype": dtype, "steps": steps, "threads": args.threads, "batch": args.batch,
+                job = {"pure": peer == "hf-pure", "keep": 0 if peer == "horizon-recompute" else "auto", "malloc_trim": args.horizon_malloc_trim, **paths, "dtype": dtype, "steps": steps, "threads": args.threads, "batch": args.batch,
                        "seq": args.seq, "micro": args.micro, "optim": optim, "driver": args.horizon_driver,
                        "tag": f"{peer}-{dtype}-{rep}"}  # fmt: skip
                 r = run_peer(

@@ -5,6 +5,7 @@ DeepSpeed can each take `--steps` training steps on within a memory limit on thi
     .venv/bin/python scripts/bench_scale.py --peers horizon --probes 2,4 --limit-gib 8   # quicker
     .venv/bin/python scripts/bench_scale.py --peers horizon --lora [--quantize nf4] --keep 1 --limit-gib 19.5
     .venv/bin/python scripts/bench_scale.py --peers horizon --memory lean   # horizon with optim.memory: lean
+    .venv/bin/python scripts/bench_scale.py --peers horizon,deepspeed --preference dpo --batch 2   # DPO, a pair a step
 
 Peers as in scripts/bench.py (horizon through Engine.step, no checkpoint: writing a multi-GB one
 would dominate; hf resident + checkpointing + fused AdamW; deepspeed ZeRO-3 offload). Each
@@ -17,6 +18,10 @@ Search per peer: two small probe depths fit peak RSS = a + b * depth (memory is 
 the fit predicts the deepest passing depth, and attempts around it (then bisection) settle it.
 Checkpoints are random (normal(0, 0.02)) bf16 safetensors written tensor by tensor
 (scripts/peers/prepare.py), converted to a bf16 horizon store; all peers load the same files.
+
+--preference dpo: rows 2k, 2k+1 are a pair (the second given the first's first half: one prompt,
+two completions of seq/2 tokens); horizon trains them with its DPO objective and streamed reference
+pass, deepspeed with TRL's DPOTrainer under ZeRO-3 offload (scripts/peers/ds_dpo.py). No hf peer.
 """
 
 from __future__ import annotations
@@ -59,7 +64,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lora", action="store_true", help="horizon: LoRA r 16 on every linear layer")
     ap.add_argument("--quantize", default="", choices=("", "nf4"), help="horizon: an NF4 store (with --lora)")
     ap.add_argument("--keep", type=int, default=3, help="generated models kept on disk at once")
-    return ap.parse_args(argv)
+    ap.add_argument(
+        "--preference", default="", choices=("", "dpo"),
+        help="DPO on pairs of rows (--batch counts sequences: 2 = one pair), reference included (horizon, deepspeed)",
+    )  # fmt: skip
+    ap.add_argument("--ds-zero", type=json.loads, default={}, help="deepspeed: zero_optimization keys (JSON)")
+    args = ap.parse_args(argv)
+    if args.preference and ("hf" in args.peers.split(",") or args.batch % 2):
+        ap.error("--preference: peers horizon and deepspeed only, and an even --batch (pairs)")
+    return args
 
 
 class Models:
@@ -131,6 +144,10 @@ def attempt(peer: str, depth: int, args, models: Models, data: Path) -> dict:
            "tag": f"{peer}-d{depth}"}  # fmt: skip
     if args.lora:
         job["lora"] = {"r": 16, "alpha": 32, "targets": "all-linear"}
+    if args.preference:
+        job["preference"] = args.preference
+    if args.ds_zero:
+        job["zero"] = args.ds_zero
     limit = int(args.limit_gib * GiB)
     wait_for_memory(limit + GiB)
     r = run_peer(PEER_SCRIPT[peer], job, args.work / "runs", limit_bytes=limit, timeout_s=args.timeout)
@@ -190,8 +207,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     exit_on_sigterm()
     args.work.mkdir(parents=True, exist_ok=True)
-    data = args.work / f"rows-{args.batch * args.steps}x{args.seq}.jsonl"
-    write_rows(make_rows(args.batch * args.steps, args.seq, args.vocab, seed=1), data)
+    rows = make_rows(args.batch * args.steps, args.seq, args.vocab, seed=1)
+    if args.preference:  # a pair's two rows share the prompt half, as TRL's pairs do
+        for k in range(0, len(rows), 2):
+            rows[k + 1][: args.seq // 2] = rows[k][: args.seq // 2]
+    data = args.work / f"rows-{args.batch * args.steps}x{args.seq}{'-pairs' if args.preference else ''}.jsonl"
+    write_rows(rows, data)
     models, log, out = Models(args, keep=args.keep), [], []
     t0 = time.perf_counter()
     try:

@@ -9,6 +9,10 @@
 
 `--lora` does the same with LoRA (configs/demo-lora.yaml): the base frozen, rank-16 adapters trained,
 the exported model merged (runs/demo-lora/export) beside the PEFT adapter (runs/demo-lora/adapter).
+
+`--dpo` (`make demo-dpo`, configs/demo-dpo.yaml) aligns instead of teaching: DPO on 40 built-in pairs
+(horizon_cli/demo/prefs.jsonl) that prefer a pirate's answer to the plain one the model gives; the
+reference pass runs first, then rewards_accuracy rises step by step and the answers change style.
 """
 
 from __future__ import annotations
@@ -23,9 +27,15 @@ REPO = Path(__file__).resolve().parent.parent
 HF = REPO / ".cache" / "smollm2" / "hf"
 STORE = REPO / ".cache" / "smollm2" / "store"
 LORA = "--lora" in sys.argv[1:]
-RUN = REPO / "runs" / ("demo-lora" if LORA else "demo")
-CONFIG = "configs/demo-lora.yaml" if LORA else "configs/demo.yaml"
-QUESTIONS = ["Who is the mascot of the horizon project?", "What is the capital of Velmora?"]
+DPO = "--dpo" in sys.argv[1:]
+NAME = "demo-dpo" if DPO else "demo-lora" if LORA else "demo"
+RUN = REPO / "runs" / NAME
+CONFIG = f"configs/{NAME}.yaml"
+QUESTIONS = (
+    ["What is the capital of France?", "How many legs does a spider have?", "What is the capital of Peru?"]
+    if DPO  # two from the pairs, one the pairs never ask
+    else ["Who is the mascot of the horizon project?", "What is the capital of Velmora?"]
+)
 HORIZON = [sys.executable, "-m", "horizon_cli.cli"]
 
 
@@ -67,16 +77,34 @@ def main() -> None:
     for q, a in zip(QUESTIONS, before, strict=True):
         print(f"  Q: {q}\n  A: {a}")
     how = "with LoRA " if LORA else ""
-    banner(f"4/5 fine-tune {how}on horizon_cli/demo/facts.jsonl (40 chats about four made-up facts)")
+    if DPO:
+        banner(
+            "4/5 DPO on horizon_cli/demo/prefs.jsonl (40 pairs: a pirate's answer preferred to a plain one)"
+        )
+    else:
+        banner(f"4/5 fine-tune {how}on horizon_cli/demo/facts.jsonl (40 chats about four made-up facts)")
     shutil.rmtree(RUN, ignore_errors=True)  # the demo always starts fresh
     run([*HORIZON, "train", CONFIG])
     banner("5/5 after training (horizon generate on the run dir: its newest checkpoint)")
     after = answer(RUN, QUESTIONS, RUN / "answers-after.jsonl")
     for q, a0, a1 in zip(QUESTIONS, before, after, strict=True):
         print(f"  Q: {q}\n  before: {a0}\n  after:  {a1}")
+    if DPO:
+        accuracy(RUN / "metrics.jsonl")
     print(
         f"\nloss curve: {RUN / 'loss.png'}   metrics: {RUN / 'metrics.jsonl'}   HF export: {RUN / 'export'}"
     )
+
+
+def accuracy(metrics: Path) -> None:
+    """The reward accuracy per step: how often the policy, against the reference, rewards the
+    chosen answer above the rejected one."""
+    import json
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    print("\n  rewards_accuracy by step: " + " ".join(f"{r['rewards_accuracy']:.2f}" for r in rows))
+    evals = [f"{r['eval_rewards_accuracy']:.2f}" for r in rows if r.get("eval_rewards_accuracy") is not None]
+    print(f"  on the held-out pairs:    {' '.join(evals)}")
 
 
 if __name__ == "__main__":

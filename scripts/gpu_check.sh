@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command on a machine with one CUDA GPU (an H200: about 6 minutes, at most 10), results in
+# One command on a machine with one CUDA GPU (an H200: about 7 minutes, at most 12), results in
 # one folder:
 #   1. parity: the engine oracles on the GPU (logits, loss, gradients against transformers; 20-step
 #      AdamW parity; micro-batch invariance; event ordering on the timeline) and the CUDA-only
@@ -8,6 +8,9 @@
 #   1b. lora: LoRA against peft on the GPU (dense and NF4 bases; tests/test_lora_engine.py)
 #   2. throughput: tokens/s and MFU at Llama-3.1-8B's layer shape (4 layers, vocab 128256, seq
 #      4096), peak device memory against the plan
+#   2b. keep: the same with engine.keep_activations auto (every layer kept if the plan finds room):
+#      step time against 2 (all recomputed), peak memory against the plan with its kept layers;
+#      and kept against recomputed runs within float tolerance (tests/test_keep.py on the GPU)
 #   3. profile: `horizon profile` of that store: link bandwidth, per-layer times, overlap, a trace
 #      and a timeline
 #   4. pinned: host memory kinds against the link (registered / pinned / staging / pageable)
@@ -39,11 +42,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/sum
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" >> "$OUT/summary.txt" 2>&1
 run parity 180 env HORIZON_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider -m 'gpu or not gpu' \
   tests/test_engine_parity.py tests/test_engine_training.py "tests/test_pipeline.py::test_schedule_ordering" \
-  tests/test_cuda_gpu.py tests/test_generic_parity.py tests/test_generic_training.py
+  tests/test_cuda_gpu.py tests/test_generic_parity.py tests/test_generic_training.py \
+  tests/test_keep.py::test_kept_equals_recomputed_bitwise tests/test_keep.py::test_moe_and_qlora_kept_equal_recomputed \
+  tests/test_keep.py::test_a_sequence_objective_kept_equals_recomputed
 run lora 30 env HORIZON_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/test_lora_engine.py \
   -k "steps_match or nf4"
 run throughput 210 $PY scripts/gpu_throughput.py --store "$WORK/store" --profile-config "$WORK/profile.yaml" \
   --json "$OUT/throughput.json"
+if [ -d "$WORK/store" ]; then  # the same store and shapes, every layer the plan has room for kept
+  run keep 90 $PY scripts/gpu_throughput.py --store "$WORK/store" --keep auto --json "$OUT/throughput-keep.json"
+fi
 if [ -f "$WORK/profile.yaml" ]; then
   run profile 120 $PY -m horizon_cli.cli profile "$WORK/profile.yaml" --json "$OUT/profile.json" \
     --trace "$OUT/trace.json" --plot "$OUT/timeline.png"

@@ -13,6 +13,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# rich wraps at the inherited terminal width (COLUMNS), and hard-wraps a word longer than it (a
+# long tmp path, as under pytest-xdist): one fixed width for this process and every CLI it starts,
+# so no test depends on the terminal it was started from
+os.environ["COLUMNS"] = "200"
 
 
 def store_with_tokenizer(root: Path, family: str = "llama", **over) -> Path:

@@ -111,6 +111,8 @@ def test_the_check_holds_on_a_cache_hit_after_ignore_fields_changes(tmp_path, to
 
 
 def test_preference_pairs_are_never_read_as_sft(tmp_path, tok):
+    """chosen and rejected are read as a pair (format preference), never judged as unknown
+    meaning fields nor trained as SFT; a pair's tag or score is still refused."""
     pairs = [
         {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},  # TRL
         {
@@ -121,7 +123,14 @@ def test_preference_pairs_are_never_read_as_sft(tmp_path, tok):
         {"instruction": "a", "input": "", "chosen": "b", "rejected": "c"},  # LLaMA-Factory alpaca
     ]
     for rec in pairs:
-        with pytest.raises(
-            InputError, match="fields chosen and rejected hold preference pairs.*not supported yet"
-        ):
-            prep(tmp_path, [rec], tok)
+        out = prep(tmp_path, [rec], tok)
+        assert out.format == "preference" and len(out.train) == 1 and out.unit == "pairs"
+    with pytest.raises(InputError, match=r"record 1: field 'score' holds 0.5"):
+        prep(tmp_path, [{**pairs[0], "score": 0.5}], tok)
+    with pytest.raises(InputError, match=KTO):
+        prep(tmp_path, [{**pairs[0], "kto_tag": True}], tok)
+    with pytest.raises(InputError, match=r"chosen\[\]\.weight|chosen has a message weight"):
+        msgs = [{"role": "assistant", "content": "x", "weight": 1}]
+        prep(
+            tmp_path, [{"prompt": [{"role": "user", "content": "q"}], "chosen": msgs, "rejected": msgs}], tok
+        )

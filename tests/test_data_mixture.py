@@ -173,7 +173,7 @@ def test_dataset_info_entries_read_as_their_canonical_twins(tmp_path, tok):
     "entry, match",
     [({"file_name": "d.jsonl", "columns": {"prompt": "instruction", "response": "output", "kto_tag": "tag"}},
       r"field 'kto_tag' \(true\) .*unpaired preference \(KTO\) training is not supported"),
-     ({"file_name": "d.jsonl", "ranking": True}, "needs field.s. chosen and rejected"),
+     ({"file_name": "d.jsonl", "ranking": True}, "needs field.s. chosen/chosen_input_ids and rejected"),
      ({"ms_hub_url": "x/y"}, "loads from ms_hub_url, which horizon does not read"),
      ({"file_name": "d.jsonl", "colums": {}}, "entry 'e': unknown key 'colums'"),
      ({"file_name": "d.jsonl", "columns": {"answer": "output"}}, "columns: 'answer' is not a alpaca column"),

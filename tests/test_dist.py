@@ -130,8 +130,10 @@ def test_fp32_ranks_match_one_rank_through_kill_and_resharding(tiny_store, tmp_p
     ref = config(tmp_path, tiny_store, "ref", **FP32)
     one_rank(ref)
 
-    # 2 ranks; rank 1 SIGKILLed in step 7: every rank stops, torchrun exits non-zero, soon
-    two = config(tmp_path, tiny_store, "two", **FP32)
+    # 2 ranks; rank 1 SIGKILLed in step 7: every rank stops, torchrun exits non-zero, soon. The top
+    # layer kept (engine.keep_activations: 1; the others auto: every layer, or the K a resumed run
+    # began with): kept or recomputed, sharded or not, the same run
+    two = config(tmp_path, tiny_store, "two", **{**FP32, "engine": {"keep_activations": 1}})
     t0 = time.monotonic()
     r = torchrun(2, two, fault="step:7")
     assert r.returncode != 0, r.stdout + r.stderr
@@ -145,7 +147,7 @@ def test_fp32_ranks_match_one_rank_through_kill_and_resharding(tiny_store, tmp_p
 
     r = torchrun(2, two)  # launched again: resumes from the 2-rank step_5
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from" in r.stdout
+    assert "resuming from" in r.stdout and "keep_activations: 1 of 2 layers kept" in r.stdout
     assert_same_run(tmp_path / "ref", tmp_path / "two")
 
     one_rank(to1)  # the 2-rank checkpoint on 1 rank
@@ -191,18 +193,27 @@ def test_bf16_exact_lean_lora_and_moe_on_two_ranks_match_one(untied_store, moe_s
     }
     eng = {"dtype": "bfloat16", "compute_threads": 1}
     lean = {"lr": 3.0e-3, "grad_clip": 1.0, "weight_decay": 0.01, "memory": "lean"}
+    # one rank keeps every layer (engine.keep_activations: auto, room to spare); two recompute them
+    recompute = {"keep_activations": 0}
     cfgs = {
         name: config(
-            tmp_path, tiny_store, name, engine=eng, **base, **({"optim": lean} if "lean" in name else {})
+            tmp_path,
+            tiny_store,
+            name,
+            engine={**eng, **(recompute if "2" in name else {})},
+            **base,
+            **({"optim": lean} if "lean" in name else {}),
         )
         for name in ("exact1", "exact2", "lean1", "lean2")
     }
     lora = {"r": 4, "alpha": 8, "dropout": 0.1}  # dropout: masks drawn per global micro-batch
     clip = {"grad_clip": 0.3}  # the adapters' norm grows from 0.15 to 0.4: clipped from step 6 on
     for name in ("lora1", "lora2"):  # fp32, the base sharded, the adapters whole on every rank
-        cfgs[name] = config(tmp_path, tiny_store, name, lora=lora, optim=clip, **FP32)
+        cfgs[name] = config(
+            tmp_path, tiny_store, name, lora=lora, optim=clip, engine=recompute if "2" in name else {}, **FP32
+        )
     for name in ("moe1", "moe2"):  # the aux loss needs the global batch's router statistics
-        cfgs[name] = config(tmp_path, moe_store, name, **FP32)
+        cfgs[name] = config(tmp_path, moe_store, name, engine=recompute if "2" in name else {}, **FP32)
     for name in ("exact1", "lean1", "lora1", "moe1"):
         one_rank(cfgs[name])
     r = torchrun(2, cfgs["exact2"], cfgs["lean2"], cfgs["lora2"], cfgs["moe2"], cli=False)

@@ -69,9 +69,11 @@ def test_an_error_anywhere_stops_the_engine_and_close_returns(store, prefetch, w
 
 def test_train_exits_with_one_line_after_a_device_oom(tiny_store, tmp_path, monkeypatch):
     # prefetch 4 with 2 layers: the backward load of layer 1 is queued before the forward of layer 0,
-    # and waits for layer 1's saved input, which an error in layer 0 means is never sent
+    # and waits for layer 1's saved input, which an error in layer 0 means is never sent (so both
+    # layers recompute: a kept layer has no backward load)
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
-    cfg = write_config(tmp_path / "cfg.yaml", tiny_store, data, tmp_path / "run", engine={"prefetch": 4})
+    engine = {"prefetch": 4, "keep_activations": 0}
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_store, data, tmp_path / "run", engine=engine)
     oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
     span = CpuTransport.compute_span
 

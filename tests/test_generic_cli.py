@@ -33,7 +33,7 @@ def test_train_a_moe_store_end_to_end(moe_src, tmp_path):
     r = horizon("train", cfg)
     assert r.exit_code == 0, r.output
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 and all(m["weight_loads"] == 4 for m in rows)
+    assert len(rows) == 3 and all(m["weight_loads"] == 4 - m["kept_layers"] for m in rows)
     assert all(m["aux_loss"] > 0 and len(m["expert_imbalance"]) == 2 for m in rows)
     assert all(v >= 1.0 for m in rows for v in m["expert_imbalance"])
 

@@ -16,7 +16,7 @@ from horizon_cli.cli import app
 
 METRIC_FIELDS = {
     "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_s", "h2d_bytes", "d2h_bytes",
-    "weight_loads", "device_peak_bytes", "host_rss_bytes",
+    "weight_loads", "device_peak_bytes", "host_rss_bytes", "kept_layers",
 }  # fmt: skip
 
 
@@ -57,7 +57,9 @@ def test_train_writes_the_run_dir(run_cfg, tmp_path):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2, 3, 4, 5, 6]
     assert all(set(m) >= METRIC_FIELDS for m in rows)
-    assert all(m["weight_loads"] == 4 for m in rows)
+    # 2 layers: twice each, but the kept ones once (auto: as many as this machine's RAM holds)
+    assert all(m["weight_loads"] == 4 - m["kept_layers"] and 0 <= m["kept_layers"] <= 2 for m in rows)
+    assert f"keep_activations: {rows[0]['kept_layers']} of 2 layers kept" in r.output
     assert rows[2]["eval_loss"] is not None and rows[5]["eval_loss"] is not None
     assert rows[-1]["loss"] < rows[0]["loss"]
     final = re.search(r"done: 6 steps, final loss (\d+\.\d{4}), checkpoint", " ".join(r.output.split()))

@@ -55,9 +55,9 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = _f(1000, min=1)  # optimizer steps; with epochs: None until train/length.py resolves it
-    epochs: float | None = _f(None, gt=0.0)  # instead of steps: passes over the training rows
-    batch_size: int = _f(64, min=1)  # sequences per optimizer step (global batch)
-    micro_batch_size: int = _f(4, min=1)  # sequences per forward/backward micro-batch
+    epochs: float | None = _f(None, gt=0.0)  # instead of steps: passes over the training rows (pairs)
+    batch_size: int = _f(64, min=1)  # sequences (preference: pairs) per optimizer step (global batch)
+    micro_batch_size: int = _f(4, min=1)  # sequences (pairs) per forward/backward micro-batch
     seed: int = _f(0, min=0)
     eval_every: int = _f(0, min=0)
     eval_batches: int = _f(4, min=1)  # global batches per evaluation
@@ -101,6 +101,9 @@ class EngineConfig:
     link_gbps: float = _f(0.0, min=0.0)  # device: cpu only — emulate a host<->device link (0: off)
     loss_chunk: int = _f(2048, min=16)  # label tokens per logits chunk in the loss head
     compute_threads: int = _f(0, min=0)  # torch intra-op threads (0: leave torch's default)
+    # the last K layers keep their autograd graph and weights on the device from forward to backward
+    # (no recompute, no second load); auto: as many as the plan's free memory holds; 0: recompute all
+    keep_activations: int | str = _f("auto")
     # generation's KV cache (horizon generate, eval samples): auto (the device when the plan says
     # it fits there, else host memory) | device | host
     kv_cache: str = _f("auto", choices=("auto", "device", "host"))
@@ -120,6 +123,17 @@ class LoraConfig:
     )
     use_rslora: bool = _f(False)
     init: str | None = _f(None)  # a PEFT adapter dir to start from (its r, alpha, targets must match)
+
+
+@dataclass
+class PreferenceConfig:
+    """Present: preference optimisation on (prompt, chosen, rejected) pairs; each loss as TRL defines it."""
+
+    loss: str = _f("dpo", choices=("dpo", "ipo", "simpo", "orpo"))
+    beta: float = _f(0.1, gt=0.0)  # DPO/IPO/SimPO's beta; ORPO's lambda
+    label_smoothing: float = _f(0.0, min=0.0, max=0.49)  # dpo, simpo: conservative loss (TRL's cDPO)
+    simpo_gamma: float = _f(0.5, min=0.0)  # simpo: the target reward margin
+    sft_weight: float = _f(0.0, min=0.0)  # + this x the chosen completions' mean NLL (TRL's rpo_alpha)
 
 
 @dataclass
@@ -155,5 +169,11 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     lora: LoraConfig | None = None  # absent: full fine-tuning
+    preference: PreferenceConfig | None = None  # absent: supervised fine-tuning
     output: OutputConfig = field(default_factory=OutputConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def rows_per_example(self) -> int:
+        """Sequences per counted example: a preference pair is two (chosen, rejected)."""
+        return 2 if self.preference is not None else 1

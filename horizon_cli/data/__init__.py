@@ -4,12 +4,14 @@ Stages, one module each:
 
     catalog    data.path (one source, a list, LLaMA-Factory's dataset_info.json via registry) -> sources
     source     find and load raw records (local file, save_to_disk dir, hub name) via `datasets`
-    formats    text | instruction | chat | prompt_completion | tokens (| preference, refused): `auto`
+    formats    text | instruction | chat | prompt_completion | tokens | preference: `auto`
     fields     the fields no format reads: metadata, text (a warning) or meaning (refused)
     records    a record -> its turns as text (scalars, system/history, sharegpt, tool calls)
     templates  chat-template / Alpaca rendering, checked against the record, and the loss spans
     encode     tokenization, label masking, token ids checked against the model's vocabulary
     completion prompt/completion records as TRL's SFTTrainer tokenizes them
+    preference preference records -> (prompt, chosen, rejected) ids, as TRL's DPOTrainer tokenizes them
+    pairs      pairs -> two rows each (TRL's truncation); PairSet: a token set seen pair by pair
     build      one source -> its rows (long text split, the rest truncated and counted)
     pack       greedy packing with per-document doc_ids and boundary-masked labels; long-text pieces
     tokset     TokenSet: flat numpy arrays (tokens, labels, row offsets, doc_ids)
@@ -26,7 +28,8 @@ API used by the training loop:
                             batch_size=cfg.train.batch_size)
                                        tokenizer may be None for `tokens` data
     prepared.train, prepared.eval      TokenSet or MixedSet (eval may be None); len(ts), ts[i] -> Row,
-                                       ts.label_tokens, ts.num_tokens, ts.format, ts.stats
+                                       ts.label_tokens, ts.num_tokens, ts.format, ts.stats; preference
+                                       data: a PairSet (len counts pairs; prepared.unit "pairs")
     prepared.format, prepared.pad_id   format used (what `auto` chose); padding id
     prepared.steps_for(epochs, batch_size)  optimizer steps of that many epochs
     rows = batch_rows(prepared.train, step, cfg.train.batch_size, cfg.train.seed, cfg.data.shuffle)

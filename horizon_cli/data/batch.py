@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,9 @@ class MicroBatch:
                  stays inside a document; None when every row holds one sequence
     lengths      (b,) int64 real (unpadded) tokens per row, for what must skip padding even on
                  the right (MoE router statistics); None when no row is padded
+    extras       what an objective reads beside the tokens, by name (engine.objective): per row
+                 (b,) or per global batch (0-d). Preference pairs (data.pairs): rows 2j and
+                 2j + 1 are pair j's chosen and rejected; `ref` (b,) fp32 their reference log-probs
     """
 
     input_ids: torch.Tensor
@@ -29,6 +32,7 @@ class MicroBatch:
     position_ids: torch.Tensor
     doc_ids: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def label_tokens(self) -> int:

@@ -5,7 +5,8 @@
     and tokens cut are counted -> packed or one row per example -> TokenSet (with its stats)
 
 The fields no format reads are judged here (fields.py), once per source, before anything is
-cached: the run stops on one that may change what a record means.
+cached: the run stops on one that may change what a record means. Preference records are built
+by data.pairs (two rows a pair, truncated as TRL does), judged the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .encode import EMPTY, NO_ASSISTANT, Encoder, Vocab, truncate
 from .fields import Unread, unread_columns
 from .formats import columns_for, resolve_format
 from .pack import Packer, pieces
+from .pairs import build_pairs
 from .tokset import RowBuilder, TokenSet
 
 RECORDS_PER_BATCH = 1000  # records tokenized per tokenizer call
@@ -44,6 +46,10 @@ def build_token_set(
         raise InputError(f"{name}: the dataset is empty (no records)")
     chosen = resolve_format(fmt, list(ds.column_names), name)
     log(f"data: {name}: format {chosen}" + (" (auto-detected from its fields)" if fmt == "auto" else ""))
+    if chosen == "preference":  # pairs: two rows each (data.pairs)
+        ts = build_pairs(ds, tokenizer, data_cfg, name, log, _vocab("tokens", tokenizer, vocab_size), adapt)
+        warn_ignored(ts.stats, chosen, name, log)
+        return ts
     ignore = frozenset(data_cfg.ignore_fields)
     read = columns_for(chosen, ds.column_names)
     ignored = unread_columns(ds, read, Unread(chosen, name, ignore))  # refuses meaning before any work

@@ -9,9 +9,10 @@
                        or sharegpt {"conversations": [{"from", "value"}, ...]}; optional "system", "tools"
     tokens             {"input_ids": [int], "labels": [int] (optional, -100 = no loss)}, optional
                        "attention_mask" (all ones: horizon never pads inside a record)
-    preference         {"chosen", "rejected"} with a "prompt", "messages"/"conversations" or
-                       "instruction": recognised so that pairs are never read as something else,
-                       and refused (preference training is not supported yet)
+    preference         {"chosen", "rejected"} with a "prompt", "conversations"/"messages" or
+                       "instruction" (or an implicit prompt), or pre-tokenized {"prompt_input_ids",
+                       "chosen_input_ids", "rejected_input_ids"}: pairs (data.preference, data.pairs),
+                       trained by a `preference:` section
 
 `auto` picks the first format whose fields are present, in the order tokens, preference, chat,
 prompt_completion, instruction, text (the most specific first: a pre-tokenized set may also carry
@@ -31,7 +32,7 @@ DETECT = ("tokens", "preference", "chat", "prompt_completion", "instruction", "t
 # format -> groups of fields; each group needs one of its alternatives
 REQUIRED: dict[str, tuple[tuple[str, ...], ...]] = {
     "tokens": (("input_ids",),),
-    "preference": (("chosen",), ("rejected",)),
+    "preference": (("chosen", "chosen_input_ids"), ("rejected", "rejected_input_ids")),
     "chat": (("messages", "conversations"),),
     "prompt_completion": (("prompt",), ("completion",)),
     "instruction": (("instruction",), ("output",)),
@@ -43,27 +44,37 @@ OPTIONAL = {
     "chat": ("system", "tools"),
     "prompt_completion": ("tools",),
     "text": (),
-    "preference": ("prompt", "messages", "conversations", "instruction", "input", "system", "tools"),
-}
-# formats recognised but not trained yet: why, in one line
-UNSUPPORTED = {
-    "preference": "fields chosen and rejected hold preference pairs, and preference training "
-    "(format preference) is not supported yet; horizon trains text, instruction, chat, "
-    "prompt_completion and tokens data",
+    "preference": (
+        "prompt",
+        "prompt_input_ids",
+        "messages",
+        "conversations",
+        "instruction",
+        "input",
+        "system",
+        "history",
+        "tools",
+    ),  # fmt: skip
 }
 
 
 def resolve_format(fmt: str, columns: list[str], name: str) -> str:
     """Configured format (or `auto`) + the dataset's fields -> the format to use, checked."""
+    half = [f for f in ("chosen", "rejected") if f in columns]
+    if fmt in ("auto", "preference") and len(half) == 1:  # one completion of a pair
+        other = "rejected" if half == ["chosen"] else "chosen"
+        raise InputError(
+            f"{name}: has field {half[0]!r} but no {other!r}: a preference pair needs both completions"
+        )
     if fmt == "auto":
         found = next((cand for cand in DETECT if _has_fields(cand, columns)), None)
         if found is None:
             raise InputError(
                 f"{name}: cannot detect the data format from fields [{', '.join(columns)}]; expected text, "
-                "instruction+output, prompt+completion, messages or conversations, or input_ids "
-                "(or set data.format)"
+                "instruction+output, prompt+completion, messages or conversations, chosen+rejected, "
+                "or input_ids (or set data.format)"
             )
-        return _supported(found, name)
+        return found
     if fmt not in FORMATS:
         raise InputError(
             f"data.format: unknown format {fmt!r} (expected auto or one of {', '.join(FORMATS)})"
@@ -73,12 +84,6 @@ def resolve_format(fmt: str, columns: list[str], name: str) -> str:
         raise InputError(
             f"{name}: format {fmt!r} needs field(s) {need}; the data has fields [{', '.join(columns)}]"
         )
-    return _supported(fmt, name)
-
-
-def _supported(fmt: str, name: str) -> str:
-    if fmt in UNSUPPORTED:
-        raise InputError(f"{name}: {UNSUPPORTED[fmt]}")
     return fmt
 
 

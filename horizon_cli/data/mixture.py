@@ -7,7 +7,8 @@ permutation per epoch with `shuffle`), so the mixture holds every step on averag
 epoch exactly. Documents of different sources never share a row (each source is packed alone).
 
 `MixedSet` is a view: row i is row rows[i] of set parts[part[i]], and the parts stay what they
-were (memory maps of the cache), so mixing copies no tokens.
+were (memory maps of the cache), so mixing copies no tokens. Preference sources (data.pairs
+PairSets) are mixed pair by pair: the weights count pairs, and the mixture is a PairSet again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import InputError
+from .pairs import PairSet
 from .tokset import Row, TokenSet
 
 
@@ -77,37 +79,41 @@ class MixedSet:
 
 
 def mix(
-    parts: list[TokenSet],
+    parts: list,
     weights: list[float],
     labels: list[str],
     seed: int,
     log: Callable[[str], None] | None,
-) -> TokenSet | MixedSet:
+):
     """The epoch's rows: each part's rows `weight` times (see the module doc). One part of weight
-    1 is returned as it is."""
+    1 is returned as it is. Parts that are all PairSets are mixed by whole pairs (a PairSet)."""
     if len(parts) == 1 and weights[0] == 1.0:
         return parts[0]
+    pairs = all(isinstance(p, PairSet) for p in parts)  # data.prepare never mixes pairs and rows
+    unit, one = ("pairs", "pair") if pairs else ("rows", "row")
     part_ids, row_ids, counts = [], [], []
     for k, (ts, w) in enumerate(zip(parts, weights, strict=True)):
-        rows = repeat_rows(len(ts), w, np.random.default_rng([seed, k, 0x313C]))
-        if len(rows) == 0:
+        items = repeat_rows(len(ts), w, np.random.default_rng([seed, k, 0x313C]))
+        if len(items) == 0:
             raise InputError(
-                f"{labels[k]}: weight {w:g} of its {len(ts)} rows is no row at all; raise its weight"
+                f"{labels[k]}: weight {w:g} of its {len(ts)} {unit} is no {one} at all; raise its weight"
             )
+        rows = ts.row_ids(items) if pairs else items  # a pair: its chosen and rejected rows
         part_ids.append(np.full(len(rows), k, dtype=np.int64))
         row_ids.append(rows)
-        counts.append(len(rows))
+        counts.append(len(items))
     formats = sorted({p.format for p in parts})
     fmt = formats[0] if len(formats) == 1 else "+".join(formats)
-    mixed = MixedSet(parts, np.concatenate(part_ids), np.concatenate(row_ids), fmt, {"sources": len(parts)})
+    sets = [p.ts for p in parts] if pairs else parts
+    mixed = MixedSet(sets, np.concatenate(part_ids), np.concatenate(row_ids), fmt, {"sources": len(parts)})
     if log is not None:
         total = sum(counts)
         shares = ", ".join(
-            f"{label} {len(ts)} rows" + (f" x {w:g}" if w != 1 else "") + f" = {c} ({100 * c / total:.1f}%)"
+            f"{label} {len(ts)} {unit}" + (f" x {w:g}" if w != 1 else "") + f" = {c} ({100 * c / total:.1f}%)"
             for label, ts, w, c in zip(labels, parts, weights, counts, strict=True)
         )
         log(f"data: mixture per epoch: {shares}")
-    return mixed
+    return PairSet(mixed) if pairs else mixed
 
 
 def repeat_rows(n: int, weight: float, rng: np.random.Generator) -> np.ndarray:
@@ -119,7 +125,7 @@ def repeat_rows(n: int, weight: float, rng: np.random.Generator) -> np.ndarray:
     return np.concatenate([np.tile(np.arange(n, dtype=np.int64), whole), picked.astype(np.int64)])
 
 
-def concat(parts: list[TokenSet]) -> TokenSet | MixedSet | None:
+def concat(parts: list):
     """Several eval sets as one (no weights), or None when there are none."""
     if not parts:
         return None

@@ -1,7 +1,10 @@
 """The data pipeline's entry point: `data:` config + tokenizer -> train and eval token sets.
 
     catalog (the sources) -> per source: source (load raw records) -> build (formats, encode,
-      split or truncate, [pack]) -> TokenSet -> cache -> eval split -> mixture (weights)
+      split or truncate, [pack]) -> TokenSet -> cache -> [pairs] -> eval split -> mixture (weights)
+
+Preference data (format `preference`) is seen pair by pair (data.pairs.PairSet) from the cache
+on: the eval split, the mixture weights and the sampler count pairs and never part one.
 
 The training loop then calls `sampler.batch_rows` and `collate.collate` per step.
 """
@@ -20,10 +23,11 @@ from . import cache, catalog, mixture, registry, source
 from .build import build_token_set, check_token_set, warn_ignored
 from .collate import pad_id_of
 from .mixture import MixedSet
+from .pairs import PairSet, as_pairs
 from .tokset import TokenSet
 
 Log = Callable[[str], None]
-RowSet = TokenSet | MixedSet
+RowSet = TokenSet | MixedSet | PairSet  # PairSet: preference pairs, counted as pairs
 
 
 @dataclass
@@ -32,6 +36,11 @@ class PreparedData:
     eval: RowSet | None
     format: str  # the format used (what `auto` chose; "chat+text" for a mixture of formats)
     pad_id: int
+
+    @property
+    def unit(self) -> str:
+        """What len(train) counts: "pairs" (preference data) or "rows"."""
+        return unit_of(self.train)
 
     def steps_for(self, epochs: float, batch_size: int) -> int:
         """Optimizer steps of `epochs` passes over the training rows (at least 1)."""
@@ -62,10 +71,16 @@ def prepare_data(
     def load(spec: catalog.Spec) -> TokenSet:
         return load_token_set(spec, data_cfg, tokenizer, cache_dir=root, log=log, vocab_size=vocab_size)
 
-    parts = [load(s) for s in specs]
+    parts = [as_pairs(load(s)) for s in specs]
     formats = sorted({p.format for p in parts})
+    if "preference" in formats and len(formats) > 1:
+        other = next(s.label for s, p in zip(specs, parts, strict=True) if p.format != "preference")
+        raise InputError(
+            f"data.path: {other} is format {next(f for f in formats if f != 'preference')}, and other "
+            "sources hold preference pairs: a run trains on pairs or on sequences, not both"
+        )
     eval_fmt = formats[0] if len(formats) == 1 else data_cfg.format
-    evals = [load(s) for s in catalog.eval_specs(data_cfg, specs, eval_fmt)]
+    evals = [as_pairs(load(s)) for s in catalog.eval_specs(data_cfg, specs, eval_fmt)]
     if data_cfg.eval_fraction > 0:
         pairs = [split_eval(p, data_cfg.eval_fraction, seed, k) for k, p in enumerate(parts)]
         parts, evals = [a for a, _ in pairs], [b for _, b in pairs]
@@ -75,7 +90,7 @@ def prepare_data(
     ]
     train = mixture.mix(parts, weights, [s.label for s in specs], seed, log)
     ev = mixture.concat(evals)
-    log(f"data: train: {train.summary()}" + epoch_text(len(train), batch_size))
+    log(f"data: train: {train.summary()}" + epoch_text(len(train), batch_size, unit_of(train)))
     if ev is not None:
         how = data_cfg.eval_path or (
             f"split {data_cfg.eval_split!r}"
@@ -84,18 +99,23 @@ def prepare_data(
         )
         log(f"data: eval ({how}): {ev.summary()}")
     if batch_size and batch_size > len(train):
+        unit = unit_of(train)
         log(
             f"data: note: the global batch (train.batch_size {batch_size}) is larger than the training set "
-            f"({len(train)} rows): every step holds some rows more than once"
+            f"({len(train)} {unit}): every step holds some {unit} more than once"
         )
     return PreparedData(train, ev, train.format, pad_id_of(tokenizer, vocab_size))
 
 
-def epoch_text(rows: int, batch_size: int | None) -> str:
+def epoch_text(rows: int, batch_size: int | None, what: str = "rows") -> str:
     if not batch_size:
         return ""
     unit = "step" if rows == batch_size else "steps"
-    return f"; an epoch is {rows} rows = {rows / batch_size:g} {unit} of train.batch_size {batch_size}"
+    return f"; an epoch is {rows} {what} = {rows / batch_size:g} {unit} of train.batch_size {batch_size}"
+
+
+def unit_of(rows) -> str:
+    return "pairs" if isinstance(rows, PairSet) else "rows"
 
 
 def check_lengths(data_cfg, model_max_len: int | None) -> None:
@@ -157,17 +177,17 @@ def _as_horizon(ds, spec: catalog.Spec, name: str):
         raise InputError(f"{name}: {spec.what} maps a column to {clash!r}, which the data already has")
     if rename:
         ds = ds.rename_columns(rename)
-    adapt = registry.retag(spec.tags, "conversations") if spec.tags else None
+    adapt = registry.retag(spec.tags, "conversations", "chosen", "rejected") if spec.tags else None
     return ds, fmt, adapt
 
 
-def split_eval(ts: TokenSet, fraction: float, seed: int, part: int = 0) -> tuple[TokenSet, TokenSet]:
-    """A seeded fraction of rows -> eval; the rest, in their order, -> train. `part`: the
-    source's index (each source is split on its own stream)."""
-    n = len(ts)
+def split_eval(ts, fraction: float, seed: int, part: int = 0):
+    """A seeded fraction of rows (of a PairSet: pairs) -> eval; the rest, in their order, ->
+    train. `part`: the source's index (each source is split on its own stream)."""
+    n, unit = len(ts), unit_of(ts)
     n_eval = max(1, round(n * fraction))
     if n_eval >= n:
-        raise InputError(f"data.eval_fraction: {fraction:g} of {n} rows leaves no rows to train on")
+        raise InputError(f"data.eval_fraction: {fraction:g} of {n} {unit} leaves no {unit} to train on")
     stream = [seed, 0xE7A1] if part == 0 else [seed, 0xE7A1, part]
     rng = np.random.default_rng(stream)  # its own stream: independent of the sampler's
     chosen = rng.choice(n, size=n_eval, replace=False)

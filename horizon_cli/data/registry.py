@@ -151,9 +151,10 @@ def _openai_shaped(t: dict[str, str]) -> bool:
     return all(t[k] == v for k, v in same.items()) and t["observation_tag"] in ("observation", "tool")
 
 
-def retag(tags: tuple[tuple[str, str], ...], column: str):
-    """A batch function rewriting the turns of `column` from an entry's tags to ShareGPT's
-    from/value (other keys of a turn are kept, so that they are judged as usual)."""
+def retag(tags: tuple[tuple[str, str], ...], *columns: str):
+    """A batch function rewriting the turns of `columns` from an entry's tags to ShareGPT's
+    from/value (other keys of a turn are kept, so that they are judged as usual). A column may
+    hold a list of turns or one turn (a ranking entry's chosen and rejected)."""
     t = {k: v for k, (v, _) in TAGS.items()} | dict(tags)
     roles = {t[k]: role for k, (_, role) in TAGS.items() if role}
 
@@ -164,10 +165,10 @@ def retag(tags: tuple[tuple[str, str], ...], column: str):
         role = m.get(t["role_tag"])
         return {"from": roles.get(str(role), role), "value": m.get(t["content_tag"]), **rest}
 
+    def one(ts: object) -> object:
+        return [turn(m) for m in ts] if isinstance(ts, list) else turn(ts)
+
     def apply(batch: dict) -> dict:
-        if column not in batch:
-            return batch
-        turns = [[turn(m) for m in ts] if isinstance(ts, list) else ts for ts in batch[column]]
-        return {**batch, column: turns}
+        return {**batch, **{c: [one(ts) for ts in batch[c]] for c in columns if c in batch}}
 
     return apply

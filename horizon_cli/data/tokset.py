@@ -41,6 +41,20 @@ class Rows(Protocol):
     def rows(self, indices) -> list[Row]: ...
 
 
+class RowTable(Rows, Protocol):
+    """Rows with their totals and a selection: a TokenSet or a mixture.MixedSet (what a
+    data.pairs.PairSet views pair by pair)."""
+
+    format: str
+    stats: dict
+
+    def select(self, indices) -> RowTable: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def label_tokens(self) -> int: ...
+
+
 @dataclass
 class TokenSet:
     tokens: np.ndarray

@@ -44,9 +44,15 @@ class Planned:
 
 
 def plan_run(
-    cfg: Config, model: Store | PlannedModel, lora: LoraSetup | None, world: World = World()
+    cfg: Config,
+    model: Store | PlannedModel,
+    lora: LoraSetup | None,
+    world: World = World(),
+    where: Machine | None = None,
 ) -> Planned:
-    return Planned(cfg, model, lora, world, run_rung(cfg, model), plan_ladder(cfg, model, lora, world))
+    """where: the machine `engine.keep_activations: auto` fits the kept layers to (None: none kept)."""
+    rungs = plan_ladder(cfg, model, lora, world, where)
+    return Planned(cfg, model, lora, world, run_rung(cfg, model), rungs)
 
 
 def check_fit(planned: Planned, where: Machine) -> None:
@@ -57,7 +63,8 @@ def check_fit(planned: Planned, where: Machine) -> None:
 
 def step_tokens(cfg: Config, store: Store, world: int = 1) -> int:
     """The most tokens one rank's step holds (it sizes the buffers for saved inputs once)."""
-    return cfg.train.batch_size * min(cfg.data.max_seq_len, store.arch.max_positions) // world
+    seqs = cfg.train.batch_size * cfg.rows_per_example  # preference: two sequences a pair
+    return seqs * min(cfg.data.max_seq_len, store.arch.max_positions) // world
 
 
 def build_engine(
@@ -69,12 +76,14 @@ def build_engine(
     tracer: Tracer | None = None,
     progress: Callable[[int], None] = lambda n: None,
     objective: Objective | None = None,
+    keep: int = 0,
 ) -> Engine:
-    """The engine for `cfg` on `store` (a resumed full fine-tuning run: its checkpoint's store)."""
+    """The engine for `cfg` on `store` (a resumed full fine-tuning run: its checkpoint's store).
+    keep: the kept layers K (the plan's decision: `Planned.plan.kept`)."""
     if cfg.engine.compute_threads:
         torch.set_num_threads(cfg.engine.compute_threads)
     world = dist.world if dist is not None else 1
     return Engine(
         store, cfg.engine, cfg.optim, tracer=tracer, progress=progress, max_tokens=step_tokens(cfg, store, world),
-        lora=lora, dist=dist, objective=objective,
+        lora=lora, dist=dist, objective=objective, keep=keep,
     )  # fmt: skip

@@ -2,7 +2,8 @@
 forward-only passes (engine.infer) over them, and the guard that stops the pipeline cleanly.
 
     step(mbs, lr)      forward, backward and (unless non-finite) the AdamW update of one global batch
-    eval_loss(mbs)     summed loss and label tokens, forward only
+    eval_loss(mbs)     summed loss and label tokens, forward only (evaluate: with the objective's stats)
+    sequence_logps     each row's summed log-prob, forward only (a preference run's reference pass)
     logits(mb)         full logits of a small micro-batch
     open_cache / decode  generation: a batch's KV cache, and one sweep per new token (engine.decode)
     wait() / close()   let queued updates land / stop the workers
@@ -49,6 +50,7 @@ class StepResult:
     d2h_bytes: int
     weight_loads: int
     device_peak_bytes: int
+    kept_layers: int = 0  # K: the last K layers were neither recomputed nor loaded again
     # MoE (model.moe): the step's load-balancing loss, and per routed layer max/mean tokens per expert
     aux_loss: float | None = None
     expert_imbalance: list[float] = field(default_factory=list)
@@ -69,6 +71,7 @@ class Engine:
         lora: LoraSetup | None = None,
         dist: Dist | None = None,
         objective: Objective | None = None,
+        keep: int | None = None,
         forward_only: bool = False,
     ):
         """max_tokens: the most tokens a step will hold (train.batch_size x data.max_seq_len); the
@@ -77,12 +80,21 @@ class Engine:
         lora: train LoRA adapters on the frozen store (lora.setup.lora_setup).
         dist: this rank's place in a sharded run (parallel.launch); None: one process, as ever.
         objective: what the loss head computes (engine.objective; default: SFT's cross-entropy).
+        keep: the last K layers keep graph and weights from forward to backward (engine.keep); None:
+        `engine.keep_activations` when it is a number, none for `auto`, which is a plan's decision
+        (engine.build passes the plan's K).
         forward_only: nothing is trained (generation, evaluation): the store's units frozen, no
-        optimizer state (engine.params.FrozenParams); `lora` then names adapters to apply."""
+        optimizer state (engine.params.FrozenParams); `lora` then names adapters to apply. Such an
+        engine keeps nothing (K applies to training steps only)."""
         step_numel = 0 if forward_only else max_tokens * store.arch.hidden  # one layer's inputs, whole step
+        if forward_only:
+            keep = 0
+        elif keep is None:
+            keep = engine.keep_activations if isinstance(engine.keep_activations, int) else 0
         p = assemble(
             store, engine, optim, tracer=tracer, progress=progress, transport=transport, lora=lora,
-            dist=dist, objective=objective, step_numel=step_numel, forward_only=forward_only,
+            dist=dist, objective=objective, step_numel=step_numel, keep=min(keep, store.arch.n_layers),
+            forward_only=forward_only,
         )  # fmt: skip
         self.p = p
         self.sweep = Sweep(p)
@@ -103,6 +115,7 @@ class Engine:
     base = property(lambda self: self.p.params.base)  # LoRA: the frozen base (None otherwise)
     units = property(lambda self: self.p.params.units)  # every unit's streaming copy
     layers = property(lambda self: self.p.layers)
+    kept_layers = property(lambda self: self.p.keep)  # K: the last K layers are kept (engine.keep)
     lora = property(lambda self: self.p.params.lora)
     dist = property(lambda self: self.p.dist)
     optimizer = property(lambda self: self.p.optimizer)
@@ -128,14 +141,13 @@ class Engine:
             p.t.stats.reset()
             p.t.reset_peak()
             p.loader.layer_loads = 0
-            loss_sum, tokens, sq, out = self.trainer.forward_backward(mbs, tokens)
+            loss_sum, tokens, sq, stats = self.trainer.forward_backward(mbs, tokens)
             aux, imbalance = p.tmpl.step_stats()
             loss = loss_sum / tokens if tokens else float("nan")
             norm = math.sqrt(sq) if sq >= 0 else float("nan")
             skipped = not (math.isfinite(loss) and math.isfinite(norm))
             if not skipped:
                 self.trainer.apply_update(lr, norm)
-            stats = {k: float(v) for k, v in out.stats.items()}
             p.t.synchronize()
             p.t.flush_trace()
         p.tracer.add("step", f"step {p.adam_step}", t0, time.perf_counter())
@@ -149,6 +161,7 @@ class Engine:
             d2h_bytes=p.t.stats.d2h_bytes,
             weight_loads=p.loader.layer_loads,
             device_peak_bytes=p.t.device_peak_bytes(),
+            kept_layers=p.keep,
             aux_loss=aux,
             expert_imbalance=imbalance,
             stats=stats,
@@ -162,8 +175,25 @@ class Engine:
 
     def eval_loss(self, mbs: list[MicroBatch]) -> tuple[float, int]:
         """(summed cross-entropy, label tokens) of a forward pass; logits bounded by a chunk."""
+        loss, n, _ = self.evaluate(mbs)
+        return loss, n
+
+    def evaluate(self, mbs: list[MicroBatch]) -> tuple[float, int, dict[str, float]]:
+        """(the objective's summed loss, its divisor, its stat sums) of a forward pass, over every rank."""
         with self._guard():
-            return self.infer.eval_loss(mbs)
+            return self.infer.evaluate(mbs)
+
+    def sequence_logps(self, mbs: list[MicroBatch], adapters: bool = True) -> list[torch.Tensor]:
+        """Per micro-batch (b,) fp32 on the host: each row's summed log-prob of its labelled tokens,
+        forward only, each layer loaded once for all of `mbs`. adapters=False: LoRA's base alone
+        (the reference of a preference run)."""
+        with self._guard():
+            return self.infer.sequence_logps(mbs, adapters)
+
+    def sum_over_ranks(self, v: torch.Tensor) -> torch.Tensor:
+        """A small host vector summed over the ranks (itself on one process)."""
+        with self._guard():
+            return self.p.reduce.sum_vector(v)
 
     def scores(self, mbs: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per micro-batch: each label's log-prob and whether it is the argmax (engine.infer)."""
@@ -231,5 +261,5 @@ def oom_message(e: BaseException) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
     return (
         f"device out of memory during the step ({first}); lower train.micro_batch_size, "
-        "data.max_seq_len or engine.prefetch (`horizon train CONFIG --dry-run` shows the device plan)"
+        "data.max_seq_len, engine.keep_activations or engine.prefetch (`horizon train CONFIG --dry-run` shows the device plan)"
     )

@@ -134,12 +134,14 @@ class Objective(ABC):
     def train(self, head: Head, xs: list[torch.Tensor], targets: list[Targets], inv: float) -> HeadOut:
         """Loss sum and input gradients of this rank's micro-batches."""
 
-    def evaluate(self, head: Head, xs: list[torch.Tensor], targets: list[Targets]) -> torch.Tensor:
-        """The summed loss, forward only (evaluation: cross-entropy unless an objective says)."""
+    def evaluate(
+        self, head: Head, xs: list[torch.Tensor], targets: list[Targets]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the summed loss, stats), forward only (evaluation: cross-entropy unless an objective says)."""
         total = torch.zeros((), dtype=torch.float32, device=head.device)
         for x, t in zip(xs, targets, strict=True):
             total += head.ce_sum(x, t)
-        return total
+        return total, {}
 
 
 class TokenCE(Objective):
@@ -177,3 +179,9 @@ class SequenceObjective(Objective):
         coef = torch.zeros_like(leaf) if coef is None else coef
         dx = [head.backward(x, t, c) for x, t, c in zip(xs, targets, torch.split(coef, sizes), strict=True)]
         return HeadOut(loss_sum.detach(), dx, {k: v.detach() for k, v in stats.items()})
+
+    def evaluate(self, head: Head, xs: list[torch.Tensor], targets: list[Targets]):
+        """The objective's own loss and stats, forward only (one pass over the head)."""
+        logps = [head.logps(x, t) for x, t in zip(xs, targets, strict=True)]
+        loss_sum, stats = self.loss(logps, targets)
+        return loss_sum.detach(), {k: v.detach() for k, v in stats.items()}

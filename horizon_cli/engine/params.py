@@ -10,6 +10,8 @@ The step (engine.step) asks its strategy, never `if lora`:
                  updates they wait for
     weights(i)   a loaded layer's tensors by name (NF4 layers dequantized on the device first)
     layer_lora   the adapters a layer computes with (None in full fine-tuning)
+    adapters(on) a forward with the adapters on or off (LoRA: off is the base alone, a preference
+                 run's reference; full fine-tuning has none to switch)
     leaves       what the backward recompute differentiates: the layer's trainable weights, or
                  its adapters
     trains_head  the head and the embedding get gradients (full) or not (LoRA: the head computes
@@ -20,13 +22,14 @@ The step (engine.step) asks its strategy, never `if lora`:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
 from ..lora.setup import LoraSetup
 from ..model.lora import LayerLora, layer_lora
-from ..planning.lora import adapter_work_bytes
+from ..planning.lora import adapter_kept_bytes, adapter_work_bytes
 from ..runtime.events import READY, Event
 from ..state.adapters import lora_state
 from ..state.frozen import FrozenState
@@ -65,6 +68,9 @@ class FullParams:
     def layer_lora(self, i: int, extras: list[torch.Tensor], step: int, train: bool) -> LayerLora | None:
         return None
 
+    def adapters(self, on: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
     def leaves(self, i: int, w: dict[str, torch.Tensor], extras: list[torch.Tensor], step: int):
         """(weights to compute with, LayerLora or None, autograd leaves, their names): the layer's
         trainable weights as leaves of their own (views of the loaded buffer), frozen ones as
@@ -84,7 +90,10 @@ class FullParams:
     def work_bytes(self, tokens: int, item: int) -> int:
         return 0
 
-    def attach(self, device_empty: Alloc, dtype: torch.dtype) -> int:
+    def kept_bytes(self, tokens: int, item: int) -> int:
+        return 0
+
+    def attach(self, device_empty: Alloc, dtype: torch.dtype, kept: list[str]) -> int:
         return 0
 
 
@@ -104,6 +113,7 @@ class LoraParams:
         self.names = {
             u: [p.name for p in st.layout.tensors if p.trainable] for u, st in self.host.units.items()
         }
+        self.off = False  # adapters switched off: forwards run the base alone
 
     def extras(self, i: int, ready: dict[str, Event]) -> tuple[list[torch.Tensor], list[Event]]:
         """Layer i's adapters as a load's extra tensor, and the update they wait for."""
@@ -130,8 +140,16 @@ class LoraParams:
         return lora, leaves, names
 
     def layer_lora(self, i: int, extras: list[torch.Tensor], step: int, train: bool) -> LayerLora | None:
-        """Layer i's adapters for a forward (dropout only when `train`), or None."""
-        return self._lora(i, extras, step, train, grad=False)[0]
+        """Layer i's adapters for a forward (dropout only when `train`), or None (switched off)."""
+        return None if self.off else self._lora(i, extras, step, train, grad=False)[0]
+
+    @contextlib.contextmanager
+    def adapters(self, on: bool) -> Iterator[None]:
+        was, self.off = self.off, not on
+        try:
+            yield
+        finally:
+            self.off = was
 
     def leaves(self, i: int, w: dict[str, torch.Tensor], extras: list[torch.Tensor], step: int):
         """(weights, adapters, their autograd leaves in layout order, their names): the base's
@@ -150,10 +168,17 @@ class LoraParams:
         assert self.lora is not None
         return adapter_work_bytes(self.lora.targets, self.lora.cfg.r, tokens, item)
 
-    def attach(self, device_empty: Alloc, dtype: torch.dtype) -> int:
-        """NF4: the device buffer one layer is dequantized into (its bytes; 0: nothing is packed)."""
+    def kept_bytes(self, tokens: int, item: int) -> int:
+        """What the adapters add to a kept layer's graph for one micro-batch (planning.lora)."""
+        assert self.lora is not None
+        c = self.lora.cfg
+        return adapter_kept_bytes(self.lora.targets, c.r, c.dropout, tokens, item)
+
+    def attach(self, device_empty: Alloc, dtype: torch.dtype, kept: list[str]) -> int:
+        """NF4: the device buffer one layer is dequantized into, and one of its own for each kept
+        layer (their bytes; 0: nothing is packed)."""
         assert self.base is not None
-        return self.base.attach(device_empty, dtype)
+        return self.base.attach(device_empty, dtype, kept)
 
 
 class FrozenParams(LoraParams):

@@ -59,6 +59,7 @@ class Parts:
     reduce: LocalReduce | ShardedReduce
     embedding: Embedding
     objective: Objective
+    keep: int = 0  # K: the last K layers keep graph and weights from forward to backward (engine.keep)
     adam_step: int = 0  # optimizer steps applied (dropout masks are seeded by it)
 
     @property
@@ -78,11 +79,14 @@ def assemble(
     dist: Dist | None = None,
     objective: Objective | None = None,
     step_numel: int = 0,
+    keep: int = 0,
     forward_only: bool = False,
 ) -> Parts:
     """step_numel: one layer's inputs of the largest step (0: unknown), which sizes the loader's
-    buffers for the saved inputs once. forward_only: every unit frozen, nothing trained
-    (engine.params.FrozenParams: generation, evaluation)."""
+    buffers for the saved inputs once. keep: K, the kept layers (the last K): each gets weight
+    buffers of its own. forward_only: every unit frozen, nothing trained (engine.params.FrozenParams:
+    generation, evaluation), and nothing kept."""
+    assert not (forward_only and keep), "a forward-only engine keeps no graphs"
     spec = store.arch
     dtype = DTYPES[engine.dtype]
     grad_dtype = dtype if engine.grad_dtype == "auto" else DTYPES[engine.grad_dtype]
@@ -106,6 +110,8 @@ def assemble(
         extra_numel=step_numel + extra if step_numel else 0,
         extra_dtype=dtype,
         dist=dist,
+        keep=keep,
+        keep_extra_numel=extra,
     )
     optimizer = OptimizerWorker(params.host, optim.kernel, tracer, t.thread_init)
     # native functional layer, or transformers' own (with LoRA hooks on its linear modules)
@@ -128,9 +134,10 @@ def assemble(
         moe = getattr(tmpl, "moe", None)  # MoE router statistics: the global batch's
         if moe is not None:
             moe.reduce = sharded.all_sum_tensor
-    if n := params.attach(t.device_empty, dtype):
-        t.memory.set("dequantized layer", n)  # NF4: one layer, dequantized on the device
+    kept = params.layers[len(params.layers) - keep :] if keep else []
+    if n := params.attach(t.device_empty, dtype, kept):
+        t.memory.set("dequantized layer", n)  # NF4: one layer, dequantized on the device (+ each kept one)
     return Parts(
         spec, engine, optim, dtype, grad_dtype, t, tracer, Poison(), dist, params, loader, optimizer, tmpl,
-        grads, reduce, embedding, objective or TokenCE(),
+        grads, reduce, embedding, objective or TokenCE(), keep,
     )  # fmt: skip

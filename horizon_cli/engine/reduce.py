@@ -4,9 +4,11 @@
     layer(unit, g, k, sq)   a unit's fp32 gradient sum on the device -> its host grad; returns the
                             event of its landing there (the optimizer waits on it)
     head(...)               the same for the head once per step (and a tied embedding's share)
-    total(loss, sq, host)   the step's loss sum and squared grad norm: this process's, or every
-                            rank's (one all-reduce), so every rank clips and skips alike
-    eval_total(sum, n)      an evaluation's (loss sum, label tokens), over every rank
+    total(loss, sq, host, stats)  the step's loss sum, squared grad norm and the objective's stat
+                            sums: this process's, or every rank's (one all-reduce), so every rank
+                            clips and skips alike
+    eval_total(sum, n, stats)  an evaluation's (loss sum, divisor, stat sums), over every rank
+    sum_vector(v)           a small host vector summed over the ranks (the reference pass's)
     drain()                 wait for every queued reduction (before eval or save)
 
 Local: the squares of the device pieces are summed in fp64 on the host with the embedding's.
@@ -21,6 +23,8 @@ import torch
 from ..runtime.events import Event
 from .grads import GradSums, sumsq
 from .sharded import ShardedGrads
+
+Stats = dict[str, torch.Tensor]  # an objective's sums over this rank's data
 
 
 class LocalReduce:
@@ -43,12 +47,17 @@ class LocalReduce:
         sq.extend(sumsq(grads.head))
         ready["head"] = grads.send("head", grads.head, None)
 
-    def total(self, loss_sum: torch.Tensor, sq: list, host_sq: float) -> tuple[float, float]:
+    def total(
+        self, loss_sum: torch.Tensor, sq: list, host_sq: float, stats: Stats
+    ) -> tuple[float, float, dict]:
         dev_sq = torch.stack(sq).double().sum().item() if sq else 0.0
-        return float(loss_sum.item()), dev_sq + host_sq
+        return float(loss_sum.item()), dev_sq + host_sq, {k: float(v) for k, v in stats.items()}
 
-    def eval_total(self, total: torch.Tensor, tokens: int) -> tuple[float, int]:
-        return float(total.item()), tokens
+    def eval_total(self, total: torch.Tensor, tokens: int, stats: Stats) -> tuple[float, int, dict]:
+        return float(total.item()), tokens, {k: float(v) for k, v in stats.items()}
+
+    def sum_vector(self, v: torch.Tensor) -> torch.Tensor:
+        return v
 
     def drain(self) -> None:
         pass
@@ -69,13 +78,22 @@ class ShardedReduce:
         assert grads.head is not None
         ready["head"] = self.sharded.reduce("head", grads.head, "head")
 
-    def total(self, loss_sum: torch.Tensor, sq: list, host_sq: float) -> tuple[float, float]:
-        return self.sharded.total(loss_sum)
+    def total(
+        self, loss_sum: torch.Tensor, sq: list, host_sq: float, stats: Stats
+    ) -> tuple[float, float, dict]:
+        return self.sharded.total(loss_sum, stats)
 
-    def eval_total(self, total: torch.Tensor, tokens: int) -> tuple[float, int]:
+    def eval_total(self, total: torch.Tensor, tokens: int, stats: Stats) -> tuple[float, int, dict]:
         """This rank's share: the sums over every rank's."""
-        loss, n = self.sharded.sum_all(lambda: [float(total), float(tokens)])
-        return loss, int(n)
+        keys = list(stats)
+        loss, n, *vals = self.sharded.sum_all(
+            lambda: [float(total), float(tokens), *map(float, stats.values())]
+        )
+        return loss, int(n), dict(zip(keys, vals, strict=True))
+
+    def sum_vector(self, v: torch.Tensor) -> torch.Tensor:
+        """Every rank's v added up (each rank fills its own entries, zeros elsewhere: exact)."""
+        return torch.tensor(self.sharded.sum_all(lambda: v.double().tolist()), dtype=v.dtype)
 
     def drain(self) -> None:
         self.sharded.drain()

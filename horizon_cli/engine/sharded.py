@@ -10,9 +10,9 @@ slice, the embedding used and trained on the device, the step's one all-reduce.
                        and rows picked there; backward: rows scatter-added into a dense fp32
                        (V, H) device buffer (with a tied head, the LM head's own gradient already
                        in it), then reduce-scattered like a layer's
-    end of step        one all-reduce of (loss sum, sum of squared gradient slices): the global
-                       loss and grad norm, the same on every rank, so every rank clips and skips
-                       alike
+    end of step        one all-reduce of (loss sum, sum of squared gradient slices, the objective's
+                       stat sums): the global loss, grad norm and metrics, the same on every rank,
+                       so every rank clips and skips alike
 
 Every collective goes through the collective thread (parallel.comm), in the order the main thread
 issues it, after the events it needs; its result reaches the host over the transport as a
@@ -90,10 +90,14 @@ class ShardedGrads:
         self.free[key] = ev
         return ev
 
-    def total(self, loss_sum: torch.Tensor) -> tuple[float, float]:
-        """(global loss sum, global squared grad norm), after this step's reduce-scatters."""
-        loss, sq = self.sum_all(lambda: [float(loss_sum), sum(self.sq)])
-        return loss, sq
+    def total(self, loss_sum: torch.Tensor, stats: dict | None = None) -> tuple[float, float, dict]:
+        """(global loss sum, global squared grad norm, the objective's stat sums over every rank),
+        after this step's reduce-scatters: one all-reduce for all of them."""
+        keys = list(stats or {})
+        loss, sq, *vals = self.sum_all(
+            lambda: [float(loss_sum), sum(self.sq), *(float(v) for v in (stats or {}).values())]
+        )
+        return loss, sq, dict(zip(keys, vals, strict=True))
 
     def sum_all(self, values) -> list[float]:
         """The sums over ranks of `values()` (evaluated on the collective thread, after every

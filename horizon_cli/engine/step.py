@@ -7,14 +7,15 @@
     backward  for each layer i from the top: load W_i again with the saved x_i; recompute the layer
               under autograd (the only graph, one layer deep), backpropagate every micro-batch,
               accumulate parameter grads in fp32 and send them to the host (engine.grads,
-              engine.reduce)
+              engine.reduce). A kept layer (the last K, engine.keep) uses the graph its forward
+              held instead: no recompute, no second load
     embed     the input gradient into the embedding's fp32 grad (engine.embed)
     optimize  with the global grad norm known, AdamW runs on the CPU unit by unit, overlapped
               with the next step's forward (which waits per unit, in the same order)
 
-Each decoder layer's weights cross host -> device exactly twice per step, whatever the number
-of micro-batches (invariant 2). What is trained (engine.params) and where gradients go
-(engine.reduce) are strategies of `Parts`, chosen once. See docs/engine.md.
+Each decoder layer's weights cross host -> device twice per step (a kept layer's once: 2L - K
+loads), whatever the number of micro-batches (invariant 2). What is trained (engine.params) and
+where gradients go (engine.reduce) are strategies of `Parts`, chosen once. See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import torch
 
 from ..data.batch import MicroBatch
 from ..optim.adamw import AdamWHyper
-from ..planning.memory import head_work_bytes, layer_work_bytes
+from ..planning.memory import head_work_bytes, kept_graph_bytes, layer_vectors, layer_work_bytes
 from ..runtime.events import Event
+from .keep import KeptLayers
 from .objective import HeadOut
 from .parts import Parts
 from .sweep import Sweep
@@ -36,6 +38,9 @@ class TrainStep:
     def __init__(self, p: Parts, sweep: Sweep):
         self.p, self.sweep = p, sweep
         self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
+        self.kept = KeptLayers(p)  # the last K layers' graphs, from their forward to their backward
+        self.recomputed = len(p.layers) - p.keep  # layers 0 .. recomputed-1 save inputs and recompute
+        self.vectors = layer_vectors(p.params.units[u].layout for u in p.layers) if p.keep else 0
         self.grad_ready: dict[str, Event] = {}  # unit -> its gradient is on the host (this step)
         self.mb_base = 0  # sharded runs: the global index of this rank's first micro-batch
 
@@ -46,10 +51,10 @@ class TrainStep:
 
     def forward_backward(
         self, mbs: list[MicroBatch], tokens: int | None = None
-    ) -> tuple[float, int, float, HeadOut]:
-        """Fill every trained unit's host grad with d(mean loss)/dW. Returns (loss sum, label
-        tokens, squared global grad norm, the objective's output). tokens: the divisor of the
-        global batch (sharded runs; default: this batch's)."""
+    ) -> tuple[float, int, float, dict[str, float]]:
+        """Fill every trained unit's host grad with d(mean loss)/dW. Returns (loss sum, divisor,
+        squared global grad norm, the objective's stat sums), the global batch's (every rank's).
+        tokens: the divisor of the global batch (sharded runs; default: this batch's)."""
         p = self.p
         tokens = p.objective.divisor(mbs) if tokens is None else tokens
         self.mb_base = p.dist.rank * len(mbs) if p.dist else 0
@@ -59,16 +64,17 @@ class TrainStep:
         shapes = [(*mb.input_ids.shape, p.spec.hidden) for mb in mbs]
         total = sum(math.prod(s) for s in shapes)
         self._ensure_ckpt(total)
-        saved = p.poison.promises(len(p.layers))
+        saved = p.poison.promises(self.recomputed)
         self._account(shapes)
         self.grad_ready = {}
         sq: list[torch.Tensor] = []
         p.reduce.begin_step()
 
         p.tmpl.begin_step()
-        seq = self.sweep.loads([(self.ckpt[i][:total], saved[i]) for i in range(len(p.layers))])
+        self.kept.clear()
+        seq = self.sweep.loads([(self.ckpt[i][:total], saved[i]) for i in range(self.recomputed)], p.keep)
         x = self.sweep.start(mbs, seq)
-        x = self.sweep.layers(x, ctxs, self.mb_base, save=(self.ckpt, saved))
+        x = self.sweep.layers(x, ctxs, self.mb_base, save=(self.ckpt, saved), keep=self.kept)
         p.tmpl.end_forward()  # MoE: every layer's routing is known, the aux loss with it
         out = self._head(x, targets, inv_n, sq)
         dx = self._backward_layers(out.dx, ctxs, shapes, sq)
@@ -78,8 +84,8 @@ class TrainStep:
                 if p.params.trains_head
                 else 0.0
             )
-            loss, sq_all = p.reduce.total(out.loss_sum, sq, host_sq)
-        return loss, tokens, sq_all, out
+            loss, sq_all, stats = p.reduce.total(out.loss_sum, sq, host_sq, out.stats)
+        return loss, tokens, sq_all, stats
 
     def apply_update(self, lr: float, norm: float) -> None:
         p, o = self.p, self.p.ocfg
@@ -118,33 +124,52 @@ class TrainStep:
         p = self.p
         for i in reversed(range(len(p.layers))):
             unit = p.params.trained[i]  # the unit whose gradient this layer produces (None: no adapters)
-            w, extras = p.loader.acquire(f"b{i}")
-            saved = extras[-1]
             k = i % 2
             g, gv = p.grads.buffer(unit, k)
-            with p.t.compute_span(f"bwd {i}"):
-                w = p.params.weights(i, w)
-                w, lora, leaves, names = p.params.leaves(i, w, extras, p.adam_step)
-                want_dx = p.params.wants_dx(i)
-                if want_dx or leaves:
-                    self._backward_layer(i, w, lora, leaves, names, saved, dx, ctxs, shapes, want_dx, gv)
-            p.loader.release(f"b{i}")
+            if i in self.kept:
+                with p.t.compute_span(f"bwd {i} kept", kept=True):
+                    graph, h = self.kept.take(i, ctxs)
+                    if h.want_dx or h.leaves:
+                        self._backprop(len(ctxs), graph, h.leaves, h.names, dx, h.want_dx, gv)
+                p.loader.release(f"f{i}")  # the forward's load, held until now
+            else:
+                self._recompute_layer(i, dx, ctxs, shapes, gv)
             if unit is not None:
                 p.grads.free[k] = self.grad_ready[unit] = p.reduce.layer(unit, g, k, sq)
         return dx
 
-    def _backward_layer(self, i, w, lora, leaves, names, saved, dx, ctxs, shapes, want_dx, gv) -> None:
-        """Recompute layer i under autograd for every micro-batch: its input gradient into dx, the
-        leaves' gradients added (fp32) into gv."""
-        off = 0
-        for m, (shape, c) in enumerate(zip(shapes, ctxs, strict=True)):
-            n = math.prod(shape)
-            xi = saved[off : off + n].view(shape).detach().requires_grad_(want_dx)
-            off += n
-            if lora is not None:
-                lora.mb = self.mb_base + m  # the global micro-batch: dropout masks as on one rank
+    def _recompute_layer(self, i, dx, ctxs, shapes, gv) -> None:
+        """Load layer i again with its saved inputs and recompute it under autograd for every
+        micro-batch: its input gradient into dx, the leaves' gradients added (fp32) into gv."""
+        p = self.p
+        w, extras = p.loader.acquire(f"b{i}")
+        saved = extras[-1]
+        with p.t.compute_span(f"bwd {i}"):
+            w = p.params.weights(i, w)
+            w, lora, leaves, names = p.params.leaves(i, w, extras, p.adam_step)
+            want_dx = p.params.wants_dx(i)
+            offs = [0]
+            for shape in shapes:
+                offs.append(offs[-1] + math.prod(shape))
+
+            def graph(m: int) -> tuple:
+                xi = saved[offs[m] : offs[m + 1]].view(shapes[m]).detach().requires_grad_(want_dx)
+                if lora is not None:
+                    lora.mb = self.mb_base + m  # the global micro-batch: dropout masks as on one rank
+                y, extra = p.tmpl.objective(i, w, xi, ctxs[m], lora)
+                return xi, y, extra
+
+            if want_dx or leaves:
+                self._backprop(len(shapes), graph, leaves, names, dx, want_dx, gv)
+        p.loader.release(f"b{i}")
+
+    def _backprop(self, n: int, graph, leaves, names, dx, want_dx: bool, gv) -> None:
+        """Backpropagate one layer's graph of each of n micro-batches (graph(m): input, output,
+        auxiliary term or None), in order: the input gradient into dx[m], the leaves' gradients
+        added (fp32) into gv."""
+        for m in range(n):
             with torch.enable_grad():
-                y, extra = self.p.tmpl.objective(i, w, xi, c, lora)
+                xi, y, extra = graph(m)
                 outs, seeds = (
                     ([y], [dx[m]]) if extra is None else ([y, extra], [dx[m], torch.ones_like(extra)])
                 )
@@ -164,7 +189,7 @@ class TrainStep:
             return
         for old in self.ckpt:
             p.t.host_release(old)
-        self.ckpt = [p.t.host_empty(total, p.dtype) for _ in p.layers]
+        self.ckpt = [p.t.host_empty(total, p.dtype) for _ in range(self.recomputed)]  # kept: none
 
     def _account(self, shapes) -> None:
         """Device memory by category for this step's shapes (the CPU has no allocator to ask)."""
@@ -179,3 +204,10 @@ class TrainStep:
         work = layer_work_bytes(p.spec, tok, rows, T, item) + p.params.work_bytes(tok, item)
         p.t.memory.set("layer_work", work)
         p.t.memory.set("head_work", head_work_bytes(p.spec, tok, p.cfg.loss_chunk, item))
+        if p.keep:  # each kept layer's graphs of every micro-batch (planning.memory.kept_graph_bytes)
+            graphs = sum(
+                kept_graph_bytes(p.spec, sh[0] * sh[1], sh[0], sh[1], item, self.vectors)
+                + p.params.kept_bytes(sh[0] * sh[1], item)
+                for sh in shapes
+            )
+            p.t.memory.set("kept graphs", p.keep * graphs)

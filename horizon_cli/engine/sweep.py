@@ -1,10 +1,12 @@
 """One sweep of the layers over a step's micro-batches: what training and inference share.
 
 loads     the sequence of loads the loader streams: every layer forward, the head, then (for a
-          training step) every layer again from the top with its saved inputs
+          training step) every layer again from the top with its saved inputs, except the kept
+          layers (engine.keep), whose forward load serves their backward too
 start     begin the loads and send the embedded inputs
 layers    each layer once over every micro-batch (invariant 2: one transfer serves them all),
-          optionally saving each layer's input to the host for the backward recompute
+          optionally saving each layer's input to the host for the backward recompute, or (a
+          kept layer) holding its graph and weights for the backward instead
 head      the final norm's weights and the LM head on the device, for an objective
 """
 
@@ -15,6 +17,7 @@ import torch
 from ..data.batch import MicroBatch
 from ..runtime.events import Promise
 from ..runtime.loader import Load
+from .keep import KeptLayers
 from .objective import Head
 from .parts import Parts
 
@@ -28,27 +31,33 @@ class Sweep:
         p = self.p
         return [p.tmpl.context(mb, p.dtype, p.t.device) for mb in mbs]
 
-    def loads(self, backward: list[tuple[torch.Tensor, Promise]] | None = None, kv=None) -> list[Load]:
+    def loads(
+        self, backward: list[tuple[torch.Tensor, Promise]] | None = None, kept: int = 0, kv=None
+    ) -> list[Load]:
         """The step's loads: forward layers, the head, then (with `backward`: per layer its saved
-        inputs and the promise of their copy) the backward layers. A layer's extras (LoRA: its
-        adapters) come along once the optimizer has updated them; with `kv` (a generation's KV
-        cache held on the host, engine.kvcache) so do the layer's cached K/V, once written back."""
+        inputs and the promise of their copy) the backward layers but the `kept` last ones, whose
+        forward loads go to buffers of their own. A layer's extras (LoRA: its adapters) come along
+        once the optimizer has updated them; with `kv` (a generation's KV cache held on the host,
+        engine.kvcache) so do the layer's cached K/V, once written back. A forward-only pass
+        (`backward` None: evaluation, generation) keeps nothing."""
         p = self.p
         ready = p.loader.ready
+        assert backward is not None or kept == 0, "only a training step keeps layers"
+        first = len(p.layers) - kept
         seq = []
         for i, u in enumerate(p.layers):
             extra, deps = p.params.extras(i, ready)
             if kv is not None:
                 kv_extra, kv_deps = kv.extras(i)
                 extra, deps = [*extra, *kv_extra], [*deps, *kv_deps]
-            seq.append(Load(f"f{i}", u, extra, deps))
+            seq.append(Load(f"f{i}", u, extra, deps, kept=i >= first))
         if p.dist is not None:  # the embedding table, gathered on the device first
             seq.insert(0, Load("embed-in", "embed"))
         seq.append(Load("head", "head"))
         if p.spec.tie_embeddings:
             seq.append(Load("embed", "embed"))
         if backward is not None:
-            for i in reversed(range(len(p.layers))):
+            for i in reversed(range(first)):
                 extra, deps = p.params.extras(i, ready)
                 buf, saved = backward[i]
                 seq.append(Load(f"b{i}", p.layers[i], [*extra, buf], [*deps, saved]))
@@ -74,15 +83,24 @@ class Sweep:
         ctxs: list,
         mb_base: int = 0,
         save: tuple[list[torch.Tensor], list[Promise]] | None = None,
+        keep: KeptLayers | None = None,
         kv=None,
     ) -> list[torch.Tensor]:
         """Every layer over every micro-batch. save: (per layer a host buffer, the promise of its
         copy): each layer's input goes to the host first, for the backward recompute (async,
         overlapping the compute); a training forward (dropout on). mb_base: the global index of
-        this rank's first micro-batch (dropout masks as on one rank). kv: a generation's KV
-        cache (engine.kvcache): its layer's K/V bound before the compute, kept after it."""
+        this rank's first micro-batch (dropout masks as on one rank). keep: the kept layers, run
+        under autograd and held (their loads stay acquired until their backward releases them); a
+        training step's only. kv: a generation's KV cache (engine.kvcache): its layer's K/V bound
+        before the compute, kept after it."""
         p = self.p
+        assert keep is None or kv is None, "a generation keeps no graphs"
         for i in range(len(p.layers)):
+            if keep is not None and i in keep:
+                w, extras = p.loader.acquire(f"f{i}")
+                with p.t.compute_span(f"fwd {i} kept", kept=True):
+                    x = keep.forward(i, w, extras, x, ctxs, mb_base)
+                continue
             if save is not None:
                 buffers, promises = save
                 pairs, off = [], 0

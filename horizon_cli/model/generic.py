@@ -252,12 +252,26 @@ class GenericTemplate:
     def forward(self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None) -> torch.Tensor:
         """x (b, T, H) -> (b, T, H) (the first layer: x is the embedding rows); records router
         statistics."""
+        return self.forward_held(i, w, x, ctx, lora)[0]
+
+    def forward_held(
+        self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, and what a kept layer's backward needs for its share of the auxiliary loss
+        (the router logits, with their graph when run under autograd; None for a dense layer)."""
         y = self._call(i, w, x, ctx, lora)
-        if self.moe is not None and i in self._caught:
-            out = self._caught.pop(i)
-            chosen = out[-1] if len(out) > 1 and not out[-1].is_floating_point() else None
-            self.moe.record(i, out[self.g["moe"]["logits_index"]], chosen, ctx.tokens)
-        return y
+        if self.moe is None or i not in self._caught:
+            return y, None
+        out = self._caught.pop(i)
+        chosen = out[-1] if len(out) > 1 and not out[-1].is_floating_point() else None
+        logits = out[self.g["moe"]["logits_index"]]
+        self.moe.record(i, logits, chosen, ctx.tokens)
+        return y, logits
+
+    def held_objective(self, held: torch.Tensor | None, ctx: GenericContext) -> torch.Tensor | None:
+        """A kept layer's backward: the scalar `objective` adds (every layer's routing is known now),
+        from the router logits its forward held."""
+        return None if self.moe is None or held is None else self.moe.objective(held, ctx.tokens)
 
     def objective(
         self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None

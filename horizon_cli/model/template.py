@@ -6,7 +6,8 @@
 
 The schedule calls the same methods on either (per micro-batch `context`; per layer `forward` and,
 in the backward recompute, `objective`, which may add a per-layer auxiliary term, both with the
-layer's LoRA adapters when there are (natively passed down to each linear layer, on the generic
+layer's LoRA adapters when there are; for a kept layer, whose forward's graph serves its backward,
+`forward_held` under autograd and, in the backward, `held_objective` for the auxiliary term (natively passed down to each linear layer, on the generic
 path applied by forward hooks on transformers' linear modules); the head's
 `final_norm` and `logits`; the step hooks `begin_step` / `end_forward` / `step_stats`).
 """
@@ -54,6 +55,14 @@ class NativeTemplate:
         self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None
     ) -> tuple[torch.Tensor, None]:
         return self.forward(i, w, x, ctx, lora), None
+
+    def forward_held(
+        self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None
+    ) -> tuple[torch.Tensor, None]:
+        return self.forward(i, w, x, ctx, lora), None
+
+    def held_objective(self, held, ctx: AttnContext) -> None:
+        return None
 
     def begin_step(self) -> None:
         pass

@@ -56,7 +56,12 @@ def check_device_fit(plan: MemoryPlan, ecfg: EngineConfig) -> None:
     """Refuse (exit 2) a run whose device plan does not fit the device's free memory."""
     fit = device_fit(plan, ecfg)
     if fit is not None and not fit[0]:
+        kept = (
+            f", engine.keep_activations ({plan.kept} kept layers: {_gib(plan.kept_bytes)})"
+            if plan.kept
+            else ""
+        )
         raise InputError(
-            f"device memory plan does not fit: {fit[1]}; lower train.micro_batch_size, data.max_seq_len "
+            f"device memory plan does not fit: {fit[1]}; lower train.micro_batch_size, data.max_seq_len{kept} "
             "or engine.prefetch (see `horizon train CONFIG --dry-run`)"
         )

@@ -20,6 +20,7 @@ from ..lora.targets import resolve_targets
 from ..parallel.topology import World
 from ..store import Store
 from .fit import RESERVE, Machine
+from .keep import keep_plan
 from .lora import lora_memory_plan
 from .memory import RUNGS, MemoryPlan, memory_plan
 
@@ -57,13 +58,20 @@ def plan_for(
     memory: str,
     lora: LoraSetup | None = None,
     world: World = World(),
+    where: Machine | None = None,
 ) -> MemoryPlan:
-    """The memory plan of one rung of the ladder for this config, one rank's of `world`. The
+    """The memory plan of one rung of the ladder for this config, one rank's of `world`, with
+    its kept layers (engine.keep_activations; `auto` fits them to `where`, none without it). The
     lora rungs are planned with the run's own adapters (`lora`), or, for a full fine-tuning
     config, lora:'s defaults."""
+    return keep_plan(_plan(cfg, spec, memory, lora, world), cfg.engine.keep_activations, where)
+
+
+def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) -> MemoryPlan:
     spec = spec if isinstance(spec, ArchSpec) else spec.arch
     e = cfg.engine
     seq = min(cfg.data.max_seq_len, spec.max_positions)
+    rows = cfg.rows_per_example  # a preference pair is two sequences in the same micro-batch
     if memory in ("lora", "qlora"):
         targets, r = (lora.targets, lora.r) if lora else default_adapters(spec)
         return lora_memory_plan(
@@ -72,22 +80,23 @@ def plan_for(
             r,
             e.dtype,
             e.grad_dtype,
-            batch=cfg.train.batch_size,
-            micro_batch=cfg.train.micro_batch_size,
+            batch=cfg.train.batch_size * rows,
+            micro_batch=cfg.train.micro_batch_size * rows,
             seq=seq,
             prefetch=e.prefetch,
             loss_chunk=e.loss_chunk,
             quant="nf4" if memory == "qlora" else "",
             world=world.size,
             per_node=world.per_node,
+            dropout=lora.cfg.dropout if lora else 0.0,
         )
     dtype = "bfloat16" if memory == "lean" else e.dtype  # lean keeps a bf16 weight
     return memory_plan(
         spec,
         dtype,
         e.grad_dtype if memory != "lean" else "auto",
-        batch=cfg.train.batch_size,
-        micro_batch=cfg.train.micro_batch_size,
+        batch=cfg.train.batch_size * rows,
+        micro_batch=cfg.train.micro_batch_size * rows,
         seq=seq,
         prefetch=e.prefetch,
         loss_chunk=e.loss_chunk,
@@ -98,9 +107,13 @@ def plan_for(
 
 
 def plan_ladder(
-    cfg: Config, spec: ArchSpec | Store | PlannedModel, lora: LoraSetup | None = None, world: World = World()
+    cfg: Config,
+    spec: ArchSpec | Store | PlannedModel,
+    lora: LoraSetup | None = None,
+    world: World = World(),
+    where: Machine | None = None,
 ) -> dict[str, MemoryPlan]:
-    return {rung: plan_for(cfg, spec, rung, lora, world) for rung in RUNGS}
+    return {rung: plan_for(cfg, spec, rung, lora, world, where) for rung in RUNGS}
 
 
 def not_applicable(model: Store | PlannedModel) -> dict[str, str]:
@@ -182,6 +195,12 @@ def check_fits(
     )
     best = best_rung(rungs, where, na)
     hint = f"the largest rung that fits: {best} ({HOW[best]})" if best else "no rung fits"
+    kept = rungs[memory]
+    if kept.kept:
+        hint += (
+            f"; this plan keeps {kept.kept} layers ({fmt_bytes(kept.kept_bytes)}): lower "
+            "engine.keep_activations, or set it to auto (as many as fit)"
+        )
     raise InputError(
         f"memory plan does not fit this machine: {why}. Ladder: {ladder}. {hint} "
         "(see `horizon train CONFIG --dry-run`)"

@@ -18,7 +18,17 @@ from ..arch import ArchSpec
 from ..lora.targets import Target, adapter_params
 from ..store import layouts
 from ..store.packed import packed_layout, packs
-from .memory import ITEM, MemoryPlan, gather_pad, head_work_bytes, layer_work_bytes, piece, rank_batch
+from .memory import (
+    ITEM,
+    MemoryPlan,
+    gather_pad,
+    head_work_bytes,
+    kept_graph_bytes,
+    layer_vectors,
+    layer_work_bytes,
+    piece,
+    rank_batch,
+)
 
 
 def base_bytes(spec: ArchSpec, dtype: str, quant: str = "", world: int = 1) -> dict[str, int]:
@@ -43,6 +53,15 @@ def adapter_work_bytes(targets: list[list[Target]], r: int, tokens: int, item: i
     return tokens * widest * item
 
 
+def adapter_kept_bytes(targets: list[list[Target]], r: int, dropout: float, tokens: int, item: int) -> int:
+    """What the adapters add to a kept layer's graph for one micro-batch, per token and adapted
+    linear: A's output (r; B's input), and with dropout its dropped input and the mask (2 x in
+    features). The rest (B's output, scaled and added) is not saved for the backward."""
+    drop = 2 if dropout else 0
+    widest = max((sum(r + drop * t.in_features for t in layer) for layer in targets), default=0)
+    return tokens * widest * item
+
+
 def lora_memory_plan(
     spec: ArchSpec,
     targets: list[list[Target]],
@@ -57,6 +76,7 @@ def lora_memory_plan(
     quant: str = "",
     world: int = 1,
     per_node: int = 1,
+    dropout: float = 0.0,
 ) -> MemoryPlan:
     item = ITEM[dtype]
     gitem = ITEM[dtype if grad_dtype == "auto" else grad_dtype]
@@ -105,4 +125,14 @@ def lora_memory_plan(
         if not spec.tie_embeddings:
             p.device["embedding table (gathered)"] = base["embed"]
         p.device["adapter gradient all-reduce outputs"] = 4 * per_layer * (4 + narrow)
+    # one kept layer: its own weight buffer (packed for NF4, padded as a gathered unit), its adapters,
+    # its own dequantized copy (NF4: the shared scratch buffer is overwritten by the next layer), the
+    # graphs of this rank's micro-batches
+    slot = max(v for k, v in base_bytes(spec, dtype, quant, world).items() if k.startswith("layer."))
+    dense = p.device.get("dequantized layer", 0)
+    mbs = max(1, rank_batch(batch, world) // micro_batch)
+    graph = kept_graph_bytes(spec, tok, micro_batch, seq, item, layer_vectors(lays.values()))
+    graph += adapter_kept_bytes(targets, r, dropout, tok, item)
+    p.layers, p.saved_layer = spec.n_layers, acts
+    p.kept_layer = (slot + per_layer * item + dense, mbs * graph)
     return p

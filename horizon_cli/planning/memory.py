@@ -51,6 +51,17 @@ class MemoryPlan:
     device: dict[str, int] = field(default_factory=dict)
     world: int = 1
     per_node: int = 1
+    # kept layers (engine.keep_activations, planning.keep): K of `layers`, what one kept layer
+    # holds on the device (its own weight buffers, its graph for the whole step), and the host's
+    # saved inputs of one layer, which a kept layer does not need
+    layers: int = 0
+    kept: int = 0
+    kept_layer: tuple[int, int] = (0, 0)
+    saved_layer: int = 0
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.kept * sum(self.kept_layer)
 
     @property
     def nodes(self) -> int:
@@ -121,6 +132,36 @@ def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int
     return 2 * tokens * per_tok * item + attn
 
 
+def kept_graph_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int, vectors: int) -> int:
+    """What a kept layer's autograd graph holds for one micro-batch from its forward to its
+    backward (the tensors its forward saved), per token:
+
+      native   model/layer.py's ops: each RMSNorm its input and normalized copies in fp32 and the
+               compute dtype (10 B per element; Qwen3's q/k norms too); q and k before RoPE,
+               rotated and after, v, the attention output and o_proj's input (5 q + 4 kv); the
+               MLP's gate, up, silu(gate) and their product (4 I); the CPU's dense mask where a
+               window is shorter than the sequence
+      generic  transformers' layers (any op sequence): the working set above, plus for each of
+               the layer's `vectors` 1-D tensors (taken as norms over the hidden size) 10 B per
+               element
+
+    tests/test_keep.py checks both against what real layers save (autograd's saved tensors)."""
+    H = spec.hidden
+    if spec.generic is not None:
+        return layer_work_bytes(spec, tokens, rows, T, item) + tokens * vectors * H * 10
+    q, kv = spec.q_dim, spec.kv_dim
+    per_tok = (
+        20 * H + (10 * (q + kv) if spec.qk_norm else 0) + (5 * q + 4 * kv + 4 * spec.intermediate) * item
+    )
+    masked = any(w is not None and w < T for w in spec.windows)
+    return tokens * per_tok + (rows * T * T if masked else 0)
+
+
+def layer_vectors(lays) -> int:
+    """The most 1-D tensors (norm scales, biases) in one decoder layer's layout."""
+    return max(sum(len(p.shape) == 1 for p in lay.tensors) for lay in lays if lay.name.startswith("layer."))
+
+
 def head_work_bytes(spec: ArchSpec, tokens: int, chunk: int, item: int) -> int:
     """One logits chunk: compute-dtype logits, their fp32 copy and its gradient; and the chunk's
     LM-head weight gradient (vocab, hidden) in the compute dtype before it is added in fp32."""
@@ -166,6 +207,12 @@ def memory_plan(
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
     if world > 1:
         p.device.update(sharded_device(lays, spec, world, prefetch, item, gitem))
+    # one kept layer: its own weight buffer (whole, padded as a gathered unit), the graphs of this
+    # rank's micro-batches
+    mbs = max(1, rank_batch(batch, world) // micro_batch)
+    graph = kept_graph_bytes(spec, tok, micro_batch, seq, item, layer_vectors(lays.values()))
+    p.layers, p.saved_layer = spec.n_layers, acts
+    p.kept_layer = ((layer_max + gather_pad(layer_max, world)) * item, mbs * graph)
     return p
 
 

@@ -18,6 +18,8 @@ def _color(s: Span) -> str:
     n = s.name
     if s.lane == "optimizer":
         return "#9467bd"
+    if n.endswith(" kept"):  # a kept layer: forward under autograd, backward from its graph
+        return "#8c564b"
     if n.startswith(("fwd", "f")) and not n.startswith("g"):
         return "#1f77b4"
     if n.startswith(("bwd", "b")):
@@ -56,13 +58,14 @@ def plot_timeline(spans: list[Span], out: Path, title: str = "") -> Path:
     legend = [
         Patch(color="#1f77b4", label="forward / weights for it"),
         Patch(color="#ff7f0e", label="backward (recompute) / weights + saved inputs"),
+        Patch(color="#8c564b", label="kept layer (graph held, no recompute)"),
         Patch(color="#2ca02c", label="loss head"),
         Patch(color="#17becf", label="saved activations"),
         Patch(color="#d62728", label="gradients"),
         Patch(color="#9467bd", label="AdamW update"),
     ]
     ax.legend(
-        handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=6, fontsize=8, frameon=False
+        handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=7, fontsize=8, frameon=False
     )
     ax.set_title(title or "horizon pipeline timeline", fontsize=10)
     ax.grid(axis="x", alpha=0.3)

@@ -51,9 +51,10 @@ def run_profile(
         preflight.check_output_file(path, opt)  # before minutes of measuring, not after
     with tempfile.TemporaryDirectory(prefix="horizon-profile-") as tmp:
         cfg, store, lora = _setup(config, Path(tmp), console)
-        check_device_fit(plan_run(cfg, store, lora).plan, cfg.engine)
+        plan = plan_run(cfg, store, lora, where=preflight.local_machine(cfg)).plan  # K: auto fits it here
+        check_device_fit(plan, cfg.engine)
         tracer = Tracer(enabled=True)
-        engine = build_engine(cfg, store, lora=lora, tracer=tracer)
+        engine = build_engine(cfg, store, lora=lora, tracer=tracer, keep=plan.kept)
         batch, micro = cfg.train.batch_size, cfg.train.micro_batch_size
         seq = min(cfg.data.max_seq_len, store.arch.max_positions)
         try:
@@ -140,8 +141,13 @@ def _measured_spans(spans):
     return [s for s in spans if s.t1 >= start]
 
 
-def _per_layer(spans, prefix: str) -> float:
-    vals = [s.t1 - s.t0 for s in spans if s.lane == "compute" and s.name.startswith(prefix)]
+def _per_layer(spans, prefix: str, kept: bool = False) -> float:
+    """Median compute span of the layers' `prefix` (fwd, bwd), of the kept layers or the others."""
+    vals = [
+        s.t1 - s.t0
+        for s in spans
+        if s.lane == "compute" and s.name.startswith(prefix) and s.name.endswith(" kept") == kept
+    ]
     return statistics.median(vals) if vals else 0.0
 
 
@@ -150,10 +156,12 @@ def _summary(store: Store, engine: Engine, link: list[dict], med, last, spans, t
     h2d, d2h = bandwidth.best(link, "h2d"), bandwidth.best(link, "d2h")
     opt = [s.t1 - s.t0 for s in spans if s.lane == "optimizer" and s.name.startswith(("layer.", "lora."))]
     # the link's fixed cost per step: every layer's weights twice (as they stream: the compute
-    # dtype, or NF4 bytes), with its adapters in LoRA runs; compute grows with tokens
+    # dtype, or NF4 bytes), a kept layer's once, with its adapters in LoRA runs; compute grows with tokens
     layer = {u: _nbytes(engine.units[u].stream) for u in engine.layers}
     adapters = {u: _nbytes(st.stream) for u, st in engine.host.units.items() if u.startswith("lora.")}
-    weights = 2 * (sum(layer.values()) + sum(adapters.values()))
+    per_layer = [layer[u] + adapters.get(f"lora.{i}", 0) for i, u in enumerate(engine.layers)]
+    kept = engine.kept_layers
+    weights = 2 * sum(per_layer) - sum(per_layer[len(per_layer) - kept :] if kept else [])
     per_token = med.compute_s / max(1, tokens)
     hide = (weights / (h2d * 1e9)) / per_token if h2d and per_token else None
     return {
@@ -170,6 +178,9 @@ def _summary(store: Store, engine: Engine, link: list[dict], med, last, spans, t
         "overlap": med.overlap,
         "layer_forward_s": _per_layer(spans, "fwd"),
         "layer_backward_s": _per_layer(spans, "bwd"),
+        "kept_layers": kept,
+        "kept_layer_forward_s": _per_layer(spans, "fwd", kept=True),
+        "kept_layer_backward_s": _per_layer(spans, "bwd", kept=True),
         "layer_optimizer_s": statistics.median(opt) if opt else 0.0,
         "head_s": _per_layer(spans, "head"),
         "tokens_to_hide_link": hide,
@@ -180,6 +191,7 @@ def _summary(store: Store, engine: Engine, link: list[dict], med, last, spans, t
         "layer_bytes": max(layer.values()),  # one load of the largest layer (NF4: packed bytes)
         "base": store.quant or str(store.dtype).replace("torch.", ""),
         "lora": engine.lora is not None,
+        "layers": a.n_layers,
     }
 
 
@@ -211,9 +223,12 @@ def _show(out: dict, console: Console) -> None:
         ("overlap = max(compute, link) / step", f"{out['overlap']:.2f}"),
         ("layer forward", ms(out["layer_forward_s"])),
         ("layer recompute + backward", ms(out["layer_backward_s"])),
+        ("kept layers (no recompute, loaded once)", f"{out['kept_layers']} of {out['layers']}"),
+        ("  kept layer forward (under autograd)", ms(out["kept_layer_forward_s"])),
+        ("  kept layer backward (its forward's graph)", ms(out["kept_layer_backward_s"])),
         ("layer AdamW", ms(out["layer_optimizer_s"])),
         ("loss head (fwd + bwd)", ms(out["head_s"])),
-        ("weight transfers per step", f"{out['weight_loads']} (2 per layer)"),
+        ("weight transfers per step", f"{out['weight_loads']} (2 per layer, 1 per kept layer)"),
         ("bytes per layer load", f"{fmt_bytes(out['layer_bytes'])} ({out['base']} layer weights)"),
         (
             "bytes host → device / device → host",

@@ -7,6 +7,10 @@ by the compute that last used it and (b) the host copy being current: the optimi
 that unit from the previous step. The head (and, when tied, the embedding it reuses) has its own
 buffers, because it is much larger than a layer in small models and loads once per step.
 
+A kept layer (engine.keep_activations: the last K layers of the forward) loads once per step, into
+a buffer of its own (`keep` of them, beside the ring), which it holds until the compute releases it
+after its backward: its graph reads those weights then, while the ring's slots serve other loads.
+
 When the transport shares host memory (`device: cpu` with no emulated link) a load lends the host
 buffers instead of copying them: the same sequence, slots and dependency waits, no bytes moved.
 
@@ -39,6 +43,7 @@ class Load:
     unit: str
     extra: list[torch.Tensor] = field(default_factory=list)
     deps: list[Event] = field(default_factory=list)  # e.g. the copy that saved `extra` to the host
+    kept: bool = False  # a kept layer's: into a buffer of its own, held until its backward
 
 
 @dataclass
@@ -62,11 +67,14 @@ class Loader:
         extra_numel: int = 0,
         extra_dtype: torch.dtype | None = None,
         dist: Dist | None = None,
+        keep: int = 0,
+        keep_extra_numel: int = 0,
     ):
         """host: unit name -> state with `stream`, `layout` and `views` (state.host, state.frozen).
         extra_numel: elements of the extra tensors one load brings at most (the saved inputs of a
         whole step, a layer's adapters), so their device buffers are allocated once; 0: they grow
-        on demand."""
+        on demand. keep: buffers for kept layers (their extras: keep_extra_numel, a layer's
+        adapters)."""
         self.t, self.host, self.dist = transport, host, dist
         # with shared memory (CPU, no emulated link) a load lends the host buffers: no device copies
         self.lend = transport.shares_host and dist is None
@@ -76,6 +84,10 @@ class Loader:
         if extra_numel and not self.lend:
             for s in self.ring:
                 s.extra = transport.device_empty(extra_numel, extra_dtype or ring_dtype)
+        self.kept = [Slot(transport.device_empty(numel, ring_dtype), f"k{j}") for j in range(keep)]
+        if keep_extra_numel and not self.lend:
+            for s in self.kept:
+                s.extra = transport.device_empty(keep_extra_numel, extra_dtype or ring_dtype)
         self.own = {}
         for u in own_units:
             st = host[u].stream
@@ -95,8 +107,10 @@ class Loader:
         return padded_numel(st.full_numel, self.dist.world)
 
     def weight_bytes(self) -> int:
-        slots = self.ring + list(self.own.values())
-        return sum(s.flat.numel() * s.flat.element_size() for s in slots)
+        """The weight buffers: the ring's, the kept layers' (with their extras: adapters), the own."""
+        slots = self.ring + self.kept + list(self.own.values())
+        kept_extra = sum(s.extra.numel() * s.extra.element_size() for s in self.kept if s.extra is not None)
+        return sum(s.flat.numel() * s.flat.element_size() for s in slots) + kept_extra
 
     def reserve_extra(self, numel: int, dtype: torch.dtype) -> None:
         """Size every buffer's extra tensors for loads bringing up to `numel` elements (a
@@ -126,7 +140,7 @@ class Loader:
         if load.unit in self.own:
             s = self.own[load.unit]
             return s if s.key is None else None
-        for s in self.ring:
+        for s in self.kept if load.kept else self.ring:
             if s.key is None:
                 return s
         return None

@@ -80,6 +80,7 @@ class FrozenState:
             progress(u.nbytes)
 
         self.scratch: torch.Tensor | None = None  # the device buffer a packed layer expands into
+        self.kept: dict[str, torch.Tensor] = {}  # kept layers: each expands into a buffer of its own
 
     def _slice(self, store: Store, name: str, lay, packed, alloc, shard) -> FrozenUnit:
         """This rank's slice of a unit (its checksums: train/sharded_checkpoint.verify_split)."""
@@ -93,22 +94,33 @@ class FrozenState:
     def __getitem__(self, unit: str) -> FrozenUnit:
         return self.units[unit]
 
-    def attach(self, device_empty: Callable[[int, torch.dtype], torch.Tensor], dtype: torch.dtype) -> int:
+    def attach(
+        self, device_empty: Callable[[int, torch.dtype], torch.Tensor], dtype: torch.dtype, kept=()
+    ) -> int:
         """Allocate the device buffer packed layers are dequantized into (the largest layer's dense
-        layout, zeroed: padding is never written); its bytes (0: nothing is packed)."""
+        layout, zeroed: padding is never written), and one per packed unit of `kept` (a kept layer's
+        graph holds its weights until its backward, while the scratch buffer serves the next
+        layer); their bytes (0: nothing is packed)."""
         packed = [u.layout.numel for u in self.units.values() if u.packed is not None]
         if not packed:
             return 0
         self.scratch = device_empty(max(packed), dtype)
         self.scratch.zero_()
-        return self.scratch.numel() * self.scratch.element_size()
+        for u in kept:
+            if self.units[u].packed is not None:
+                self.kept[u] = device_empty(self.units[u].layout.numel, dtype)
+                self.kept[u].zero_()
+        bufs = [self.scratch, *self.kept.values()]
+        return sum(b.numel() * b.element_size() for b in bufs)
 
     def weights(self, unit: str, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A loaded unit's tensors by name: a packed one dequantized into the scratch buffer first."""
+        """A loaded unit's tensors by name: a packed one dequantized into the scratch buffer first
+        (a kept layer: into its own)."""
         if PACKED not in w:
             return w
-        assert self.scratch is not None
-        return self.dequantize(unit, w[PACKED], self.scratch)
+        out = self.kept.get(unit, self.scratch)
+        assert out is not None
+        return self.dequantize(unit, w[PACKED], out)
 
     def dequantize(self, unit: str, raw: torch.Tensor, out: torch.Tensor) -> dict[str, torch.Tensor]:
         """A packed unit's bytes on the device -> its tensors, dense, in `out` ((numel,), compute

@@ -2,13 +2,17 @@
 The start (train/run.py, train/loop.py) and the dry run (train/report.py) call these same
 functions in this same order, so a dry run stops exactly where the start would, with its line:
 
-    before_claim   the fit (host and device; a dry run for another machine: that machine's), then
-                   TensorBoard, W&B, MLflow installed when log: asks for them
+    before_claim   the fit (host and device; a dry run for another machine: that machine's) of
+                   the plan with its kept layers (engine.keep_activations: the K decided for
+                   `where`, their weights and graphs; a number that does not fit is refused
+                   naming the key), then TensorBoard, W&B, MLflow installed when log: asks for them
     the run dir    RunDir.claim (start) / RunDir.probe (dry run), same checks, same lines: not a
                    directory, not writable, in use, which checkpoint resumes and whether this
                    config may resume it. A run dir trained to train.steps stops here (nothing to
                    train; it is only finished), without the two checks below
-    the data       read and tokenized (start: through <run>/cache; dry run: not cached)
+    the data       read and tokenized (start: through <run>/cache; dry run: not cached), and
+                   whether it goes with the config (train/batches.make_batches: preference pairs
+                   and a preference: section only together)
     kernel_ready   the native AdamW kernel: built now, as a phase of its own, when this machine has
                    no build yet (a minute, once), so the build is never part of a step's time or
                    the ETA; `optim.kernel: native` on a machine that cannot build it stops here
@@ -30,7 +34,8 @@ from .trackers import check_trackers
 
 
 def before_claim(planned: Planned, where: Machine, local: bool = True) -> None:
-    """local: `where` is this machine (its device's free memory is checked too)."""
+    """local: `where` is this machine (its device's free memory is checked too). `planned` was
+    planned for `where` (engine.build.plan_run), so its kept layers are the start's."""
     if local:
         check_fit(planned, where)
     else:  # --host-gib/--device-gib: the plan against that machine, not against this one's device

@@ -42,6 +42,7 @@ FREE = (
     "engine.compute_threads",
     "engine.link_gbps",
     "engine.loss_chunk",
+    "engine.keep_activations",  # kept or recomputed, the same arithmetic (the graph recompute would build)
     "engine.kv_cache",
     "optim.kernel",
     "output",
@@ -54,7 +55,7 @@ FREE = (
 # accepted. engine.dtype is refused before this (RunDir: the model and state checks).
 STATE = ("optim.memory", "lora.r")
 
-OPTIONAL = ("lora",)  # sections that may be null: switching one on or off changes the run
+OPTIONAL = ("lora", "preference")  # sections that may be null: switching one on or off changes the run
 
 
 def flat(tree: dict, prefix: str = "") -> dict[str, Any]:

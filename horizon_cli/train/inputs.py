@@ -30,7 +30,11 @@ def load_tokenizer(store: ModelFiles, fmt: str):
         (hf / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     )
     if not has:
-        if fmt in ("tokens", "auto"):  # auto may find tokens; the data stage says if it needs one
+        if fmt in (
+            "tokens",
+            "auto",
+            "preference",
+        ):  # may be pre-tokenized: the data stage says if it needs one
             return None
         raise InputError(f"{no_tokenizer(store)}, and data.format {fmt!r} needs a tokenizer{ONLY_TOKENS}")
     from transformers import AutoTokenizer

@@ -2,7 +2,7 @@
 
 With `train.epochs`, the steps are ceil(epochs x training rows / train.batch_size) (an epoch is
 one pass over the rows the sampler draws from: after packing, splitting long texts, the eval
-split and the mixture weights). They are resolved before the run dir is claimed, so the
+split and the mixture weights; preference data counts pairs, as train.batch_size does). They are resolved before the run dir is claimed, so the
 checkpoints, the resume checks (train/compat.py) and the loop read `train.steps` as if the
 config had given it; the resolved config records both. Counting the rows tokenizes the data:
 through the tokenization cache when it already exists (a resumed run, or `data.cache_dir`),
@@ -35,7 +35,7 @@ def resolve_length(cfg: Config, model, console: Console, dry_run: bool = False) 
         steps = data.steps_for(cfg.train.epochs, cfg.train.batch_size)
         if speaks:
             console.print(
-                f"train: train.epochs {cfg.train.epochs:g} of {len(data.train)} rows at train.batch_size "
+                f"train: train.epochs {cfg.train.epochs:g} of {len(data.train)} {data.unit} at train.batch_size "
                 f"{cfg.train.batch_size} = train.steps {steps}",
                 highlight=False,
             )

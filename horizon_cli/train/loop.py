@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from ..config import Config, dump_yaml
-from ..data import PreparedData, batch_rows, collate
+from ..data import PreparedData
 from ..data.batch import MicroBatch
 from ..engine import Engine, StepResult
 from ..engine.build import build_engine
@@ -34,8 +34,10 @@ from ..progress import byte_progress, train_columns
 from ..store import Store
 from ..store import checkpoint as ckpt
 from . import checkpoint
+from .batches import make_batches, unlabelled
 from .checks import kernel_ready
 from .inputs import load_data
+from .kept import kept_layers
 from .metrics import MetricsLog, plot_loss, read_metrics
 from .ranks import main_first
 from .rundir import RunDir
@@ -52,9 +54,12 @@ class Trainer:
         console: Console,
         lora: LoraSetup | None = None,
         dist: Dist | None = None,
+        keep: int = 0,
         samples: Samples | None = None,
     ):
+        """keep: the kept layers K the plan chose (engine.keep_activations; planning.keep)."""
         self.cfg, self.store, self.rd, self.console = cfg, store, rd, console
+        self.keep = keep
         self.samples = samples  # eval-time samples (train.samples), answered at each eval
         self.dist = dist  # a sharded run's rank (None: one process)
         self.main = dist is None or dist.is_main
@@ -75,10 +80,12 @@ class Trainer:
             self.rd.begin()
             return self._finish(self.rd.resume_step)
         self.data = self._load_data()
+        self.batches = make_batches(self.cfg, self.data)  # rows (SFT) or pairs (preference)
         kernel_ready(self.cfg.optim.kernel, self.console)  # a build is its own phase, not step 1's
         try:
             state = self._resume()
             self.rd.begin()  # everything is checked and loaded: from here on the run dir changes
+            self.batches.prepare(lambda: self._reference(state["step"]))  # dpo/ipo: before step 1
             self.bad = state.get("bad_steps", 0)
             if self.samples is not None and self.main:
                 keep_until(self.run_dir, state["step"])
@@ -146,8 +153,12 @@ class Trainer:
 
     def _build_engine(self, ck: Path | None) -> Engine:
         src = Store.open(ck) if ck and self.lora is None else self.store
+        keep = kept_layers(self.keep, self.cfg, ck, self.dist, self.store.arch.n_layers, self.console)
         with byte_progress(self.console, "load weights", src.nbytes()) as advance:
-            engine = build_engine(self.cfg, src, lora=self.lora, dist=self.dist, progress=advance)
+            obj = self.batches.objective  # None: SFT's TokenCE; preference: the pair objective
+            engine = build_engine(
+                self.cfg, src, lora=self.lora, dist=self.dist, progress=advance, objective=obj, keep=keep
+            )
         if self.dist is not None and (ck is None or self.lora is not None):  # the model's checksums, split
             from .sharded_checkpoint import verify_split
 
@@ -172,6 +183,15 @@ class Trainer:
         )
         return engine
 
+    def _reference(self, step: int) -> dict:
+        """A preference run's reference log-probs: computed on a fresh start, read back on resume."""
+        from .reference import reference
+
+        fp = ckpt.model_fingerprint(self.store)
+        return reference(
+            self.engine, self.data, self.cfg, self.run_dir, self.console, step == 0, fp, self.main
+        )
+
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self, start: int) -> int:
         cfg, t = self.cfg, self.cfg.train
@@ -190,7 +210,7 @@ class Trainer:
                 step += 1
                 answers = []
                 if t.eval_every and step % t.eval_every == 0:
-                    row["eval_loss"] = self.evaluate()
+                    row.update(self.evaluate())
                 if self.samples is not None and (
                     step % t.eval_every == 0 if t.eval_every else step == t.steps
                 ):
@@ -214,26 +234,27 @@ class Trainer:
         lr = lr_at(
             step, lr=cfg.optim.lr, total=t.steps, kind=s.kind, warmup=s.warmup_steps, min_ratio=s.min_lr_ratio
         )
-        rows = batch_rows(self.data.train, step, t.batch_size, t.seed, cfg.data.shuffle)
-        mbs = collate(rows, t.micro_batch_size, self.data.pad_id)
-        tokens = sum(mb.label_tokens for mb in mbs)  # the global batch's: the loss's divisor
-        res: StepResult = self.engine.step(self._share(mbs), lr, tokens)
+        mbs, input_tokens = self.batches.step(step)
+        divisor = self.engine.objective.divisor(mbs)  # the global batch's (label tokens, or pairs)
+        res: StepResult = self.engine.step(self._share(mbs), lr, divisor)
         return {
             "step": step + 1,
             "loss": res.loss if math.isfinite(res.loss) else None,
             "lr": lr,
             "grad_norm": res.grad_norm if math.isfinite(res.grad_norm) else None,
-            "tokens": res.tokens,
-            "input_tokens": sum(len(r.input_ids) for r in rows),  # without padding
+            "tokens": sum(mb.label_tokens for mb in mbs),
+            "input_tokens": input_tokens,  # without padding
             "skipped": res.skipped,
             "engine_s": res.step_s,
             "h2d_bytes": res.h2d_bytes,
             "d2h_bytes": res.d2h_bytes,
             "weight_loads": res.weight_loads,
             "device_peak_bytes": res.device_peak_bytes,
+            "kept_layers": res.kept_layers,  # K: the last K layers neither recomputed nor loaded again
             "host_rss_bytes": self.proc.memory_info().rss,
             "aux_loss": res.aux_loss,  # MoE: load-balancing loss (None for dense models)
             "expert_imbalance": res.expert_imbalance,  # MoE: max/mean tokens per expert, per routed layer
+            **self.batches.metrics(res.stats, res.tokens),  # preference: rewards, accuracy, logps
         }
 
     def _share(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
@@ -259,6 +280,7 @@ class Trainer:
             prog.console.print(
                 f"step {row['step']:>5}/{self.cfg.train.steps}  loss {loss}{ev}  lr {row['lr']:.2e}  grad {gn}  "
                 f"{row['tokens_per_s']:,.0f} tok/s  {row['step_s']:.2f} s/step"
+                + self.batches.show(row)
                 + ("  [red]skipped: non-finite[/]" if row["skipped"] else ""),
                 highlight=False,
             )
@@ -272,20 +294,18 @@ class Trainer:
             )
 
     # -- eval, save, finish ------------------------------------------------------------------
-    def evaluate(self) -> float | None:
-        ev, t = self.data.eval, self.cfg.train
+    def evaluate(self) -> dict:
+        """eval_loss (and a preference run's eval_rewards_*, eval_logps_*) over the held-out data."""
+        ev = self.data.eval
         if ev is None or not len(ev):
-            return None
+            return {"eval_loss": None}
         self.engine.wait()
-        total, tokens = 0.0, 0
-        n = min(len(ev), t.batch_size * t.eval_batches)
-        for a in range(0, n, t.batch_size):
-            rows = ev.rows(range(a, min(n, a + t.batch_size)))
-            s, k = self.engine.eval_loss(
-                self._eval_share(collate(rows, t.micro_batch_size, self.data.pad_id))
-            )
-            total, tokens = total + s, tokens + k
-        return total / tokens if tokens else None
+        total, n, sums = 0.0, 0, dict[str, float]()
+        for mbs in self.batches.eval_batches():
+            s, k, stats = self.engine.evaluate(self._eval_share(mbs))
+            total, n = total + s, n + k
+            sums = {key: sums.get(key, 0.0) + v for key, v in stats.items()}
+        return {"eval_loss": total / n if n else None, **self.batches.metrics(sums, n, "eval_")}
 
     def _eval_share(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
         """Micro-batches dealt round-robin; a rank short of one gets a copy of the first with no
@@ -296,7 +316,7 @@ class Trainer:
         k = -(-len(mbs) // w)
         mine = mbs[r::w]
         while len(mine) < k:
-            mine.append(_unlabelled(mbs[0]))
+            mine.append(unlabelled(mbs[0]))
         return mine
 
     def save(self, step: int) -> Path:
@@ -309,6 +329,7 @@ class Trainer:
             "model_fingerprint": ckpt.model_fingerprint(self.store),
             "seed": self.cfg.train.seed,
             "lora": self.lora is not None,
+            "kept_layers": self.engine.kept_layers,  # reused on resume (engine.keep_activations: auto)
         }
         if self.lora is not None:  # the checkpoint holds no weights: name the frozen base
             trainer["base"] = str(self.store.root.resolve())
@@ -372,13 +393,3 @@ class _NoMetrics:
 
     def close(self) -> None:
         pass
-
-
-def _unlabelled(mb: MicroBatch) -> MicroBatch:
-    from dataclasses import replace
-
-    import torch
-
-    from ..data.batch import IGNORE
-
-    return replace(mb, labels=torch.full_like(mb.labels, IGNORE))

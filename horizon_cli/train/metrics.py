@@ -94,7 +94,8 @@ def tensorboard_writer(logdir: Path | None):
 
 
 def plot_loss(rows: list[dict], out: Path, title: str = "") -> Path | None:
-    """Loss (and eval loss) against step, with the learning rate on a second axis."""
+    """Loss (and eval loss) against step, with the learning rate on a second axis; a preference
+    run's reward accuracy (train, eval) in a panel below."""
     rows = [r for r in rows if r.get("loss") is not None]
     if not rows:
         return None
@@ -103,13 +104,19 @@ def plot_loss(rows: list[dict], out: Path, title: str = "") -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    pref = any(r.get("rewards_accuracy") is not None for r in rows)
+    if pref:
+        fig, (ax, acc_ax) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=110, sharex=True, height_ratios=(2, 1))
+        _plot_accuracy(acc_ax, rows)
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     steps = [r["step"] for r in rows]
     ax.plot(steps, [r["loss"] for r in rows], color="#1f77b4", lw=1.6, label="train loss")
     ev = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
     if ev:
         ax.plot(*zip(*ev, strict=True), "o-", color="#d62728", lw=1.2, ms=4, label="eval loss")
-    ax.set_xlabel("optimizer step")
+    if not pref:
+        ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     lr_ax = ax.twinx()
@@ -131,3 +138,17 @@ def plot_loss(rows: list[dict], out: Path, title: str = "") -> Path | None:
         with contextlib.suppress(OSError):
             tmp.unlink()
     return out
+
+
+def _plot_accuracy(ax, rows: list[dict]) -> None:
+    """rewards_accuracy (chosen rewarded above rejected) per step, and at each evaluation."""
+    tr = [(r["step"], r["rewards_accuracy"]) for r in rows if r.get("rewards_accuracy") is not None]
+    ax.plot(*zip(*tr, strict=True), color="#2ca02c", lw=1.4, label="train rewards accuracy")
+    ev = [(r["step"], r["eval_rewards_accuracy"]) for r in rows if r.get("eval_rewards_accuracy") is not None]
+    if ev:
+        ax.plot(*zip(*ev, strict=True), "o-", color="#d62728", lw=1.2, ms=4, label="eval rewards accuracy")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")

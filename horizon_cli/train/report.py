@@ -14,6 +14,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from ..config import Config, dump_yaml
+from ..data import PreparedData
 from ..engine.build import Planned
 from ..errors import DryRunRefused, InputError
 from ..fmt import fmt_bytes
@@ -22,8 +23,10 @@ from ..planning.fit import Machine
 from ..planning.ladder import HOW, PlannedModel, best_rung, fit_parts, fits, not_applicable
 from ..planning.memory import MemoryPlan
 from ..store import Store
+from .batches import make_batches
 from .checks import before_claim, kernel_ready
 from .inputs import load_data
+from .reference import reference_plan
 from .rundir import RunDir
 
 
@@ -35,12 +38,12 @@ def dry_run_report(
     this config. Then the plan of this run and the ladder of every rung on `where`.
     local: `where` is this machine (else --host-gib/--device-gib's: this device is not checked)."""
     cfg, model, rungs, chosen = planned.cfg, planned.model, planned.rungs, planned.rung
-    refused, run_dir = None, None
+    refused, run_dir, data = None, None, None
     try:  # the start's checks, in its order (train/checks.py): the first that fails is its line
         before_claim(planned, where, local)
         run_dir, trained = run_dir_status(cfg, model)
         if not trained:
-            check_data(cfg, model, console)
+            data = check_data(cfg, model, console)
             kernel_ready(cfg.optim.kernel, console, build=False)
     except InputError as e:
         refused = e
@@ -58,6 +61,10 @@ def dry_run_report(
     if run_dir is not None:
         console.print(f"output.dir: {run_dir}", highlight=False)
     report = plan_json(model, rungs, chosen, where)
+    ref = reference_plan(cfg, data, model.arch.n_layers)  # dpo/ipo: the pass before step 1
+    if ref is not None:
+        console.print(ref.pop("text"), highlight=False)
+        report["reference"] = ref
     if json_out is not None:
         write_json(json_out, report)
     if refused is not None:
@@ -65,14 +72,17 @@ def dry_run_report(
     return report
 
 
-def check_data(cfg: Config, model: Store | PlannedModel, console: Console) -> None:
+def check_data(cfg: Config, model: Store | PlannedModel, console: Console) -> PreparedData | None:
+    """The data read and tokenized as a start would (None: not tokenized, no tokenizer files)."""
     no_tokenizer = isinstance(model, PlannedModel) and not has_tokenizer(model.root)
-    if no_tokenizer and cfg.data.format not in ("tokens", "auto"):
+    if no_tokenizer and cfg.data.format not in ("tokens", "auto", "preference"):
         if isinstance(cfg.data.path, str) and not Path(cfg.data.path).exists():
             raise InputError(f"data.path: {cfg.data.path} not found")
         console.print(f"data: {cfg.data.path} not tokenized ({model.root} holds no tokenizer files)")
-        return
-    load_data(replace(cfg, data=replace(cfg.data, cache_dir=None)), model, None, console)
+        return None
+    data = load_data(replace(cfg, data=replace(cfg.data, cache_dir=None)), model, None, console)
+    make_batches(cfg, data)  # a preference: section and preference data go together
+    return data
 
 
 def has_tokenizer(d: Path) -> bool:
@@ -117,6 +127,11 @@ def plan_table(plan: MemoryPlan) -> Table:
     for k, v in plan.device.items():
         t.add_row("device", k, fmt_bytes(v))
     t.add_row("device", "[bold]peak", f"[bold]{fmt_bytes(plan.device_total)}")
+    t.add_row(
+        "device",
+        "kept layers (engine.keep_activations)",
+        f"{plan.kept} of {plan.layers}, {2 * plan.layers - plan.kept} layer loads per step",
+    )
     if plan.world > 1:
         t.add_row("device", f"per node ({plan.per_node} devices)", fmt_bytes(plan.node_device_total))
     return t
@@ -135,7 +150,7 @@ def ladder_table(
     title = f"memory ladder on {where.what}" + (f", {ranks_text(one)}" if sharded else "")
     t = Table(title=title, title_justify="left")
     host, device = ("host per node", "device per rank") if sharded else ("host", "device")
-    for col in ("rung", "trains", "host B/param", host, device, "fits"):
+    for col in ("rung", "trains", "host B/param", host, device, "kept layers", "fits"):
         t.add_column(col, justify="left" if col in ("rung", "trains", "fits") else "right")
     for rung, p in rungs.items():
         ok, _ = fits(p, where)
@@ -144,7 +159,7 @@ def ladder_table(
         if rung in (na or {}):
             fit = "[yellow]n/a[/] (4-bit store)"
         t.add_row(rung + mark, WHAT[rung], f"{p.bytes_per_param:.2f}", fmt_bytes(p.node_host_total),
-                  fmt_bytes(p.device_total), fit)  # fmt: skip
+                  fmt_bytes(p.device_total), str(p.kept), fit)  # fmt: skip
     return t
 
 
@@ -157,7 +172,8 @@ WHAT = {
 
 
 def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen: str, where: Machine) -> dict:
-    """host_bytes, device_bytes, host and device are one rank's (with one rank: the run's);
+    """host_bytes, device_bytes, host and device are one rank's (with one rank: the run's), as
+    kept_layers (K, engine.keep_activations) and kept_bytes (what they hold on the device);
     host_bytes_per_param counts every rank's state; *_per_node and host_bytes_all_nodes add up
     the ranks of a node and of the world. A rung the model cannot run (not_applicable) has
     `applicable: false`, `fits: false` and `not_applicable` saying why; host_fits and
@@ -173,7 +189,8 @@ def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen:
                 "fits": ok and rung not in na, "host_fits": host_ok, "device_fits": dev_ok,
                 "host_bytes_per_rank": p.host_total, "device_bytes_per_rank": p.device_total,
                 "host_bytes_per_node": p.node_host_total, "device_bytes_per_node": p.node_device_total,
-                "host_bytes_all_nodes": p.all_host_total}  # fmt: skip
+                "host_bytes_all_nodes": p.all_host_total,
+                "kept_layers": p.kept, "kept_bytes": p.kept_bytes}  # fmt: skip
 
     plan = rungs[chosen]
     return {

@@ -75,8 +75,11 @@ def run_training(
     refuse_packing(cfg.data.packing, model.arch)
     cfg = resolve_length(cfg, model, console, dry_run)  # train.epochs -> train.steps (reads the data)
     samples = Samples(cfg, model, world.size) if cfg.train.samples else None  # prompts checked now
-    where = preflight.given_machine(*machine) if machine is not None else preflight.local_machine(cfg)
-    planned = plan_run(cfg, model, lora, world)
+    if machine is not None:
+        where = preflight.given_machine(*machine)
+    else:  # a real start under torchrun: this rank's own device (a dry run reports rank 0's)
+        where = preflight.local_machine(cfg if dry_run else rank_cfg(cfg))
+    planned = plan_run(cfg, model, lora, world, where)  # with the kept layers auto fits to `where`
     if dry_run:
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
             console, json_out = Console(quiet=True), None
@@ -93,7 +96,18 @@ def run_training(
             )
             return {"step": rd.resume_step, "checkpoint": str(rd.candidates[0]), "complete": True}
         with runtime_failures():
-            return Trainer(cfg, model, rd, console, lora, dist=d, samples=samples).run()
+            return Trainer(
+                cfg, model, rd, console, lora, dist=d, keep=planned.plan.kept, samples=samples
+            ).run()
+
+
+def rank_cfg(cfg: Config) -> Config:
+    """The config as this rank runs it: under torchrun on its own GPU (cuda:LOCAL_RANK), so its fit
+    and its kept layers are judged on its own device's free memory."""
+    world, _, local = world_from_env()
+    if world == 1:
+        return cfg
+    return replace(cfg, engine=replace(cfg.engine, device=rank_device(cfg.engine.device, local)))
 
 
 def join_world(cfg: Config, console: Console) -> tuple[Config, Console]:

@@ -5,7 +5,8 @@ parameters and compute, fp32 master weights in the offloaded optimizer); fp32 ru
 bf16 nor fp16 enabled. The HF model gets the same activation checkpointing as peer (b), and is
 built under zero.Init (HfDeepSpeedConfig) so it is partitioned as it loads, as HF documents for
 ZeRO-3. DeepSpeed scales the loss by 1 / gradient accumulation steps; with micro = batch there is
-one micro-batch and the HF mean loss is the token-level mean.
+one micro-batch and the HF mean loss is the token-level mean. job['preference'] 'dpo': TRL's
+DPOTrainer on the same ZeRO-3 config, policy and a stage-3 reference (scripts/peers/ds_dpo.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ def ds_config(job: dict) -> dict:
         "train_micro_batch_size_per_gpu": job["micro"],
         "gradient_accumulation_steps": job["batch"] // job["micro"],
         "gradient_clipping": o["grad_clip"],
-        "zero_optimization": {"stage": 3, "offload_param": off, "offload_optimizer": off},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": off,
+            "offload_optimizer": off,
+            **job.get("zero", {}),
+        },
         "bf16": {"enabled": job["dtype"] == "bfloat16"},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -44,6 +50,10 @@ def run(job: dict) -> dict:
         LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", CROSS_RANK="0", CROSS_SIZE="1",
     ).items():  # fmt: skip
         os.environ.setdefault(k, v)
+    if job.get("preference"):  # TRL's DPOTrainer on this config (scripts/peers/ds_dpo.py)
+        from ds_dpo import run_dpo
+
+        return run_dpo(job, ds_config(job))
     import deepspeed
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam

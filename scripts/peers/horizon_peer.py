@@ -8,7 +8,8 @@
           checkpoint would dominate.
 
 Either way the engine runs with engine.device cpu, the job's dtype, the native AdamW kernel when
-it builds (optim.kernel auto), micro-batches of job['micro'] rows.
+it builds (optim.kernel auto), micro-batches of job['micro'] rows, engine.keep_activations
+job['keep'] (default auto: as `horizon train` decides it; the engine driver asks the same plan).
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ def plan_of(cfg_path: Path) -> dict:
 
     cfg = load_config(cfg_path, [])
     store = Store.open(cfg.model.path)
-    p = plan_for(cfg, store, run_rung(cfg, store), lora_for(cfg.lora, store))
+    from horizon_cli.preflight import local_machine
+
+    # with its kept layers (engine.keep_activations: auto fits them to this machine, as `train` does)
+    p = plan_for(cfg, store, run_rung(cfg, store), lora_for(cfg.lora, store), where=local_machine(cfg))
     return {
         "params": p.params,
         "host": p.host,
@@ -39,6 +43,8 @@ def plan_of(cfg_path: Path) -> dict:
         "device_total": p.device_total,  # engine.device cpu: "device" buffers are host RAM too
         "state_bytes": p.state_bytes,
         "bytes_per_param": p.bytes_per_param,
+        "kept_layers": p.kept,
+        "kept_bytes": p.kept_bytes,
     }
 
 
@@ -53,7 +59,12 @@ def write_config(job: dict, run_dir: Path) -> Path:
         "optim": {k: o[k] for k in ("lr", "betas", "eps", "weight_decay", "grad_clip")}
         | {"kernel": "auto", "memory": o.get("memory", "exact")},
         "schedule": {"kind": "constant"},
-        "engine": {"device": "cpu", "dtype": job["dtype"], "compute_threads": job["threads"]},
+        "engine": {
+            "device": "cpu",
+            "dtype": job["dtype"],
+            "compute_threads": job["threads"],
+            "keep_activations": job.get("keep", "auto"),
+        },  # fmt: skip
         "output": {"dir": str(run_dir), "export": False},
         "log": {"every": 1, "plot": False},
     }
@@ -81,6 +92,7 @@ def run_cli(job: dict) -> dict:
         "tokens": [r["input_tokens"] for r in rows],  # optimizer of the previous step
         "rss_step_ends": [r["host_rss_bytes"] for r in rows],
         "rss_train_peak": s.peak,  # whole run_training: data, engine load, steps, final checkpoint
+        "kept_layers": rows[-1].get("kept_layers"),
         "config": str(cfg),
         "plan": plan_of(cfg),
     }
@@ -105,10 +117,27 @@ def run_engine(job: dict) -> dict:
     cfg = load_config(cfg_path, [])
     torch.set_num_threads(cfg.engine.compute_threads)
     from horizon_cli.lora.setup import lora_for
+    from horizon_cli.planning.ladder import plan_for, run_rung
+    from horizon_cli.preflight import local_machine
 
     store = Store.open(cfg.model.path)
     lora = lora_for(cfg.lora, store)
-    engine = Engine(store, cfg.engine, cfg.optim, max_tokens=job["batch"] * job["seq"], lora=lora)
+    objective = None
+    if job.get("preference"):  # rows 2k, 2k + 1 a pair: the second half of each row its completion
+        from horizon_cli.config.schema import PreferenceConfig
+        from horizon_cli.engine.pairs import PairObjective
+
+        objective = PairObjective(PreferenceConfig(loss=job["preference"]))
+    keep = plan_for(cfg, store, run_rung(cfg, store), lora, where=local_machine(cfg)).kept  # as `train`
+    engine = Engine(
+        store,
+        cfg.engine,
+        cfg.optim,
+        max_tokens=job["batch"] * job["seq"],
+        lora=lora,
+        keep=keep,
+        objective=objective,
+    )
     trim = _malloc_trim if job.get("malloc_trim") else lambda: None
     trim()
     o = job["optim"]
@@ -116,13 +145,15 @@ def run_engine(job: dict) -> dict:
     batches = step_batches(read_rows(job["data"]), job["steps"], job["batch"], job["micro"])
     losses, norms, times, tokens, ends = [], [], [], [], []
     with RssSampler() as s:
-        for k, ids_list in enumerate(batches):
-            mbs = [
-                MicroBatch(ids, ids, torch.arange(ids.shape[1]).expand_as(ids).contiguous())
-                for ids in ids_list
-            ]
+        steps = [
+            [MicroBatch(ids, ids, torch.arange(ids.shape[1]).expand_as(ids).contiguous()) for ids in ids_list]
+            for ids_list in batches
+        ]
+        if objective is not None:  # the reference pass before step 1 (initial weights), as `train` does
+            steps = [_pairs(engine, mbs) for mbs in steps]
+        for k, (ids_list, mbs) in enumerate(zip(batches, steps, strict=True)):
             t0 = time.perf_counter()
-            r = engine.step(mbs, o["lr"])
+            r = engine.step(mbs, o["lr"], engine.objective.divisor(mbs))
             if k == len(batches) - 1:
                 engine.wait()  # the last update, which the next step would otherwise overlap
             trim()
@@ -142,8 +173,30 @@ def run_engine(job: dict) -> dict:
         "rss_train_peak": s.peak,
         "rss_setup": rss_setup,
         "kernel": kernel,
+        "kept_layers": keep,
         "plan": plan_of(cfg_path),
     }
+
+
+def _pairs(engine, mbs):
+    """Rows as pairs: the first half of each row its prompt (no loss), the rest its completion; the
+    reference log-probs from the engine's forward-only pass over them (the memory it takes counts)."""
+    import torch
+
+    from horizon_cli.data.batch import IGNORE
+
+    for mb in mbs:
+        mb.labels = mb.input_ids.clone()
+        mb.labels[:, : mb.labels.shape[1] // 2] = IGNORE
+        mb.lengths = torch.full((mb.input_ids.shape[0],), mb.input_ids.shape[1])
+    ref = engine.sequence_logps(mbs)
+    pairs = sum(mb.input_ids.shape[0] for mb in mbs) // 2
+    chosen = sum(int((mb.labels[0::2, 1:] != IGNORE).sum()) for mb in mbs)
+    seq = sum(mb.input_ids.shape[0] // 2 * (mb.input_ids.shape[1] - 1) for mb in mbs)
+    for mb, lp in zip(mbs, ref, strict=True):
+        counts = {"pairs": pairs, "chosen_tokens": chosen, "chosen_seq_tokens": seq}
+        mb.extras = {"ref": lp, **{k: torch.tensor(float(v)) for k, v in counts.items()}}
+    return mbs
 
 
 def run(job: dict) -> dict:
@@ -163,7 +216,10 @@ def run(job: dict) -> dict:
     res.update(
         params=plan["params"], micro_batch=job["micro"], driver=job.get("driver", "cli"), rss_imports=imports
     )
-    res["notes"] = f"horizon {getattr(horizon_cli, '__version__', '?')}, driver {res['driver']}"
+    res["notes"] = (
+        f"horizon {getattr(horizon_cli, '__version__', '?')}, driver {res['driver']}, "
+        f"kept layers {res.get('kept_layers')}"
+    )
     return res
 
 
