@@ -138,12 +138,30 @@ def _flags(a) -> str:
     return ", ".join(flags) or "none"
 
 
+def _kernels() -> str:
+    """Which path transformers' recurrent layers take here: its optimised kernels when installed."""
+    import importlib.util
+
+    have = [m for m in ("fla", "causal_conv1d", "mamba_ssm") if importlib.util.find_spec(m) is not None]
+    return (
+        f"kernels: {', '.join(have)}"
+        if have
+        else "transformers' slow pure-torch path: no fla / causal-conv1d / mamba-ssm"
+    )
+
+
 def _generic_flags(a) -> str:
     g = a.generic
     flags = []
-    if g["embed_scale"]:
+    s = g.get("model") or {}
+    before = [p.rsplit(".", 1)[-1] for p in s.get("prefix", []) if p != s.get("embed")]
+    if before:
+        flags.append("before the layers: " + ", ".join(before))
+    if s.get("logits") == "forward":
+        flags.append(f"logits by {g.get('class', 'the CausalLM')}'s own forward")
+    if g.get("embed_scale"):  # stores written before the probe
         flags.append(f"embedding x {g['embed_scale']:.4g}")
-    if g["softcap"]:
+    if g.get("softcap"):
         flags.append(f"logit soft-cap {g['softcap']}")
     windows = sorted({w for w in a.windows if w})
     if windows:
@@ -154,6 +172,13 @@ def _generic_flags(a) -> str:
     frozen = sum(1 for k in g["layer_kinds"] for e in g["kinds"][k] if not e["trainable"])
     if frozen:
         flags.append(f"{frozen} frozen buffers")
+    skipped = len(g["layer_kinds"]) - len(s.get("calls", g["layer_kinds"]))
+    if skipped:
+        flags.append(f"{skipped} layers the text forward skips")
+    if g.get("carried"):
+        flags.append(f"{len(g['carried'])} tensors carried untouched (not the language model)")
+    if g.get("recurrent"):
+        flags.append(f"recurrent layers ({', '.join(g['recurrent'][:3])}; packing refused; {_kernels()})")
     return ", ".join(flags) or "none"
 
 

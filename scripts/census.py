@@ -18,6 +18,8 @@ recurrent layers, multimodal prefixes).
     python scripts/census.py summary docs/census.json      (counts, needs, mechanisms ranked)
     python scripts/census.py stacks docs/census.json       (which generic rule finds each stack)
     python scripts/census.py one TYPE --json row.json        (the per-model child; run does this)
+    python scripts/census.py horizon docs/census.json [--types a,b]   (re-run only horizon's stage
+                          on each row's recorded depth, in place: after a horizon change, ~15 min)
 
 Each type runs in a subprocess of its own (one at a time) with a timeout; `run` keeps the rows
 already in the JSON file unless --redo.
@@ -32,6 +34,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -88,8 +91,62 @@ def verdict(row: dict) -> str:
     return f"{tr}; horizon {h.get('result', '-')}"
 
 
+def cmd_horizon(args) -> None:
+    """Re-run horizon's stage (convert -> 3 steps -> export against transformers) for the rows of
+    a census JSON, each at its recorded depth in a subprocess of its own, and rewrite their
+    `horizon` entries (compacted) in place."""
+    path = Path(args.json)
+    rows = json.loads(path.read_text())
+    types = args.types.split(",") if args.types else sorted(rows)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    for i, mt in enumerate(types):
+        row = rows.setdefault(mt, {"type": mt})
+        layers = str((row.get("depth") or {}).get("layers") or 0)
+        out = Path(args.work) / f"{mt}.horizon.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.unlink(missing_ok=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "horizon-one", mt, layers, "--json", str(out)]
+        t0 = time.time()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+            tail = (p.stdout + p.stderr)[-600:]
+        except subprocess.TimeoutExpired:
+            tail = f"timeout after {args.timeout} s"
+        h = json.loads(out.read_text()) if out.is_file() else {"result": "failed", "message": tail}
+        row["horizon"] = compact_row({"horizon": h})["horizon"]
+        path.write_text(dump_rows(rows))
+        print(f"[{i + 1}/{len(types)}] {mt}: {horizon_cell(row)} ({time.time() - t0:.0f} s)", flush=True)
+
+
+def cmd_horizon_one(args) -> None:
+    import tempfile
+
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+    from census_horizon import run_type
+    from census_model import quiet
+
+    quiet()
+    layers = int(args.layers)
+    if not layers:
+        from census_config import choose_depth
+
+        layers = choose_depth(args.type)["layers"]
+    with tempfile.TemporaryDirectory(prefix=f"census-{args.type}-") as tmp:
+        res = run_type(args.type, layers, Path(tmp))
+    Path(args.json).write_text(json.dumps(res, default=str))
+
+
+def dump_rows(rows: dict) -> str:
+    """One row a line: diffs between census runs stay readable."""
+    lines = [
+        f"{json.dumps(k)}:{json.dumps(r, sort_keys=True, separators=(',', ':'))}"
+        for k, r in sorted(rows.items())
+    ]
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
 def cmd_one(args) -> None:
-    sys.path.insert(0, str(HERE))
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_model import census_one  # scripts/census_model.py: the child's work
 
     census_one(args.type, Path(args.json))
@@ -117,7 +174,7 @@ def horizon_cell(row: dict) -> str:
 
 
 def cmd_table(args) -> None:
-    sys.path.insert(0, str(HERE))
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_summary import kind
 
     rows = json.loads(Path(args.json).read_text())
@@ -133,8 +190,40 @@ def cmd_table(args) -> None:
         print(f"| `{mt}` | {row.get('model_class', '?')} | {kind(row)} | {tr} | {horizon_cell(row)} |")
 
 
+def cmd_counts(args) -> None:
+    """The census counts for docs/benchmarks.md: over the target (text decoders and the language
+    models of multimodal checkpoints that transformers trains) and over every type."""
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+    from census_summary import TARGET, kind
+
+    rows = json.loads(Path(args.json).read_text())
+    trains = {k: r for k, r in rows.items() if (r.get("transformers") or {}).get("trains")}
+    target = {k: r for k, r in trains.items() if kind(r) in TARGET}
+
+    def result(r):
+        return (r.get("horizon") or {}).get("result", "-")
+
+    print(
+        f"tried: {len(rows)}; transformers trains: {len(trains)}; target (decoder, multimodal): {len(target)}"
+    )
+    for name, group in (("target", target), ("every type transformers trains", trains)):
+        c = Counter(result(r) for r in group.values())
+        pct = 100 * c["exact"] / max(len(group), 1)
+        print(
+            f"\n{name}: {len(group)} types, exact {c['exact']} ({pct:.1f} %), "
+            + ", ".join(f"{k} {v}" for k, v in sorted(c.items()) if k != "exact")
+        )
+    print("\n| target type | kind | result | reason |\n|---|---|---|---|")
+    for k, r in sorted(target.items()):
+        if result(r) != "exact":
+            h = r.get("horizon") or {}
+            print(
+                f"| `{k}` | {kind(r)} | {result(r)} | {cell(h.get('message') or h.get('worst') or '', 140)} |"
+            )
+
+
 def cmd_stacks(args) -> None:
-    sys.path.insert(0, str(HERE))
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_stacks import main as stacks
 
     stacks(args.json)
@@ -205,15 +294,11 @@ def compact_row(row: dict) -> dict:
 
 def cmd_compact(args) -> None:
     rows = json.loads(Path(args.full).read_text())
-    lines = [  # one row a line: diffs between census runs stay readable
-        f"{json.dumps(k)}:{json.dumps(compact_row(r), sort_keys=True, separators=(',', ':'))}"
-        for k, r in sorted(rows.items())
-    ]
-    Path(args.out).write_text("{\n" + ",\n".join(lines) + "\n}\n")
+    Path(args.out).write_text(dump_rows({k: compact_row(r) for k, r in rows.items()}))
 
 
 def cmd_summary(args) -> None:
-    sys.path.insert(0, str(HERE))
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_summary import main as summary
 
     summary(args.json)
@@ -228,11 +313,22 @@ def main() -> None:
     r.add_argument("--work", default="/tmp/census-work")
     r.add_argument("--timeout", type=int, default=240)
     r.add_argument("--redo", action="store_true")
+    h = sub.add_parser("horizon")
+    h.add_argument("json")
+    h.add_argument("--types", default="")
+    h.add_argument("--work", default="/tmp/census-work")
+    h.add_argument("--timeout", type=int, default=240)
+    h1 = sub.add_parser("horizon-one")
+    h1.add_argument("type")
+    h1.add_argument("layers")
+    h1.add_argument("--json", required=True)
     o = sub.add_parser("one")
     o.add_argument("type")
     o.add_argument("--json", required=True)
     t = sub.add_parser("table")
     t.add_argument("json")
+    n = sub.add_parser("counts")
+    n.add_argument("json")
     s = sub.add_parser("summary")
     s.add_argument("json")
     k = sub.add_parser("stacks")
@@ -242,7 +338,9 @@ def main() -> None:
     c.add_argument("out")
     args = ap.parse_args()
     cmds = {"run": cmd_run, "one": cmd_one, "table": cmd_table, "summary": cmd_summary, "stacks": cmd_stacks}
-    cmds["compact"] = cmd_compact
+    cmds.update(
+        counts=cmd_counts, compact=cmd_compact, horizon=cmd_horizon, **{"horizon-one": cmd_horizon_one}
+    )
     cmds[args.cmd](args)
 
 

@@ -14,49 +14,8 @@ from pathlib import Path
 import torch
 from census_calls import call_order
 from census_config import FIXUPS, build, choose_depth, text_config, tiny_config
-from census_horizon import err, try_horizon, where
+from census_horizon import Data, err, perturb, try_horizon, where
 from census_structure import structure
-
-T = 24  # sequence length: longer than the tiny sliding windows / chunks (8)
-
-
-class Data:
-    """Fixed random rows: 4 a step, the first 3 labels masked (a prompt), plus a probe batch."""
-
-    def __init__(self, vocab: int, seed: int = 0):
-        g = torch.Generator().manual_seed(seed)
-        hi = max(vocab - 8, 8)
-        self.ids = torch.randint(3, hi, (16, T), generator=g)
-
-    def labels(self, ids: torch.Tensor) -> torch.Tensor:
-        lab = ids.clone()
-        lab[:, :3] = -100
-        return lab
-
-    def step(self, s: int):
-        ids = self.ids[4 * s : 4 * s + 4]
-        return ids, self.labels(ids)
-
-    def rows(self, n: int):
-        return [
-            (r.tolist(), lab.tolist()) for r, lab in zip(self.ids[:n], self.labels(self.ids[:n]), strict=True)
-        ]
-
-    def probe(self):
-        ids = self.ids[12:14]
-        return ids, self.labels(ids)
-
-
-def perturb(model) -> None:
-    """Norms, biases and correction biases away from their init, so every variant shows (as the
-    tests do: (1 + w) norms, zero-init biases)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", ".bias", "sinks", "_bias")) and p.is_floating_point():
-                p.add_(torch.randn_like(p) * 0.1)
-        for name, b in model.named_buffers():
-            if name.endswith("_bias") and b.is_floating_point():
-                b.add_(torch.randn_like(b) * 0.1)
 
 
 def check_transformers(model, data: Data) -> dict:

@@ -62,39 +62,18 @@ def edit_config(src: Path, **kv) -> None:
     [
         (dict(quantization_config={"quant_method": "mxfp4"}), ["quantized checkpoint", "'mxfp4'"]),
         (dict(attention_dropout=0.1), ["attention_dropout = 0.1", "dropout"]),
+        (dict(auto_map={"AutoModelForCausalLM": "x.Y"}), ["custom code", "auto_map"]),
         (
-            dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
-            ["multimodal", "gemma3_text"],
+            dict(model_type="xlnet", architectures=["XLNetLMHeadModel"]),
+            ["XLNetLMHeadModel", "permutation language modelling (not causal)"],
         ),
-        (
-            dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"]),
-            ["GPTNeoXForCausalLM", "not described"],
-        ),
+        (dict(use_bidirectional_attention=True), ["use_bidirectional_attention", "bidirectional attention"]),
     ],
-    ids=["quantized", "dropout", "multimodal", "undescribed"],
+    ids=["quantized", "dropout", "custom-code", "not-causal", "bidirectional"],
 )
 def test_refused_at_convert(src, tmp_path, change, needles):
     edit_config(src, **change)
     assert_bad(horizon("convert", src, tmp_path / "dst"), "config.json", *needles, dst=tmp_path / "dst")
-
-
-@pytest.mark.parametrize(
-    "config_cls,arch,mt,text",
-    [
-        ("LlavaConfig", "LlavaForConditionalGeneration", "llava", "llama"),
-        ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "qwen2_vl", "qwen2_vl_text"),
-    ],
-)
-def test_a_vision_language_checkpoint_is_named_as_one(src, tmp_path, config_cls, arch, mt, text):
-    """Not 'not a causal LM': what it is, and that image inputs and the wrapper are not supported yet."""
-    import transformers
-
-    cfg = getattr(transformers, config_cls)().to_dict()
-    (src / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
-    want = [f"{arch} (model_type {mt!r}) is a multimodal (vision-language) checkpoint"]
-    want += [f"(its language model: {text!r})", "image inputs", "not supported yet"]
-    line = assert_bad(horizon("convert", src, tmp_path / "dst"), *want, dst=tmp_path / "dst")
-    assert "not a causal LM" not in line
 
 
 def test_router_aux_loss_the_family_does_not_have(tmp_path):
@@ -133,3 +112,55 @@ def test_misshapen_expert_tensor_is_named(src, tmp_path):
     sd[name] = sd[name][:, :-1].contiguous()
     save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
     assert_bad(horizon("convert", src, tmp_path / "dst"), name, "shape", dst=tmp_path / "dst")
+
+
+def test_packing_refused_for_recurrent_layers(tmp_path):
+    """Bamba's Mamba layers keep a state across the row: packed documents would leak into each other."""
+    from census_config import build, tiny_config
+
+    from horizon_cli.convert import convert
+
+    build("bamba", tiny_config("bamba", 2)).save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
+    cfg = write_config(
+        tmp_path / "c.yaml", tmp_path / "store", data, tmp_path / "run", data={"packing": True}
+    )
+    assert_bad(horizon("train", cfg), "data.packing", "BambaMixer", "packing: false")
+
+
+def test_inspect_names_recurrent_layers(tmp_path):
+    from census_config import build, tiny_config
+
+    from horizon_cli.convert import convert
+
+    build("bamba", tiny_config("bamba", 2)).save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    import io
+
+    from rich.console import Console
+
+    from horizon_cli import api
+
+    out = io.StringIO()
+    api.inspect(tmp_path / "store", console=Console(file=out, width=400))
+    assert "recurrent layers (BambaMixer" in out.getvalue() and "packing refused" in out.getvalue(), (
+        out.getvalue()
+    )
+
+
+@pytest.mark.parametrize(
+    "mt,needles",
+    [
+        ("bart", ["BartForCausalLM's layers attend to an encoder (encoder_attn)", "encoder-decoder"]),
+        ("bert", ["BertLMHeadModel (model_type 'bert') is an encoder", "used as a decoder"]),
+        ("dory", ["DoryModel runs its layers in a loop (8 calls for 4 layers)"]),
+    ],
+)
+def test_what_stays_refused_is_named(tmp_path, mt, needles):
+    """Refused at convert, before a byte is written, naming the feature (never "not described")."""
+    from census_config import build, tiny_config
+
+    build(mt, tiny_config(mt, 4 if mt == "dory" else 2)).save_pretrained(tmp_path / "src")
+    line = assert_bad(horizon("convert", tmp_path / "src", tmp_path / "dst"), *needles, dst=tmp_path / "dst")
+    assert "not described" not in line

@@ -9,8 +9,9 @@ operations); this module reads the same declarations and turns each into a *plac
 disk tensor's elements sit inside the memory tensor's flat buffer. Stacking along dim 0 and then
 concatenating along dim 1 keeps every disk tensor contiguous, so the store can hold the disk
 tensors back to back and the fused parameter is a zero-copy view of them; export then writes the
-disk tensors unchanged (bitwise round trip). A checkpoint already in the memory layout maps 1:1.
-Any other conversion is refused, naming it.
+disk tensors unchanged (bitwise round trip). A plain concatenation along dim 0 (OLMo-Hybrid's and
+Bailing's q / k / v convolutions into one `conv1d`) keeps them contiguous too, in source order. A
+checkpoint already in the memory layout maps 1:1. Any other conversion is refused, naming it.
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ def place(
     renamings, converters = transforms(model)
     ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     parts: dict[str, list[Part]] = {k: [] for k in mem}
+    rows: dict[str, list[tuple[int, str, tuple[int, ...]]]] = {}  # dim-0 concatenations, by source
     for name, shape in disk.items():
-        if name in skip or name.endswith(IGNORED_SUFFIXES) or any(p.search(name) for p in ignore):
-            continue
-        if name in mem:
+        if name in mem and name not in skip:  # before the ignore patterns (GPT-2's "attn.bias" is a regex)
             parts[name].append(_whole(name, shape, mem[name], where))
+            continue
+        if name in skip or name.endswith(IGNORED_SUFFIXES) or any(p.search(name) for p in ignore):
             continue
         target, pattern = rename_source_key(name, renamings, converters)
         if target not in mem:
@@ -76,10 +78,28 @@ def place(
             parts[target].append(_whole(name, shape, mem[target], where))
         else:
             conv = next(c for c in converters if pattern in c.source_patterns)
-            parts[target].append(_stacked(name, shape, mem[target], conv, pattern, where))
+            if _concat0(conv):
+                rows.setdefault(target, []).append((conv.source_patterns.index(pattern), name, tuple(shape)))
+                continue
+            renamed = rename_source_key(name, renamings, [])[0]  # what the converter's pattern sees
+            parts[target].append(_stacked(name, renamed, shape, mem[target], conv, pattern, where))
+    for target, srcs in rows.items():  # back to back in source order
+        at = 0
+        for _, name, shape in sorted(srcs):
+            if tuple(shape[1:]) != tuple(mem[target][1:]):
+                raise InputError(
+                    f"{where}: tensor {name} has shape {shape}, config.json implies (*, {mem[target][1:]})"
+                )
+            parts[target].append(Part(name, shape, at))
+            at += math.prod(shape)
     for k, ps in parts.items():
         _check_tiled(k, ps, mem[k], where)
     return parts
+
+
+def _concat0(conv) -> bool:
+    ops = conv.operations
+    return len(ops) == 1 and type(ops[0]).__name__ == "Concatenate" and getattr(ops[0], "dim", None) == 0
 
 
 def _whole(name: str, shape, want, where: str) -> Part:
@@ -90,7 +110,7 @@ def _whole(name: str, shape, want, where: str) -> Part:
     return Part(name, tuple(shape), 0)
 
 
-def _stacked(name: str, shape, target: tuple[int, ...], conv, pattern: str, where: str) -> Part:
+def _stacked(name: str, renamed: str, shape, target: tuple[int, ...], conv, pattern: str, where: str) -> Part:
     """A per-expert disk tensor inside a stacked (and concatenated) memory tensor."""
     ops = [type(op).__name__ for op in conv.operations]
     dims = [getattr(op, "dim", None) for op in conv.operations]
@@ -103,7 +123,9 @@ def _stacked(name: str, shape, target: tuple[int, ...], conv, pattern: str, wher
             f"{where}: tensor {name} needs the checkpoint conversion {' + '.join(ops)}, which the store "
             "cannot hold as a view (supported: stacking per-expert tensors, then concatenating them on dim 1)"
         )
-    m = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), name)
+    # a plain pattern ("experts.*.w1") or, written as a regex, r"\.experts.*.w1": `*` is the index
+    rx = pattern.replace("*", r"(\d+)") if "\\" in pattern else re.escape(pattern).replace(r"\*", r"(\d+)")
+    m = re.search(rx, name) or re.search(rx, renamed)
     if m is None or not m.groups():
         raise InputError(f"{where}: tensor {name}: cannot tell its expert index")
     e, k, n_src = int(m.group(1)), conv.source_patterns.index(pattern), len(conv.source_patterns)

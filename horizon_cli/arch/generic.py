@@ -1,260 +1,239 @@
-"""The generic path's architecture description, read off transformers' own model on the meta device.
+"""The generic path's architecture description, derived from transformers' own model class.
 
-For a decoder-only causal LM without a native functional layer, `generic_spec` builds the
-transformers model from config.json on the meta device (no memory, no weights) and records, as
-plain data that goes into the store's manifest:
+For a causal LM without a native functional layer, `generic_spec` builds the class the config
+names (`architectures`, else transformers' causal-LM mapping) on the meta device (no memory, no
+weights), observes its forward once (arch.probe) and records, as plain data in the store's
+manifest:
 
+  model   where the pieces are and how the forward runs around the layers (arch.probe: stack,
+          owner, embedding, head, the modules before and after the layers, the logits mode,
+          the layers it calls) — the generic template runs transformers' own code with it
   units   the tensor table of `embed`, each decoder layer and `head`: every in-memory parameter
           (and persistent buffer, e.g. DeepSeek-V3's `e_score_correction_bias`, kept frozen) with
-          its shape, and the checkpoint tensors that fill it (arch.disk). Layers with the same
-          table share a *kind* (dense and MoE layers of DeepSeek-V3 are two kinds).
-  model   the model-level pieces around the layers (arch.families): masks and rotary embeddings
-          per layer type, embedding scale, final logit soft-capping, attention implementation
+          its shape, and the checkpoint tensors that fill it (arch.disk). The model-level tensors
+          used before the first layer (learned positions, embedding norms, projections) travel
+          with that layer's unit, the suffix's (final norms) and the head's bias with the head.
+          Layers with the same table share a *kind*.
+  carried tensors outside the language model (a multimodal checkpoint's vision or audio tower
+          and projector, modules the text forward never calls): kept on disk as they are and
+          exported back untouched (convert / export), never trained
   moe     experts, top-k, which layers route, and the auxiliary loss coefficient when on
+  recurrent  the recurrent / linear-attention modules in the layers (packing refused for them)
 
-Anything the path cannot do is refused here, before convert writes a byte, with one line naming
-the missing piece. Loading a store later reads this data back and never re-derives it.
+Anything the path cannot do is refused before convert writes a byte, with one line naming the
+feature (arch.exceptions, arch.probe). Loading a store reads this data back; stores written
+before it (no `model`) are re-probed from their config once when loaded.
 """
 
 from __future__ import annotations
 
+import re
+import sys
 from typing import Any
 
 from ..errors import InputError
 from .disk import place
-from .families import GENERIC, STOCHASTIC, TEXT_OF, Family
+from .exceptions import refuse_config, refuse_layers
+from .probe import probe
 
-
-def supported_names() -> str:
-    """For messages: every family horizon runs, native first."""
-    generic = [f"{f.name} ({mt})" for mt, f in GENERIC.items() if mt not in ("llama", "mistral")]
-    return "Llama, Mistral, Qwen2, Qwen3 (native); " + ", ".join(generic) + " (generic)"
+RECURRENT = re.compile(
+    r"Mamba|Mixer|DeltaNet|DeltaAttention|LinearAttention|Lightning|ShortConv|Rglru|RgLru|Kda"
+)
 
 
 def hf_config(d: dict, attn: str | None = None):
     """A transformers config object from a config.json dict."""
     from transformers import CONFIG_MAPPING
 
-    cfg = CONFIG_MAPPING[d["model_type"]].from_dict(dict(d))
+    if d.get("model_type") not in CONFIG_MAPPING:
+        raise InputError(f"model_type {d.get('model_type')!r} is not a transformers architecture")
+    cls = CONFIG_MAPPING[d["model_type"]]
+    cfg = cls.from_dict(cls._decode_special_floats(dict(d)))  # {"__float__": "Infinity"}, as from_pretrained
     if attn is not None:
         cfg._attn_implementation = attn
     return cfg
 
 
-def meta_model(cfg_dict: dict, attn: str | None = None):
-    """The CausalLM on the meta device: names, shapes and module structure, no memory."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def model_class(cfg: dict, where: str):
+    """The transformers class the checkpoint is: the first of `architectures` transformers has
+    that carries an LM head, else what its causal-LM mapping builds for the model type."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    cfg = hf_config(cfg_dict)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
-    return model.eval()
+    mt = str(cfg.get("model_type"))
+    for name in cfg.get("architectures") or []:
+        cls = getattr(transformers, str(name), None)
+        if isinstance(cls, type) and hasattr(cls, "get_output_embeddings") and _lm_class(name):
+            return cls
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(mt)
+    if name is None:
+        arch = (cfg.get("architectures") or [mt])[0]
+        raise InputError(f"{where}: {arch} (model_type {mt!r}) is not a causal LM in transformers")
+    return getattr(transformers, name)
 
 
-def attn_implementation(cfg_dict: dict) -> str:
-    """SDPA where the family supports it, else eager (Gemma 2's soft-capping, gpt-oss's sinks)."""
-    from transformers import AutoModelForCausalLM
+def _lm_class(name: str) -> bool:
+    return name.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
 
-    cls = AutoModelForCausalLM._model_mapping[type(hf_config(cfg_dict))]
+
+def attn_implementation(cls) -> str:
+    """SDPA where the class supports it, else eager (soft-capped attention, sinks), as transformers picks."""
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
-def check_family(cfg: dict, where: str) -> Family:
-    """The family's model-level data, or InputError naming why the generic path cannot run it."""
-    mt = cfg.get("model_type")
-    from transformers import CONFIG_MAPPING
+def meta_model(cfg_dict: dict, attn: str | None = None, cls_name: str | None = None):
+    """The model on the meta device: names, shapes and module structure, no memory."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    arch = (cfg.get("architectures") or [mt])[0]
-    if mt in TEXT_OF:
-        raise InputError(
-            f"{where}: {arch} is a multimodal wrapper (model_type {mt!r}); horizon trains its decoder-only "
-            f"text model: convert a {TEXT_OF[mt]!r} checkpoint"
-        )
-    media = multimodal(cfg) if mt not in GENERIC else None
-    if media is not None:  # until the language model of a wrapper converts (issue 19)
-        text = (cfg.get("text_config") or {}).get("model_type")
-        inner = f" (its language model: {text!r})" if text else ""
-        raise InputError(
-            f"{where}: {arch} (model_type {mt!r}) is a multimodal ({media}) checkpoint{inner}: horizon "
-            f"trains decoder-only language models; {MEDIA_INPUTS[media]} inputs and this multimodal "
-            "wrapper are not supported yet"
-        )
-    if mt not in CONFIG_MAPPING or mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise InputError(
-            f"{where}: unsupported architecture {arch!r} (model_type {mt!r}): not a causal LM in transformers; "
-            f"supported: {supported_names()}"
-        )
-    if mt not in GENERIC:
-        raise InputError(
-            f"{where}: unsupported architecture {arch!r} (model_type {mt!r}): a causal LM in transformers, "
-            "but its model-level pieces (masks, rotary, embedding, head) are not described for the generic "
-            f"path (horizon_cli/arch/families.py); supported: {supported_names()}"
-        )
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?")
-        raise InputError(
-            f"{where}: quantized checkpoint (quant_method {method!r}): convert needs unquantized weights"
-        )
-    fam = GENERIC[mt]
-    for key, piece in fam.refuse.items():
-        if cfg.get(key):
-            raise InputError(f"{where}: {key} is set: {piece} is not supported by the generic path")
-    for key in STOCHASTIC:
-        if cfg.get(key):
-            raise InputError(
-                f"{where}: {key} = {cfg[key]}: dropout and router noise are not supported (set it to 0)"
-            )
-    return fam
+    cfg = hf_config(cfg_dict)
+    cls = getattr(transformers, cls_name) if cls_name else None
+    with torch.device("meta"):
+        if cls is None or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type) == cls.__name__:
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+        else:
+            model = cls._from_config(cfg, attn_implementation=attn)
+    return model.eval()
 
 
-MEDIA_INPUTS = {
-    "vision-language": "image",
-    "audio-language": "audio",
-    "vision-audio-language": "image and audio",
-}
-
-
-def multimodal(cfg: dict) -> str | None:
-    """'vision-language' (LLaVA, Qwen2-VL, ...), 'audio-language' or 'vision-audio-language' for
-    a checkpoint that wraps a language model with another modality's tower, else None. Read off
-    the config's sub-configs, and transformers' image-text-to-text mapping for the model type."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    vision = "vision_config" in cfg or cfg.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-    audio = "audio_config" in cfg
-    if vision and audio:
-        return "vision-audio-language"
-    return "vision-language" if vision else "audio-language" if audio else None
+def stored_model(g: dict):
+    """The meta-device model of a store's generic description (its class, config, attention)."""
+    return meta_model(g["config"], g["attn"], g.get("class"))
 
 
 def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
     """The `generic` block of an ArchSpec (see module doc). `disk`: the checkpoint's tensor names
     and shapes (None: a config-only description, assuming the in-memory layout)."""
-    fam = check_family(cfg, where)
-    attn = attn_implementation(cfg)
-    model = meta_model(cfg, attn)
-    conf = model.config
-    base = getattr(model, model.base_model_prefix)
-    layers = getattr(base, "layers", None)
-    if layers is None or getattr(base, "norm", None) is None:
-        raise InputError(
-            f"{where}: {type(base).__name__} has no `layers` and `norm`: not a decoder stack the generic path knows"
-        )
-    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
-    if getattr(out, "bias", None) is not None:
-        raise InputError(f"{where}: the LM head has a bias, which the generic path does not support")
-    scale = _embed_scale(emb, where)
-    tied = bool(conf.get_text_config().tie_word_embeddings)
-    names = _module_names(model)
-    mem = _memory_tensors(model, tied, names["lm_head"])
-    parts = place(model, mem, disk, where, frozenset({names["lm_head"]}) if tied else frozenset())
-    prefix = names["layers"] + "."
-    units = {"embed": [_entry("embed", names["embed"], mem, parts, True)]}
-    head = [
-        _entry("norm." + n, f"{names['norm']}.{n}", mem, parts, True) for n, _ in base.norm.named_parameters()
-    ]
-    if not tied:
-        head.append(_entry("lm_head", names["lm_head"], mem, parts, True))
-    units["head"] = head
-    kinds, layer_kinds = _layer_kinds(layers, prefix, mem, parts)
-    covered = {e["hf"] for u in units.values() for e in u} | {
-        e["hf"].replace("{i}", str(i)) for i, k in enumerate(layer_kinds) for e in kinds[k]
+    refuse_config(cfg, where)
+    cls = model_class(cfg, where)
+    attn = attn_implementation(cls)
+    model = meta_model(cfg, attn, cls.__name__)
+    s = probe(model, where)
+    layers = list(model.get_submodule(s["stack"]))
+    refuse_layers(layers, s["calls"], cls.__name__, where)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight is emb.weight
+    every = list(model.named_parameters(remove_duplicate=False))
+    embed_name = next(n for n, p in every if p is emb.weight)
+    head_weight = f"{s['head']}.weight"
+    mem = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if tied:
+        mem.pop(head_weight, None)
+    skip = frozenset({head_weight}) if tied else frozenset()
+    parts = place(model, mem, disk, where, skip)
+    groups = _groups(model, s, mem, embed_name, head_weight, tied)
+    trained = {n for n, _ in every}
+    prefix_rows = [_entry("@" + n, n, mem, parts, n in trained) for n in groups["prefix"]]
+    units = {
+        "embed": [_entry("embed", embed_name, mem, parts, True)],
+        "head": sorted(
+            [
+                _entry("lm_head" if n == head_weight else "@" + n, n, mem, parts, n in trained)
+                for n in groups["head"]
+            ],
+            key=lambda r: not r["trainable"],
+        ),
     }
-    stray = [k for k in mem if k not in covered]
-    if stray:
-        raise InputError(
-            f"{where}: model-level tensor {stray[0]} lies outside the decoder layers: not supported"
-        )
-    L = conf.num_hidden_layers
+    stack = s["stack"]
+    kinds, layer_kinds = _layer_kinds(layers, stack, mem, parts, s["calls"][0], prefix_rows)
+    carried = [p.hf for n in groups["carried"] for p in parts[n]]
     return {
         "config": cfg,
+        "class": cls.__name__,
         "attn": attn,
-        "family": fam.name,
-        "layer_class": type(layers[0]).__name__,
-        "masks": fam.masks,
-        "rope": fam.rope if hasattr(base, "rotary_emb") else "none",
-        "softcap": getattr(conf, fam.softcap, None) if fam.softcap else None,
-        "embed_scale": scale,
-        "layer_types": list(getattr(conf, "layer_types", None) or ["full_attention"] * L),
-        "sliding_window": getattr(conf, "sliding_window", None),
-        "prefix": prefix,
+        "family": type(model).__name__,
+        "layer_class": type(layers[s["calls"][0]]).__name__,
+        "prefix": stack + ".",
+        "model": s,
         "units": units,
         "kinds": kinds,
         "layer_kinds": layer_kinds,
-        "moe": _moe(model, layers, fam, where),
+        "carried": carried,
+        "moe": _moe(model, layers, where),
+        "recurrent": sorted(
+            {type(m).__name__ for la in layers for m in la.modules() if RECURRENT.search(type(m).__name__)}
+        ),
     }
 
 
-def _embed_scale(emb, where: str) -> float | None:
-    import torch
-
-    if hasattr(emb, "scalar_embed_scale"):  # Gemma's scaled word embedding: x * sqrt(hidden)
-        return float(emb.scalar_embed_scale)
-    if type(emb) is not torch.nn.Embedding:
-        raise InputError(
-            f"{where}: input embedding {type(emb).__name__} is neither plain nor scaled: not supported"
-        )
-    return None
-
-
-def _module_names(model) -> dict[str, str]:
-    """Full names of the pieces the engine handles itself."""
-    every = list(model.named_parameters(remove_duplicate=False))  # a tied head appears under both names
-    base_name = model.base_model_prefix
-    return {
-        "embed": next(n for n, p in every if p is model.get_input_embeddings().weight),
-        "lm_head": [n for n, p in every if p is model.get_output_embeddings().weight][-1],
-        "norm": f"{base_name}.norm",
-        "layers": f"{base_name}.layers",
-    }
-
-
-def _memory_tensors(model, tied: bool, lm_head: str) -> dict[str, tuple[int, ...]]:
-    """Every parameter and persistent buffer in memory (the tied LM head once, as the embedding)."""
-    out = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if tied:
-        out.pop(lm_head, None)
+def _groups(model, s: dict, mem: dict, embed_name: str, head_weight: str, tied: bool) -> dict[str, list[str]]:
+    """Which unit each model-level tensor belongs to (module doc); layers are taken by prefix."""
+    stack, owner = s["stack"] + ".", s["owner"] + "."
+    prefix_mods = [p + "." for p in s["prefix"]]  # the embedding module's own others too (Inkling's norm)
+    suffix_mods = [p + "." for p in s["suffix"]]
+    head_mod = s["head"] + "."
+    out: dict[str, list[str]] = {"prefix": [], "head": [], "carried": []}
+    for n in mem:
+        if n == embed_name or n.startswith(stack):
+            continue
+        own = n.startswith(owner) and "." not in n[len(owner) :]  # the owner's own (Zaya's input bias)
+        if own or n.startswith(tuple(prefix_mods)):
+            out["prefix"].append(n)
+        elif n.startswith(tuple(suffix_mods)) or n.startswith(head_mod):
+            out["head"].append(n)
+        elif not n.startswith(s["base"] + ".") and s["logits"] == "forward":
+            out["head"].append(n)  # the CausalLM's own code after its base model uses it
+        else:
+            out["carried"].append(n)  # towers, projectors, modules the text forward never calls
+    if not tied and head_weight in out["head"]:  # the LM head's weight last, as "lm_head"
+        out["head"].remove(head_weight)
+        out["head"].append(head_weight)
     return out
 
 
-def _entry(name: str, hf: str, mem: dict, parts: dict, trainable: bool, layer: int | None = None) -> dict:
-    """One parameter of a unit's table: its name for the engine, in-memory name, shape, and the
-    disk tensors that fill it. In a layer kind, `{i}` stands for the layer index."""
+def _entry(
+    name: str, hf: str, mem: dict, parts: dict, trainable: bool, layer: tuple[str, int] | None = None
+) -> dict:
+    """One tensor of a unit's table: its name for the engine, in-memory name, shape, and the disk
+    tensors that fill it. In a layer kind, `{i}` stands for the layer index."""
 
-    def tmpl(s: str) -> str:
-        return s if layer is None else _templ(s, layer)
+    def tmpl(s: str, disk: bool) -> str:
+        return s if layer is None else _templ(s, layer, disk)
 
     return {
         "name": name,
-        "hf": tmpl(hf),
+        "hf": tmpl(hf, False),
         "shape": list(mem[hf]),
         "trainable": trainable,
-        "parts": [{"hf": tmpl(p.hf), "shape": list(p.shape), "at": p.at} for p in parts[hf]],
+        "parts": [{"hf": tmpl(p.hf, True), "shape": list(p.shape), "at": p.at} for p in parts[hf]],
     }
 
 
-def _templ(name: str, i: int) -> str:
-    """Replace the layer index in a tensor name with `{i}`."""
-    key = f"layers.{i}."
-    at = name.find(key)
-    if at < 0:
+def _templ(name: str, layer: tuple[str, int], disk: bool) -> str:
+    """Replace the layer index in a tensor name with `{i}`: after the stack's path in memory, the
+    first dotted number equal to it on disk (whose prefix may be renamed: `transformer.h.3.`)."""
+    stack, i = layer
+    key = f"{stack}.{i}."
+    if not disk or name.startswith(key):
+        if not name.startswith(key):
+            raise InputError(f"tensor {name}: not in layer {i} of {stack}")
+        return f"{stack}.{{i}}." + name[len(key) :]
+    m = re.search(rf"(^|\.){i}\.", name)
+    if m is None:
         raise InputError(f"tensor {name}: cannot find its layer index {i}")
-    return name[:at] + "layers.{i}." + name[at + len(key) :]
+    at = m.start() + len(m.group(1))
+    return name[:at] + "{i}." + name[at + len(str(i)) + 1 :]
 
 
-def _layer_kinds(layers, prefix: str, mem: dict, parts: dict) -> tuple[dict[str, list], list[str]]:
-    """Per-layer tables, deduplicated into kinds (kind names: 'k0', 'k1', ... in order of first use)."""
+def _layer_kinds(
+    layers, stack: str, mem: dict, parts: dict, first: int, prefix_rows: list
+) -> tuple[dict, list]:
+    """Per-layer tables, deduplicated into kinds ('k0', 'k1', ... in order of first use); the first
+    layer the forward calls also holds the tensors used before it (prefix_rows, by full name)."""
     kinds: dict[str, list] = {}
     keys: dict[str, str] = {}
     layer_kinds = []
     for i, layer in enumerate(layers):
-        params = {n for n, _ in layer.named_parameters()}
+        params = [n for n, _ in layer.named_parameters()]
+        buffers = [b for b in layer.state_dict() if b not in set(params)]
         rows = [
-            _entry(n, f"{prefix}{i}.{n}", mem, parts, n in params, layer=i)
-            for n in [*params_in_order(layer), *[b for b in layer.state_dict() if b not in params]]
+            _entry(n, f"{stack}.{i}.{n}", mem, parts, n in params, layer=(stack, i))
+            for n in [*params, *buffers]
         ]
+        if i == first:
+            rows += prefix_rows
         rows.sort(key=lambda r: not r["trainable"])  # frozen tensors last: the optimizer stops before them
         key = repr(rows)
         if key not in keys:
@@ -264,45 +243,32 @@ def _layer_kinds(layers, prefix: str, mem: dict, parts: dict) -> tuple[dict[str,
     return kinds, layer_kinds
 
 
-def params_in_order(module) -> list[str]:
-    return [n for n, _ in module.named_parameters()]
-
-
-def _moe(model, layers, fam: Family, where: str) -> dict | None:
+def _moe(model, layers, where: str) -> dict | None:
     """Routing facts from the model: which layers route, over how many experts, top-k, and the
-    auxiliary loss coefficient when the ForCausalLM would add it (None when off)."""
+    auxiliary loss coefficient when the CausalLM would add it (None when off)."""
     rec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
     if rec is None:
         return None
     cls, index = getattr(rec, "target_class", None), getattr(rec, "index", 0)
     routed = [
-        i
-        for i, layer in enumerate(layers)
-        if cls is not None and any(isinstance(m, cls) for m in layer.modules())
+        i for i, la in enumerate(layers) if cls is not None and any(isinstance(m, cls) for m in la.modules())
     ]
     if not routed:
         return None
-    conf = model.config
-    n = next(
-        (
-            getattr(conf, k)
-            for k in ("num_local_experts", "num_experts", "n_routed_experts")
-            if getattr(conf, k, None)
-        ),
-        None,
-    )
-    top_k = getattr(conf, "num_experts_per_tok", None)
+    conf = model.config.get_text_config()
+    n = _conf_int(conf, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
+    top_k = _conf_int(conf, ("num_experts_per_tok", "moe_k", "top_k", "moe_topk", "moe_top_k"))
     if not n or not top_k:
         raise InputError(f"{where}: a routed model without num_experts / num_experts_per_tok in config.json")
     aux = None
-    if getattr(conf, "output_router_logits", False):
-        if fam.aux != "switch":
+    if getattr(conf, "output_router_logits", False) or getattr(model.config, "output_router_logits", False):
+        if not switch_loss(model) or not hasattr(model, "router_aux_loss_coef"):
             raise InputError(
                 f"{where}: output_router_logits is set, but transformers' {type(model).__name__} adds no "
-                "auxiliary loss horizon knows; unset it"
+                "auxiliary loss horizon knows (the Switch load-balancing loss); unset it"
             )
         aux = float(model.router_aux_loss_coef)
-    assert cls is not None  # routed layers were found by it
+    assert cls is not None
     return {
         "router": cls.__name__,
         "logits_index": int(index or 0),
@@ -311,3 +277,29 @@ def _moe(model, layers, fam: Family, where: str) -> dict | None:
         "layers": routed,
         "aux_coef": aux,
     }
+
+
+def _conf_int(conf, keys: tuple[str, ...]) -> int | None:
+    """The first positive int of `keys` in the config or its sub-configs (DBRX's ffn_config)."""
+    subs = [v for v in vars(conf).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")]
+    for c in [conf, *subs]:
+        for k in keys:
+            v = getattr(c, k, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+def switch_loss(model) -> bool:
+    """The model's module defines transformers' Switch load-balancing loss, op for op as Mixtral's
+    (model.moe computes exactly that one)."""
+    fn = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+    if fn is None:
+        return False
+    from transformers.models.mixtral import modeling_mixtral
+
+    def key(f):
+        c = f.__code__
+        return c.co_code, tuple(x for x in c.co_consts if not isinstance(x, str)), c.co_names
+
+    return key(fn) == key(modeling_mixtral.load_balancing_loss_func)

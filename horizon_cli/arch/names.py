@@ -10,8 +10,10 @@ unit, each filled by one or more checkpoint tensors.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
+from ..errors import InputError
 from .spec import ArchSpec
 
 # Tensors that may appear in a checkpoint but carry no parameters we train.
@@ -87,6 +89,10 @@ def unit_tensors(spec: ArchSpec, unit: str) -> list[TensorName]:
             for e in generic_table(spec, unit)
             for k, p in enumerate(e["parts"])
         ]
+    return [_on_disk(spec, t) for t in _native_tensors(spec, unit)]
+
+
+def _native_tensors(spec: ArchSpec, unit: str) -> list[TensorName]:
     if unit == "embed":
         return [TensorName("embed", "model.embed_tokens.weight", (spec.vocab, spec.hidden))]
     if unit == "head":
@@ -95,6 +101,54 @@ def unit_tensors(spec: ArchSpec, unit: str) -> list[TensorName]:
             out.append(TensorName("lm_head", "lm_head.weight", (spec.vocab, spec.hidden)))
         return out
     return layer_tensors(spec, int(unit.split(".")[1]))
+
+
+LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+
+
+def _template(hf: str) -> tuple[str, str | None]:
+    """(the name with its layer index as `{i}`, the index) for a native layer tensor."""
+    m = LAYER.match(hf)
+    return (f"model.layers.{{i}}.{m.group(2)}", m.group(1)) if m else (hf, None)
+
+
+def _on_disk(spec: ArchSpec, t: TensorName) -> TensorName:
+    """The tensor under its checkpoint name (spec.hf_names: a native class saved under other names)."""
+    if not spec.hf_names:
+        return t
+    key, i = _template(t.hf)
+    disk = spec.hf_names.get(key)
+    if disk is None:
+        return t
+    return replace(t, hf=disk if i is None else disk.replace("{i}", i))
+
+
+def native_disk_names(
+    spec: ArchSpec, cfg: dict, disk: dict[str, tuple[int, ...]], where: str
+) -> dict[str, str]:
+    """For a native class whose checkpoint names differ from the Llama layout (EXAONE saves
+    `transformer.h.N.attn.attention.q_proj`): each native name template -> its disk name template,
+    through the renamings transformers applies when it loads that class; {} when they agree."""
+    from transformers.core_model_loading import rename_source_key
+
+    from .disk import transforms
+    from .generic import meta_model, model_class
+
+    table = {t.hf for u in unit_names(spec) for t in _native_tensors(spec, u)}
+    if all(n in disk for n in table):
+        return {}
+    renamings, converters = transforms(meta_model(cfg, "eager", model_class(cfg, where).__name__))
+    out: dict[str, str] = {}
+    for name in disk:
+        target, _ = rename_source_key(name, renamings, converters)
+        if target in table and target != name:
+            key, i = _template(target)
+            tmpl = (
+                name if i is None else re.sub(rf"(^|\.){i}\.", lambda m: m.group(1) + "{i}.", name, count=1)
+            )
+            if out.setdefault(key, tmpl) != tmpl:
+                raise InputError(f"{where}: tensor {name}: its layers are not named alike in the checkpoint")
+    return out
 
 
 def hf_table(spec: ArchSpec) -> dict[str, tuple[str, TensorName]]:

@@ -2,10 +2,16 @@
 
 Architectures are data: Llama, Mistral, Qwen2 and Qwen3 differ only in the flags below
 (biases, q/k norm, sliding windows, RoPE scaling), so one `ArchSpec` describes each of them and
-`arch.names` maps its tensors to Hugging Face names (`path: native`). Every other decoder-only
-causal LM of transformers that `arch.families` describes takes the generic path (`path: generic`):
-`generic` then holds the tensor table and model-level data `arch.generic` read off transformers'
-own model (the native fields hold the config's sizes, for reports and memory plans).
+`arch.names` maps its tensors to Hugging Face names (`path: native`). The native path is chosen by
+the class the checkpoint is (config.json's `architectures`, else transformers' causal-LM mapping),
+not by its `model_type`: EXAONE, InternLM 3 and IQuest-Coder are `LlamaForCausalLM`s under other
+names, read through their own config class (attribute names normalised) and, where their checkpoint
+names differ (EXAONE's `transformer.h.N.attn.attention.q_proj`), with transformers' own renamings
+(`hf_names`). A native class with a feature the native layer lacks (another RoPE type or
+activation) takes the generic path. Every other decoder-only causal LM of transformers takes the
+generic path (`path: generic`): `generic` then holds the tensor table and model-level data
+`arch.generic` derived from transformers' own model class (the native fields hold the config's
+sizes, for reports and memory plans).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..fsutil import read_json
-from .generic import generic_spec, hf_config
+from .generic import generic_spec, hf_config, model_class
 
 # model_type -> family.  The family picks the HF name table and default flags.
 FAMILIES = {
@@ -25,7 +31,20 @@ FAMILIES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
 }
+# the transformers classes the native layer computes exactly
+NATIVE_CLASSES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 SUPPORTED_ROPE = ("default", "linear", "llama3")
+
+
+class Unsupported(InputError):
+    """A native class with a feature the native layer does not have (the generic path may run it)."""
+
+
 SUPPORTED_ACT = ("silu",)
 
 
@@ -52,6 +71,8 @@ class ArchSpec:
     padding_idx: int | None = None  # the embedding row transformers never updates (config pad_token_id)
     path: str = "native"  # native | generic
     generic: dict[str, Any] | None = None  # path generic: arch.generic.generic_spec's description
+    # native: checkpoint names that differ from the Llama layout (`model.layers.{i}....` -> disk name)
+    hf_names: dict[str, str] | None = None
 
     @property
     def q_dim(self) -> int:
@@ -67,6 +88,8 @@ class ArchSpec:
             del d["path"], d["generic"]
         if self.padding_idx is None:  # and stores without a padding row, their fingerprint
             del d["padding_idx"]
+        if self.hf_names is None:
+            del d["hf_names"]
         return d
 
     @staticmethod
@@ -90,11 +113,39 @@ def spec_from_hf(
     disk: the checkpoint's tensor names and shapes, which the generic path maps onto transformers'
     in-memory tensors (None: assume the in-memory layout)."""
     mt = cfg.get("model_type")
-    if path == "generic" or (path == "auto" and mt not in FAMILIES):
+    family, ncfg = (None, cfg) if path == "generic" else native_family(cfg, where)
+    if path == "generic" or (path == "auto" and family is None):
         return _generic_spec(cfg, where, disk)
-    if mt not in FAMILIES:
-        raise InputError(f"{where}: no native layer for model_type {mt!r} (native: {', '.join(FAMILIES)})")
-    family = FAMILIES[mt]
+    if family is None:
+        raise InputError(
+            f"{where}: no native layer for model_type {mt!r} (native: {', '.join(NATIVE_CLASSES)})"
+        )
+    try:
+        spec = _native_spec(ncfg, family, where)
+    except Unsupported:
+        if path == "auto":
+            return _generic_spec(cfg, where, disk)
+        raise
+    return spec
+
+
+def native_family(cfg: dict, where: str) -> tuple[str | None, dict]:
+    """(the native family, the config as the native reader wants it) by the checkpoint's class:
+    its model_type's own, or a native class under another model_type (its config normalised by
+    its own config class: EXAONE's `num_layers` is `num_hidden_layers`); None: not native."""
+    mt = cfg.get("model_type")
+    if mt in FAMILIES:
+        return FAMILIES[mt], cfg
+    try:
+        cls = model_class(cfg, where)
+    except InputError:
+        return None, cfg
+    family = NATIVE_CLASSES.get(cls.__name__)
+    return (family, hf_config(cfg).to_dict()) if family else (None, cfg)
+
+
+def _native_spec(cfg: dict, family: str, where: str) -> ArchSpec:
+    mt = cfg.get("model_type")
 
     def need(key: str) -> Any:
         if key not in cfg or cfg[key] is None:
@@ -105,7 +156,7 @@ def spec_from_hf(
     n_layers = int(need("num_hidden_layers"))
     act = cfg.get("hidden_act", "silu")
     if act not in SUPPORTED_ACT:
-        raise InputError(
+        raise Unsupported(
             f"{where}: hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACT)})"
         )
     attn_bias = bool(cfg.get("attention_bias", False))
@@ -146,7 +197,7 @@ def _rope(cfg: dict, where: str) -> dict[str, Any]:
     rp["rope_type"] = kind
     rp.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     if kind not in SUPPORTED_ROPE:
-        raise InputError(
+        raise Unsupported(
             f"{where}: rope type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})"
         )
     if kind == "llama3":
@@ -175,38 +226,49 @@ def _windows(cfg: dict, family: str, n_layers: int) -> list[int | None]:
 
 def _generic_spec(cfg: dict, where: str, disk) -> ArchSpec:
     g = generic_spec(cfg, where, disk)
-    c = hf_config(g["config"])
+    c = hf_config(g["config"]).get_text_config()
 
     def get(key: str, default: Any = 0) -> Any:
-        v = getattr(c, key, None)
-        return default if v is None else v
+        try:
+            v = getattr(c, key, None)
+        except Exception:  # noqa: BLE001 (a per-layer attribute without one global value: dots3)
+            v = None
+        return default if v is None or isinstance(v, (list, dict)) and not isinstance(default, dict) else v
 
-    hidden, heads = int(c.hidden_size), int(get("num_attention_heads", 1))
-    n_layers = int(c.num_hidden_layers)
-    masks, window = g["masks"], g["sliding_window"]
-    sliding = [
-        bool(window) and (masks == "window" or (masks == "layer_types" and t == "sliding_attention"))
-        for t in g["layer_types"]
-    ]
+    hidden = int(get("hidden_size", 0) or get("d_model", 0))
+    heads = int(get("num_attention_heads", 1))
+    n_layers = len(g["layer_kinds"])
     return ArchSpec(
-        family=c.model_type,
+        family=str(c.model_type),
         hidden=hidden,
         intermediate=int(get("intermediate_size")),
         n_layers=n_layers,
         n_heads=heads,
         n_kv_heads=int(get("num_key_value_heads", heads)),
-        head_dim=int(get("head_dim", hidden // heads)),
+        head_dim=int(get("head_dim", hidden // max(heads, 1))),
         vocab=int(c.vocab_size),
         rms_eps=float(get("rms_norm_eps", 1e-6)),
         max_positions=int(get("max_position_embeddings", 2048)),
         tie_embeddings="lm_head" not in [e["name"] for e in g["units"]["head"]],
-        rope=dict(get("rope_parameters", {})),
-        windows=[int(window) if s else None for s in sliding],
+        rope=dict(get("rope_parameters", {}) or {}),
+        windows=generic_windows(c, n_layers),
         hidden_act=str(get("hidden_act", "") or get("hidden_activation", "")),
-        padding_idx=_padding_idx(g["config"]),
+        padding_idx=_padding_idx(c.to_dict()),
         path="generic",
         generic=g,
     )
+
+
+def generic_windows(c, n_layers: int) -> list[int | None]:
+    """Per layer the sliding window (None: full attention), from the config's layer types (or one
+    window for every layer, Mistral-style), for memory plans."""
+    sw = getattr(c, "sliding_window", None)
+    if not isinstance(sw, int) or sw <= 0:
+        return [None] * n_layers
+    types = getattr(c, "layer_types", None)
+    if isinstance(types, list) and len(types) == n_layers:
+        return [sw if "sliding" in str(t) else None for t in types]
+    return [sw] * n_layers
 
 
 def _padding_idx(cfg: dict) -> int | None:

@@ -11,10 +11,11 @@ import shutil
 from pathlib import Path
 
 from ..arch import hf_table, read_hf_config, spec_from_hf
-from ..arch.names import is_ignorable
+from ..arch.names import is_ignorable, native_disk_names
 from ..errors import InputError
 from ..fsutil import atomic_dir, check_not_inside, io_failures
 from ..progress import byte_progress
+from ..store.carried import write_carried
 from ..store.manifest import DTYPES, QUANTS
 from ..store.writer import StoreWriter
 from .checkpoint import Checkpoint
@@ -62,11 +63,14 @@ def convert(
     where = str(src / "config.json")
     spec = spec_from_hf(hf_cfg, where=where, path=path)  # refuses an unsupported model before reading weights
     ckpt = Checkpoint(src)
+    disk = {n: tuple(i.shape) for n, i in ckpt.infos.items()}
     if spec.generic is not None:  # map the checkpoint's own names (per-expert or fused) onto memory
-        disk = {n: tuple(i.shape) for n, i in ckpt.infos.items()}
         spec = spec_from_hf(hf_cfg, where=where, disk=disk, path="generic")
+    elif spec.family != hf_cfg.get("model_type"):  # a native class saved under its own names (EXAONE)
+        spec.hf_names = native_disk_names(spec, hf_cfg, disk, where) or None
     plan = check_tensors(ckpt, spec)
-    total = sum(ckpt.infos[n].nbytes for n in plan)
+    carried = [ckpt.infos[n] for n in (spec.generic or {}).get("carried", [])]
+    total = sum(ckpt.infos[n].nbytes for n in plan) + sum(i.nbytes for i in carried)
     with io_failures(dst), atomic_dir(dst, force=force) as tmp:
         writer = StoreWriter(tmp, spec, dtype, source=str(src.resolve()), quant=quantize)
         try:
@@ -74,6 +78,9 @@ def convert(
                 for name, pieces in ckpt.tensors(set(plan)):
                     unit, tensor = plan[name]
                     writer.write_stream(unit, tensor.name, pieces, on_piece=advance, wait=False)
+                if carried:  # a multimodal checkpoint's tower, projector, ...: as they are
+                    infos = [(i.name, i.shape, i.dtype, i.nbytes) for i in carried]
+                    advance(write_carried(tmp / "hf", infos, ckpt.tensors({i.name for i in carried})))
             manifest = writer.finish()
         finally:
             writer.close()

@@ -29,6 +29,7 @@ import torch
 
 from ..data.batch import MicroBatch
 from ..model.head import (
+    LM,
     Logits,
     Norm,
     head_backward,
@@ -55,11 +56,16 @@ class Head:
 
     norm: Norm
     norm_w: dict[str, torch.Tensor]
-    lm: torch.Tensor
+    lm: LM  # the LM head's weight, or every tensor the logits use by name (generic path)
     logits: Logits
     chunk: int
     g_norm: dict[str, torch.Tensor] | None = None
-    g_lm: torch.Tensor | None = None
+    g_lm: LM | None = None
+
+    @property
+    def device(self) -> torch.device:
+        lm = self.lm if isinstance(self.lm, torch.Tensor) else next(iter(self.lm.values()))
+        return lm.device
 
     def ce(self, x: torch.Tensor, t: Targets, inv: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed cross-entropy, dh of it times `inv`): one pass."""
@@ -132,7 +138,7 @@ class Objective(ABC):
         self, head: Head, xs: list[torch.Tensor], targets: list[Targets]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the summed loss, stats), forward only (evaluation: cross-entropy unless an objective says)."""
-        total = torch.zeros((), dtype=torch.float32, device=head.lm.device)
+        total = torch.zeros((), dtype=torch.float32, device=head.device)
         for x, t in zip(xs, targets, strict=True):
             total += head.ce_sum(x, t)
         return total, {}
@@ -144,7 +150,7 @@ class TokenCE(Objective):
     name = "sft"
 
     def train(self, head: Head, xs: list[torch.Tensor], targets: list[Targets], inv: float) -> HeadOut:
-        loss_sum = torch.zeros((), dtype=torch.float32, device=head.lm.device)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=head.device)
         dx = []
         for x, t in zip(xs, targets, strict=True):
             ls, dh = head.ce(x, t, inv)

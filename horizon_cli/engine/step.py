@@ -104,11 +104,13 @@ class TrainStep:
         if g.head is not None:  # a trained head (not LoRA)
             gh = p.params.host["head"].views(g.head)
             g.head.zero_()
-            if p.spec.tie_embeddings and g.embed is not None:  # the LM head is the embedding
-                head.g_lm = p.params.host["embed"].views(g.embed)["embed"]
-            else:
-                head.g_lm = gh["lm_head"]
-            head.g_norm = gh
+            # the LM head is the embedding when tied
+            g_embed = (
+                p.params.host["embed"].views(g.embed)["embed"]
+                if p.spec.tie_embeddings and g.embed is not None
+                else None
+            )
+            head.g_norm, head.g_lm = p.tmpl.head_tensors(gh, g_embed)
             if g.embed is not None:
                 g.embed.zero_()
         with p.t.compute_span("head"):

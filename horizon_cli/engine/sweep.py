@@ -131,8 +131,8 @@ class Sweep:
         embedding's when tied), as an objective computes with them; `release_head` after."""
         p = self.p
         w, _ = p.loader.acquire("head")
-        lm = p.loader.acquire("embed")[0]["embed"] if p.spec.tie_embeddings else w["lm_head"]
-        norm_w = {k: v for k, v in w.items() if k != "lm_head"}
+        embed = p.loader.acquire("embed")[0]["embed"] if p.spec.tie_embeddings else None
+        norm_w, lm = p.tmpl.head_tensors(w, embed)
         return Head(p.tmpl.final_norm, norm_w, lm, p.tmpl.logits, p.cfg.loss_chunk)
 
     def release_head(self) -> None:

@@ -17,6 +17,9 @@ from ..errors import InputError
 from ..fsutil import atomic_dir, check_not_inside, io_failures, read_json
 from ..progress import byte_progress
 from ..store import Store
+from ..store.carried import FILE as CARRIED
+from ..store.carried import SUM as CARRIED_SUM
+from ..store.carried import carried_names, verify_carried
 from ..store.checkpoint import SUMS, check_given, is_lora
 from ..store.checkpoint import latest as latest_checkpoint
 from ..store.manifest import MANIFEST
@@ -93,6 +96,9 @@ def export(
                 fname = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
                 write_shard(tmp / fname, [(e[0], e[1], e[2]) for e in shard], fetch, advance)
                 weight_map.update({e[0]: fname for e in shard})
+        if verify:
+            verify_carried(store.root / "hf")
+        weight_map.update(dict.fromkeys(carried_names(store.root / "hf"), CARRIED))
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         _copy_hf_files(store, tmp, cfg)
@@ -134,6 +140,6 @@ def _hf_config(store: Store) -> dict:
 
 def _copy_hf_files(store: Store, tmp: Path, cfg: dict) -> None:
     for f in sorted((store.root / "hf").iterdir()):
-        if f.name != "config.json" and f.is_file():
+        if f.name not in ("config.json", CARRIED_SUM) and f.is_file():
             shutil.copyfile(f, tmp / f.name)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -72,11 +72,11 @@ def generic_modules(spec: ArchSpec) -> tuple[list[Module], dict[str, Target]]:
     """The same read off transformers' model on the meta device (arch.generic)."""
     import torch
 
-    from ..arch.generic import meta_model
+    from ..arch.generic import stored_model
 
     g = spec.generic
     assert g is not None
-    model = meta_model(g["config"], g["attn"])
+    model = stored_model(g)
     emb, out = model.get_input_embeddings(), model.get_output_embeddings()
     prefix = g["prefix"]  # "model.layers."
     mods, linear = [], {}

@@ -1,61 +1,72 @@
-"""The generic layer template: transformers' own decoder-layer modules, bound to streamed weights.
+"""The generic layer template: transformers' own model code, bound to streamed weights.
 
-The CausalLM is built once on the meta device (no memory): its decoder layers are the templates.
-At each load, `torch.func.functional_call` runs layer i with the unit's device views in place of
+The model is built once on the meta device (no memory): its decoder layers are the templates.
+At each load `torch.func.functional_call` runs layer i with the unit's device views in place of
 its parameters (and frozen buffers), so the arithmetic is transformers' own, op for op, while the
-weights live in the streamed buffer (invariants 1-3 unchanged: the schedule still loads each unit
-twice per step and recomputes one layer under autograd).
+weights live in the streamed buffer (invariants 1-3 unchanged: each unit loads twice per step and
+the backward recomputes one layer under autograd).
 
-Around the layers, the pieces the family's model code computes are rebuilt from data
-(arch.families, arch.generic): rotary tables from the family's own rotary module (one table, or
-one per layer type), attention masks from transformers' mask functions (full / sliding per layer;
-packed rows: positions restart per document, which those functions turn into block-diagonal
-masks), embedding scale, the family's final-norm module and final-logit soft-capping. Router
-outputs are caught with forward hooks on the router modules (the class transformers records as
-`router_logits`) and feed model.moe.
+Around the layers runs transformers' own code too (arch.capture, structure from arch.probe):
+
+  first layer  before it, the stack's owner runs its forward on the micro-batch's rows (gathered on
+               the host) with recorders for layers: embedding scales and multipliers, learned
+               positions, embedding norms, rotary tables per layer type, the masks per layer type
+               from transformers' mask functions (packed rows: positions restart per document,
+               which they turn into block-diagonal masks), ALiBi — every layer's arguments are
+               recorded into the micro-batch's context, and the first layer's input carries the
+               graph back to the rows and to the model-level tensors its unit holds, so the
+               backward recompute of that layer differentiates all of it
+  layers       each with the arguments the owner gave it and the running hidden state; a layer
+               the owner does not call (Mllama's cross-attention without images) passes through
+  head         the owner's modules after its last layer (final norms) per micro-batch, then the
+               CausalLM's logits per chunk: its head module, or its whole forward on the chunk's
+               rows (`logits: forward`: logit scaling, soft-capping, slicing as it wrote them)
+
+Router outputs are caught with forward hooks on the router modules (the class transformers records
+as `router_logits`) and feed model.moe.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 
 from ..arch import ArchSpec
-from ..arch.generic import hf_config, meta_model
+from ..arch.capture import (
+    Stop,
+    head_stub,
+    hidden_of,
+    materialize_buffers,
+    packed_positions,
+    recorders,
+    rows_embedding,
+    with_hidden,
+)
+from ..arch.generic import stored_model
+from ..arch.probe import probe
 from ..data.batch import DecodeBatch, MicroBatch
 from .moe import RouterStats
-
-MASK_KIND = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
 
 
 @dataclass
 class GenericContext:
-    """Per micro-batch: positions, rotary tables per key, masks per kind, real-token mask."""
+    """Per micro-batch: the owner's inputs, the real-token mask, and every layer's arguments as
+    the owner passed them (filled by the first layer's forward)."""
 
+    ids: torch.Tensor  # (b, T) int64 on the device
     pos: torch.Tensor  # (b, T) int64
-    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # key -> cos, sin (b, T, rotary dim)
-    masks: dict[str, torch.Tensor | None]  # kind -> transformers' mask for this attention impl
+    att: torch.Tensor | None  # 2-D attention mask (generation: left padding), or None
     tokens: torch.Tensor  # (b*T,) fp32: 1 for real tokens, 0 for padding
     cache: Any = None  # generation: the micro-batch's transformers Cache (DynamicCache)
-
-
-class _Probed(Exception):
-    pass
-
-
-class _CacheProbe:
-    """Stands in for a Cache on the meta device: records what a layer would cache, then stops it."""
-
-    numel = 0
-
-    def update(self, *states, **kw):
-        self.numel = sum(s.shape[1] * s.shape[-1] for s in states if isinstance(s, torch.Tensor))
-        raise _Probed
+    packed: bool = False  # rows hold several documents (positions restart at each)
+    calls: dict[int, tuple[tuple, dict]] | None = None
+    carry: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # layer -> its passed outputs
 
 
 def _experts_fallback(model) -> None:
@@ -63,33 +74,49 @@ def _experts_fallback(model) -> None:
     multiple of 8 elements fails in bf16 ("strides should be multiple of 16 bytes"; transformers'
     own model too). Such models (no released one) run its batched_mm experts: the same arithmetic
     without the grouped GEMM. The layers read config._experts_implementation at call time."""
-    cfg = model.config
-    if getattr(cfg, "_experts_implementation", None) != "grouped_mm":
-        return
-    for name, p in model.named_parameters():
-        if ".experts." in name and p.dim() == 3 and any(d % 8 for d in p.shape[1:]):
-            cfg._experts_implementation = "batched_mm"
-            return
+    for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        if getattr(cfg, "_experts_implementation", None) != "grouped_mm":
+            continue
+        for name, p in model.named_parameters():
+            if ".experts." in name and p.dim() == 3 and any(d % 8 for d in p.shape[1:]):
+                cfg._experts_implementation = "batched_mm"
+                break
+
+
+def structure(g: dict) -> dict:
+    """The forward's structure (arch.probe) a store recorded; stores written before it carry none
+    and are probed from their config once."""
+    if "model" in g:
+        return g["model"]
+    return probe(stored_model(g), "the store's config.json")
 
 
 class GenericTemplate:
+    embed_scale: float | None = None  # the owner's own code scales its embedding (first layer)
+
     def __init__(self, spec: ArchSpec, device: torch.device, lora_targets=None):
         g = spec.generic
         assert g is not None
-        self.g, self.device = g, device
-        self.cfg = hf_config(g["config"], attn=g["attn"])
-        model = meta_model(g["config"], g["attn"])
+        self.g, self.device, self.s = g, device, structure(g)
+        s = self.s
+        model = stored_model(g)
         _experts_fallback(model)
-        base = getattr(model, model.base_model_prefix)
-        self.layers = list(base.layers)  # meta modules: templates only, never hold weights
-        self.norm = base.norm
-        self.rotary = None
-        if g["rope"] != "none":
-            self.rotary = type(base.rotary_emb)(config=self.cfg).to(device)  # buffers only: real
-        self.kinds = [self._mask_kind(t) for t in g["layer_types"]]
-        self.rope_keys = [t if g["rope"] == "per_layer_type" else "all" for t in g["layer_types"]]
-        self.embed_scale: float | None = g["embed_scale"]
-        self.softcap: float | None = g["softcap"]
+        self.model, self.cfg = model, model.config.get_text_config()
+        self.owner = model.get_submodule(s["owner"])
+        self.layers = list(model.get_submodule(s["stack"]))  # meta modules: templates only
+        self.emb = model.get_submodule(s["embed"])
+        self.head = model.get_submodule(s["head"])
+        self.suffix = [(p, model.get_submodule(p)) for p in s["suffix"]]
+        self.first, self.last, self.called = s["calls"][0], s["calls"][-1], set(s["calls"])
+        outside = [m for n, m in model.named_children() if n != s["base"]]
+        materialize_buffers(model, [*outside, self.owner], device)  # the owner's own, its layers'
+        self._buffers = [
+            {n: b for n, b in la.named_buffers() if b.device.type != "meta"} for la in self.layers
+        ]
+        first_kind = g["kinds"][g["layer_kinds"][self.first]]
+        self._prefix = {e["name"]: e["hf"] for e in first_kind if e["name"].startswith("@")}
+        self._head = {e["name"]: e["hf"] for e in g["units"]["head"]}
+        self._head_w = f"{s['head']}.weight"
         self.moe = RouterStats(g["moe"]) if g.get("moe") else None
         self._caught: dict[int, tuple] = {}
         if self.moe is not None:
@@ -109,14 +136,6 @@ class GenericTemplate:
 
         mod.register_forward_hook(adapt)
 
-    def _mask_kind(self, layer_type: str) -> str:
-        masks = self.g["masks"]
-        if masks == "causal":
-            return "full"
-        if masks == "window":
-            return "sliding" if self.g["sliding_window"] else "full"
-        return MASK_KIND[layer_type]
-
     def _hook_routers(self, moe: dict) -> None:
         for i in moe["layers"]:
             router = next(m for m in self.layers[i].modules() if type(m).__name__ == moe["router"])
@@ -131,87 +150,108 @@ class GenericTemplate:
         tokens = torch.ones(mb.input_ids.shape, dtype=torch.float32)
         if mb.lengths is not None:
             tokens = (torch.arange(mb.input_ids.shape[1])[None, :] < mb.lengths[:, None]).float()
-        return self._context(
-            mb.input_ids.shape, mb.position_ids.to(device), None, None, tokens, dtype, device
-        )
-
-    def new_cache(self):
-        """A micro-batch's KV cache: transformers' DynamicCache for this config (sliding-window
-        layers keep only their window, as transformers' generate does)."""
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.cfg)
-
-    def kv_row_numel(self) -> list[tuple[int, int | None]]:
-        """Per layer: elements its cache keeps per position of one row, and the most positions it
-        keeps (a sliding window; None: all). Read off transformers' own layer on the meta device:
-        it runs up to its cache update with one token (no memory, no weights)."""
-        out = []
-        for i, layer in enumerate(self.layers):
-            probe = _CacheProbe()
-            x = torch.empty(1, 1, self.cfg.hidden_size, device="meta")
-            pos = torch.zeros(1, 1, dtype=torch.int64, device="meta")
-            kw: dict[str, object] = {"attention_mask": None, "position_ids": pos, "cache": probe}
-            if self.rotary is not None:
-                key = self.rope_keys[i]
-                kw["position_embeddings"] = self.rotary(x, pos) if key == "all" else self.rotary(x, pos, key)
-            with contextlib.suppress(_Probed):
-                layer(x, **kw)
-            window = self.g["sliding_window"] if self.kinds[i] != "full" else None
-            out.append((probe.numel, window))
-        return out
+        return GenericContext(
+            mb.input_ids.to(device), mb.position_ids.to(device), None, tokens.reshape(-1).to(device),
+            packed=mb.doc_ids is not None,
+        )  # fmt: skip
 
     def gen_context(self, db: DecodeBatch, cache, dtype: torch.dtype, device) -> GenericContext:
-        """A generation sweep: the masks transformers builds from the 2-D attention mask (left
-        padding) and the cache's sizes, positions as its generate derives them."""
+        """A generation sweep: the 2-D attention mask (left padding) and the cache go to the owner,
+        which builds the masks from them as in transformers' generate; positions as it derives them."""
         att = db.attention_mask()
-        tokens = att[:, db.past :].float()
-        return self._context(db.input_ids.shape, db.position_ids.to(device), att.to(device), cache, tokens,
-                             dtype, device)  # fmt: skip
-
-    def _context(self, shape, pos, att, cache, tokens, dtype, device) -> GenericContext:
-        from transformers.masking_utils import (
-            create_causal_mask,
-            create_chunked_causal_mask,
-            create_sliding_window_causal_mask,
+        tokens = att[:, db.past :].float().reshape(-1)
+        return GenericContext(
+            db.input_ids.to(device), db.position_ids.to(device), att.to(device), tokens.to(device), cache
         )
 
-        b, T = shape
-        like = torch.zeros((), dtype=dtype, device=device).expand(b, T, 1)  # shape, dtype, device only
-        fns = {
-            "full": create_causal_mask,
-            "sliding": create_sliding_window_causal_mask,
-            "chunked": create_chunked_causal_mask,
-        }
-        masks = {
-            k: fns[k](config=self.cfg, inputs_embeds=like, attention_mask=att, cache=cache, position_ids=pos)
-            for k in set(self.kinds)
-        }
-        rope = {}
-        if self.rotary is not None:
-            for key in set(self.rope_keys):
-                args = (like, pos) if key == "all" else (like, pos, key)
-                rope[key] = self.rotary(*args)
-        return GenericContext(pos, rope, masks, tokens.reshape(-1).to(device), cache)
+    def _owner_inputs(self, ctx: GenericContext) -> dict[str, Any]:
+        names = self.s["owner_kwargs"]
+        kw: dict[str, Any] = {"input_ids": ctx.ids}
+        if "position_ids" in names:
+            kw["position_ids"] = ctx.pos
+        if ctx.att is not None:
+            kw["attention_mask"] = ctx.att
+        if ctx.cache is not None:
+            kw["cache" if "cache" in names else "past_key_values"] = ctx.cache
+            kw["use_cache"] = True
+        elif "use_cache" in names:
+            kw["use_cache"] = False
+        return kw
+
+    def _capture(self, w: dict[str, torch.Tensor], rows: torch.Tensor, ctx: GenericContext) -> dict:
+        """Run the owner's forward up to its last layer on `rows` (b, T, H): every layer's call."""
+        cut = len(self.s["owner"]) + 1
+        pw = {self._prefix[k][cut:]: v for k, v in w.items() if k in self._prefix}
+        log: list = []
+        with (
+            _reparametrize_module(self.owner, pw, strict=False),
+            rows_embedding(self.emb, rows),
+            recorders(self.layers, log, self.s["returns"], self.last),
+            packed_positions(self.owner, ctx.pos) if ctx.packed else contextlib.nullcontext(),
+            contextlib.suppress(Stop),
+        ):
+            self.owner(**self._owner_inputs(ctx))
+        return {i: (args, kwargs) for i, args, kwargs in log}
 
     # -- layers ------------------------------------------------------------------------------
-    def _call(
-        self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: GenericContext, lora=None
-    ) -> torch.Tensor:
-        kw: dict[str, object] = {"attention_mask": ctx.masks[self.kinds[i]], "position_ids": ctx.pos}
-        if self.rotary is not None:
-            kw["position_embeddings"] = ctx.rope[self.rope_keys[i]]
-        if ctx.cache is not None:
-            kw["cache"] = ctx.cache
+    def _call(self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None) -> torch.Tensor:
+        if i not in self.called:
+            return x  # the owner skips this layer
+        if i == self.first:
+            calls = self._capture(w, x, ctx)  # x: the embedding rows; under autograd in the recompute
+            if ctx.calls is None:
+                ctx.calls = calls
+            args, kwargs = calls[i]
+            x = hidden_of(args, kwargs)
+        else:
+            assert ctx.calls is not None, "the first layer's forward records every layer's arguments"
+            args, kwargs = ctx.calls[i]
+        args, kwargs = self._passed_in(i, *with_hidden(args, kwargs, x), ctx)
+        lw = {k: v for k, v in w.items() if not k.startswith("@")}
         self._lora = lora
         try:
-            out = functional_call(self.layers[i], w, (x,), kw, strict=True)
+            out = functional_call(self.layers[i], {**self._buffers[i], **lw}, args, kwargs, strict=True)
         finally:
             self._lora = None
-        return out[0] if isinstance(out, tuple) else out
+        if isinstance(out, (tuple, list)):
+            self._passed_out(i, out, ctx)
+            out = out[0]
+        return out
+
+    def _passed_in(self, i: int, args: tuple, kwargs: dict, ctx: GenericContext) -> tuple[tuple, dict]:
+        """The outputs the previous layer passed on (GLM-MoE-DSA's `prev_topk_indices`), as the
+        forward sweep computed them (the backward recompute reads the same values)."""
+        calls = self.s["calls"]
+        at = calls.index(i)
+        prev = ctx.carry.get(calls[at - 1]) if at else None
+        if not prev:
+            return args, kwargs
+        new, kwargs = list(args), dict(kwargs)
+        for k, how, key in self.s.get("passes", []):
+            if k in prev:
+                if how == "kw":
+                    kwargs[key] = prev[k]
+                else:
+                    new[key] = prev[k]
+        return tuple(new), kwargs
+
+    def _passed_out(self, i: int, out, ctx: GenericContext) -> None:
+        """Keep what layer i passes to the next one: index tensors (no gradient to carry back)."""
+        known = {p[0] for p in self.s.get("passes", [])}
+        for k in self.s.get("forwarded", []):
+            v = out[k]
+            if v is None:
+                continue
+            if k not in known or not isinstance(v, torch.Tensor) or v.is_floating_point():
+                raise RuntimeError(
+                    f"layer {i} returns a tensor its model passes to the next layer (output {k}): "
+                    "tensors crossing layers besides the hidden state are not supported"
+                )
+            ctx.carry.setdefault(i, {})[k] = v.detach()
 
     def forward(self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None) -> torch.Tensor:
-        """x (b, T, H) -> (b, T, H); records router statistics."""
+        """x (b, T, H) -> (b, T, H) (the first layer: x is the embedding rows); records router
+        statistics."""
         return self.forward_held(i, w, x, ctx, lora)[0]
 
     def forward_held(
@@ -244,6 +284,25 @@ class GenericTemplate:
         out = self._caught.pop(i)
         return y, self.moe.objective(out[self.g["moe"]["logits_index"]], ctx.tokens)
 
+    # -- generation --------------------------------------------------------------------------
+    def new_cache(self):
+        """A micro-batch's cache: transformers' DynamicCache for this config (sliding-window layers
+        keep only their window, recurrent layers their state, as transformers' generate does)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def kv_row_numel(self) -> list[tuple[int, int | None]]:
+        """Per cache layer: elements it keeps per position of one row, and the most positions it
+        keeps (a sliding window; 1 for a recurrent state, whatever the length; None: all)."""
+        from .kvprobe import cache_sizes
+
+        c = self.cfg
+        heads = int(getattr(c, "num_attention_heads", None) or 1)
+        kv = 2 * int(getattr(c, "num_key_value_heads", None) or heads)
+        kv *= int(getattr(c, "head_dim", None) or int(getattr(c, "hidden_size", 0) or 0) // heads)
+        return cache_sizes(self.g, self.new_cache, [(kv, None)] * len(self.layers))
+
     # -- step --------------------------------------------------------------------------------
     def begin_step(self) -> None:
         self._caught.clear()
@@ -258,13 +317,31 @@ class GenericTemplate:
         return self.moe.result() if self.moe is not None else (None, [])
 
     # -- head --------------------------------------------------------------------------------
-    def final_norm(self, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The family's own final norm module (e.g. Gemma's (1 + w) RMSNorm)."""
-        return functional_call(self.norm, {k[len("norm.") :]: v for k, v in w.items()}, (h,), strict=True)
+    def head_tensors(self, w: dict[str, torch.Tensor], embed: torch.Tensor | None):
+        """The head unit's tensors (weights or their gradients, by name) as the head computes with
+        them: (the suffix modules', by name; the logits' by in-memory name: the LM head's weight —
+        the embedding's when tied — bias, and whatever else the CausalLM's forward uses)."""
+        suffix = tuple(p + "." for p, _ in self.suffix)
+        norm = {k: v for k, v in w.items() if self._head.get(k, "").startswith(suffix)}
+        lm = {self._head[k]: v for k, v in w.items() if k not in norm}
+        if embed is not None:
+            lm[self._head_w] = embed
+        return norm, lm
 
-    def logits(self, x: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
-        """(n, H) -> (n, V) in the compute dtype, soft-capped as the family's ForCausalLM does."""
-        out = F.linear(x, lm)
-        if self.softcap:
-            out = torch.tanh(out / self.softcap) * self.softcap
-        return out
+    def final_norm(self, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The owner's modules after its last layer (final norms: Gemma's (1 + w) RMSNorm, LFM2's
+        `embedding_norm`, ...), in the order it calls them."""
+        for path, mod in self.suffix:
+            cut = len(path) + 1
+            mw = {self._head[k][cut:]: v for k, v in w.items() if self._head[k].startswith(path + ".")}
+            out = functional_call(mod, mw, (h,), strict=False)
+            h = out[0] if isinstance(out, tuple) else getattr(out, "last_hidden_state", out)
+        return h
+
+    def logits(self, x: torch.Tensor, lm: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(n, H) -> (n, V) in the compute dtype, as the CausalLM computes them."""
+        if self.s["logits"] == "plain":
+            return F.linear(x, lm[self._head_w], lm.get(f"{self.s['head']}.bias"))
+        h = x[None]
+        with _reparametrize_module(self.model, lm, strict=False), head_stub(self.model, self.s["base"], h):
+            return self.model(inputs_embeds=h).logits[0]

@@ -19,7 +19,25 @@ import torch.nn.functional as F
 from ..data.batch import IGNORE
 
 Norm = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]  # (h, norm weights) -> normed h
-Logits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x (n, H), lm (V, H)) -> (n, V)
+# the LM head's tensors: its (V, H) weight, or (generic path) every tensor the logits use, by name
+LM = torch.Tensor | dict[str, torch.Tensor]
+Logits = Callable[[torch.Tensor, LM], torch.Tensor]  # (x (n, H), lm) -> (n, V)
+
+
+def linear(x: torch.Tensor, lm: LM) -> torch.Tensor:
+    """The plain LM head: x @ W.T (the native path's logits)."""
+    assert isinstance(lm, torch.Tensor)
+    return F.linear(x, lm)
+
+
+def _leaves(lm: LM, train: bool) -> LM:
+    if isinstance(lm, torch.Tensor):
+        return lm.detach().requires_grad_(train)
+    return {k: v.detach().requires_grad_(train) for k, v in lm.items()}
+
+
+def _flat(lm: LM) -> list[torch.Tensor]:
+    return [lm] if isinstance(lm, torch.Tensor) else list(lm.values())
 
 
 def label_index(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,14 +55,14 @@ def head_forward_backward(
     h: torch.Tensor,
     norm: Norm,
     norm_w: dict[str, torch.Tensor],
-    lm_w: torch.Tensor,
+    lm_w: LM,
     idx: torch.Tensor,
     tgt: torch.Tensor,
     inv_n: float,
     chunk: int,
     g_norm: dict[str, torch.Tensor] | None,
-    g_lm: torch.Tensor | None,
-    logits_fn: Logits = F.linear,
+    g_lm: LM | None,
+    logits_fn: Logits = linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h (b, T, H) -> (loss_sum fp32 scalar, dh (b, T, H)).
 
@@ -65,14 +83,14 @@ def head_backward(
     h: torch.Tensor,
     norm: Norm,
     norm_w: dict[str, torch.Tensor],
-    lm_w: torch.Tensor,
+    lm_w: LM,
     idx: torch.Tensor,
     tgt: torch.Tensor,
     coef: torch.Tensor,
     chunk: int,
     g_norm: dict[str, torch.Tensor] | None,
-    g_lm: torch.Tensor | None,
-    logits_fn: Logits = F.linear,
+    g_lm: LM | None,
+    logits_fn: Logits = linear,
 ) -> torch.Tensor:
     """The backward of sum_t coef_t * log p(tgt_t) over the labelled positions: dh (b, T, H), and
     the parameter grads added as in head_forward_backward. coef (n,) fp32: d objective / d log p_t,
@@ -93,11 +111,11 @@ def _chunked_backward(
     h: torch.Tensor,
     norm: Norm,
     norm_w: dict[str, torch.Tensor],
-    lm_w: torch.Tensor,
+    lm_w: LM,
     idx: torch.Tensor,
     chunk: int,
     g_norm: dict[str, torch.Tensor] | None,
-    g_lm: torch.Tensor | None,
+    g_lm: LM | None,
     logits_fn: Logits,
     chunk_loss: ChunkLoss,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +125,7 @@ def _chunked_backward(
     train = g_lm is not None
     h = h.detach().requires_grad_(True)
     wn = {k: v.detach().requires_grad_(train) for k, v in norm_w.items()}
-    W = lm_w.detach().requires_grad_(train)
+    W = _leaves(lm_w, train)
     hn = norm(h, wn)  # (b, T, H)
     sel = hn[:, :-1].reshape(-1, H).index_select(0, idx)  # (n, H) rows that carry a label
     dsel = torch.empty_like(sel)
@@ -116,10 +134,13 @@ def _chunked_backward(
         x = sel[a : a + chunk].detach().requires_grad_(True)
         logits = logits_fn(x, W)  # (c, V) in the compute dtype, as transformers does
         diff, value = chunk_loss(logits.float(), a, a + x.shape[0])
-        grads = torch.autograd.grad(diff, (x, W) if train else (x,))
+        grads = torch.autograd.grad(diff, (x, *_flat(W)) if train else (x,), allow_unused=True)
         dsel[a : a + chunk] = grads[0]
         if g_lm is not None:
-            g_lm.add_(grads[1])
+            dest = [g_lm] if isinstance(g_lm, torch.Tensor) else [g_lm[k] for k in W]  # type: ignore[union-attr]
+            for g_t, gw in zip(dest, grads[1:], strict=True):
+                if gw is not None:
+                    g_t.add_(gw)
         loss_sum += value.detach()
         del logits, diff, value, grads
     if sel.shape[0]:
@@ -145,11 +166,11 @@ def token_logps(
     h: torch.Tensor,
     norm: Norm,
     norm_w: dict[str, torch.Tensor],
-    lm_w: torch.Tensor,
+    lm_w: LM,
     idx: torch.Tensor,
     tgt: torch.Tensor,
     chunk: int,
-    logits_fn: Logits = F.linear,
+    logits_fn: Logits = linear,
 ) -> torch.Tensor:
     """Forward only: log p(tgt_t) (n,) fp32 at every labelled position, logits bounded by a chunk."""
     out = torch.empty(idx.numel(), dtype=torch.float32, device=h.device)
@@ -163,11 +184,11 @@ def token_scores(
     h: torch.Tensor,
     norm: Norm,
     norm_w: dict[str, torch.Tensor],
-    lm_w: torch.Tensor,
+    lm_w: LM,
     idx: torch.Tensor,
     tgt: torch.Tensor,
     chunk: int,
-    logits_fn: Logits = F.linear,
+    logits_fn: Logits = linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only (the evaluation harness): log p(tgt_t) (n,) fp32 and whether tgt_t is the most
     likely token (n,) bool, at every labelled position, logits bounded by a chunk."""
@@ -184,11 +205,11 @@ def head_loss(
     h: torch.Tensor,
     norm: Norm,
     norm_w: dict[str, torch.Tensor],
-    lm_w: torch.Tensor,
+    lm_w: LM,
     idx: torch.Tensor,
     tgt: torch.Tensor,
     chunk: int,
-    logits_fn: Logits = F.linear,
+    logits_fn: Logits = linear,
 ) -> torch.Tensor:
     """Forward only (evaluation): summed cross-entropy over labelled positions, chunked."""
     total = torch.zeros((), dtype=torch.float32, device=h.device)

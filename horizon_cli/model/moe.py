@@ -59,6 +59,8 @@ class RouterStats:
         """Forward of `layer` on one micro-batch: logits (rows, E), the router's chosen experts
         (rows, k) or None, mask (rows,) fp32 1 for real tokens."""
         with torch.no_grad():
+            # the router may score more than the routed experts (LongCat's zero-computation ones)
+            self.n = max(self.n, logits.shape[-1])
             probs = torch.softmax(logits, dim=-1)
             _, top = torch.topk(probs, self.k, dim=-1)
             ones = mask.repeat_interleave(self.k)

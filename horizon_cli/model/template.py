@@ -73,6 +73,11 @@ class NativeTemplate:
     def step_stats(self) -> tuple[float | None, list[float]]:
         return None, []
 
+    def head_tensors(self, w: dict[str, torch.Tensor], embed: torch.Tensor | None):
+        """The head unit's tensors (weights or gradients) as the head computes with them: (the
+        final norm's, the LM head's (V, H) — the embedding's when tied)."""
+        return {"norm": w["norm"]}, (embed if embed is not None else w["lm_head"])
+
     def final_norm(self, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         return rms_norm(h, w["norm"], self.spec.rms_eps)
 

@@ -132,10 +132,12 @@ def default_adapters(spec: ArchSpec) -> tuple[list, int]:
     """lora:'s default targets and r on this model (all its linear layers where the default
     names do not occur, e.g. fused attention)."""
     d = LoraConfig()
-    try:
-        return resolve_targets(d.targets, spec), d.r
-    except InputError:
-        return resolve_targets("all-linear", spec), d.r
+    for targets in (d.targets, "all-linear"):
+        try:
+            return resolve_targets(targets, spec), d.r
+        except InputError:
+            continue
+    return [[] for _ in range(spec.n_layers)], d.r  # no nn.Linear to adapt (GPT-2's Conv1D): the base alone
 
 
 HOW = {

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .. import preflight
+from ..arch.exceptions import refuse_packing
 from ..config import Config, load_config
 from ..data.prepare import check_lengths
 from ..engine.build import plan_run
@@ -71,6 +72,7 @@ def run_training(
     if lora is not None and lora.note and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         console.print(f"[yellow]warning:[/] {escape(lora.note)}", highlight=False)
     check_lengths(cfg.data, model.arch.max_positions)
+    refuse_packing(cfg.data.packing, model.arch)
     cfg = resolve_length(cfg, model, console, dry_run)  # train.epochs -> train.steps (reads the data)
     samples = Samples(cfg, model, world.size) if cfg.train.samples else None  # prompts checked now
     if machine is not None:

@@ -1,0 +1,311 @@
+"""The structure of a CausalLM's forward, observed once on the meta device (no memory, no weights).
+
+arch.capture's recorders stand in for the layers while the stack's owner runs its forward on a
+meta input, and hooks on the owner's other modules record the order of calls. From that:
+
+  calls      which layers the owner calls, in order (a layer it skips, as Mllama's cross-attention
+             layers without images, is left out of the forward); a layer called twice is a loop
+  chain      each layer's input is the previous layer's output untouched: the model-level code is
+             a prefix, the layers, a suffix — the shape the streamed engine runs
+  prefix     the owner's modules called before layer 0 (embeddings, learned positions, embedding
+             norms, rotary) — their tensors travel with layer 0
+  suffix     the owner's modules after its last layer, each taking the previous one's output (the
+             final norm, whatever its name); their tensors go with the head
+  logits     "plain" when the CausalLM's logits are its head's output, else "forward": its own
+             forward runs per logits chunk (arch.capture.head_stub) for scaling, soft-capping, ...
+  crossing   arguments of layers after the first that depend on trained weights (per-layer
+             embeddings, the embedding output fed to every layer): not a chained stack
+
+Anything the engine cannot split this way raises InputError naming what the model does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InputError
+from .capture import Stop, head_stub, hidden_of, recorders
+from .stack import find_stack, path_of
+
+T = 4  # probe tokens
+
+
+def _first(x):
+    if isinstance(x, (tuple, list)):
+        return x[0] if x else None
+    return getattr(x, "last_hidden_state", x)
+
+
+def owner_kwargs(owner: nn.Module) -> list[str]:
+    """Which of the standard inputs the owner's forward takes (by name, or through **kwargs)."""
+    params = inspect.signature(type(owner).forward).parameters
+    varkw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    want = ("input_ids", "position_ids", "attention_mask", "use_cache", "cache", "past_key_values")
+    return [k for k in want if k in params or (varkw and k in ("position_ids",))]
+
+
+def _inputs(names: list[str], device="meta") -> dict[str, Any]:
+    # no position_ids: the mask functions' packed-sequence check reads their values
+    kw: dict[str, Any] = {"input_ids": torch.zeros(1, T, dtype=torch.long, device=device)}
+    if "use_cache" in names:
+        kw["use_cache"] = False
+    return kw
+
+
+def _record(owner, layers, returns: int, watched: dict[str, nn.Module], names, stop_at=None, extras=()):
+    """One meta forward of the owner: the event list and what it returned."""
+    events: list[tuple] = []
+    log: list = []
+    handles = []
+
+    def on_module(path):
+        def hook(mod, args, out):
+            events.append(("mod", path, args[0] if args else None, _first(out)))
+
+        return hook
+
+    for path, m in watched.items():
+        handles.append(m.register_forward_hook(on_module(path)))
+
+    class Log(list):
+        def append(self, item):
+            super().append(item)
+            events.append(("layer", item[0], hidden_of(item[1], item[2]), item))
+
+    log = Log()
+    out = None
+    try:
+        with (
+            torch.enable_grad(),
+            recorders(layers, log, returns, stop_at, extras),
+            _no_packing_check(),
+            contextlib.suppress(Stop),
+        ):
+            out = owner(**_inputs(names))
+    finally:
+        for h in handles:
+            h.remove()
+    return events, out
+
+
+@contextlib.contextmanager
+def _no_packing_check():
+    """transformers' mask functions read values (packed rows in the position ids, padding in the
+    mask) that the meta device has not: they skip those checks when tracing, as the probe says."""
+    import transformers.masking_utils as mu
+
+    real = mu.is_tracing
+    mu.is_tracing = lambda *a, **k: True
+    try:
+        yield
+    finally:
+        mu.is_tracing = real
+
+
+def _real_returns(layer: nn.Module, call) -> int | None:
+    """What a layer returns: 0 a tensor, k a k-tuple (run on the meta device; None if it cannot)."""
+    _, args, kwargs = call
+    try:
+        with torch.no_grad():
+            out = layer(*args, **kwargs)
+    except Exception:  # noqa: BLE001 (meta kernels are incomplete: the chain check decides)
+        return None
+    return len(out) if isinstance(out, (tuple, list)) else 0
+
+
+class _Extra:
+    """Stands for a layer's extra output in the probe: is it passed on to the next layer?"""
+
+
+def _forwarded(owner, layers, returns: int, watched, names) -> tuple[list[int], list[list]]:
+    """(positions 1, 2, ... of a layer's extra outputs that the owner passes to the next layer —
+    all of them when the owner cannot run with stand-ins —, and where the next layer takes each:
+    [k, "kw", name] or [k, "arg", index])."""
+    if returns < 2:
+        return [], []
+    marks = tuple(_Extra() for _ in range(returns - 1))
+    try:
+        events, _ = _record(owner, layers, returns, watched, names, stop_at=1, extras=marks)
+    except Exception:  # noqa: BLE001 (the owner computes with them)
+        return list(range(1, returns)), []
+    calls = [e[3] for e in events if e[0] == "layer"]
+    if len(calls) < 2:
+        return [], []
+    _, args, kwargs = calls[1]
+    where: list[list] = [[k + 1, "arg", j] for k, m in enumerate(marks) for j, v in enumerate(args) if v is m]
+    where += [[k + 1, "kw", n] for k, m in enumerate(marks) for n, v in kwargs.items() if v is m]
+    return sorted({int(w[0]) for w in where}), where
+
+
+def _grad_tensors(v) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.requires_grad
+    if isinstance(v, (tuple, list)):
+        return any(_grad_tensors(x) for x in v)
+    if isinstance(v, dict):
+        return any(_grad_tensors(x) for x in v.values())
+    return False
+
+
+def probe(model: nn.Module, where: str) -> dict:
+    """The forward's structure (module doc) of a CausalLM built on the meta device."""
+    stack = find_stack(model, where)
+    owner_path = stack.rpartition(".")[0]
+    if not owner_path:
+        raise InputError(f"{where}: the decoder stack sits in the CausalLM itself: no base model to run")
+    owner = model.get_submodule(owner_path)
+    layers = list(model.get_submodule(stack).children())
+    lm: Any = model  # a PreTrainedModel
+    emb, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+    emb_path, head_path = path_of(model, emb), path_of(model, head)
+    if emb_path is None or not emb_path.startswith(owner_path + "."):
+        raise InputError(f"{where}: the token embedding is not inside {type(owner).__name__}")
+    if head is None or head_path is None:
+        raise InputError(f"{where}: {type(model).__name__} has no output embedding (LM head)")
+    names = owner_kwargs(owner)
+    stack_attr = stack[len(owner_path) + 1 :]
+    watched = {f"{owner_path}.{n}": m for n, m in owner.named_children() if n != stack_attr.split(".")[0]}
+    first, _ = _record(owner, layers, 0, watched, names, stop_at=0)
+    layer_events = [e for e in first if e[0] == "layer"]
+    if not layer_events:
+        raise InputError(f"{where}: {type(owner).__name__}'s forward calls no decoder layer")
+    h0 = layer_events[0][2]
+    H = getattr(_config(model).get_text_config(), "hidden_size", None)
+    if isinstance(h0, torch.Tensor) and isinstance(H, int) and tuple(h0.shape) != (1, T, H):
+        raise InputError(
+            f"{where}: {type(owner).__name__} passes a hidden state of shape {tuple(h0.shape)} between its "
+            f"layers, not (batch, tokens, {H}) (several residual streams: hyper-connections): not supported"
+        )
+    real = _real_returns(layers[layer_events[0][1]], layer_events[0][3])
+    tried: list[Exception] = []
+    for returns in [real] if real is not None else [0, 1, 2, 3]:
+        try:
+            events, out = _record(owner, layers, returns, watched, names)
+            calls = [e[1] for e in events if e[0] == "layer"]
+            if len(set(calls)) != len(calls) or calls != sorted(calls):
+                raise InputError(
+                    f"{where}: {type(owner).__name__} runs its layers in a loop ({len(calls)} calls for "
+                    f"{len(layers)} layers): layers run more than once are not supported"
+                )
+            res = _chain(events, out, where, type(owner).__name__)
+            break
+        except Exception as e:  # noqa: BLE001 (another return convention may fit)
+            tried.append(e)
+    else:
+        bad = next((x for x in tried if isinstance(x, InputError)), tried[0])
+        raise bad if isinstance(bad, InputError) else InputError(f"{where}: {type(owner).__name__}: {bad}")
+    res["forwarded"], res["passes"] = _forwarded(owner, layers, returns, watched, names)
+    for i, ev in enumerate(x for x in events if x[0] == "layer"):
+        if i and any(_grad_tensors(v) for v in [*ev[3][1][1:], *ev[3][2].values()]):
+            kw = [repr(k) for k, v in ev[3][2].items() if _grad_tensors(v)]
+            kw += [f"its positional argument {j + 1}" for j, v in enumerate(ev[3][1][1:]) if _grad_tensors(v)]
+            raise InputError(
+                f"{where}: layer {ev[1]} receives {kw[0]}, computed from trained weights before the layers "
+                "(a tensor crossing layers besides the hidden state, e.g. per-layer inputs): not supported yet"
+            )
+    res.update(
+        stack=stack,
+        owner=owner_path,
+        base=owner_path.split(".")[0],
+        embed=emb_path,
+        head=head_path,
+        returns=returns,
+        calls=calls,
+        owner_kwargs=names,
+        logits=_logits_mode(model, owner_path.split(".")[0], head, where),
+    )
+    return res
+
+
+def _chain(events: list[tuple], out, where: str, owner_name: str) -> dict:
+    """Prefix and suffix modules from the event order; InputError when the stack is not chained."""
+    idx = [k for k, e in enumerate(events) if e[0] == "layer"]
+    a, b = idx[0], idx[-1]
+    between = sorted({e[1] for e in events[a:b] if e[0] == "mod"})
+    if between:
+        raise InputError(
+            f"{where}: {owner_name} runs {', '.join(between)} between its layers: model-level code "
+            "between layers is not supported"
+        )
+    for k, k2 in zip(idx, idx[1:], strict=False):
+        if events[k2][2] is not _returned(events[k]):
+            raise InputError(
+                f"{where}: {owner_name} changes the hidden state between layers {events[k][1]} and "
+                f"{events[k2][1]}: not a chained stack"
+            )
+    h = _returned(events[b])
+    suffix = []
+    for e in events[b + 1 :]:
+        if e[0] != "mod" or e[2] is not h:
+            raise InputError(
+                f"{where}: after its last layer {owner_name} runs {e[1]} on something other than the "
+                "previous output: not supported"
+            )
+        suffix.append(e[1])
+        h = e[3]
+    if out is None or not _same(_first(out), h):
+        raise InputError(
+            f"{where}: {owner_name}'s output is not its last module's output (model-level arithmetic "
+            "after the layers): not supported"
+        )
+    prefix = []
+    for e in events[:a]:
+        if e[0] == "mod" and e[1] not in prefix:
+            prefix.append(e[1])
+    return {"prefix": prefix, "suffix": suffix}
+
+
+def _same(out, h) -> bool:
+    """out is h, or a view of it of the same shape (GPT-2 reshapes its output to the input's)."""
+    if out is h:
+        return True
+    if not isinstance(out, torch.Tensor) or not isinstance(h, torch.Tensor) or out.shape != h.shape:
+        return False
+    return out._base is not None and out._base is (h._base if h._base is not None else h)
+
+
+def _returned(layer_event):
+    """What a recorder returned: its hidden input (arch.capture.recorders)."""
+    return layer_event[2]
+
+
+def _logits_mode(model: nn.Module, base: str, head: nn.Module, where: str) -> str:
+    """'plain' when the CausalLM's logits are its head's output, 'forward' when its forward does
+    more (scaling, soft-capping, slicing)."""
+    H = _config(model).get_text_config().hidden_size
+    h = torch.empty(1, T, H, device="meta")
+    seen = []
+    hook = head.register_forward_hook(lambda m, a, o: seen.append((a[0] if a else None, o)))
+    try:
+        with torch.no_grad(), head_stub(model, base, h):
+            out = model(inputs_embeds=h)
+    except Exception as e:
+        raise InputError(
+            f"{where}: {type(model).__name__}'s forward cannot run on given hidden states ({type(e).__name__}: {e})"
+        ) from e
+    finally:
+        hook.remove()
+    logits = getattr(out, "logits", None)
+    if not seen or logits is None:
+        raise InputError(f"{where}: {type(model).__name__}'s forward does not call its LM head")
+    x, y = seen[-1]
+    plain = logits is y and (x is h or (isinstance(x, torch.Tensor) and x._base is h and x.shape == h.shape))
+    outside = [n for n, _ in model.named_parameters() if not n.startswith(base + ".")]
+    head_params = {n for n, _ in head.named_parameters()}
+    extra = [
+        n for n in outside if n.split(".", 1)[-1] not in head_params or not n.startswith(_path(model, head))
+    ]
+    return "plain" if plain and not extra else "forward"
+
+
+def _config(model: nn.Module) -> Any:
+    return model.config  # a PreTrainedModel's config (nn.Module's attribute typing says Tensor | Module)
+
+
+def _path(model: nn.Module, module: nn.Module) -> str:
+    return (path_of(model, module) or "") + "."
