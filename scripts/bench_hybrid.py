@@ -2,7 +2,7 @@
 transformers' own model trained resident, on the CPU (issue 19).
 
     .venv/bin/python scripts/bench_hybrid.py [--json FILE] [--repeats N] [--dtype float32|bfloat16]
-                                             [--keep auto|N]
+                                             [--keep auto|N] [--batch B --micro M --seq T]
 
 A small random Qwen3NextForCausalLM (MODEL below: its layer_types mix linear_attention and
 full_attention, every layer a sparse MoE block with a shared expert) is saved and converted to an
@@ -62,10 +62,10 @@ BATCH, MICRO, SEQ = 4, 2, 128
 OPTIM = dict(lr=1e-4, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0, grad_clip=1.0)
 
 
-def batches() -> list[torch.Tensor]:
+def batches(batch: int, micro: int, seq: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=g)
-    return [ids[i : i + MICRO] for i in range(0, BATCH, MICRO)]
+    ids = torch.randint(0, MODEL["vocab_size"], (batch, seq), generator=g)
+    return [ids[i : i + micro] for i in range(0, batch, micro)]
 
 
 class Hf:
@@ -110,7 +110,7 @@ class Horizon:
 
     def step(self, mbs: list[torch.Tensor]) -> float:
         if self.mbs is None:
-            self.mbs = [MicroBatch(m, m.clone(), torch.arange(SEQ).expand(m.shape[0], SEQ)) for m in mbs]
+            self.mbs = [MicroBatch(m, m.clone(), torch.arange(m.shape[1]).expand(m.shape)) for m in mbs]
         loss = self.eng.step(self.mbs, OPTIM["lr"]).loss
         self.eng.wait()
         return loss
@@ -122,9 +122,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--keep", default="auto", help="engine.keep_activations: auto or a layer count")
+    ap.add_argument("--batch", type=int, default=BATCH)
+    ap.add_argument("--micro", type=int, default=MICRO)
+    ap.add_argument("--seq", type=int, default=SEQ)
     args = ap.parse_args()
     keep = args.keep if args.keep == "auto" else int(args.keep)
-    mbs = batches()
+    mbs = batches(args.batch, args.micro, args.seq)
     load = [os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="horizon-bench-hybrid-") as tmp:
         torch.manual_seed(0)
@@ -154,9 +157,9 @@ def main() -> None:
         "model": {
             **MODEL,
             "params": params,
-            "batch": BATCH,
-            "micro_batch": MICRO,
-            "seq": SEQ,
+            "batch": args.batch,
+            "micro_batch": args.micro,
+            "seq": args.seq,
             "dtype": args.dtype,
             "keep": keep,
         },
