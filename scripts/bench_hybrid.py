@@ -15,7 +15,8 @@ is refused for recurrent layers) two trainers step in turn:
            bf16=True does; horizon's bf16 is fp32 master + bf16 compute too)
 same lr / betas / eps / weight decay / clip, loss = summed CE / the global batch's label tokens.
 One warm-up step each (step 1: its losses are compared), then `--repeats` interleaved steps; best
-and median of each and the ratio horizon / hf. Prints the load average before and after.
+and median of each and the ratio horizon / hf. Prints the 1-minute load average before the runs
+and after each repeat (the machine may be shared).
 """
 
 from __future__ import annotations
