@@ -1,6 +1,6 @@
 """Streamed generation against transformers: greedy output equals `generate(do_sample=False)` token
 for token on tiny models of each layer kind (native dense and sliding window, transformers' own
-sliding-window and MoE layers), prompts of different lengths in one batch cut into several
+sliding-window and MoE layers, a hybrid model's recurrent layers), prompts of different lengths in one batch cut into several
 left-padded micro-batches, the KV cache on the device and in host memory; sampling's warpers
 against transformers' logits processors, its draws against their distribution, reproducible from
 the seed whatever the batch or where the cache lives."""
@@ -124,3 +124,31 @@ def test_sampled_tokens_follow_the_warped_distribution():
             logits.expand(4000, -1), list(range(4000))
         ),
     )
+
+
+def test_a_hybrid_model_generates_as_transformers(tmp_path, monkeypatch):
+    """Qwen3-Next: Gated DeltaNet layers (a recurrent state and a short convolution in the cache)
+    beside a full-attention layer, routed experts; prompts of unequal lengths left-padded in one
+    batch, the cache on the device and on the host."""
+    import transformers
+
+    from horizon_cli.convert import convert
+    from horizon_cli.store import Store
+
+    monkeypatch.setattr(loop, "MICRO_TOKENS", 24)
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=400, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, max_position_embeddings=128,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(cfg).float().eval()
+    model.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    items = prompts(cfg.vocab_size, seed=3)
+    want = [hf_greedy(model, ids, 8, [2]) for ids in items]
+    for host in (False, True):
+        assert run(Store.open(tmp_path / "store"), items, Sampler(), host=host, eos=[2], new=8) == want
