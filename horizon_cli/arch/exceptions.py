@@ -22,9 +22,11 @@ from ..errors import InputError
 
 # any config attribute whose name says dropout, jitter or noise, when positive
 STOCHASTIC = re.compile(r"drop|jitter|noise")
-# config keys that turn a decoder into something else; value -> the feature named
+# config keys that turn a decoder into something else; value -> the feature named. Gemma 4's
+# `use_bidirectional_attention: "vision"` is bidirectional over image tokens only: causal on text.
 FEATURES = {
     "use_bidirectional_attention": "bidirectional attention",
+    "num_kv_shared_layers": "key/value states shared across layers (a layer reads an earlier layer's K/V)",
     "is_encoder_decoder": "the decoder of an encoder-decoder model (its cross-attention)",
     "add_cross_attention": "cross-attention to an encoder",
 }
@@ -68,7 +70,7 @@ def refuse_config(cfg: dict, where: str) -> None:
         )
     for c in _configs(cfg):
         for key, feature in FEATURES.items():
-            if c.get(key):
+            if c.get(key) and c.get(key) != "vision":
                 raise InputError(f"{where}: {key} is set: {feature} is not supported by the generic path")
         for key, v in c.items():
             if STOCHASTIC.search(key) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
