@@ -71,7 +71,15 @@ def edit_config(src: Path, **kv) -> None:
         (dict(use_bidirectional_attention="all"), ["use_bidirectional_attention", "bidirectional attention"]),
         (dict(num_kv_shared_layers=2), ["num_kv_shared_layers", "shared across layers"]),
     ],
-    ids=["quantized", "dropout", "custom-code", "not-causal", "bidirectional", "bidirectional-all", "kv-sharing"],
+    ids=[
+        "quantized",
+        "dropout",
+        "custom-code",
+        "not-causal",
+        "bidirectional",
+        "bidirectional-all",
+        "kv-sharing",
+    ],
 )
 def test_refused_at_convert(src, tmp_path, change, needles):
     edit_config(src, **change)

@@ -35,6 +35,7 @@ from ..errors import InputError
 from .disk import place
 from .exceptions import refuse_config, refuse_layers
 from .probe import probe
+from .workset import measure
 
 RECURRENT = re.compile(
     r"Mamba|Mixer|DeltaNet|DeltaAttention|LinearAttention|Lightning|ShortConv|Rglru|RgLru|Kda"
@@ -155,6 +156,7 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
         "recurrent": sorted(
             {type(m).__name__ for la in layers for m in la.modules() if RECURRENT.search(type(m).__name__)}
         ),
+        "workset": measure(model.get_submodule(s["owner"]), layers, s, layer_kinds, RECURRENT),
     }
 
 

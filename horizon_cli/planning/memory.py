@@ -113,23 +113,34 @@ def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int
     """The same estimate for a generic layer, read off its tensor table: every projection's output
     per token (a matrix (out, in): out; a routed expert tensor (E, a, b): top-k times the side that
     is not the hidden size), plus the residual stream and norms, held for the backward; attention
-    scores where they are materialised (eager attention, or explicit masks: sliding windows)."""
+    scores where they are materialised (eager attention, or explicit masks: sliding windows). A
+    recurrent mixer counts what it was measured to save instead of its projections (arch.workset:
+    its chunked scan's states and decay matrices, rows * (fixed + per_token * T) bytes), twice."""
     g = spec.generic
     assert g is not None
     moe, H = g.get("moe"), spec.hidden
-    per_tok = 0
+    measured = g.get("workset") or {}
+    worst = 0
     for kind in set(g["layer_kinds"]):
         n = 4 * H
+        mixer = measured.get(kind)
+        inside = mixer["module"] + "." if mixer else None
         for e in g["kinds"][kind]:
             shape = e["shape"]
+            if inside and e["name"].startswith(inside):
+                continue
             if moe and len(shape) == 3 and shape[0] == moe["n_experts"]:
                 n += moe["top_k"] * (shape[1] if shape[2] == H else shape[2]) + H  # + gathered inputs
             elif len(shape) == 2:
                 n += shape[0]
-        per_tok = max(per_tok, n)
+        b = 2 * tokens * n * item
+        if mixer:
+            fixed, per_token = mixer["float32" if item >= 4 else "bfloat16"]
+            b += 2 * int(rows * fixed + tokens * per_token)
+        worst = max(worst, b)
     masked = g["attn"] == "eager" or any(w is not None and w < T for w in spec.windows)
     attn = rows * spec.n_heads * T * T * (4 + item) if masked else 0  # fp32 softmax + its input
-    return 2 * tokens * per_tok * item + attn
+    return worst + attn
 
 
 def kept_graph_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int, vectors: int) -> int:
