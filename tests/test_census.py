@@ -36,6 +36,7 @@ FAST = {
     "gemma3": 6,  # multimodal: the language model trained, the tower carried; sliding / full layers
     "granite": 2,  # the owner's and the CausalLM's own code: embedding, residual and logit multipliers
     "gpt2": 2,  # the stack at transformer.h, learned positions, Conv1D layers
+    "jamba": 5,  # hybrid: Mamba mixers (a recurrent scan, its working set measured) beside attention, MoE
 }
 
 
