@@ -229,3 +229,21 @@ def test_lora_merged_export_of_a_split(tmp_path):
     assert torch.equal(
         sd["model.layers.1.self_attn.v_proj.weight"], ref["model.layers.1.self_attn.v_proj.weight"]
     )
+
+
+@pytest.mark.parametrize(
+    "extra", ["model.layers.1.self_attn.query_key_value.weight", "model.layers.1.self_attn.k_proj.weight"]
+)
+def test_fused_tensor_given_twice_is_refused(tmp_path, extra):
+    """A second tensor for what the fused one fills (under the renamed name, or one of its targets)."""
+    model = _saved("sarvam_moe", tmp_path)
+    f = tmp_path / "hf" / "model.safetensors"
+    sd = load_file(f)
+    sd[extra] = (
+        model.state_dict()[extra].clone()
+        if extra in model.state_dict()
+        else sd[extra.replace("self_attn", "attention")].clone()
+    )
+    save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(InputError, match="doubled"):
+        convert(tmp_path / "hf", tmp_path / "store", dtype="float32")

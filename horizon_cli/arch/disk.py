@@ -163,6 +163,9 @@ def _group(conv, first: str, srcs: dict, mem: dict, config, where: str) -> tuple
         seen.add(name)
         placed.append(Part(name, disk[name], at))
         at += count
+    left = [n for n in disk if n not in seen]  # e.g. two disk tensors for one split
+    if left:
+        raise InputError(f"{where}: {first} is doubled in the checkpoint ({lead} and {left[0]})")
     return list(out), placed
 
 
@@ -183,6 +186,8 @@ def _follow(conv, collected: dict, first: str, mem: dict, config) -> dict[str, R
                 for p, v in collected.items()
             }
         elif kind == "Concatenate":
+            if len(targets) != 1:
+                raise R.Unsupported(f"{kind} to {len(targets)} targets")
             every = [s for p in sources if p in collected for s in _listed(collected[p])]
             collected = {targets[0]: R.cat(every, dim)}
         elif kind in ("Split", "Chunk"):
