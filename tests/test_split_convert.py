@@ -247,3 +247,22 @@ def test_fused_tensor_given_twice_is_refused(tmp_path, extra):
     save_file(sd, f, metadata={"format": "pt"})
     with pytest.raises(InputError, match="doubled"):
         convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+
+
+@pytest.mark.slow
+def test_unaligned_split_trains_as_transformers(tmp_path):
+    """The census oracle (3 AdamW steps: losses, gradients, exported weights, logits) on a
+    Sarvam-MoE whose q / k / v pieces are no ALIGN multiples: k_proj and v_proj start mid-block."""
+    from census_horizon import Data, perturb, try_horizon
+
+    cfg = tiny_config("sarvam_moe", 2)
+    cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads = 40, 10, 3, 1
+    torch.manual_seed(0)
+    model = build("sarvam_moe", cfg).float()
+    perturb(model)
+    model.save_pretrained(tmp_path / "hf")
+    res = try_horizon(tmp_path / "hf", model, Data(128), True, tmp_path)
+    lay = Store.open(tmp_path / "store").layout("layer.0")
+    k = next(p for p in lay.tensors if p.name == "self_attn.k_proj.weight")
+    assert k.offset % 64 != 0
+    assert res["result"] == "exact", res
