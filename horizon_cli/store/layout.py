@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..arch import ArchSpec, unit_names, unit_tensors
 from ..arch.names import generic_table, part_name
+from ..errors import InputError
 
 ALIGN = 64  # elements: 128 B in bf16, 256 B in fp32 — whole cache lines and SIMD vectors
 PAGE = 4096
@@ -91,7 +92,9 @@ def _generic_layout(spec: ArchSpec, unit: str) -> UnitLayout:
         n = math.prod(shape)
         joined = "after" in e
         if joined and (not params or params[-1].hf != e["after"]):
-            raise ValueError(f"{unit}: {e['hf']} does not follow {e['after']} in the table")
+            raise InputError(
+                f"store manifest: unit {unit}: {e['hf']} is not right after {e['after']}, which it follows"
+            )
         off = end if joined else round_up(end, ALIGN)
         params.append(Param(e["name"], e["hf"], shape, off, n, bool(e["trainable"])))
         for k, p in enumerate(e["parts"]):
