@@ -123,23 +123,27 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     if tied:
         mem.pop(head_weight, None)
     skip = frozenset({head_weight}) if tied else frozenset()
-    parts = place(model, mem, disk, where, skip)
+    parts, follows = place(model, mem, disk, where, skip)
+    parts = {k: (v, follows.get(k)) for k, v in parts.items()}
     groups = _groups(model, s, mem, embed_name, head_weight, tied)
     trained = {n for n, _ in every}
     prefix_rows = [_entry("@" + n, n, mem, parts, n in trained) for n in groups["prefix"]]
     units = {
-        "embed": [_entry("embed", embed_name, mem, parts, True)],
-        "head": sorted(
-            [
-                _entry("lm_head" if n == head_weight else "@" + n, n, mem, parts, n in trained)
-                for n in groups["head"]
-            ],
-            key=lambda r: not r["trainable"],
+        "embed": _grouped([_entry("embed", embed_name, mem, parts, True)], where),
+        "head": _grouped(
+            sorted(
+                [
+                    _entry("lm_head" if n == head_weight else "@" + n, n, mem, parts, n in trained)
+                    for n in groups["head"]
+                ],
+                key=lambda r: not r["trainable"],
+            ),
+            where,
         ),
     }
     stack = s["stack"]
-    kinds, layer_kinds = _layer_kinds(layers, stack, mem, parts, s["calls"][0], prefix_rows)
-    carried = [p.hf for n in groups["carried"] for p in parts[n]]
+    kinds, layer_kinds = _layer_kinds(layers, stack, mem, parts, s["calls"][0], prefix_rows, where)
+    carried = [p.hf for n in groups["carried"] for p in parts[n][0]]
     return {
         "config": cfg,
         "class": cls.__name__,
@@ -189,18 +193,47 @@ def _entry(
     name: str, hf: str, mem: dict, parts: dict, trainable: bool, layer: tuple[str, int] | None = None
 ) -> dict:
     """One tensor of a unit's table: its name for the engine, in-memory name, shape, and the disk
-    tensors that fill it. In a layer kind, `{i}` stands for the layer index."""
+    tensors that fill it (`parts`: memory name -> (parts, the tensor it follows or None)). The
+    second and later tensors of a group (arch.disk: a split of one disk tensor) name the one they
+    follow without a gap (`after`) and have no parts of their own. In a layer kind, `{i}` stands
+    for the layer index."""
 
     def tmpl(s: str, disk: bool) -> str:
         return s if layer is None else _templ(s, layer, disk)
 
-    return {
+    placed, after = parts[hf]
+    out = {
         "name": name,
         "hf": tmpl(hf, False),
         "shape": list(mem[hf]),
         "trainable": trainable,
-        "parts": [{"hf": tmpl(p.hf, True), "shape": list(p.shape), "at": p.at} for p in parts[hf]],
+        "parts": [{"hf": tmpl(p.hf, True), "shape": list(p.shape), "at": p.at} for p in placed],
     }
+    if after is not None:
+        out["after"] = tmpl(after, False)
+    return out
+
+
+def _grouped(rows: list[dict], where: str) -> list[dict]:
+    """The rows with each group's tensors together, in its order (after its first tensor's place)."""
+    nxt = {r["after"]: r for r in rows if "after" in r}
+    out = []
+    for r in rows:
+        if "after" in r:
+            continue
+        out.append(r)
+        while out[-1]["hf"] in nxt:
+            prev, out_r = out[-1], nxt[out[-1]["hf"]]
+            if out_r["trainable"] != prev["trainable"]:
+                raise InputError(
+                    f"{where}: {prev['hf']} and {out_r['hf']} come from one checkpoint tensor, but only "
+                    "one of them is a parameter (the store cannot hold it)"
+                )
+            out.append(out_r)
+    if len(out) != len(rows):
+        lost = next(r for r in rows if r not in out)
+        raise InputError(f"{where}: {lost['hf']} comes from a checkpoint tensor another unit holds")
+    return out
 
 
 def _templ(name: str, layer: tuple[str, int], disk: bool) -> str:
@@ -220,7 +253,7 @@ def _templ(name: str, layer: tuple[str, int], disk: bool) -> str:
 
 
 def _layer_kinds(
-    layers, stack: str, mem: dict, parts: dict, first: int, prefix_rows: list
+    layers, stack: str, mem: dict, parts: dict, first: int, prefix_rows: list, where: str
 ) -> tuple[dict, list]:
     """Per-layer tables, deduplicated into kinds ('k0', 'k1', ... in order of first use); the first
     layer the forward calls also holds the tensors used before it (prefix_rows, by full name)."""
@@ -237,6 +270,7 @@ def _layer_kinds(
         if i == first:
             rows += prefix_rows
         rows.sort(key=lambda r: not r["trainable"])  # frozen tensors last: the optimizer stops before them
+        rows = _grouped(rows, where)
         key = repr(rows)
         if key not in keys:
             keys[key] = f"k{len(kinds)}"

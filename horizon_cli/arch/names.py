@@ -58,8 +58,9 @@ def layer_tensors(spec: ArchSpec, i: int) -> list[TensorName]:
 
 
 def generic_table(spec: ArchSpec, unit: str) -> list[dict]:
-    """A generic unit's in-memory tensors: [{name, hf, shape, trainable, parts: [{hf, shape, at}]}],
-    layer names filled in."""
+    """A generic unit's in-memory tensors: [{name, hf, shape, trainable, parts: [{hf, shape, at}],
+    and `after` for a tensor that shares the region of the one before (arch.disk's groups)}], layer
+    names filled in."""
     g = spec.generic
     assert g is not None
     if unit in ("embed", "head"):
@@ -71,6 +72,7 @@ def generic_table(spec: ArchSpec, unit: str) -> list[dict]:
             **e,
             "hf": e["hf"].replace("{i}", fill),
             "parts": [{**p, "hf": p["hf"].replace("{i}", fill)} for p in e["parts"]],
+            **({"after": e["after"].replace("{i}", fill)} if "after" in e else {}),
         }
         for e in g["kinds"][g["layer_kinds"][i]]
     ]

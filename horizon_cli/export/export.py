@@ -79,8 +79,9 @@ def export(
     verified: set[str] = set()
 
     where = {e[0]: (e[3], e[4]) for e in entries}  # HF name -> (unit, store name)
+    inside = _params_inside(store) if merge is not None else {}
     if merge is not None:
-        merge.check(set(where))
+        merge.check(set(where) | {p[0] for ps in inside.values() for p in ps})
 
     def fetch(hf: str) -> torch.Tensor:
         unit, name = where[hf]
@@ -88,7 +89,7 @@ def export(
             store.verify_unit(unit)
             verified.add(unit)
         t = store.tensor(unit, name)  # an NF4 tensor comes dequantized
-        return t if merge is None else merge(hf, t)
+        return t if merge is None else merge(hf, t, inside.get(hf, ()))
 
     with io_failures(dst), atomic_dir(dst, force=force) as tmp:
         with byte_progress(console, f"export {src_dir.name}", total) as advance:
@@ -108,6 +109,20 @@ def export(
         "dtype": store.manifest.dtype,
         "source": str(src_dir),
     }
+
+
+def _params_inside(store: Store) -> dict[str, list[tuple[str, int, tuple[int, ...]]]]:
+    """Checkpoint name -> the in-memory tensors inside it under another name, (name, element
+    offset in it, shape): a renamed one (Sarvam-MoE's `attention.dense` is `self_attn.o_proj`), or
+    the several a split makes of one (its `query_key_value` is `q_proj`, `k_proj`, `v_proj`)."""
+    out: dict[str, list[tuple[str, int, tuple[int, ...]]]] = {}
+    for u in store.units:
+        lay = store.layout(u.name)
+        for s in lay.slots:
+            for p in lay.tensors:
+                if p.hf != s.hf and s.offset <= p.offset and p.offset + p.numel <= s.offset + s.numel:
+                    out.setdefault(s.hf, []).append((p.hf, p.offset - s.offset, p.shape))
+    return out
 
 
 def _plan_shards(entries: list, itemsize: int) -> list[list]:

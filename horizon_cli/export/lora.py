@@ -7,6 +7,7 @@ the base tensor in the store's dtype (an NF4 base dequantized first) and written
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -46,10 +47,22 @@ class Merge:
                 module = k[len(peft.PREFIX) : -len(".lora_A.weight")]
                 self.pairs[module + ".weight"] = (sd[k].float(), sd[peft.key(module, "B")].float())
 
-    def __call__(self, hf: str, w: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hf: str, w: torch.Tensor, inside=()) -> torch.Tensor:
+        """The checkpoint tensor `hf` with the adapters of what it holds merged: itself, or the
+        in-memory tensors inside it (`inside`: (name, element offset, shape), export's table)."""
         pair = self.pairs.get(hf)
-        if pair is None:
+        if pair is not None:
+            return self._merged(w, pair)
+        todo = [(off, shape, self.pairs[name]) for name, off, shape in inside if name in self.pairs]
+        if not todo:
             return w
+        flat = w.reshape(-1).clone()
+        for off, shape, pair in todo:
+            n = math.prod(shape)
+            flat[off : off + n] = self._merged(flat[off : off + n].view(shape), pair).reshape(-1)
+        return flat.view(w.shape)
+
+    def _merged(self, w: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         a, b = pair
         return (w.float() + (b @ a) * self.scaling).to(w.dtype)
 

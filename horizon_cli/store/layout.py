@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..arch import ArchSpec, unit_names, unit_tensors
 from ..arch.names import generic_table, part_name
+from ..errors import InputError
 
 ALIGN = 64  # elements: 128 B in bf16, 256 B in fp32 — whole cache lines and SIMD vectors
 PAGE = 4096
@@ -82,21 +83,29 @@ def unit_layout(spec: ArchSpec, unit: str) -> UnitLayout:
 
 
 def _generic_layout(spec: ArchSpec, unit: str) -> UnitLayout:
-    """Each in-memory tensor gets an aligned region; its checkpoint tensors fill it back to back."""
-    slots, params, off, trained = [], [], 0, 0
+    """Each in-memory tensor gets an aligned region; its checkpoint tensors fill it back to back. The
+    tensors of a group (`after`: split from one checkpoint tensor) share one region, each right
+    after the one it follows, so that checkpoint tensor stays contiguous."""
+    slots, params, end, trained = [], [], 0, 0
     for e in generic_table(spec, unit):
         shape = tuple(e["shape"])
         n = math.prod(shape)
+        joined = "after" in e
+        if joined and (not params or params[-1].hf != e["after"]):
+            raise InputError(
+                f"store manifest: unit {unit}: {e['hf']} is not right after {e['after']}, which it follows"
+            )
+        off = end if joined else round_up(end, ALIGN)
         params.append(Param(e["name"], e["hf"], shape, off, n, bool(e["trainable"])))
         for k, p in enumerate(e["parts"]):
             slots.append(
                 Slot(part_name(e, k), p["hf"], tuple(p["shape"]), off + p["at"], math.prod(p["shape"]))
             )
-        off = round_up(off + n, ALIGN)
+        end = off + n
         if e["trainable"]:
-            trained = off
+            trained = round_up(end, ALIGN)
     slots.sort(key=lambda s: s.offset)
-    return UnitLayout(unit, tuple(slots), max(off, ALIGN), tuple(params), trained)
+    return UnitLayout(unit, tuple(slots), max(round_up(end, ALIGN), ALIGN), tuple(params), trained)
 
 
 def layouts(spec: ArchSpec) -> list[UnitLayout]:
