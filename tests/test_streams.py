@@ -1,0 +1,65 @@
+"""Models whose layers pass several residual streams (hyper-connections): the tensor crossing
+layers is (b, T, streams, H) or (b, T, streams * H), as the model's own code makes it; layer 0 takes
+the embedding rows (b, T, H) and the owner's modules after the last layer merge the streams back.
+
+Each type through convert -> steps of 2 micro-batches against transformers (micro-batched the
+same way: hf_loss_backward) + torch AdamW: logits, losses, the squared gradient norm, every
+gradient and the weights after the steps.
+"""
+
+import pytest
+from census_config import build, tiny_config
+from oracle import (
+    engine_grads,
+    engine_weights,
+    hf_loss_backward,
+    hf_train,
+    make_engine,
+    micro_batches,
+    one_thread,  # noqa: F401 (autouse fixture: tiny models on one thread)
+    random_rows,
+    rel_err,
+)
+from test_engine_training import batches, run_engine
+
+from horizon_cli.convert import convert
+from horizon_cli.store import Store
+
+HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0, grad_clip=0.0)
+
+
+def _store(tmp_path, mt: str, layers: int):
+    model = build(mt, tiny_config(mt, layers)).float().eval()
+    model.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    return model, Store.open(tmp_path / "store")
+
+
+@pytest.mark.parametrize("mt,layers,shape", [("hy_v4", 2, (1, 1, 4, 64)), ("qwen4_exp_text", 4, (1, 1, 256))])
+def test_streams_train_as_transformers(tmp_path, mt, layers, shape):
+    model, store = _store(tmp_path, mt, layers)
+    assert store.arch.boundary(1, 1) == shape  # what the probe recorded, not (b, T, hidden)
+    eng = make_engine(store, **HP)
+    try:
+        rows = random_rows(4, model.config.vocab_size, seed=1, lo=10, hi=24)
+        mbs = micro_batches(rows, 2)
+        logits, ref = eng.logits(mbs[0]), model(input_ids=mbs[0].input_ids).logits.detach()
+        for r, (ids, _) in enumerate(rows[:2]):
+            assert rel_err(logits[r, : len(ids)], ref[r, : len(ids)]) < 1e-5
+        loss_sum, tokens, _ = eng.forward_backward(mbs)
+        eng.t.synchronize()
+        model.zero_grad(set_to_none=True)
+        assert abs(loss_sum / tokens - hf_loss_backward(model, mbs)) < 1e-5 * loss_sum / tokens
+        grads = engine_grads(eng)
+        for name, p in model.named_parameters():  # some get none (tensors the loss never reaches)
+            assert rel_err(grads[name], p.grad) < 1e-5 if p.grad is not None else not grads[name].any(), name
+        data = batches(model.config.vocab_size, micro=2, steps=2)
+        ours = [r.loss for r in run_engine(eng, data, HP["lr"])]
+        theirs = hf_train(model, data, HP["lr"], HP["betas"], HP["eps"], HP["weight_decay"], HP["grad_clip"])
+        for a, b in zip(ours, theirs, strict=True):
+            assert abs(a - b) / b < 1e-5
+        w = engine_weights(eng)
+        for name, p in model.state_dict().items():
+            assert rel_err(w[name], p) < 1e-5, name
+    finally:
+        eng.close()
