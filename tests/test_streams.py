@@ -4,7 +4,7 @@ the embedding rows (b, T, H) and the owner's modules after the last layer merge 
 
 Each type through convert -> steps of 2 micro-batches against transformers (micro-batched the
 same way: hf_loss_backward) + torch AdamW: logits, losses, the squared gradient norm, every
-gradient and the weights after the steps.
+gradient and the weights after the steps; and greedy generation against transformers' generate.
 """
 
 import pytest
@@ -63,3 +63,18 @@ def test_streams_train_as_transformers(tmp_path, mt, layers, shape):
             assert rel_err(w[name], p) < 1e-5, name
     finally:
         eng.close()
+
+
+def test_streams_generate_as_transformers(tmp_path, monkeypatch):
+    """Greedy generation: the newest position of every stream goes through the merging modules;
+    unequal prompts left-padded in micro-batches, the cache on the device and on the host."""
+    from test_generate import hf_greedy, loop, prompts, run
+
+    from horizon_cli.model.sample import Sampler
+
+    monkeypatch.setattr(loop, "MICRO_TOKENS", 24)
+    model, _ = _store(tmp_path, "hy_v4", 2)
+    items = prompts(model.config.vocab_size, seed=3)
+    want = [hf_greedy(model, ids, 8, []) for ids in items]
+    for host in (False, True):
+        assert run(Store.open(tmp_path / "store"), items, Sampler(), host=host, new=8) == want

@@ -92,6 +92,16 @@ class ArchSpec:
         return tuple(b if d == "b" else T if d == "T" else int(d) for d in form)
 
     @property
+    def streams(self) -> bool:
+        """Layers pass more than (b, T, hidden): several residual streams."""
+        return ((self.generic or {}).get("model") or {}).get("boundary") is not None
+
+    @property
+    def tokens_dim(self) -> int:
+        """Which dim of the boundary tensor is the tokens'."""
+        return 1 if not self.streams else list(self.generic["model"]["boundary"]).index("T")  # type: ignore[index]
+
+    @property
     def boundary_width(self) -> int:
         """Elements per token of what crosses layers, never less than the hidden size (layer 0's
         input is the embedding rows)."""
