@@ -33,6 +33,7 @@ class Slot:
     shape: tuple[int, ...]
     offset: int  # elements from the start of the unit
     numel: int
+    dtype: str | None = None  # an integer tensor held in the float unit (arch.generic._mark_integers)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Param:
     offset: int
     numel: int
     trainable: bool = True
+    dtype: str | None = None  # an integer tensor held in the float unit
 
 
 @dataclass(frozen=True)
@@ -87,10 +89,17 @@ def _generic_layout(spec: ArchSpec, unit: str) -> UnitLayout:
     for e in generic_table(spec, unit):
         shape = tuple(e["shape"])
         n = math.prod(shape)
-        params.append(Param(e["name"], e["hf"], shape, off, n, bool(e["trainable"])))
+        params.append(Param(e["name"], e["hf"], shape, off, n, bool(e["trainable"]), e.get("dtype")))
         for k, p in enumerate(e["parts"]):
             slots.append(
-                Slot(part_name(e, k), p["hf"], tuple(p["shape"]), off + p["at"], math.prod(p["shape"]))
+                Slot(
+                    part_name(e, k),
+                    p["hf"],
+                    tuple(p["shape"]),
+                    off + p["at"],
+                    math.prod(p["shape"]),
+                    e.get("dtype"),
+                )
             )
         off = round_up(off + n, ALIGN)
         if e["trainable"]:
