@@ -11,6 +11,7 @@ import pytest
 import torch
 from census_config import build, tiny_config
 from oracle import (
+    DEVICE,
     engine_grads,
     engine_weights,
     hf_loss_backward,
@@ -110,3 +111,31 @@ def test_integer_buffers_travel_exactly(tmp_path):
     with pytest.raises(InputError, match=r"tid2eid: integer values beyond 256"):
         _store(tmp_path / "big", "deepseek_v4", 3, top=1000)
     assert not (tmp_path / "big" / "store").exists()  # nothing half-written
+
+
+def test_streams_kept_and_lora_equal_recomputed(tmp_path):
+    """The top layer kept (its graph over the streams held from forward to backward) gives the
+    model of recomputing it bit for bit, full fine-tuning and LoRA alike."""
+    from test_keep import assert_same, run
+
+    from horizon_cli.config.schema import LoraConfig
+    from horizon_cli.lora.setup import lora_setup
+
+    _, store = _store(tmp_path, "hy_v4", 2)
+    assert_same(run(store, "float32", 0), run(store, "float32", 1), "float32", DEVICE)
+
+    def setup():
+        return lora_setup(LoraConfig(r=4, alpha=8, targets="all-linear"), store.arch)
+
+    assert_same(
+        run(store, "float32", 0, lora=setup()), run(store, "float32", 1, lora=setup()), "float32", "cpu"
+    )
+
+
+def test_streams_merged_by_arithmetic_stay_refused(tmp_path):
+    """Gemma 3n merges its AltUp streams after the last layer with arithmetic of its own forward
+    (no module to run as the head's suffix): refused at convert, naming it, nothing written."""
+    build("gemma3n_text", tiny_config("gemma3n_text", 4)).save_pretrained(tmp_path / "hf")
+    with pytest.raises(InputError, match=r"merges its residual streams \(4, b, T, 64\) after its last layer"):
+        convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    assert not (tmp_path / "store").exists()

@@ -188,7 +188,7 @@ def probe(model: nn.Module, where: str) -> dict:
                     f"{where}: {type(owner).__name__} runs its layers in a loop ({len(calls)} calls for "
                     f"{len(layers)} layers): layers run more than once are not supported"
                 )
-            res = _chain(events, out, where, type(owner).__name__)
+            res = _chain(events, out, where, type(owner).__name__, boundary)
             break
         except Exception as e:  # noqa: BLE001 (another return convention may fit)
             tried.append(e)
@@ -251,7 +251,7 @@ def _boundary(owner, layers, watched, names, h0, cfg, where: str) -> list | None
     return form
 
 
-def _chain(events: list[tuple], out, where: str, owner_name: str) -> dict:
+def _chain(events: list[tuple], out, where: str, owner_name: str, boundary=None) -> dict:
     """Prefix and suffix modules from the event order; InputError when the stack is not chained."""
     idx = [k for k, e in enumerate(events) if e[0] == "layer"]
     a, b = idx[0], idx[-1]
@@ -271,6 +271,12 @@ def _chain(events: list[tuple], out, where: str, owner_name: str) -> dict:
     suffix = []
     for e in events[b + 1 :]:
         if e[0] != "mod" or e[2] is not h:
+            if boundary is not None:
+                dims = ", ".join(map(str, boundary))
+                raise InputError(
+                    f"{where}: {owner_name} merges its residual streams ({dims}) after its last layer by "
+                    f"arithmetic in its own forward, not by modules in a chain (then {e[1]}): not supported yet"
+                )
             raise InputError(
                 f"{where}: after its last layer {owner_name} runs {e[1]} on something other than the "
                 "previous output: not supported"
