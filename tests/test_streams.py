@@ -7,6 +7,8 @@ same way: hf_loss_backward) + torch AdamW: logits, losses, the squared gradient 
 gradient and the weights after the steps; and greedy generation against transformers' generate.
 """
 
+import io
+
 import pytest
 import torch
 from census_config import build, tiny_config
@@ -22,9 +24,11 @@ from oracle import (
     random_rows,
     rel_err,
 )
+from rich.console import Console
 from safetensors.torch import load_file
 from test_engine_training import batches, run_engine
 
+from horizon_cli import api
 from horizon_cli.convert import convert
 from horizon_cli.errors import InputError
 from horizon_cli.export import export
@@ -100,6 +104,9 @@ def test_integer_buffers_travel_exactly(tmp_path):
     """DeepSeek-V4's frozen token -> expert table (int64) is held in the float units: convert
     refuses values no compute dtype holds exactly, export writes the table back as it was."""
     model, store = _store(tmp_path, "deepseek_v4", 3)
+    out = io.StringIO()
+    api.inspect(tmp_path / "store", console=Console(file=out, width=400))
+    assert "residual streams between layers (b, T, 4, 64)" in out.getvalue(), out.getvalue()
     export(tmp_path / "store", tmp_path / "out")
     out = {}
     for f in (tmp_path / "out").glob("*.safetensors"):
