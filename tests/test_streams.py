@@ -146,3 +146,23 @@ def test_streams_merged_by_arithmetic_stay_refused(tmp_path):
     with pytest.raises(InputError, match=r"merges its residual streams \(4, b, T, 64\) after its last layer"):
         convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
     assert not (tmp_path / "store").exists()
+
+
+def test_keys_and_values_shared_across_layers_refused():
+    """Gemma 3n / 4's shared KV (`num_kv_shared_layers`): later layers attend with earlier layers'
+    keys and values, filled only by real layers (a meta probe sees an empty dict): refused by the
+    config, naming it, wherever the rest of the model would pass."""
+    import transformers
+
+    from horizon_cli.arch.probe import probe
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+    )
+    cfg.num_kv_shared_layers = 1
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(
+        InputError, match=r"its last 1 layers attend with the keys and values of earlier layers"
+    ):
+        probe(model, "config.json")

@@ -215,6 +215,12 @@ def probe(model: nn.Module, where: str) -> dict:
                 f"{where}: layer {ev[1]} receives {kw[0]}, computed from trained weights before the layers "
                 "(a tensor crossing layers besides the hidden state, e.g. per-layer inputs): not supported yet"
             )
+    shared = getattr(_config(model).get_text_config(), "num_kv_shared_layers", 0)
+    if isinstance(shared, int) and shared > 0:  # filled by real layers only: the meta probe cannot see it
+        raise InputError(
+            f"{where}: its last {shared} layers attend with the keys and values of earlier layers "
+            "(num_kv_shared_layers): tensors crossing layers besides the hidden state are not supported"
+        )
     res.update(
         stack=stack,
         owner=owner_path,
