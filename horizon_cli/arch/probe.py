@@ -244,8 +244,14 @@ def _boundary(owner, layers, watched, names, h0, cfg, where: str) -> list | None
     if not isinstance(h0, torch.Tensor) or not isinstance(H, int) or tuple(h0.shape) == (1, T, H):
         return None
     b2, t2 = 3, 7  # neither 1 nor T: each dim that changes is the rows' or the tokens'
-    events, _ = _record(owner, layers, 0, watched, names, stop_at=0, rows=(b2, t2))
-    h2 = next(e[2] for e in events if e[0] == "layer")
+    try:
+        events, _ = _record(owner, layers, 0, watched, names, stop_at=0, rows=(b2, t2))
+        h2 = next(e[2] for e in events if e[0] == "layer")
+    except Exception as e:  # noqa: BLE001 (a model that runs one input size only)
+        raise InputError(
+            f"{where}: {type(owner).__name__} passes a hidden state of shape {tuple(h0.shape)} between its "
+            f"layers, which a probe of ({b2}, {t2}) tokens cannot relate to rows and tokens ({type(e).__name__}: {e})"
+        ) from e
     form: list = []
     for d1, d2 in zip(h0.shape, h2.shape, strict=False) if h0.dim() == h2.dim() else ():
         form.append("b" if (d1, d2) == (1, b2) else "T" if (d1, d2) == (T, t2) else d1 if d1 == d2 else None)
