@@ -166,6 +166,8 @@ def _generic_flags(a) -> str:
     windows = sorted({w for w in a.windows if w})
     if windows:
         flags.append(f"sliding window {windows[0]} on {sum(1 for w in a.windows if w)} layers")
+    if s.get("boundary"):
+        flags.append(f"residual streams between layers ({', '.join(map(str, s['boundary']))})")
     kinds = len(g["kinds"])
     if kinds > 1:
         flags.append(f"{kinds} layer kinds")

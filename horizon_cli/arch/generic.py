@@ -31,6 +31,8 @@ import re
 import sys
 from typing import Any
 
+import torch
+
 from ..errors import InputError
 from .disk import place
 from .exceptions import refuse_config, refuse_layers
@@ -143,6 +145,7 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     }
     stack = s["stack"]
     kinds, layer_kinds = _layer_kinds(layers, stack, mem, parts, s["calls"][0], prefix_rows, where)
+    _mark_integers(model, kinds, layer_kinds)
     carried = [p.hf for n in groups["carried"] for p in parts[n][0]]
     return {
         "config": cfg,
@@ -277,6 +280,18 @@ def _layer_kinds(
             kinds[keys[key]] = rows
         layer_kinds.append(keys[key])
     return kinds, layer_kinds
+
+
+def _mark_integers(model, kinds: dict, layer_kinds: list) -> None:
+    """A layer's integer buffers (DeepSeek-V4's frozen token -> expert table `tid2eid`) get their
+    dtype in the table: the store's float units hold their values (small integers, exactly: convert
+    checks), the layer gets them back in that dtype, export writes them in it."""
+    ints = {k: str(v.dtype).removeprefix("torch.") for k, v in model.state_dict().items()}
+    for i, k in enumerate(layer_kinds):
+        for e in kinds[k]:
+            dtype = ints.get(e["hf"].replace("{i}", str(i)), "float32")
+            if not getattr(torch, dtype).is_floating_point and dtype != "bool":
+                e["dtype"] = dtype
 
 
 def _moe(model, layers, where: str) -> dict | None:

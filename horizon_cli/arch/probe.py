@@ -49,15 +49,17 @@ def owner_kwargs(owner: nn.Module) -> list[str]:
     return [k for k in want if k in params or (varkw and k in ("position_ids",))]
 
 
-def _inputs(names: list[str], device="meta") -> dict[str, Any]:
+def _inputs(names: list[str], device="meta", b: int = 1, t: int = T) -> dict[str, Any]:
     # no position_ids: the mask functions' packed-sequence check reads their values
-    kw: dict[str, Any] = {"input_ids": torch.zeros(1, T, dtype=torch.long, device=device)}
+    kw: dict[str, Any] = {"input_ids": torch.zeros(b, t, dtype=torch.long, device=device)}
     if "use_cache" in names:
         kw["use_cache"] = False
     return kw
 
 
-def _record(owner, layers, returns: int, watched: dict[str, nn.Module], names, stop_at=None, extras=()):
+def _record(
+    owner, layers, returns: int, watched: dict[str, nn.Module], names, stop_at=None, extras=(), rows=(1, T)
+):
     """One meta forward of the owner: the event list and what it returned."""
     events: list[tuple] = []
     log: list = []
@@ -86,7 +88,7 @@ def _record(owner, layers, returns: int, watched: dict[str, nn.Module], names, s
             _no_packing_check(),
             contextlib.suppress(Stop),
         ):
-            out = owner(**_inputs(names))
+            out = owner(**_inputs(names, b=rows[0], t=rows[1]))
     finally:
         for h in handles:
             h.remove()
@@ -174,13 +176,7 @@ def probe(model: nn.Module, where: str) -> dict:
     layer_events = [e for e in first if e[0] == "layer"]
     if not layer_events:
         raise InputError(f"{where}: {type(owner).__name__}'s forward calls no decoder layer")
-    h0 = layer_events[0][2]
-    H = getattr(_config(model).get_text_config(), "hidden_size", None)
-    if isinstance(h0, torch.Tensor) and isinstance(H, int) and tuple(h0.shape) != (1, T, H):
-        raise InputError(
-            f"{where}: {type(owner).__name__} passes a hidden state of shape {tuple(h0.shape)} between its "
-            f"layers, not (batch, tokens, {H}) (several residual streams: hyper-connections): not supported"
-        )
+    boundary = _boundary(owner, layers, watched, names, layer_events[0][2], _config(model), where)
     real = _real_returns(layers[layer_events[0][1]], layer_events[0][3])
     tried: list[Exception] = []
     for returns in [real] if real is not None else [0, 1, 2, 3]:
@@ -192,13 +188,24 @@ def probe(model: nn.Module, where: str) -> dict:
                     f"{where}: {type(owner).__name__} runs its layers in a loop ({len(calls)} calls for "
                     f"{len(layers)} layers): layers run more than once are not supported"
                 )
-            res = _chain(events, out, where, type(owner).__name__)
+            res = _chain(events, out, where, type(owner).__name__, boundary)
             break
         except Exception as e:  # noqa: BLE001 (another return convention may fit)
             tried.append(e)
     else:
         bad = next((x for x in tried if isinstance(x, InputError)), tried[0])
         raise bad if isinstance(bad, InputError) else InputError(f"{where}: {type(owner).__name__}: {bad}")
+    last = _first(out)
+    if (
+        boundary is not None
+        and isinstance(last, torch.Tensor)
+        and tuple(last.shape) != (1, T, _hidden_size(model))
+    ):
+        raise InputError(
+            f"{where}: {type(owner).__name__} passes several residual streams {tuple(boundary)} between its layers "
+            f"and returns {tuple(last.shape)}, not (batch, tokens, hidden): its modules after the last layer do "
+            "not merge the streams"
+        )
     res["forwarded"], res["passes"] = _forwarded(owner, layers, returns, watched, names)
     for i, ev in enumerate(x for x in events if x[0] == "layer"):
         if i and any(_grad_tensors(v) for v in [*ev[3][1][1:], *ev[3][2].values()]):
@@ -208,6 +215,12 @@ def probe(model: nn.Module, where: str) -> dict:
                 f"{where}: layer {ev[1]} receives {kw[0]}, computed from trained weights before the layers "
                 "(a tensor crossing layers besides the hidden state, e.g. per-layer inputs): not supported yet"
             )
+    shared = getattr(_config(model).get_text_config(), "num_kv_shared_layers", 0)
+    if isinstance(shared, int) and shared > 0:  # filled by real layers only: the meta probe cannot see it
+        raise InputError(
+            f"{where}: its last {shared} layers attend with the keys and values of earlier layers "
+            "(num_kv_shared_layers): tensors crossing layers besides the hidden state are not supported"
+        )
     res.update(
         stack=stack,
         owner=owner_path,
@@ -217,12 +230,40 @@ def probe(model: nn.Module, where: str) -> dict:
         returns=returns,
         calls=calls,
         owner_kwargs=names,
+        **({"boundary": boundary} if boundary is not None else {}),
         logits=_logits_mode(model, owner_path.split(".")[0], head, where),
     )
     return res
 
 
-def _chain(events: list[tuple], out, where: str, owner_name: str) -> dict:
+def _boundary(owner, layers, watched, names, h0, cfg, where: str) -> list | None:
+    """The shape of the tensor the owner passes between its layers as a function of the rows b and
+    tokens T: None for (b, T, hidden_size), else its dims ("b", "T" or a size: several residual
+    streams, (b, T, streams, H) or (b, T, streams * H)), read off a second probe of other (b, T)."""
+    H = getattr(cfg.get_text_config(), "hidden_size", None)
+    if not isinstance(h0, torch.Tensor) or not isinstance(H, int) or tuple(h0.shape) == (1, T, H):
+        return None
+    b2, t2 = 3, 7  # neither 1 nor T: each dim that changes is the rows' or the tokens'
+    try:
+        events, _ = _record(owner, layers, 0, watched, names, stop_at=0, rows=(b2, t2))
+        h2 = next(e[2] for e in events if e[0] == "layer")
+    except Exception as e:  # noqa: BLE001 (a model that runs one input size only)
+        raise InputError(
+            f"{where}: {type(owner).__name__} passes a hidden state of shape {tuple(h0.shape)} between its "
+            f"layers, which a probe of ({b2}, {t2}) tokens cannot relate to rows and tokens ({type(e).__name__}: {e})"
+        ) from e
+    form: list = []
+    for d1, d2 in zip(h0.shape, h2.shape, strict=False) if h0.dim() == h2.dim() else ():
+        form.append("b" if (d1, d2) == (1, b2) else "T" if (d1, d2) == (T, t2) else d1 if d1 == d2 else None)
+    if form.count("b") != 1 or form.count("T") != 1 or None in form:
+        raise InputError(
+            f"{where}: {type(owner).__name__} passes a hidden state of shape {tuple(h0.shape)} between its "
+            f"layers for (1, {T}) tokens and {tuple(h2.shape)} for ({b2}, {t2}): not (rows, tokens, ...)"
+        )
+    return form
+
+
+def _chain(events: list[tuple], out, where: str, owner_name: str, boundary=None) -> dict:
     """Prefix and suffix modules from the event order; InputError when the stack is not chained."""
     idx = [k for k, e in enumerate(events) if e[0] == "layer"]
     a, b = idx[0], idx[-1]
@@ -242,6 +283,12 @@ def _chain(events: list[tuple], out, where: str, owner_name: str) -> dict:
     suffix = []
     for e in events[b + 1 :]:
         if e[0] != "mod" or e[2] is not h:
+            if boundary is not None:
+                dims = ", ".join(map(str, boundary))
+                raise InputError(
+                    f"{where}: {owner_name} merges its residual streams ({dims}) after its last layer by "
+                    f"arithmetic in its own forward, not by modules in a chain (then {e[1]}): not supported yet"
+                )
             raise InputError(
                 f"{where}: after its last layer {owner_name} runs {e[1]} on something other than the "
                 "previous output: not supported"
@@ -301,6 +348,10 @@ def _logits_mode(model: nn.Module, base: str, head: nn.Module, where: str) -> st
         n for n in outside if n.split(".", 1)[-1] not in head_params or not n.startswith(_path(model, head))
     ]
     return "plain" if plain and not extra else "forward"
+
+
+def _hidden_size(model: nn.Module) -> int:
+    return _config(model).get_text_config().hidden_size
 
 
 def _config(model: nn.Module) -> Any:

@@ -16,6 +16,7 @@ sizes, for reports and memory plans).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,30 @@ class ArchSpec:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    def boundary(self, b: int, T: int) -> tuple[int, ...]:
+        """The shape of the tensor one layer passes to the next for b rows of T tokens: (b, T,
+        hidden), or the model's own (several residual streams: arch.probe's `boundary`)."""
+        form = ((self.generic or {}).get("model") or {}).get("boundary")
+        if form is None:
+            return (b, T, self.hidden)
+        return tuple(b if d == "b" else T if d == "T" else int(d) for d in form)
+
+    @property
+    def streams(self) -> bool:
+        """Layers pass more than (b, T, hidden): several residual streams."""
+        return ((self.generic or {}).get("model") or {}).get("boundary") is not None
+
+    @property
+    def tokens_dim(self) -> int:
+        """Which dim of the boundary tensor is the tokens'."""
+        return 1 if not self.streams else list(self.generic["model"]["boundary"]).index("T")  # type: ignore[index]
+
+    @property
+    def boundary_width(self) -> int:
+        """Elements per token of what crosses layers, never less than the hidden size (layer 0's
+        input is the embedding rows)."""
+        return max(self.hidden, math.prod(self.boundary(1, 1)))
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ..arch import hf_table, read_hf_config, spec_from_hf
+from ..arch import hf_table, read_hf_config, spec_from_hf, unit_names
 from ..arch.names import is_ignorable, native_disk_names
 from ..errors import InputError
 from ..fsutil import atomic_dir, check_not_inside, io_failures
 from ..progress import byte_progress
 from ..store.carried import write_carried
+from ..store.layout import unit_layout
 from ..store.manifest import DTYPES, QUANTS
 from ..store.writer import StoreWriter
 from .checkpoint import Checkpoint
@@ -105,6 +106,7 @@ def check_tensors(ckpt: Checkpoint, spec) -> dict:
     """Match checkpoint names to the architecture: {hf_name: (unit, TensorName)}; InputError naming
     the first missing, extra or misshapen tensor."""
     table = hf_table(spec)
+    ints = {s.hf: s.dtype for u in unit_names(spec) for s in unit_layout(spec, u).slots if s.dtype}
     for name, info in ckpt.infos.items():
         if name in table:
             want = table[name][1].shape
@@ -112,7 +114,9 @@ def check_tensors(ckpt: Checkpoint, spec) -> dict:
                 raise InputError(
                     f"{info.file}: tensor {name} has shape {tuple(info.shape)}, config.json implies {tuple(want)}"
                 )
-            if not info.dtype.is_floating_point:
+            if ints.get(name) is not None and str(info.dtype).removeprefix("torch.") == ints[name]:
+                pass  # an integer buffer of a layer (arch.generic._mark_integers)
+            elif not info.dtype.is_floating_point:
                 raise InputError(
                     f"{info.file}: tensor {name} is {info.dtype}, expected a floating-point tensor"
                 )

@@ -62,7 +62,12 @@ class Generation:
         x = self.sweep.start(dbs, self.sweep.loads(kv=kv))  # type: ignore[arg-type]
         x = self.sweep.layers(x, ctxs, kv=kv)
         head = self.sweep.acquire_head()
-        out = [head.logits(head.norm(xm[:, -1], head.norm_w), head.lm).float() for xm in x]
+        if p.spec.streams:  # the modules after the last layer merge the streams, on the newest position
+            d = p.spec.tokens_dim
+            last = [head.norm(xm.narrow(d, xm.shape[d] - 1, 1), head.norm_w)[:, -1] for xm in x]
+        else:
+            last = [head.norm(xm[:, -1], head.norm_w) for xm in x]
+        out = [head.logits(h, head.lm).float() for h in last]
         self.sweep.release_head()
         if not kv.host:
             p.t.memory.set("kv cache", kv.device_bytes())

@@ -86,7 +86,7 @@ class Engine:
         forward_only: nothing is trained (generation, evaluation): the store's units frozen, no
         optimizer state (engine.params.FrozenParams); `lora` then names adapters to apply. Such an
         engine keeps nothing (K applies to training steps only)."""
-        step_numel = 0 if forward_only else max_tokens * store.arch.hidden  # one layer's inputs, whole step
+        step_numel = 0 if forward_only else max_tokens * store.arch.boundary_width  # one layer's inputs
         if forward_only:
             keep = 0
         elif keep is None:

@@ -61,8 +61,8 @@ class TrainStep:
         inv_n = 1.0 / tokens if tokens else 0.0
         ctxs = self.sweep.contexts(mbs)
         targets = p.objective.targets(mbs, p.t.device)  # before any compute is queued
-        shapes = [(*mb.input_ids.shape, p.spec.hidden) for mb in mbs]
-        total = sum(math.prod(s) for s in shapes)
+        shapes = [tuple(mb.input_ids.shape) for mb in mbs]  # (b, T) per micro-batch
+        total = sum(b * T for b, T in shapes) * p.spec.boundary_width  # what crosses a layer, at most
         self._ensure_ckpt(total)
         saved = p.poison.promises(self.recomputed)
         self._account(shapes)
@@ -148,19 +148,19 @@ class TrainStep:
             w = p.params.weights(i, w)
             w, lora, leaves, names = p.params.leaves(i, w, extras, p.adam_step)
             want_dx = p.params.wants_dx(i)
-            offs = [0]
-            for shape in shapes:
+            offs, ins = [0], self.sweep.saved[i]  # the inputs' shapes, as the forward saved them
+            for shape in ins:
                 offs.append(offs[-1] + math.prod(shape))
 
             def graph(m: int) -> tuple:
-                xi = saved[offs[m] : offs[m + 1]].view(shapes[m]).detach().requires_grad_(want_dx)
+                xi = saved[offs[m] : offs[m + 1]].view(ins[m]).detach().requires_grad_(want_dx)
                 if lora is not None:
                     lora.mb = self.mb_base + m  # the global micro-batch: dropout masks as on one rank
                 y, extra = p.tmpl.objective(i, w, xi, ctxs[m], lora)
                 return xi, y, extra
 
             if want_dx or leaves:
-                self._backprop(len(shapes), graph, leaves, names, dx, want_dx, gv)
+                self._backprop(len(ins), graph, leaves, names, dx, want_dx, gv)
         p.loader.release(f"b{i}")
 
     def _backprop(self, n: int, graph, leaves, names, dx, want_dx: bool, gv) -> None:
@@ -195,7 +195,7 @@ class TrainStep:
         """Device memory by category for this step's shapes (the CPU has no allocator to ask)."""
         p = self.p
         item = p.dtype.itemsize
-        acts = sum(math.prod(sh) for sh in shapes) * item
+        acts = sum(math.prod(sh) for sh in shapes) * p.spec.boundary_width * item
         lent = p.loader.lend  # saved inputs are read where they lie
         p.t.memory.set("ckpt", 0 if lent else p.loader.extra_bytes() or acts * len(p.loader.ring))
         p.t.memory.set("activations", 2 * acts)

@@ -25,6 +25,7 @@ from .parts import Parts
 class Sweep:
     def __init__(self, p: Parts):
         self.p = p
+        self.saved: dict[int, list[torch.Size]] = {}  # layer -> the shapes of the inputs it saved
 
     def contexts(self, mbs: list[MicroBatch]) -> list:
         """Per micro-batch: positions, rotary tables, masks (model.template)."""
@@ -104,6 +105,7 @@ class Sweep:
             if save is not None:
                 buffers, promises = save
                 pairs, off = [], 0
+                self.saved[i] = [xm.shape for xm in x]
                 for xm in x:
                     pairs.append((buffers[i][off : off + xm.numel()], xm.reshape(-1)))
                     off += xm.numel()

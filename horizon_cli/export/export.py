@@ -70,16 +70,19 @@ def export(
     merge = Merge(src_dir) if lora else None
     cfg = _hf_config(store)
     entries = [
-        (s.hf, s.shape, store.dtype, u.name, s.name) for u in store.units for s in store.layout(u.name).slots
-    ]
+        (s.hf, s.shape, getattr(torch, s.dtype) if s.dtype else store.dtype, u.name, s.name)
+        for u in store.units
+        for s in store.layout(u.name).slots
+    ]  # an integer buffer in its own dtype (store.layout.Slot.dtype)
     shards = _plan_shards(entries, store.dtype.itemsize)
-    total = sum(math.prod(e[1]) for e in entries) * store.dtype.itemsize
+    total = sum(math.prod(e[1]) * e[2].itemsize for e in entries)
     n = len(shards)
     weight_map = {}
     verified: set[str] = set()
 
     where = {e[0]: (e[3], e[4]) for e in entries}  # HF name -> (unit, store name)
     inside = _params_inside(store) if merge is not None else {}
+    dtypes = {e[0]: e[2] for e in entries}
     if merge is not None:
         merge.check(set(where) | {p[0] for ps in inside.values() for p in ps})
 
@@ -89,6 +92,8 @@ def export(
             store.verify_unit(unit)
             verified.add(unit)
         t = store.tensor(unit, name)  # an NF4 tensor comes dequantized
+        if dtypes[hf] != t.dtype:
+            return t.to(dtypes[hf])  # an integer buffer, exact in the store's floats
         return t if merge is None else merge(hf, t, inside.get(hf, ()))
 
     with io_failures(dst), atomic_dir(dst, force=force) as tmp:

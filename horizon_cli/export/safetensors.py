@@ -12,7 +12,13 @@ import torch
 
 from ..store.writer import tensor_bytes
 
-ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+ST_NAMES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+}
 
 
 def write_shard(

@@ -114,6 +114,10 @@ class GenericTemplate:
             {n: b for n, b in la.named_buffers() if b.device.type != "meta"} for la in self.layers
         ]
         first_kind = g["kinds"][g["layer_kinds"][self.first]]
+        self._ints = {  # a kind's integer buffers, held as floats in the unit (DeepSeek-V4's tid2eid)
+            k: {e["name"]: getattr(torch, e["dtype"]) for e in rows if e.get("dtype")}
+            for k, rows in g["kinds"].items()
+        }
         self._prefix = {e["name"]: e["hf"] for e in first_kind if e["name"].startswith("@")}
         self._head = {e["name"]: e["hf"] for e in g["units"]["head"]}
         self._head_w = f"{s['head']}.weight"
@@ -208,6 +212,8 @@ class GenericTemplate:
             args, kwargs = ctx.calls[i]
         args, kwargs = self._passed_in(i, *with_hidden(args, kwargs, x), ctx)
         lw = {k: v for k, v in w.items() if not k.startswith("@")}
+        for k, dt in self._ints[self.g["layer_kinds"][i]].items():
+            lw[k] = lw[k].to(dt)
         self._lora = lora
         try:
             out = functional_call(self.layers[i], {**self._buffers[i], **lw}, args, kwargs, strict=True)

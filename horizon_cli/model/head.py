@@ -121,13 +121,12 @@ def _chunked_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Final norm, then chunk by chunk over the labelled rows: logits, `chunk_loss(fp32 logits, a,
     b)` -> (what to differentiate, what to sum), its backward at once. -> (sum, dh)."""
-    b, T, H = h.shape
     train = g_lm is not None
     h = h.detach().requires_grad_(True)
     wn = {k: v.detach().requires_grad_(train) for k, v in norm_w.items()}
     W = _leaves(lm_w, train)
-    hn = norm(h, wn)  # (b, T, H)
-    sel = hn[:, :-1].reshape(-1, H).index_select(0, idx)  # (n, H) rows that carry a label
+    hn = norm(h, wn)  # (b, T, H) (h: several residual streams, which the final modules merge)
+    sel = hn[:, :-1].reshape(-1, hn.shape[-1]).index_select(0, idx)  # (n, H) rows that carry a label
     dsel = torch.empty_like(sel)
     loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
     for a in range(0, sel.shape[0], chunk):
@@ -154,8 +153,8 @@ def _chunked_backward(
 
 def _forward_chunks(h, norm: Norm, norm_w, lm_w, idx, chunk: int, logits_fn: Logits):
     """Forward only: (a, b, fp32 logits of labelled rows [a, b)), one chunk at a time."""
-    H = h.shape[-1]
-    sel = norm(h, norm_w)[:, :-1].reshape(-1, H).index_select(0, idx)
+    hn = norm(h, norm_w)
+    sel = hn[:, :-1].reshape(-1, hn.shape[-1]).index_select(0, idx)
     for a in range(0, sel.shape[0], chunk):
         x = sel[a : a + chunk]
         yield a, a + x.shape[0], logits_fn(x, lm_w).float()

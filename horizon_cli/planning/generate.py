@@ -96,7 +96,7 @@ def plan_generation(
     if quant:
         p.device["dequantized layer"] = max(lays[k].numel for k in base if k.startswith("layer.")) * item
     prefill = sum(b * t for b, t, _ in batches)
-    p.device["activations (prefill)"] = 2 * prefill * spec.hidden * item
+    p.device["activations (prefill)"] = 2 * prefill * spec.boundary_width * item
     widest = max(b * t for b, t, _ in batches)
     p.device["layer working set"] = widest * (spec.q_dim + 2 * spec.kv_dim + 3 * spec.intermediate) * item
     p.device["logits"] = max(b for b, _, _ in batches) * spec.vocab * (item + 8)

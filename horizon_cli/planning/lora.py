@@ -86,7 +86,7 @@ def lora_memory_plan(
     per_layer = max(
         (sum(r * (t.in_features + t.out_features) for t in layer) for layer in targets), default=0
     )
-    acts = rank_batch(batch, world) * seq * spec.hidden * item
+    acts = rank_batch(batch, world) * seq * spec.boundary_width * item
     p = MemoryPlan(
         sum(lay.params for lay in lays.values()), trainable=n_adapt, world=world, per_node=per_node
     )

@@ -122,7 +122,7 @@ def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int
     measured = g.get("workset") or {}
     worst = 0
     for kind in set(g["layer_kinds"]):
-        n = 4 * H
+        n = 4 * spec.boundary_width  # the residual stream (several: hyper-connections)
         mixer = measured.get(kind)
         inside = mixer["module"] + "." if mixer else None
         for e in g["kinds"][kind]:
@@ -201,7 +201,7 @@ def memory_plan(
     params = sum(lay.params for lay in lays.values())
     layer_max = max(lay.numel for n, lay in lays.items() if n.startswith("layer."))
     head = lays["head"].numel + (lays["embed"].numel if spec.tie_embeddings else 0)
-    acts = rank_batch(batch, world) * seq * spec.hidden * item  # one layer's boundary activations
+    acts = rank_batch(batch, world) * seq * spec.boundary_width * item  # one layer's boundary activations
     p = MemoryPlan(params, trainable=params, world=world, per_node=per_node)
     gitem = ITEM[dtype if grad_dtype == "auto" else grad_dtype]
     p.host = trained_host(lays, dtype, gitem, memory, world)

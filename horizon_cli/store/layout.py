@@ -34,6 +34,7 @@ class Slot:
     shape: tuple[int, ...]
     offset: int  # elements from the start of the unit
     numel: int
+    dtype: str | None = None  # an integer tensor held in the float unit (arch.generic._mark_integers)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Param:
     offset: int
     numel: int
     trainable: bool = True
+    dtype: str | None = None  # an integer tensor held in the float unit
 
 
 @dataclass(frozen=True)
@@ -96,10 +98,17 @@ def _generic_layout(spec: ArchSpec, unit: str) -> UnitLayout:
                 f"store manifest: unit {unit}: {e['hf']} is not right after {e['after']}, which it follows"
             )
         off = end if joined else round_up(end, ALIGN)
-        params.append(Param(e["name"], e["hf"], shape, off, n, bool(e["trainable"])))
+        params.append(Param(e["name"], e["hf"], shape, off, n, bool(e["trainable"]), e.get("dtype")))
         for k, p in enumerate(e["parts"]):
             slots.append(
-                Slot(part_name(e, k), p["hf"], tuple(p["shape"]), off + p["at"], math.prod(p["shape"]))
+                Slot(
+                    part_name(e, k),
+                    p["hf"],
+                    tuple(p["shape"]),
+                    off + p["at"],
+                    math.prod(p["shape"]),
+                    e.get("dtype"),
+                )
             )
         end = off + n
         if e["trainable"]:

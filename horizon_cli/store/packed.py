@@ -78,7 +78,7 @@ def kept(spec: ArchSpec, lay: UnitLayout) -> frozenset[str]:
             and p.shape[0] <= moe["n_experts"]
             and not is_expert({"name": p.name, "shape": list(p.shape)}, moe)
         )
-        if gate or p.name.endswith("bias"):
+        if gate or p.name.endswith("bias") or p.dtype is not None:  # an integer table: as it is
             keep |= {s.name for s in lay.slots if p.offset <= s.offset < p.offset + p.numel}
     return frozenset(keep)
 

@@ -35,6 +35,9 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         n += os.pwrite(fd, data[n:], offset + n)
 
 
+INT_EXACT = 256  # integers up to this magnitude are exact in bfloat16, float16 and float32
+
+
 def _finite(x: torch.Tensor) -> bool:
     """No inf or NaN in x (aminmax propagates both and is several times faster than isfinite)."""
     lo, hi = torch.aminmax(x)
@@ -191,6 +194,11 @@ class StoreWriter:
         """x ((n,), n <= PIECE) in the store dtype: itself when it already is, else in a scratch."""
         if x.dtype == self.torch_dtype:
             return x.contiguous()
+        if not x.dtype.is_floating_point and x.numel() and int(x.abs().max()) > INT_EXACT:
+            raise InputError(
+                f"{hf}: integer values beyond {INT_EXACT}, which the store's float units do not hold "
+                "exactly in every compute dtype"
+            )
         k = self._turn = (self._turn + 1) % 2
         scratch = self._scratch[k]
         if scratch is None or scratch.numel() < x.numel():
