@@ -26,7 +26,6 @@ STOCHASTIC = re.compile(r"drop|jitter|noise")
 # `use_bidirectional_attention: "vision"` is bidirectional over image tokens only: causal on text.
 FEATURES = {
     "use_bidirectional_attention": "bidirectional attention",
-    "num_kv_shared_layers": "key/value states shared across layers (a layer reads an earlier layer's K/V)",
     "is_encoder_decoder": "the decoder of an encoder-decoder model (its cross-attention)",
     "add_cross_attention": "cross-attention to an encoder",
 }
