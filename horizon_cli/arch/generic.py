@@ -34,6 +34,7 @@ from typing import Any
 from ..errors import InputError
 from .disk import place
 from .exceptions import refuse_config, refuse_layers
+from .loop import is_loop
 from .probe import probe
 
 RECURRENT = re.compile(
@@ -113,6 +114,11 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     s = probe(model, where)
     layers = list(model.get_submodule(s["stack"]))
     refuse_layers(layers, s["calls"], cls.__name__, where)
+    moe = _moe(model, layers, where)
+    if moe and is_loop(s["calls"]):
+        raise InputError(
+            f"{where}: {s['owner']} runs routed (MoE) layers in a loop: router statistics per call are not supported"
+        )
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head.weight is emb.weight
     every = list(model.named_parameters(remove_duplicate=False))
@@ -151,7 +157,7 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
         "kinds": kinds,
         "layer_kinds": layer_kinds,
         "carried": carried,
-        "moe": _moe(model, layers, where),
+        "moe": moe,
         "recurrent": sorted(
             {type(m).__name__ for la in layers for m in la.modules() if RECURRENT.search(type(m).__name__)}
         ),
