@@ -1,0 +1,91 @@
+"""Layers run in a loop (arch.loop): Dory calls its recurrent layers once per loop, and starts each
+loop from transformers' own code between the calls (norm(h) + the input section's normalised
+output). The streamed engine runs the sequence of calls — 2 loads per call, each unit's gradient
+summed over its calls — against a resident transformers model + torch AdamW; the combinations it
+does not run are refused by name."""
+
+import pytest
+import torch
+import transformers
+from oracle import (
+    engine_weights,
+    hf_train,
+    micro_batches,
+    one_thread,  # noqa: F401 (autouse fixture: tiny models on one thread)
+    random_rows,
+    rel_err,
+)
+from tiny_models import save
+
+from horizon_cli.config.schema import EngineConfig, OptimConfig
+from horizon_cli.convert import convert
+from horizon_cli.engine import Engine
+from horizon_cli.errors import InputError
+from horizon_cli.store import Store
+
+# 1 input layer, 2 recurrent layers run twice, 1 output layer: calls 0 1 2 1 2 3
+DORY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1,
+    n_recurrent_loops=2, sliding_window=32,
+)  # fmt: skip
+CALLS = [0, 1, 2, 1, 2, 3]
+HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, grad_clip=1.0)
+
+
+def dory(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.DoryConfig(**DORY)).float().eval()
+    with torch.no_grad():  # the learned rates and scales away from their constant init
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    save(model, tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    return model, Store.open(tmp_path / "store")
+
+
+def engine(store, link: float = 0.0, keep: int = 0) -> Engine:
+    cfg = EngineConfig(device="cpu", dtype="float32", loss_chunk=16, link_gbps=link)
+    opt = {k: list(v) if isinstance(v, tuple) else v for k, v in HP.items()}
+    return Engine(store, cfg, OptimConfig(kernel="torch", **opt), keep=keep)
+
+
+@pytest.mark.parametrize("link", [0.0, 1e6], ids=["host-memory", "link"])
+def test_dory_two_steps_match_transformers(tmp_path, link):
+    """Host memory lent (the sums in the host gradients) and over an emulated link (the device's
+    own fp32 sums per looped unit): losses and every weight after two steps, 2 loads per call."""
+    model, store = dory(tmp_path)
+    assert store.arch.generic["model"]["calls"] == CALLS
+    assert store.arch.generic["model"]["junctions"] == {"1": [0], "3": [0, 2]}  # loop starts
+    data = [micro_batches(random_rows(4, 128, seed=s, lo=10, hi=24), 2) for s in range(2)]
+    eng = engine(store, link)
+    try:
+        res = [eng.step(mbs, HP["lr"]) for mbs in data]
+        eng.wait()
+        ref = hf_train(model, data, HP["lr"], HP["betas"], HP["eps"], HP["weight_decay"], HP["grad_clip"])
+        assert [r.weight_loads for r in res] == [2 * len(CALLS)] * 2
+        for r, l_ref in zip(res, ref, strict=True):
+            assert abs(r.loss - l_ref) / l_ref < 1e-6
+        ours = engine_weights(eng)
+        for name, p in model.state_dict().items():
+            assert rel_err(ours[name], p) < 1e-5, name
+        ids = data[0][0]
+        assert rel_err(eng.logits(ids), model(input_ids=ids.input_ids).logits.detach()) < 1e-5
+    finally:
+        eng.close()
+
+
+def test_loop_refusals(tmp_path):
+    """Kept layers with a loop: refused by name; a loop whose code between calls has trained
+    weights (Inkling2-Loop's message passing): refused at convert."""
+    _, store = dory(tmp_path)
+    with pytest.raises(InputError, match="keep_activations: 2: .*loop .*6 calls for 4 layers.*not supported"):
+        engine(store, keep=2)
+    from census_config import tiny_config
+
+    from horizon_cli.arch.generic import generic_spec
+
+    with pytest.raises(
+        InputError, match="message_input, which has trained weights, between the calls of its loop"
+    ):
+        generic_spec(tiny_config("inkling2_loop_text", 6).to_dict(), "config.json")
