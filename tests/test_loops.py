@@ -89,3 +89,30 @@ def test_loop_refusals(tmp_path):
         InputError, match="message_input, which has trained weights, between the calls of its loop"
     ):
         generic_spec(tiny_config("inkling2_loop_text", 6).to_dict(), "config.json")
+
+
+def test_dory_lora_matches_peft(tmp_path):
+    """LoRA on a loop: each adapter's gradient summed over its layer's calls, as PEFT's."""
+    peft = pytest.importorskip("peft")
+    from test_lora_engine import HP as LHP
+    from test_lora_engine import batches, lora_engine, peft_model
+
+    model, store = dory(tmp_path)
+    pm = peft_model(model, ["q_proj", "down_proj"])
+    pm.save_pretrained(tmp_path / "init")
+    data = batches(128, steps=2)
+    eng = lora_engine(store, tmp_path / "init", ["q_proj", "down_proj"])
+    try:
+        res = [eng.step(mbs, LHP["lr"]) for mbs in data]
+        eng.wait()
+        ref = hf_train(
+            pm, data, LHP["lr"], tuple(LHP["betas"]), LHP["eps"], LHP["weight_decay"], LHP["grad_clip"]
+        )
+        assert [r.weight_loads for r in res] == [2 * len(CALLS)] * 2
+        for r, l_ref in zip(res, ref, strict=True):
+            assert abs(r.loss - l_ref) / l_ref < 1e-6
+        ours, theirs = eng.host.tensors(), peft.get_peft_model_state_dict(pm)
+        for k in theirs:
+            assert rel_err(ours[k], theirs[k]) < 1e-5, k
+    finally:
+        eng.close()

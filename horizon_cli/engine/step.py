@@ -169,8 +169,8 @@ class TrainStep:
 
             def graph(m: int) -> tuple:
                 xi = saved[offs[m] : offs[m + 1]].view(shapes[m]).detach().requires_grad_(want_dx)
-                if lora is not None:
-                    lora.mb = self.mb_base + m  # the global micro-batch: dropout masks as on one rank
+                if lora is not None:  # the global micro-batch: dropout masks as on one rank (and per call)
+                    lora.mb = self.mb_base + m if j == i else (self.mb_base + m, j)
                 y, extra = p.tmpl.objective(j, w, xi, ctxs[m], lora)
                 return xi, y, extra
 

@@ -120,8 +120,8 @@ class Sweep:
                 lora = p.params.layer_lora(i, extras, p.adam_step, train=save is not None)
                 out = []
                 for m, (xm, c) in enumerate(zip(x, ctxs, strict=True)):
-                    if lora is not None:
-                        lora.mb = mb_base + m
+                    if lora is not None:  # a loop's later calls: dropout masks of their own
+                        lora.mb = mb_base + m if j == i else (mb_base + m, j)
                     out.append(p.tmpl.forward(j, w, xm, c, lora))
                 x = out
             if kv is not None:
