@@ -116,3 +116,28 @@ def test_dory_lora_matches_peft(tmp_path):
             assert rel_err(ours[k], theirs[k]) < 1e-5, k
     finally:
         eng.close()
+
+
+def test_dory_generates_as_transformers(tmp_path, monkeypatch):
+    """Greedy generation, the cache on the device: each loop's calls write the cache layers
+    transformers gives them (its per-loop copies, `cache_offset` in the recorded arguments)."""
+    from test_generate import hf_greedy, prompts, run
+
+    from horizon_cli.engine import generate as loop
+    from horizon_cli.model.sample import Sampler
+
+    monkeypatch.setattr(loop, "MICRO_TOKENS", 24)
+    model, store = dory(tmp_path)
+    items = prompts(128, seed=3)
+    want = [hf_greedy(model, ids, 8, None) for ids in items]
+    assert run(store, items, Sampler(), new=8) == want
+
+
+def test_dory_host_kv_cache_refused(tmp_path):
+    from test_generate import prompts, run
+
+    from horizon_cli.model.sample import Sampler
+
+    _, store = dory(tmp_path)
+    with pytest.raises(InputError, match="kv_cache: host: .* loop"):
+        run(store, prompts(128), Sampler(), host=True, new=2)

@@ -178,7 +178,7 @@ class GenericTemplate:
         kw: dict[str, Any] = {"input_ids": ctx.ids}
         if "position_ids" in names:
             kw["position_ids"] = ctx.pos
-        if ctx.att is not None:
+        if ctx.att is not None and cache:  # a junction's re-run (no cache) builds no mask it reads
             kw["attention_mask"] = ctx.att
         if ctx.cache is not None and cache:
             kw["cache" if "cache" in names else "past_key_values"] = ctx.cache
