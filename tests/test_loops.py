@@ -141,3 +141,23 @@ def test_dory_host_kv_cache_refused(tmp_path):
     _, store = dory(tmp_path)
     with pytest.raises(InputError, match="kv_cache: host: .* loop"):
         run(store, prompts(128), Sampler(), host=True, new=2)
+
+
+def test_inspect_and_dry_run_count_the_calls(tmp_path):
+    """`horizon inspect` names the loop; the plan saves every call's input and counts 2 loads a call."""
+    import io
+
+    from rich.console import Console
+
+    from horizon_cli import api
+    from horizon_cli.planning.memory import memory_plan
+
+    _, store = dory(tmp_path)
+    out = io.StringIO()
+    api.inspect(tmp_path / "store", console=Console(file=out, width=300))
+    assert "layers run in a loop" in out.getvalue() and "6 calls: 0 1 2 1 2 3" in out.getvalue()
+    plan = memory_plan(store.arch, "float32", batch=2, micro_batch=1, seq=16)
+    acts = 2 * 16 * 64 * 4
+    assert plan.calls == 6 and plan.loop and plan.kept_layer == (0, 0)
+    assert plan.host["saved activations"] == 6 * acts
+    assert plan.device["outputs held for the loop's junctions"] == acts  # call 0's, read by call 3
