@@ -17,8 +17,9 @@ Each decoder layer's weights cross host -> device twice per step (a kept layer's
 loads), whatever the number of micro-batches (invariant 2). A model that runs its layers in a loop
 (arch.loop) runs its C calls instead (2C loads): call j loads layer calls[j]'s unit and saves its
 input; the backward visits the calls from the last, each call's weight gradient accumulating into
-its unit's, which goes to the host (and the optimizer) after the unit's earliest call only. What is trained (engine.params) and
-where gradients go (engine.reduce) are strategies of `Parts`, chosen once. See docs/engine.md.
+its unit's, which goes to the host (and the optimizer) after the unit's earliest call only. What
+is trained (engine.params) and where gradients go (engine.reduce) are strategies of `Parts`,
+chosen once. See docs/engine.md.
 """
 
 from __future__ import annotations
