@@ -161,3 +161,26 @@ def test_inspect_and_dry_run_count_the_calls(tmp_path):
     assert plan.calls == 6 and plan.loop and plan.kept_layer == (0, 0)
     assert plan.host["saved activations"] == 6 * acts
     assert plan.device["outputs held for the loop's junctions"] == acts  # call 0's, read by call 3
+
+
+def test_dory_bf16_over_a_link_equals_host_memory_lent(tmp_path):
+    """bf16 weights and gradients: the looped units' fp32 sums narrowed through the wire buffers
+    over an emulated link give the model that host memory lent gives, bit for bit."""
+    dory(tmp_path)
+    convert(tmp_path / "hf", tmp_path / "bf16", dtype="bfloat16")
+    store = Store.open(tmp_path / "bf16")
+    data = [micro_batches(random_rows(4, 128, seed=s, lo=10, hi=24), 2) for s in range(2)]
+    got = []
+    for link in (0.0, 1e6):
+        cfg = EngineConfig(device="cpu", dtype="bfloat16", loss_chunk=16, link_gbps=link)
+        opt = {k: list(v) if isinstance(v, tuple) else v for k, v in HP.items()}
+        eng = Engine(store, cfg, OptimConfig(kernel="torch", **opt))
+        try:
+            res = [eng.step(mbs, HP["lr"]) for mbs in data]
+            eng.wait()
+            got.append(([(r.loss, r.grad_norm, r.weight_loads) for r in res], engine_weights(eng)))
+        finally:
+            eng.close()
+    (lent, w0), (linked, w1) = got
+    assert lent == linked and all(r[2] == 2 * len(CALLS) for r in lent)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
