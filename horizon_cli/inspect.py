@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from .arch.loop import spec_sequence
 from .arch.names import param_split
 from .fmt import fmt_bytes
 from .planning.memory import memory_plan
@@ -29,6 +30,14 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
         ("rope", ", ".join(f"{k}={v}" for k, v in a.rope.items())),
         ("parameters", f"{m.params:,}"),
     ]
+    calls = spec_sequence(a)
+    if calls != list(range(a.n_layers)):  # arch.loop
+        rows.append(
+            (
+                "layers run in a loop",
+                f"{len(calls)} calls: {' '.join(map(str, calls))} (2 loads each per step)",
+            )
+        )
     moe = (a.generic or {}).get("moe")
     if moe:
         rows += [

@@ -126,8 +126,10 @@ FIXUPS: dict[str, dict | Callable[[int], dict]] = {
     "bamba": {"attn_layer_indices": [1]},
     "granitemoehybrid": _alternate,
     "lfm2": _conv_attention,  # all attention by default: the short convolutions would go untested
-    # transformers fails when the window is shorter than the sequence (modeling_dory.py:263-266)
-    "dory": {"sliding_window": 32},
+    # transformers fails when the window is shorter than the sequence (modeling_dory.py:263-266);
+    # the default sections (8 input, 8 output layers) capped at 4 layers leave -12 recurrent ones,
+    # which runs every layer twice with no loop between: one layer of each section and a real loop
+    "dory": {"sliding_window": 32, "n_input_layers": 1, "n_recurrent_layers": 2, "n_output_layers": 1},
     "reformer": {
         "axial_pos_shape": [4, 6],
         "axial_pos_embds_dim": [32, 32],

@@ -164,13 +164,18 @@ def test_inspect_names_recurrent_layers(tmp_path):
     [
         ("bart", ["BartForCausalLM's layers attend to an encoder (encoder_attn)", "encoder-decoder"]),
         ("bert", ["BertLMHeadModel (model_type 'bert') is an encoder", "used as a decoder"]),
-        ("dory", ["DoryModel runs its layers in a loop (8 calls for 4 layers)"]),
+        (
+            "inkling2_loop_text",
+            [
+                "Inkling2LoopTextModel runs model.message_input, which has trained weights, between the calls of its loop"
+            ],
+        ),
     ],
 )
 def test_what_stays_refused_is_named(tmp_path, mt, needles):
     """Refused at convert, before a byte is written, naming the feature (never "not described")."""
     from census_config import build, tiny_config
 
-    build(mt, tiny_config(mt, 4 if mt == "dory" else 2)).save_pretrained(tmp_path / "src")
+    build(mt, tiny_config(mt, 6 if mt == "inkling2_loop_text" else 2)).save_pretrained(tmp_path / "src")
     line = assert_bad(horizon("convert", tmp_path / "src", tmp_path / "dst"), *needles, dst=tmp_path / "dst")
     assert "not described" not in line

@@ -58,19 +58,29 @@ def with_hidden(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict
 
 @contextlib.contextmanager
 def recorders(
-    layers: list[nn.Module], log: list[Call], returns: int, stop_at: int | None, extras: tuple = ()
+    layers: list[nn.Module],
+    log: list[Call],
+    returns: int,
+    stop_at: int | None,
+    extras: tuple = (),
+    stop_call: int | None = None,
+    outputs: dict[int, torch.Tensor] | None = None,
 ) -> Iterator[None]:
     """While inside: layer i's forward records its call into `log` and returns its hidden input
     (`returns` 0: the tensor itself; k > 0: a k-tuple, the rest None — what a layer that returns
-    extra outputs gives when they are off, or `extras`); the call of layer `stop_at` raises Stop."""
+    extra outputs gives when they are off, or `extras`); the call of layer `stop_at` raises Stop.
+    By call (the k-th call the owner makes, a layer run in a loop counting each time): call
+    `stop_call` raises Stop, and call k returns `outputs[k]` where given (a layer's real output:
+    the code between the calls of a loop then computes with it)."""
     rest = tuple(extras) or (None,) * max(returns - 1, 0)
 
     def recorder(i: int):
         def forward(*args, **kwargs):
+            k = len(log)
             log.append((i, args, kwargs))
-            if i == stop_at:
+            if i == stop_at or k == stop_call:
                 raise Stop
-            h = hidden_of(args, kwargs)
+            h = outputs[k] if outputs is not None and k in outputs else hidden_of(args, kwargs)
             return (h, *rest) if returns else h
 
         return forward

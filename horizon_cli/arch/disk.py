@@ -91,7 +91,7 @@ def place(
             continue
         k = next(i for i, c in enumerate(converters) if pattern in c.source_patterns)
         pending.setdefault((k, target), {}).setdefault(pattern, []).append((name, shape))
-    groups = []
+    groups: list[list[str]] = []
     for (k, first), srcs in pending.items():
         group, placed = _group(converters[k], first, srcs, mem, model.config, where)
         for m in group[1:]:
@@ -101,9 +101,9 @@ def place(
         parts[group[0]] += placed
         groups.append(group)
     heads = {g[0]: g for g in groups}
-    for k, ps in parts.items():
-        if k not in follows:
-            members = heads.get(k, [k])
+    for name, ps in parts.items():
+        if name not in follows:
+            members = heads.get(name, [name])
             _check_tiled(" + ".join(members), ps, sum(math.prod(mem[m]) for m in members), where)
     return parts, follows
 

@@ -36,6 +36,7 @@ import torch
 from ..errors import InputError
 from .disk import place
 from .exceptions import refuse_config, refuse_layers
+from .loop import is_loop
 from .probe import probe
 from .workset import measure
 
@@ -116,6 +117,11 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     s = probe(model, where)
     layers = list(model.get_submodule(s["stack"]))
     refuse_layers(layers, s["calls"], cls.__name__, where)
+    moe = _moe(model, layers, where)
+    if moe and is_loop(s["calls"]):
+        raise InputError(
+            f"{where}: {s['owner']} runs routed (MoE) layers in a loop: router statistics per call are not supported"
+        )
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head.weight is emb.weight
     every = list(model.named_parameters(remove_duplicate=False))
@@ -126,16 +132,16 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
         mem.pop(head_weight, None)
     skip = frozenset({head_weight}) if tied else frozenset()
     parts, follows = place(model, mem, disk, where, skip)
-    parts = {k: (v, follows.get(k)) for k, v in parts.items()}
+    placed = {k: (v, follows.get(k)) for k, v in parts.items()}  # name -> (its parts, the one it follows)
     groups = _groups(model, s, mem, embed_name, head_weight, tied)
     trained = {n for n, _ in every}
-    prefix_rows = [_entry("@" + n, n, mem, parts, n in trained) for n in groups["prefix"]]
+    prefix_rows = [_entry("@" + n, n, mem, placed, n in trained) for n in groups["prefix"]]
     units = {
-        "embed": _grouped([_entry("embed", embed_name, mem, parts, True)], where),
+        "embed": _grouped([_entry("embed", embed_name, mem, placed, True)], where),
         "head": _grouped(
             sorted(
                 [
-                    _entry("lm_head" if n == head_weight else "@" + n, n, mem, parts, n in trained)
+                    _entry("lm_head" if n == head_weight else "@" + n, n, mem, placed, n in trained)
                     for n in groups["head"]
                 ],
                 key=lambda r: not r["trainable"],
@@ -144,9 +150,9 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
         ),
     }
     stack = s["stack"]
-    kinds, layer_kinds = _layer_kinds(layers, stack, mem, parts, s["calls"][0], prefix_rows, where)
+    kinds, layer_kinds = _layer_kinds(layers, stack, mem, placed, s["calls"][0], prefix_rows, where)
     _mark_integers(model, kinds, layer_kinds)
-    carried = [p.hf for n in groups["carried"] for p in parts[n][0]]
+    carried = [p.hf for n in groups["carried"] for p in placed[n][0]]
     return {
         "config": cfg,
         "class": cls.__name__,
@@ -159,7 +165,7 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
         "kinds": kinds,
         "layer_kinds": layer_kinds,
         "carried": carried,
-        "moe": _moe(model, layers, where),
+        "moe": moe,
         "recurrent": sorted(
             {type(m).__name__ for la in layers for m in la.modules() if RECURRENT.search(type(m).__name__)}
         ),

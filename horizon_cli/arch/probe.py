@@ -30,6 +30,7 @@ from torch import nn
 
 from ..errors import InputError
 from .capture import Stop, head_stub, hidden_of, recorders
+from .loop import is_loop, junctions
 from .stack import find_stack, path_of
 
 T = 4  # probe tokens
@@ -67,7 +68,7 @@ def _record(
 
     def on_module(path):
         def hook(mod, args, out):
-            events.append(("mod", path, args[0] if args else None, _first(out)))
+            events.append(("mod", path, args[0] if args else None, _first(out), mod))
 
         return hook
 
@@ -183,12 +184,7 @@ def probe(model: nn.Module, where: str) -> dict:
         try:
             events, out = _record(owner, layers, returns, watched, names)
             calls = [e[1] for e in events if e[0] == "layer"]
-            if len(set(calls)) != len(calls) or calls != sorted(calls):
-                raise InputError(
-                    f"{where}: {type(owner).__name__} runs its layers in a loop ({len(calls)} calls for "
-                    f"{len(layers)} layers): layers run more than once are not supported"
-                )
-            res = _chain(events, out, where, type(owner).__name__, boundary)
+            res = _chain(events, out, where, type(owner).__name__, boundary, loop=is_loop(calls))
             break
         except Exception as e:  # noqa: BLE001 (another return convention may fit)
             tried.append(e)
@@ -207,6 +203,14 @@ def probe(model: nn.Module, where: str) -> dict:
             "not merge the streams"
         )
     res["forwarded"], res["passes"] = _forwarded(owner, layers, returns, watched, names)
+    if is_loop(calls):  # arch.loop: the engine runs the calls; the code between them is re-run
+        if res["forwarded"]:
+            raise InputError(
+                f"{where}: {type(owner).__name__} passes layer outputs to the next call in a loop: not supported"
+            )
+        res["junctions"] = junctions(
+            lambda outs: _calls_with(owner, layers, returns, names, outs), owner, stack, where
+        )
     for i, ev in enumerate(x for x in events if x[0] == "layer"):
         if i and any(_grad_tensors(v) for v in [*ev[3][1][1:], *ev[3][2].values()]):
             kw = [repr(k) for k, v in ev[3][2].items() if _grad_tensors(v)]
@@ -263,18 +267,25 @@ def _boundary(owner, layers, watched, names, h0, cfg, where: str) -> list | None
     return form
 
 
-def _chain(events: list[tuple], out, where: str, owner_name: str, boundary=None) -> dict:
-    """Prefix and suffix modules from the event order; InputError when the stack is not chained."""
+def _chain(events: list[tuple], out, where: str, owner_name: str, boundary=None, loop: bool = False) -> dict:
+    """Prefix and suffix modules from the event order; InputError when the stack is not chained
+    (a loop: the code between its calls is arch.loop's junctions, without trained weights)."""
     idx = [k for k, e in enumerate(events) if e[0] == "layer"]
     a, b = idx[0], idx[-1]
     between = sorted({e[1] for e in events[a:b] if e[0] == "mod"})
-    if between:
+    weighted = [m for m in between if loop and next(_module(events, m).parameters(), None) is not None]
+    if weighted:
+        raise InputError(
+            f"{where}: {owner_name} runs {', '.join(weighted)}, which has trained weights, between the "
+            "calls of its loop: model-level modules with weights between layers are not supported"
+        )
+    if between and not loop:
         raise InputError(
             f"{where}: {owner_name} runs {', '.join(between)} between its layers: model-level code "
             "between layers is not supported"
         )
     for k, k2 in zip(idx, idx[1:], strict=False):
-        if events[k2][2] is not _returned(events[k]):
+        if not loop and events[k2][2] is not _returned(events[k]):
             raise InputError(
                 f"{where}: {owner_name} changes the hidden state between layers {events[k][1]} and "
                 f"{events[k2][1]}: not a chained stack"
@@ -305,6 +316,18 @@ def _chain(events: list[tuple], out, where: str, owner_name: str, boundary=None)
         if e[0] == "mod" and e[1] not in prefix:
             prefix.append(e[1])
     return {"prefix": prefix, "suffix": suffix}
+
+
+def _module(events: list[tuple], path: str) -> nn.Module:
+    return next(e[4] for e in events if e[0] == "mod" and e[1] == path)
+
+
+def _calls_with(owner, layers, returns: int, names, outputs) -> list:
+    """The owner's meta forward with call k's recorder returning outputs[k] (arch.loop)."""
+    log: list = []
+    with torch.enable_grad(), recorders(layers, log, returns, None, outputs=outputs), _no_packing_check():
+        owner(**_inputs(names))
+    return log
 
 
 def _same(out, h) -> bool:
@@ -347,7 +370,8 @@ def _logits_mode(model: nn.Module, base: str, head: nn.Module, where: str) -> st
     extra = [
         n for n in outside if n.split(".", 1)[-1] not in head_params or not n.startswith(_path(model, head))
     ]
-    return "plain" if plain and not extra else "forward"
+    own = {n.rsplit(".", 1)[-1] for n in head_params} <= {"weight", "bias"}  # Dory's head scales its logits
+    return "plain" if plain and not extra and own else "forward"
 
 
 def _hidden_size(model: nn.Module) -> int:

@@ -25,7 +25,7 @@ class Unsupported(Exception):
 class ShapeError(Exception):
     """Operands whose shapes the operation cannot combine (a misshapen disk tensor)."""
 
-    def __init__(self, odd: Sym, want: tuple[int, ...] | str):
+    def __init__(self, odd: Sym, want: tuple[int | str, ...] | str):
         super().__init__(f"shape {odd.shape}, expected {want}")
         self.odd, self.want = odd, want
 

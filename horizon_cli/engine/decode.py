@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..data.batch import DecodeBatch
+from ..errors import InputError
 from .kvcache import KVCache, kv_bytes
 from .parts import Parts
 from .sweep import Sweep
@@ -43,6 +44,12 @@ class Generation:
         p = self.p
         positions = [db.input_ids.shape[1] + new_tokens for db in dbs]
         kv = KVCache(p.t, [p.tmpl.new_cache() for _ in dbs], host and not p.t.shares_host, positions)
+        if kv.host and p.tmpl.calls != list(
+            range(len(p.layers))
+        ):  # a loop (arch.loop): cache layers per call
+            raise InputError(
+                "engine.kv_cache: host: the KV cache on the host is not supported for a model that runs its layers in a loop"
+            )
         if kv.host:
             rows = [(db.input_ids.shape[0], s) for db, s in zip(dbs, positions, strict=True)]
             largest = max(kv_bytes(rows, [layer], 1) for layer in self.per_layer())

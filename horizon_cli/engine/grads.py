@@ -8,6 +8,8 @@ every micro-batch in fp32 on the device and sends the sum to the unit's host gra
     head       its own fp32 buffer, once per step; with a tied (or sharded) embedding the
                embedding's too, which the LM head's gradient then goes into
     wire       in bf16-gradient runs two narrow (n_layer,) copies carry the sums over the link
+    loops      a unit a loop calls more than once (arch.loop) sums the gradients of all its calls
+               in an fp32 buffer of its own, sent once after its earliest call's backward
     direct     when the transport shares host memory (`device: cpu` without an emulated link)
                and gradients stay fp32, sums accumulate straight into the host buffers: no copy
 
@@ -37,10 +39,12 @@ class GradSums:
         world: int = 1,
         full: bool = True,
         embed_on_device: bool = False,
+        repeated: list[str] | None = None,
     ):
         """trained: per layer the unit whose gradient it produces (None: none). world: ranks of a
         sharded run (buffers padded for the scatter). full: the head and embedding are trained (not
-        LoRA). embed_on_device: the embedding's gradient is summed on the device (tied or sharded)."""
+        LoRA). embed_on_device: the embedding's gradient is summed on the device (tied or sharded).
+        repeated: the units a loop calls more than once (each gets a buffer of its own)."""
         self.t, self.host, self.world, self.full = transport, host, world, full
         self.sharded = world > 1
         n_layer = max((self.numel(u) for u in trained if u is not None), default=0)
@@ -54,6 +58,11 @@ class GradSums:
         self.wire = [transport.device_empty(n_layer, grad_dtype) for _ in range(2)] if share else None
         self.head: torch.Tensor | None = None
         self.embed: torch.Tensor | None = None
+        self.loop = {
+            u: self.host[u].grad if self.direct else transport.device_empty(self.numel(u), torch.float32)
+            for u in repeated or []
+        }
+        self.loop_free: dict[str, Event] = {}  # per loop buffer: the copy that last read it
         if full:
             self._alloc_head(embed_on_device)
 
@@ -76,7 +85,11 @@ class GradSums:
     def nbytes(self) -> int:
         """Device bytes of the accumulators (those that are not the host's own buffers)."""
         hosts = {id(st.grad) for st in self.host.units.values()}
-        own = [g for g in [*self.acc, *(self.wire or []), self.head, self.embed] if g is not None]
+        own = [
+            g
+            for g in [*self.acc, *(self.wire or []), self.head, self.embed, *self.loop.values()]
+            if g is not None
+        ]
         return sum(g.numel() * g.element_size() for g in own if id(g) not in hosts)
 
     def buffer(self, unit: str | None, k: int):
@@ -91,6 +104,20 @@ class GradSums:
         gv = self._views.get((k, unit))
         if gv is None:
             gv = self._views[(k, unit)] = self.host[unit].views(g)
+        return g, gv
+
+    def loop_buffer(self, unit: str | None, fresh: bool):
+        """The fp32 gradient sum of a unit a loop calls more than once, and its views: zeroed at
+        its first call in the backward (`fresh`), added to by the others."""
+        if unit is None:
+            return None, None
+        g = self.loop[unit]
+        if fresh:
+            self.t.wait(self.loop_free.get(unit, READY))  # the last step's sum has reached the host
+            g.zero_()
+        gv = self._views.get((-1, unit))
+        if gv is None:
+            gv = self._views[(-1, unit)] = self.host[unit].views(g)
         return g, gv
 
     def send(self, unit: str, g: torch.Tensor, k: int | None) -> Event:

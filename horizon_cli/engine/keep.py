@@ -38,7 +38,7 @@ class Held:
 class KeptLayers:
     def __init__(self, p: Parts):
         self.p = p
-        self.first = len(p.layers) - p.keep  # layers first.. L-1 are kept
+        self.first = len(p.tmpl.calls) - p.keep  # layers first.. L-1 are kept (a loop keeps none)
         self.held: dict[int, Held] = {}
 
     def __contains__(self, i: int) -> bool:

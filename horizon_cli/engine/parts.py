@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 from ..arch import ArchSpec
+from ..arch.loop import is_loop
 from ..config.schema import EngineConfig, OptimConfig
+from ..errors import InputError
 from ..lora.setup import LoraSetup
 from ..model.template import make_template
 from ..parallel.comm import Dist
@@ -116,10 +118,20 @@ def assemble(
     optimizer = OptimizerWorker(params.host, optim.kernel, tracer, t.thread_init)
     # native functional layer, or transformers' own (with LoRA hooks on its linear modules)
     tmpl = make_template(spec, t.device, lora.targets if lora else None)
+    calls = tmpl.calls  # the layer of each call (arch.loop: a loop calls some more than once)
+    if is_loop(calls):
+        name = f"{spec.family} runs its layers in a loop ({len(calls)} calls for {spec.n_layers} layers)"
+        if dist is not None:
+            raise InputError(f"{name}: sharded runs (torchrun) of such a model are not supported yet")
+        if keep:
+            raise InputError(
+                f"engine.keep_activations: {keep}: {name}: kept layers are not supported; set 0 or auto"
+            )
+    repeated = sorted({u for i in calls if calls.count(i) > 1 and (u := params.trained[i]) is not None})
     sharded = ShardedGrads(dist, t, params.host, grad_dtype, replicated=lora is not None) if dist else None
     grads = GradSums(
         t, params.host, params.trained, grad_dtype, world=dist.world if dist else 1,
-        full=params.trains_head, embed_on_device=tied or dist is not None,
+        full=params.trains_head, embed_on_device=tied or dist is not None, repeated=repeated,
     )  # fmt: skip
     t.memory.set("grad_acc", grads.nbytes() + (sharded.nbytes() if sharded else 0))
     embedding: Embedding

@@ -14,8 +14,12 @@
               with the next step's forward (which waits per unit, in the same order)
 
 Each decoder layer's weights cross host -> device twice per step (a kept layer's once: 2L - K
-loads), whatever the number of micro-batches (invariant 2). What is trained (engine.params) and
-where gradients go (engine.reduce) are strategies of `Parts`, chosen once. See docs/engine.md.
+loads), whatever the number of micro-batches (invariant 2). A model that runs its layers in a loop
+(arch.loop) runs its C calls instead (2C loads): call j loads layer calls[j]'s unit and saves its
+input; the backward visits the calls from the last, each call's weight gradient accumulating into
+its unit's, which goes to the host (and the optimizer) after the unit's earliest call only. What
+is trained (engine.params) and where gradients go (engine.reduce) are strategies of `Parts`,
+chosen once. See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class TrainStep:
         self.p, self.sweep = p, sweep
         self.ckpt: list[torch.Tensor] = []  # per layer: saved inputs of every micro-batch, flat, on the host
         self.kept = KeptLayers(p)  # the last K layers' graphs, from their forward to their backward
-        self.recomputed = len(p.layers) - p.keep  # layers 0 .. recomputed-1 save inputs and recompute
+        self.recomputed = len(p.tmpl.calls) - p.keep  # calls 0 .. recomputed-1 save inputs and recompute
         self.vectors = layer_vectors(p.params.units[u].layout for u in p.layers) if p.keep else 0
         self.grad_ready: dict[str, Event] = {}  # unit -> its gradient is on the host (this step)
         self.mb_base = 0  # sharded runs: the global index of this rank's first micro-batch
@@ -122,46 +126,58 @@ class TrainStep:
 
     def _backward_layers(self, dx, ctxs, shapes, sq: list) -> list[torch.Tensor]:
         p = self.p
-        for i in reversed(range(len(p.layers))):
+        calls = p.tmpl.calls  # call j runs layer calls[j] (arch.loop; without a loop j is i)
+        latest = {i: j for j, i in enumerate(calls)}  # a unit's first call in the backward
+        earliest = {i: j for j, i in reversed(list(enumerate(calls)))}  # ... and its last
+        for j in reversed(range(len(calls))):
+            i = calls[j]
             unit = p.params.trained[i]  # the unit whose gradient this layer produces (None: no adapters)
-            k = i % 2
-            g, gv = p.grads.buffer(unit, k)
-            if i in self.kept:
-                with p.t.compute_span(f"bwd {i} kept", kept=True):
-                    graph, h = self.kept.take(i, ctxs)
+            k = j % 2
+            p.tmpl.add_side_grads(j, dx, ctxs)  # a loop's junctions read this call's output too
+            if latest[i] == earliest[i]:
+                g, gv = p.grads.buffer(unit, k)
+            else:  # called more than once: its calls' gradients add up in a buffer of its own
+                g, gv = p.grads.loop_buffer(unit, fresh=j == latest[i])
+            if j in self.kept:
+                with p.t.compute_span(f"bwd {j} kept", kept=True):
+                    graph, h = self.kept.take(j, ctxs)
                     if h.want_dx or h.leaves:
                         self._backprop(len(ctxs), graph, h.leaves, h.names, dx, h.want_dx, gv)
-                p.loader.release(f"f{i}")  # the forward's load, held until now
+                p.loader.release(f"f{j}")  # the forward's load, held until now
             else:
-                self._recompute_layer(i, dx, ctxs, shapes, gv)
-            if unit is not None:
-                p.grads.free[k] = self.grad_ready[unit] = p.reduce.layer(unit, g, k, sq)
+                self._recompute_layer(j, dx, ctxs, shapes, gv)
+            if unit is not None and j == earliest[i]:  # its last call in the backward: the sum is whole
+                ev = p.reduce.layer(unit, g, k, sq)
+                p.grads.free[k] = self.grad_ready[unit] = ev
+                if latest[i] != earliest[i]:
+                    p.grads.loop_free[unit] = ev
         return dx
 
-    def _recompute_layer(self, i, dx, ctxs, shapes, gv) -> None:
-        """Load layer i again with its saved inputs and recompute it under autograd for every
+    def _recompute_layer(self, j, dx, ctxs, shapes, gv) -> None:
+        """Load call j's layer again with its saved inputs and recompute it under autograd for every
         micro-batch: its input gradient into dx, the leaves' gradients added (fp32) into gv."""
         p = self.p
-        w, extras = p.loader.acquire(f"b{i}")
+        i = p.tmpl.calls[j]
+        w, extras = p.loader.acquire(f"b{j}")
         saved = extras[-1]
-        with p.t.compute_span(f"bwd {i}"):
+        with p.t.compute_span(f"bwd {j}" if j == i else f"bwd {j} (layer {i})"):
             w = p.params.weights(i, w)
             w, lora, leaves, names = p.params.leaves(i, w, extras, p.adam_step)
-            want_dx = p.params.wants_dx(i)
-            offs, ins = [0], self.sweep.saved[i]  # the inputs' shapes, as the forward saved them
+            want_dx = j > 0 or p.params.wants_dx(i)
+            offs, ins = [0], self.sweep.saved[j]  # the inputs' shapes, as the forward saved them
             for shape in ins:
                 offs.append(offs[-1] + math.prod(shape))
 
             def graph(m: int) -> tuple:
                 xi = saved[offs[m] : offs[m + 1]].view(ins[m]).detach().requires_grad_(want_dx)
-                if lora is not None:
-                    lora.mb = self.mb_base + m  # the global micro-batch: dropout masks as on one rank
-                y, extra = p.tmpl.objective(i, w, xi, ctxs[m], lora)
+                if lora is not None:  # the global micro-batch: dropout masks as on one rank (and per call)
+                    lora.mb = self.mb_base + m if j == i else (self.mb_base + m, j)
+                y, extra = p.tmpl.objective(j, w, xi, ctxs[m], lora)
                 return xi, y, extra
 
             if want_dx or leaves:
                 self._backprop(len(ins), graph, leaves, names, dx, want_dx, gv)
-        p.loader.release(f"b{i}")
+        p.loader.release(f"b{j}")
 
     def _backprop(self, n: int, graph, leaves, names, dx, want_dx: bool, gv) -> None:
         """Backpropagate one layer's graph of each of n micro-batches (graph(m): input, output,

@@ -2,7 +2,9 @@
 
 loads     the sequence of loads the loader streams: every layer forward, the head, then (for a
           training step) every layer again from the top with its saved inputs, except the kept
-          layers (engine.keep), whose forward load serves their backward too
+          layers (engine.keep), whose forward load serves their backward too. A model that runs its
+          layers in a loop (arch.loop) runs its sequence of calls instead: call j loads layer
+          calls[j]'s unit, forward and backward (every layer once, in order, otherwise: j is i)
 start     begin the loads and send the embedded inputs
 layers    each layer once over every micro-batch (invariant 2: one transfer serves them all),
           optionally saving each layer's input to the host for the backward recompute, or (a
@@ -25,7 +27,7 @@ from .parts import Parts
 class Sweep:
     def __init__(self, p: Parts):
         self.p = p
-        self.saved: dict[int, list[torch.Size]] = {}  # layer -> the shapes of the inputs it saved
+        self.saved: dict[int, list[torch.Size]] = {}  # call -> the shapes of the inputs it saved
 
     def contexts(self, mbs: list[MicroBatch]) -> list:
         """Per micro-batch: positions, rotary tables, masks (model.template)."""
@@ -44,24 +46,25 @@ class Sweep:
         p = self.p
         ready = p.loader.ready
         assert backward is not None or kept == 0, "only a training step keeps layers"
-        first = len(p.layers) - kept
+        calls = p.tmpl.calls  # the layer of each call (arch.loop)
+        first = len(calls) - kept
         seq = []
-        for i, u in enumerate(p.layers):
+        for j, i in enumerate(calls):
             extra, deps = p.params.extras(i, ready)
             if kv is not None:
                 kv_extra, kv_deps = kv.extras(i)
                 extra, deps = [*extra, *kv_extra], [*deps, *kv_deps]
-            seq.append(Load(f"f{i}", u, extra, deps, kept=i >= first))
+            seq.append(Load(f"f{j}", p.layers[i], extra, deps, kept=j >= first))
         if p.dist is not None:  # the embedding table, gathered on the device first
             seq.insert(0, Load("embed-in", "embed"))
         seq.append(Load("head", "head"))
         if p.spec.tie_embeddings:
             seq.append(Load("embed", "embed"))
         if backward is not None:
-            for i in reversed(range(first)):
-                extra, deps = p.params.extras(i, ready)
-                buf, saved = backward[i]
-                seq.append(Load(f"b{i}", p.layers[i], [*extra, buf], [*deps, saved]))
+            for j in reversed(range(first)):
+                extra, deps = p.params.extras(calls[j], ready)
+                buf, saved = backward[j]
+                seq.append(Load(f"b{j}", p.layers[calls[j]], [*extra, buf], [*deps, saved]))
         return seq
 
     def start(self, mbs: list[MicroBatch], seq: list[Load]) -> list[torch.Tensor]:
@@ -96,36 +99,36 @@ class Sweep:
         before the compute, kept after it."""
         p = self.p
         assert keep is None or kv is None, "a generation keeps no graphs"
-        for i in range(len(p.layers)):
-            if keep is not None and i in keep:
-                w, extras = p.loader.acquire(f"f{i}")
-                with p.t.compute_span(f"fwd {i} kept", kept=True):
-                    x = keep.forward(i, w, extras, x, ctxs, mb_base)
+        for j, i in enumerate(p.tmpl.calls):  # call j runs layer i (arch.loop; j == i without a loop)
+            if keep is not None and j in keep:
+                w, extras = p.loader.acquire(f"f{j}")
+                with p.t.compute_span(f"fwd {j} kept", kept=True):
+                    x = keep.forward(j, w, extras, x, ctxs, mb_base)
                 continue
             if save is not None:
                 buffers, promises = save
                 pairs, off = [], 0
-                self.saved[i] = [xm.shape for xm in x]
+                self.saved[j] = [xm.shape for xm in x]
                 for xm in x:
-                    pairs.append((buffers[i][off : off + xm.numel()], xm.reshape(-1)))
+                    pairs.append((buffers[j][off : off + xm.numel()], xm.reshape(-1)))
                     off += xm.numel()
-                ev = p.t.d2h(pairs, [p.t.record()], label=f"save{i}")
-                promises[i].set(ev)  # the transport keeps x alive until the copy has read it
-            w, extras = p.loader.acquire(f"f{i}")
+                ev = p.t.d2h(pairs, [p.t.record()], label=f"save{j}")
+                promises[j].set(ev)  # the transport keeps x alive until the copy has read it
+            w, extras = p.loader.acquire(f"f{j}")
             if kv is not None:
                 extras = kv.bind(i, extras)  # the params' extras remain
-            with p.t.compute_span(f"fwd {i}"):
+            with p.t.compute_span(f"fwd {j}" if j == i else f"fwd {j} (layer {i})"):
                 w = p.params.weights(i, w)
                 lora = p.params.layer_lora(i, extras, p.adam_step, train=save is not None)
                 out = []
                 for m, (xm, c) in enumerate(zip(x, ctxs, strict=True)):
-                    if lora is not None:
-                        lora.mb = mb_base + m
-                    out.append(p.tmpl.forward(i, w, xm, c, lora))
+                    if lora is not None:  # a loop's later calls: dropout masks of their own
+                        lora.mb = mb_base + m if j == i else (mb_base + m, j)
+                    out.append(p.tmpl.forward(j, w, xm, c, lora))
                 x = out
             if kv is not None:
                 kv.keep(i)
-            p.loader.release(f"f{i}")
+            p.loader.release(f"f{j}")
         return x
 
     def acquire_head(self) -> Head:

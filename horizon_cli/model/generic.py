@@ -49,8 +49,10 @@ from ..arch.capture import (
     with_hidden,
 )
 from ..arch.generic import stored_model
+from ..arch.loop import is_loop, sequence
 from ..arch.probe import probe
 from ..data.batch import DecodeBatch, MicroBatch
+from .junction import Junctions
 from .moe import RouterStats
 
 
@@ -67,6 +69,9 @@ class GenericContext:
     packed: bool = False  # rows hold several documents (positions restart at each)
     calls: dict[int, tuple[tuple, dict]] | None = None
     carry: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # layer -> its passed outputs
+    # a loop (arch.loop): the outputs of calls a later junction reads, and their gradients so far
+    outs: dict[int, torch.Tensor] = field(default_factory=dict)
+    sinks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _experts_fallback(model) -> None:
@@ -108,6 +113,10 @@ class GenericTemplate:
         self.head = model.get_submodule(s["head"])
         self.suffix = [(p, model.get_submodule(p)) for p in s["suffix"]]
         self.first, self.last, self.called = s["calls"][0], s["calls"][-1], set(s["calls"])
+        # the engine runs one call after another (arch.loop): every layer once, or a loop's calls
+        self.calls, self.loop = sequence(s, len(self.layers)), is_loop(s["calls"])
+        self.start = 0 if self.loop else self.first  # the call that runs the owner's prefix
+        self.junctions = Junctions(s, self.owner, self.emb, self.layers)
         outside = [m for n, m in model.named_children() if n != s["base"]]
         materialize_buffers(model, [*outside, self.owner], device)  # the owner's own, its layers'
         self._buffers = [
@@ -168,14 +177,14 @@ class GenericTemplate:
             db.input_ids.to(device), db.position_ids.to(device), att.to(device), tokens.to(device), cache
         )
 
-    def _owner_inputs(self, ctx: GenericContext) -> dict[str, Any]:
+    def _owner_inputs(self, ctx: GenericContext, cache: bool = True) -> dict[str, Any]:
         names = self.s["owner_kwargs"]
         kw: dict[str, Any] = {"input_ids": ctx.ids}
         if "position_ids" in names:
             kw["position_ids"] = ctx.pos
-        if ctx.att is not None:
+        if ctx.att is not None and cache:  # a junction's re-run (no cache) builds no mask it reads
             kw["attention_mask"] = ctx.att
-        if ctx.cache is not None:
+        if ctx.cache is not None and cache:
             kw["cache" if "cache" in names else "past_key_values"] = ctx.cache
             kw["use_cache"] = True
         elif "use_cache" in names:
@@ -183,33 +192,45 @@ class GenericTemplate:
         return kw
 
     def _capture(self, w: dict[str, torch.Tensor], rows: torch.Tensor, ctx: GenericContext) -> dict:
-        """Run the owner's forward up to its last layer on `rows` (b, T, H): every layer's call."""
+        """Run the owner's forward up to its last layer on `rows` (b, T, H): every layer's call
+        (by layer; a loop's by call)."""
         cut = len(self.s["owner"]) + 1
         pw = {self._prefix[k][cut:]: v for k, v in w.items() if k in self._prefix}
         log: list = []
+        stop = dict(stop_at=None, stop_call=len(self.calls) - 1) if self.loop else dict(stop_at=self.last)
         with (
             _reparametrize_module(self.owner, pw, strict=False),
             rows_embedding(self.emb, rows),
-            recorders(self.layers, log, self.s["returns"], self.last),
+            recorders(self.layers, log, self.s["returns"], **stop),  # type: ignore[arg-type]
             packed_positions(self.owner, ctx.pos) if ctx.packed else contextlib.nullcontext(),
             contextlib.suppress(Stop),
         ):
             self.owner(**self._owner_inputs(ctx))
+        if self.loop:
+            return {j: (args, kwargs) for j, (_, args, kwargs) in enumerate(log)}
         return {i: (args, kwargs) for i, args, kwargs in log}
 
+    def add_side_grads(self, j: int, dx: list[torch.Tensor], ctxs: list) -> None:
+        """Before call j's backward: the gradients a loop's later calls sent its output (arch.loop)."""
+        self.junctions.add_side_grads(j, dx, ctxs)
+
     # -- layers ------------------------------------------------------------------------------
-    def _call(self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None) -> torch.Tensor:
+    def _call(self, j: int, w, x: torch.Tensor, ctx: GenericContext, lora=None) -> torch.Tensor:
+        """Call j of the sequence (`calls`): layer calls[j] (without a loop, j is the layer)."""
+        i = self.calls[j]
         if i not in self.called:
             return x  # the owner skips this layer
-        if i == self.first:
+        if j == self.start:
             calls = self._capture(w, x, ctx)  # x: the embedding rows; under autograd in the recompute
             if ctx.calls is None:
                 ctx.calls = calls
-            args, kwargs = calls[i]
+            args, kwargs = calls[j]
             x = hidden_of(args, kwargs)
         else:
             assert ctx.calls is not None, "the first layer's forward records every layer's arguments"
-            args, kwargs = ctx.calls[i]
+            args, kwargs = ctx.calls[j]
+            if j in self.junctions:
+                x = self.junctions.run(j, x, ctx, self._owner_inputs(ctx, cache=False))
         args, kwargs = self._passed_in(i, *with_hidden(args, kwargs, x), ctx)
         lw = {k: v for k, v in w.items() if not k.startswith("@")}
         for k, dt in self._ints[self.g["layer_kinds"][i]].items():
@@ -222,6 +243,8 @@ class GenericTemplate:
         if isinstance(out, (tuple, list)):
             self._passed_out(i, out, ctx)
             out = out[0]
+        if j in self.junctions.held and j not in ctx.outs:  # the forward's: a later junction reads it
+            ctx.outs[j] = out.detach()
         return out
 
     def _passed_in(self, i: int, args: tuple, kwargs: dict, ctx: GenericContext) -> tuple[tuple, dict]:
@@ -266,6 +289,7 @@ class GenericTemplate:
         """`forward`, and what a kept layer's backward needs for its share of the auxiliary loss
         (the router logits, with their graph when run under autograd; None for a dense layer)."""
         y = self._call(i, w, x, ctx, lora)
+        i = self.calls[i]  # the layer (a loop's MoE is refused at convert: one call per layer)
         if self.moe is None or i not in self._caught:
             return y, None
         out = self._caught.pop(i)
@@ -285,6 +309,7 @@ class GenericTemplate:
         """Recompute under autograd: (output, extra scalar whose gradient is this layer's share of
         the auxiliary loss, or None)."""
         y = self._call(i, w, x, ctx, lora)
+        i = self.calls[i]
         if self.moe is None or i not in self._caught:
             return y, None
         out = self._caught.pop(i)

@@ -27,7 +27,7 @@ class LayerLora:
         """ab: weight name -> (A (r, in), B (out, r)); seed None: no dropout (evaluation)."""
         self.ab, self.scaling, self.p, self.seed = ab, scaling, dropout, seed
         self.order = {name: k for k, name in enumerate(ab)}
-        self.mb = 0  # the micro-batch being computed (the step sets it)
+        self.mb: int | tuple = 0  # the micro-batch being computed (the step sets it; a loop: with the call)
 
     def __call__(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         pair = self.ab.get(name)

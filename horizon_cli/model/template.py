@@ -29,6 +29,7 @@ class NativeTemplate:
     def __init__(self, spec: ArchSpec, device: torch.device):
         self.spec = spec
         self.inv = inv_freq(spec).to(device)
+        self.calls = list(range(spec.n_layers))  # the layer of each call: every layer once, in order
 
     def context(self, mb: MicroBatch, dtype: torch.dtype, device) -> AttnContext:
         return attn_context(mb, self.spec, self.inv, dtype, device)
@@ -63,6 +64,9 @@ class NativeTemplate:
 
     def held_objective(self, held, ctx: AttnContext) -> None:
         return None
+
+    def add_side_grads(self, j: int, dx: list[torch.Tensor], ctxs: list) -> None:
+        pass  # no loop (arch.loop): nothing reaches a layer's output but the next layer's gradient
 
     def begin_step(self) -> None:
         pass

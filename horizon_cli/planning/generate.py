@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..arch import ArchSpec
+from ..arch.loop import is_loop, spec_sequence
+from ..errors import InputError
 from ..store import layouts
 from .lora import base_bytes
 from .memory import ITEM
@@ -58,10 +60,10 @@ class GenPlan:
 
 
 def weights_per_sweep(spec: ArchSpec, dtype: str, quant: str = "", adapter_numel: int = 0) -> int:
-    """Bytes that cross the link in one forward sweep: every layer, the head (tied: and the
-    embedding, which the head reuses), a LoRA run's adapters."""
+    """Bytes that cross the link in one forward sweep: every layer (a loop: every call's,
+    arch.loop), the head (tied: and the embedding, which the head reuses), a LoRA run's adapters."""
     base = base_bytes(spec, dtype, quant)
-    layers = sum(v for k, v in base.items() if k.startswith("layer."))
+    layers = sum(base[f"layer.{i}"] for i in spec_sequence(spec))
     return layers + base["head"] + (base["embed"] if spec.tie_embeddings else 0) + adapter_numel * ITEM[dtype]
 
 
@@ -102,6 +104,12 @@ def plan_generation(
     p.device["logits"] = max(b for b, _, _ in batches) * spec.vocab * (item + 8)
     fits = device_free is None or p.device_total + kv_bytes + reserve <= device_free
     if kv == "host" or (kv == "auto" and not fits):
+        calls = spec_sequence(spec)
+        if calls != list(range(spec.n_layers)) and is_loop(calls):
+            raise InputError(
+                f"engine.kv_cache: {kv}: the KV cache on the host is not supported for a model that runs "
+                f"its layers in a loop ({len(calls)} calls for {spec.n_layers} layers); it must fit on the device"
+            )
         p.kv_where = "host"
         p.host["KV cache"] = kv_bytes
         per_layer = kv_bytes // max(spec.n_layers, 1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..errors import InputError
 from .fit import RESERVE, Machine
 from .memory import MemoryPlan
 
@@ -50,6 +51,11 @@ def resolve(setting: int | str, plan: MemoryPlan, where: Machine | None) -> int:
     """engine.keep_activations -> K for this plan (`plan` planned with K = 0)."""
     if setting == "auto":
         return auto_keep(plan, where)
+    if plan.loop and int(setting) > 0:
+        raise InputError(
+            f"engine.keep_activations: {setting}: the model runs its layers in a loop ({plan.loop}): "
+            "kept layers are not supported; set 0 or auto"
+        )
     return min(int(setting), plan.layers)
 
 

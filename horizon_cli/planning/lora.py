@@ -28,6 +28,7 @@ from .memory import (
     layer_work_bytes,
     piece,
     rank_batch,
+    with_loop,
 )
 
 
@@ -135,4 +136,4 @@ def lora_memory_plan(
     graph += adapter_kept_bytes(targets, r, dropout, tok, item)
     p.layers, p.saved_layer = spec.n_layers, acts
     p.kept_layer = (slot + per_layer * item + dense, mbs * graph)
-    return p
+    return with_loop(p, spec, acts, per_layer * 4)

@@ -55,6 +55,8 @@ class MemoryPlan:
     # holds on the device (its own weight buffers, its graph for the whole step), and the host's
     # saved inputs of one layer, which a kept layer does not need
     layers: int = 0
+    calls: int = 0  # the calls the engine runs (arch.loop: more than `layers` in a loop; 0: as layers)
+    loop: str = ""  # a model that runs its layers in a loop: what it does (it keeps no layer)
     kept: int = 0
     kept_layer: tuple[int, int] = (0, 0)
     saved_layer: int = 0
@@ -224,6 +226,28 @@ def memory_plan(
     graph = kept_graph_bytes(spec, tok, micro_batch, seq, item, layer_vectors(lays.values()))
     p.layers, p.saved_layer = spec.n_layers, acts
     p.kept_layer = ((layer_max + gather_pad(layer_max, world)) * item, mbs * graph)
+    return with_loop(p, spec, acts, layer_max * 4)
+
+
+def with_loop(p: MemoryPlan, spec: ArchSpec, acts: int, grad_sum: int) -> MemoryPlan:
+    """A model that runs its layers in a loop (arch.loop): every call's input saved on the host,
+    a unit called more than once sums its gradient in an fp32 buffer of its own (`grad_sum` bytes:
+    the largest), the outputs a later junction reads held on the device; no layer kept."""
+    from ..arch.loop import spec_sequence
+
+    calls = spec_sequence(spec)
+    p.calls = len(calls)
+    if len(calls) == spec.n_layers and calls == sorted(calls):
+        return p
+    model = (spec.generic or {}).get("model") or {}
+    p.loop = f"{len(calls)} calls for {spec.n_layers} layers"
+    p.host["saved activations"] = len(calls) * acts
+    repeated = len({i for i in calls if calls.count(i) > 1})
+    p.device["gradient sums of layers called more than once"] = repeated * grad_sum
+    held = {d for j, deps in (model.get("junctions") or {}).items() for d in deps if d != int(j) - 1}
+    if held:
+        p.device["outputs held for the loop's junctions"] = len(held) * acts
+    p.kept_layer = (0, 0)
     return p
 
 

@@ -88,7 +88,9 @@ def _generic_layout(spec: ArchSpec, unit: str) -> UnitLayout:
     """Each in-memory tensor gets an aligned region; its checkpoint tensors fill it back to back. The
     tensors of a group (`after`: split from one checkpoint tensor) share one region, each right
     after the one it follows, so that checkpoint tensor stays contiguous."""
-    slots, params, end, trained = [], [], 0, 0
+    slots: list[Slot] = []
+    params: list[Param] = []
+    end, trained = 0, 0
     for e in generic_table(spec, unit):
         shape = tuple(e["shape"])
         n = math.prod(shape)

@@ -20,8 +20,15 @@ from ..store import checkpoint as ckpt
 
 
 def kept_layers(
-    planned: int, cfg: Config, ck: Path | None, dist: Dist | None, layers: int, console: Console
+    planned: int,
+    cfg: Config,
+    ck: Path | None,
+    dist: Dist | None,
+    layers: int,
+    console: Console,
+    calls: int | None = None,
 ) -> int:
+    """calls: the layer calls of a step's forward (a loop, arch.loop: more than `layers`)."""
     k, setting = planned, cfg.engine.keep_activations
     why = "auto: as many as fit" if setting == "auto" else f"engine.keep_activations: {setting}"
     if ck is not None and setting == "auto":
@@ -37,7 +44,7 @@ def kept_layers(
         k = min(dist.gather_objects(k))
     console.print(
         f"keep_activations: {k} of {layers} layers kept from forward to backward "
-        f"({2 * layers - k} layer loads per step; {why})",
+        f"({2 * (calls or layers) - k} layer loads per step; {why})",
         highlight=False,
     )
     return k

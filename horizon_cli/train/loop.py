@@ -19,6 +19,7 @@ import psutil
 from rich.console import Console
 from rich.progress import Progress
 
+from ..arch.loop import spec_sequence
 from ..config import Config, dump_yaml
 from ..data import PreparedData
 from ..data.batch import MicroBatch
@@ -153,7 +154,10 @@ class Trainer:
 
     def _build_engine(self, ck: Path | None) -> Engine:
         src = Store.open(ck) if ck and self.lora is None else self.store
-        keep = kept_layers(self.keep, self.cfg, ck, self.dist, self.store.arch.n_layers, self.console)
+        keep = kept_layers(
+            self.keep, self.cfg, ck, self.dist, self.store.arch.n_layers, self.console,
+            calls=len(spec_sequence(self.store.arch)),
+        )  # fmt: skip
         with byte_progress(self.console, "load weights", src.nbytes()) as advance:
             obj = self.batches.objective  # None: SFT's TokenCE; preference: the pair objective
             engine = build_engine(

@@ -130,7 +130,8 @@ def plan_table(plan: MemoryPlan) -> Table:
     t.add_row(
         "device",
         "kept layers (engine.keep_activations)",
-        f"{plan.kept} of {plan.layers}, {2 * plan.layers - plan.kept} layer loads per step",
+        f"{plan.kept} of {plan.layers}, {2 * (plan.calls or plan.layers) - plan.kept} layer loads per step"
+        + (f" (a loop: {plan.loop})" if plan.loop else ""),
     )
     if plan.world > 1:
         t.add_row("device", f"per node ({plan.per_node} devices)", fmt_bytes(plan.node_device_total))
