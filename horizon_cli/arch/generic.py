@@ -33,7 +33,7 @@ from typing import Any
 
 from ..errors import InputError
 from .disk import place
-from .exceptions import refuse_config, refuse_layers
+from .exceptions import refuse_config, refuse_layers, refuse_shared
 from .probe import probe
 
 RECURRENT = re.compile(
@@ -113,6 +113,7 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     s = probe(model, where)
     layers = list(model.get_submodule(s["stack"]))
     refuse_layers(layers, s["calls"], cls.__name__, where)
+    refuse_shared(model, s["stack"], where)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head.weight is emb.weight
     every = list(model.named_parameters(remove_duplicate=False))

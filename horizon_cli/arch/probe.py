@@ -13,8 +13,9 @@ meta input, and hooks on the owner's other modules record the order of calls. Fr
              final norm, whatever its name); their tensors go with the head
   logits     "plain" when the CausalLM's logits are its head's output, else "forward": its own
              forward runs per logits chunk (arch.capture.head_stub) for scaling, soft-capping, ...
-  crossing   arguments of layers after the first that depend on trained weights (per-layer
-             embeddings, the embedding output fed to every layer): not a chained stack
+  side       arguments of layers after the first that depend on trained weights (per-layer
+             embeddings, the embedding output fed to every layer): their gradients go back to the
+             first layer's capture (model.generic)
 
 Anything the engine cannot split this way raises InputError naming what the model does.
 """
@@ -200,14 +201,7 @@ def probe(model: nn.Module, where: str) -> dict:
         bad = next((x for x in tried if isinstance(x, InputError)), tried[0])
         raise bad if isinstance(bad, InputError) else InputError(f"{where}: {type(owner).__name__}: {bad}")
     res["forwarded"], res["passes"] = _forwarded(owner, layers, returns, watched, names)
-    for i, ev in enumerate(x for x in events if x[0] == "layer"):
-        if i and any(_grad_tensors(v) for v in [*ev[3][1][1:], *ev[3][2].values()]):
-            kw = [repr(k) for k, v in ev[3][2].items() if _grad_tensors(v)]
-            kw += [f"its positional argument {j + 1}" for j, v in enumerate(ev[3][1][1:]) if _grad_tensors(v)]
-            raise InputError(
-                f"{where}: layer {ev[1]} receives {kw[0]}, computed from trained weights before the layers "
-                "(a tensor crossing layers besides the hidden state, e.g. per-layer inputs): not supported yet"
-            )
+    res["side"] = _side(events, where)
     res.update(
         stack=stack,
         owner=owner_path,
@@ -220,6 +214,30 @@ def probe(model: nn.Module, where: str) -> dict:
         logits=_logits_mode(model, owner_path.split(".")[0], head, where),
     )
     return res
+
+
+def _side(events: list[tuple], where: str) -> list[list]:
+    """Where layers after the first take tensors computed from trained weights before the layers
+    (Gemma 4's per-layer inputs, Zamba's embedding output): [layer, "arg", j] / [layer, "kw", name].
+    The template gives each its gradient back (model.generic); one inside a container cannot be."""
+    side: list[list] = []
+    for i, ev in enumerate(x for x in events if x[0] == "layer"):
+        if not i:
+            continue
+        _, args, kwargs = ev[3]
+        slots = [("arg", j + 1, v) for j, v in enumerate(args[1:])]
+        slots += [("kw", k, v) for k, v in kwargs.items()]
+        for how, key, v in slots:
+            if not _grad_tensors(v) or (not args and key == "hidden_states"):
+                continue
+            if not isinstance(v, torch.Tensor):
+                what = repr(key) if how == "kw" else f"its positional argument {key}"
+                raise InputError(
+                    f"{where}: layer {ev[1]} receives {what}, a {type(v).__name__} of tensors computed from "
+                    "trained weights before the layers (crossing layers besides the hidden state): not supported"
+                )
+            side.append([ev[1], how, key])
+    return side
 
 
 def _chain(events: list[tuple], out, where: str, owner_name: str) -> dict:

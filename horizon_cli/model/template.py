@@ -64,6 +64,12 @@ class NativeTemplate:
     def held_objective(self, held, ctx: AttnContext) -> None:
         return None
 
+    def side_inputs(self, i: int, ctx: AttnContext) -> list[torch.Tensor]:
+        return []  # nothing crosses the native layers but the hidden state
+
+    def side_grads(self, i: int, ctx: AttnContext, grads) -> None:
+        pass
+
     def begin_step(self) -> None:
         pass
 

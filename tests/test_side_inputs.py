@@ -1,0 +1,77 @@
+"""Tensors other than the hidden state that cross layers with a gradient (model.side): Gemma 4's
+per-layer inputs (computed before the layers from the per-layer embedding and a projection of the
+token embedding), Zamba 2's embedding output given to its hybrid layer, Zaya's router states that
+each layer passes to the next. One fp32 step in 2 micro-batches against transformers (every
+gradient, the per-layer embedding and projection included), the same with every layer kept
+(engine.keep: bitwise), and what stays refused at convert: a block tied across layers (Zamba), KV
+sharing across layers (Gemma 4 with num_kv_shared_layers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from census_config import build, tiny_config
+from oracle import check_step_against_hf, make_engine, one_thread  # noqa: F401 (autouse fixture)
+from test_keep import assert_same, run
+
+from horizon_cli.arch.exceptions import refuse_config
+from horizon_cli.convert import convert
+from horizon_cli.errors import InputError
+from horizon_cli.store import Store
+
+CASES = {"gemma4_text": 3, "zamba2": 7, "zaya": 2}  # zamba2: its hybrid layer is the 7th
+
+
+def tiny(tmp_path, mt: str, layers: int, **over):
+    cfg = tiny_config(mt, layers)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    model = build(mt, cfg).float().eval()
+    with torch.no_grad():  # norms and biases away from their init, as the census does
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", ".bias")):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path / "hf")
+    return model
+
+
+def store_of(tmp_path, mt: str, layers: int, **over):
+    model = tiny(tmp_path, mt, layers, **over)
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    return model, Store.open(tmp_path / "store")
+
+
+@pytest.mark.parametrize("mt", sorted(CASES))
+def test_a_step_matches_transformers(tmp_path, mt):
+    model, store = store_of(tmp_path, mt, CASES[mt])
+    side = store.arch.generic["model"]
+    assert side["side"] or any(p[0] for p in side["passes"]), "the case must have a crossing tensor"
+    eng = make_engine(store)
+    try:
+        check_step_against_hf(eng, model.train())
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("mt", ["gemma4_text", "zaya"])
+def test_kept_layers_equal_recomputed(tmp_path, mt):
+    """Every layer kept (the producer of the side inputs too), and the top one only: bitwise the
+    run that recomputes every layer."""
+    _, store = store_of(tmp_path, mt, CASES[mt])
+    ref = run(store, "float32", 0, steps=2)
+    assert_same(ref, run(store, "float32", store.arch.n_layers, steps=2))
+    assert_same(ref, run(store, "float32", 1, steps=2))
+
+
+def test_a_block_tied_across_layers_is_refused(tmp_path):
+    tiny(tmp_path, "zamba", 8)
+    with pytest.raises(InputError, match="shared_transf.*one tensor.*block shared across layers"):
+        convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    assert not (tmp_path / "store").exists()
+
+
+def test_kv_sharing_across_layers_is_refused():
+    cfg = {"model_type": "gemma4", "text_config": {"model_type": "gemma4_text", "num_kv_shared_layers": 20}}
+    with pytest.raises(InputError, match="num_kv_shared_layers = 20: .*KV sharing across layers"):
+        refuse_config(cfg, "config.json")
