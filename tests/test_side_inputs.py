@@ -11,12 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 from census_config import build, tiny_config
-from oracle import check_step_against_hf, make_engine, one_thread  # noqa: F401 (autouse fixture)
+from oracle import check_step_against_hf, make_engine, one_thread, rel_err  # noqa: F401 (autouse fixture)
+from test_generate import hf_greedy, prompts
+from test_generate import run as generate
 from test_keep import assert_same, run
 
 from horizon_cli.arch.exceptions import refuse_config
+from horizon_cli.config.schema import LoraConfig
 from horizon_cli.convert import convert
+from horizon_cli.engine import generate as loop
 from horizon_cli.errors import InputError
+from horizon_cli.lora.setup import lora_setup
+from horizon_cli.model.sample import Sampler
 from horizon_cli.store import Store
 
 CASES = {"gemma4_text": 3, "zamba2": 7, "zaya": 2}  # zamba2: its hybrid layer is the 7th
@@ -57,11 +63,54 @@ def test_a_step_matches_transformers(tmp_path, mt):
 @pytest.mark.parametrize("mt", ["gemma4_text", "zaya"])
 def test_kept_layers_equal_recomputed(tmp_path, mt):
     """Every layer kept (the producer of the side inputs too), and the top one only: bitwise the
-    run that recomputes every layer."""
+    run that recomputes every layer; with LoRA adapters on every linear layer too."""
     _, store = store_of(tmp_path, mt, CASES[mt])
     ref = run(store, "float32", 0, steps=2)
     assert_same(ref, run(store, "float32", store.arch.n_layers, steps=2))
     assert_same(ref, run(store, "float32", 1, steps=2))
+
+    def lora():
+        return lora_setup(LoraConfig(r=4, alpha=8, targets="all-linear"), store.arch)
+
+    ref = run(store, "float32", 0, lora=lora(), steps=2)
+    assert_same(ref, run(store, "float32", store.arch.n_layers, lora=lora(), steps=2))
+
+
+def test_lora_through_passed_router_states_matches_peft(tmp_path):
+    """Zaya with adapters on the router's down_proj (whose output is the state each layer passes
+    to the next) and o_proj: 3 steps of losses and adapter weights against peft + AdamW."""
+    peft = pytest.importorskip("peft")
+    from oracle import hf_train_hp
+    from test_lora_engine import HP, batches, lora_engine, peft_model
+
+    model, store = store_of(tmp_path, "zaya", CASES["zaya"])
+    targets = ["down_proj", "o_proj"]
+    pm = peft_model(model.train(), targets)
+    pm.save_pretrained(tmp_path / "init")
+    data = batches(model.config.vocab_size, 3)
+    eng = lora_engine(store, tmp_path / "init", targets)
+    try:
+        res = [eng.step(mbs, HP["lr"]) for mbs in data]
+        eng.wait()
+        ref = hf_train_hp(pm, data, HP)
+        for r, l_ref in zip(res, ref, strict=True):
+            assert abs(r.loss - l_ref) / l_ref < 1e-5
+        ours, theirs = eng.host.tensors(), peft.get_peft_model_state_dict(pm)
+        assert set(ours) == set(theirs) and any("gate.down_proj" in k for k in ours)
+        for k in theirs:
+            assert rel_err(ours[k], theirs[k]) < 1e-5, k
+    finally:
+        eng.close()
+
+
+def test_gemma4_generates_as_transformers(tmp_path, monkeypatch):
+    """Forward-only passes need nothing of the side inputs' machinery: greedy decoding with the
+    per-layer inputs recomputed for each new token, prompts of unequal lengths in one batch."""
+    monkeypatch.setattr(loop, "MICRO_TOKENS", 24)
+    model, store = store_of(tmp_path, "gemma4_text", CASES["gemma4_text"])
+    items = prompts(model.config.vocab_size, seed=3)
+    want = [hf_greedy(model, ids, 6, None) for ids in items]
+    assert generate(store, items, Sampler(), new=6) == want
 
 
 def test_a_block_tied_across_layers_is_refused(tmp_path):
