@@ -23,6 +23,7 @@ from horizon_cli.engine import generate as loop
 from horizon_cli.errors import InputError
 from horizon_cli.lora.setup import lora_setup
 from horizon_cli.model.sample import Sampler
+from horizon_cli.planning.memory import memory_plan
 from horizon_cli.store import Store
 
 CASES = {"gemma4_text": 3, "zamba2": 7, "zaya": 2}  # zamba2: its hybrid layer is the 7th
@@ -53,6 +54,10 @@ def test_a_step_matches_transformers(tmp_path, mt):
     model, store = store_of(tmp_path, mt, CASES[mt])
     side = store.arch.generic["model"]
     assert side["side"] or any(p[0] for p in side["passes"]), "the case must have a crossing tensor"
+    if mt == "gemma4_text":  # the plan holds the per-layer inputs of layers 1.. and their gradients
+        width = (CASES[mt] - 1) * model.config.hidden_size_per_layer_input
+        assert side["side_width"] == width
+        assert memory_plan(store.arch, batch=4, seq=8).device["side inputs"] == 2 * 4 * 8 * width * 2
     eng = make_engine(store)
     try:
         check_step_against_hf(eng, model.train())

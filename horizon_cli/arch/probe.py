@@ -202,6 +202,7 @@ def probe(model: nn.Module, where: str) -> dict:
         raise bad if isinstance(bad, InputError) else InputError(f"{where}: {type(owner).__name__}: {bad}")
     res["forwarded"], res["passes"] = _forwarded(owner, layers, returns, watched, names)
     res["side"] = _side(events, where)
+    res["side_width"] = _side_width(events, res["side"])
     res.update(
         stack=stack,
         owner=owner_path,
@@ -238,6 +239,18 @@ def _side(events: list[tuple], where: str) -> list[list]:
                 )
             side.append([ev[1], how, key])
     return side
+
+
+def _side_width(events: list[tuple], side: list[list]) -> int:
+    """Elements per token of the distinct side tensors (planning.memory: they stay on the device
+    for the step, with their gradients)."""
+    calls = {e[1]: e[3] for e in events if e[0] == "layer"}
+    seen: dict[int, int] = {}
+    for i, how, key in side:
+        _, args, kwargs = calls[i]
+        v = args[key] if how == "arg" else kwargs[key]
+        seen[id(v)] = v.numel() // T
+    return sum(seen.values())
 
 
 def _chain(events: list[tuple], out, where: str, owner_name: str) -> dict:
