@@ -16,7 +16,7 @@ from test_generate import hf_greedy, prompts
 from test_generate import run as generate
 from test_keep import assert_same, run
 
-from horizon_cli.arch.exceptions import refuse_config
+from horizon_cli.arch.exceptions import refuse_kv_sharing
 from horizon_cli.config.schema import LoraConfig
 from horizon_cli.convert import convert
 from horizon_cli.engine import generate as loop
@@ -125,7 +125,11 @@ def test_a_block_tied_across_layers_is_refused(tmp_path):
     assert not (tmp_path / "store").exists()
 
 
-def test_kv_sharing_across_layers_is_refused():
+def test_kv_sharing_across_layers_is_refused(tmp_path):
+    """Gemma 4's last layer (full attention, as the one before it) reuses that one's keys and values."""
+    tiny(tmp_path, "gemma4_text", 7, num_kv_shared_layers=1)
+    with pytest.raises(InputError, match="num_kv_shared_layers = 1: .*KV sharing across layers"):
+        convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
     cfg = {"model_type": "gemma4", "text_config": {"model_type": "gemma4_text", "num_kv_shared_layers": 20}}
-    with pytest.raises(InputError, match="num_kv_shared_layers = 20: .*KV sharing across layers"):
-        refuse_config(cfg, "config.json")
+    with pytest.raises(InputError, match="num_kv_shared_layers = 20"):
+        refuse_kv_sharing(cfg, "config.json")

@@ -8,7 +8,7 @@ cannot be observed on the meta device:
 
   config keys   whose value turns on something the engine does not do: dropout and noise (the
                 backward recompute would draw other masks), bidirectional attention, custom code,
-                keys and values one layer computes and later layers reuse (Gemma 3n / 4's KV sharing)
+                keys and values later layers reuse (Gemma 3n / 4's KV sharing)
   model types   that transformers maps as causal LMs but are not decoders the engine can stream
                 (encoders used as decoders, permutation or n-gram objectives)
   layers        cross-attention to an encoder in a layer the text forward calls (the decoders of
@@ -72,12 +72,6 @@ def refuse_config(cfg: dict, where: str) -> None:
         for key, feature in FEATURES.items():
             if c.get(key):
                 raise InputError(f"{where}: {key} is set: {feature} is not supported by the generic path")
-        shared = c.get("num_kv_shared_layers")
-        if isinstance(shared, int) and shared > 0:
-            raise InputError(
-                f"{where}: num_kv_shared_layers = {shared}: layers that reuse an earlier layer's keys and "
-                "values (KV sharing across layers) are not supported"
-            )
         for key, v in c.items():
             if STOCHASTIC.search(key) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
                 raise InputError(
@@ -102,6 +96,18 @@ def refuse_layers(layers: list, calls: list[int], cls: str, where: str) -> None:
             raise InputError(
                 f"{where}: {cls}'s layers attend to an encoder ({hit}): the decoder of an encoder-decoder "
                 "model is not supported; horizon trains decoder-only language models"
+            )
+
+
+def refuse_kv_sharing(cfg: dict, where: str) -> None:
+    """InputError when later layers reuse the keys and values an earlier layer computed (Gemma 3n /
+    4's num_kv_shared_layers): the backward recompute of a reusing layer would not reach them."""
+    for c in _configs(cfg):
+        shared = c.get("num_kv_shared_layers")
+        if isinstance(shared, int) and shared > 0:
+            raise InputError(
+                f"{where}: num_kv_shared_layers = {shared}: layers that reuse an earlier layer's keys and "
+                "values (KV sharing across layers) are not supported"
             )
 
 
