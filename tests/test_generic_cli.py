@@ -69,7 +69,7 @@ def edit_config(src: Path, **kv) -> None:
         ),
         (dict(use_bidirectional_attention=True), ["use_bidirectional_attention", "bidirectional attention"]),
         (dict(use_bidirectional_attention="all"), ["use_bidirectional_attention", "bidirectional attention"]),
-        (dict(num_kv_shared_layers=2), ["num_kv_shared_layers", "keys and values of earlier layers"]),
+        (dict(num_kv_shared_layers=2), ["num_kv_shared_layers = 2", "KV sharing across layers"]),
     ],
     ids=[
         "quantized",

@@ -7,11 +7,13 @@ the layers, a tensor crossing layers, arithmetic between layers); this module ho
 cannot be observed on the meta device:
 
   config keys   whose value turns on something the engine does not do: dropout and noise (the
-                backward recompute would draw other masks), bidirectional attention, custom code
+                backward recompute would draw other masks), bidirectional attention, custom code,
+                keys and values later layers reuse (Gemma 3n / 4's KV sharing)
   model types   that transformers maps as causal LMs but are not decoders the engine can stream
                 (encoders used as decoders, permutation or n-gram objectives)
   layers        cross-attention to an encoder in a layer the text forward calls (the decoders of
-                BART, Marian, Whisper, ...: their CausalLM classes also take labels unshifted)
+                BART, Marian, Whisper, ...: their CausalLM classes also take labels unshifted);
+                one module's weights used by several layers (Zamba's shared attention block)
 """
 
 from __future__ import annotations
@@ -95,6 +97,33 @@ def refuse_layers(layers: list, calls: list[int], cls: str, where: str) -> None:
             raise InputError(
                 f"{where}: {cls}'s layers attend to an encoder ({hit}): the decoder of an encoder-decoder "
                 "model is not supported; horizon trains decoder-only language models"
+            )
+
+
+def refuse_kv_sharing(cfg: dict, where: str) -> None:
+    """InputError when later layers reuse the keys and values an earlier layer computed (Gemma 3n /
+    4's num_kv_shared_layers): the backward recompute of a reusing layer would not reach them."""
+    for c in _configs(cfg):
+        shared = c.get("num_kv_shared_layers")
+        if isinstance(shared, int) and shared > 0:
+            raise InputError(
+                f"{where}: num_kv_shared_layers = {shared}: layers that reuse an earlier layer's keys and "
+                "values (KV sharing across layers) are not supported"
+            )
+
+
+def refuse_shared(model, stack: str, where: str) -> None:
+    """InputError when several layers hold the same parameter (transformers ties Zamba's shared
+    attention block across its hybrid layers): each layer's unit would train a copy of its own."""
+    owners: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(n)
+    for names in owners.values():
+        layers = {n[len(stack) + 1 :].split(".")[0] for n in names if n.startswith(stack + ".")}
+        if layers and len(names) > 1:
+            raise InputError(
+                f"{where}: {' and '.join(names[:2])} are one tensor (weights shared by several layers, "
+                "tied by transformers): a block shared across layers is not supported"
             )
 
 

@@ -35,7 +35,7 @@ import torch
 
 from ..errors import InputError
 from .disk import place
-from .exceptions import refuse_config, refuse_layers
+from .exceptions import refuse_config, refuse_kv_sharing, refuse_layers, refuse_shared
 from .loop import is_loop
 from .probe import probe
 from .workset import measure
@@ -111,6 +111,7 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     """The `generic` block of an ArchSpec (see module doc). `disk`: the checkpoint's tensor names
     and shapes (None: a config-only description, assuming the in-memory layout)."""
     refuse_config(cfg, where)
+    refuse_kv_sharing(cfg, where)  # before the probe: its slicing of the inputs would be named instead
     cls = model_class(cfg, where)
     attn = attn_implementation(cls)
     model = meta_model(cfg, attn, cls.__name__)
@@ -122,6 +123,7 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
         raise InputError(
             f"{where}: {s['owner']} runs routed (MoE) layers in a loop: router statistics per call are not supported"
         )
+    refuse_shared(model, s["stack"], where)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head.weight is emb.weight
     every = list(model.named_parameters(remove_duplicate=False))

@@ -13,8 +13,9 @@ meta input, and hooks on the owner's other modules record the order of calls. Fr
              final norm, whatever its name); their tensors go with the head
   logits     "plain" when the CausalLM's logits are its head's output, else "forward": its own
              forward runs per logits chunk (arch.capture.head_stub) for scaling, soft-capping, ...
-  crossing   arguments of layers after the first that depend on trained weights (per-layer
-             embeddings, the embedding output fed to every layer): not a chained stack
+  side       arguments of layers after the first that depend on trained weights (per-layer
+             embeddings, the embedding output fed to every layer): their gradients go back to the
+             first layer's capture (model.generic)
 
 Anything the engine cannot split this way raises InputError naming what the model does.
 """
@@ -211,19 +212,12 @@ def probe(model: nn.Module, where: str) -> dict:
         res["junctions"] = junctions(
             lambda outs: _calls_with(owner, layers, returns, names, outs), owner, stack, where
         )
-    for i, ev in enumerate(x for x in events if x[0] == "layer"):
-        if i and any(_grad_tensors(v) for v in [*ev[3][1][1:], *ev[3][2].values()]):
-            kw = [repr(k) for k, v in ev[3][2].items() if _grad_tensors(v)]
-            kw += [f"its positional argument {j + 1}" for j, v in enumerate(ev[3][1][1:]) if _grad_tensors(v)]
-            raise InputError(
-                f"{where}: layer {ev[1]} receives {kw[0]}, computed from trained weights before the layers "
-                "(a tensor crossing layers besides the hidden state, e.g. per-layer inputs): not supported yet"
-            )
-    shared = getattr(_config(model).get_text_config(), "num_kv_shared_layers", 0)
-    if isinstance(shared, int) and shared > 0:  # filled by real layers only: the meta probe cannot see it
+    res["side"] = _side(events, where)
+    res["side_width"] = _side_width(events, res["side"])
+    if res["side"] and is_loop(calls):
         raise InputError(
-            f"{where}: its last {shared} layers attend with the keys and values of earlier layers "
-            "(num_kv_shared_layers): tensors crossing layers besides the hidden state are not supported"
+            f"{where}: {type(owner).__name__} gives layers tensors computed before the layers inside a loop: "
+            "not supported"
         )
     res.update(
         stack=stack,
@@ -265,6 +259,42 @@ def _boundary(owner, layers, watched, names, h0, cfg, where: str) -> list | None
             f"layers for (1, {T}) tokens and {tuple(h2.shape)} for ({b2}, {t2}): not (rows, tokens, ...)"
         )
     return form
+
+
+def _side(events: list[tuple], where: str) -> list[list]:
+    """Where layers after the first take tensors computed from trained weights before the layers
+    (Gemma 4's per-layer inputs, Zamba's embedding output): [layer, "arg", j] / [layer, "kw", name].
+    The template gives each its gradient back (model.generic); one inside a container cannot be."""
+    side: list[list] = []
+    for i, ev in enumerate(x for x in events if x[0] == "layer"):
+        if not i:
+            continue
+        _, args, kwargs = ev[3]
+        slots = [("arg", j + 1, v) for j, v in enumerate(args[1:])]
+        slots += [("kw", k, v) for k, v in kwargs.items()]
+        for how, key, v in slots:
+            if not _grad_tensors(v) or (not args and key == "hidden_states"):
+                continue
+            if not isinstance(v, torch.Tensor):
+                what = repr(key) if how == "kw" else f"its positional argument {key}"
+                raise InputError(
+                    f"{where}: layer {ev[1]} receives {what}, a {type(v).__name__} of tensors computed from "
+                    "trained weights before the layers (crossing layers besides the hidden state): not supported"
+                )
+            side.append([ev[1], how, key])
+    return side
+
+
+def _side_width(events: list[tuple], side: list[list]) -> int:
+    """Elements per token of the distinct side tensors (planning.memory: they stay on the device
+    for the step, with their gradients)."""
+    calls = {e[1]: e[3] for e in events if e[0] == "layer"}
+    seen: dict[int, int] = {}
+    for i, how, key in side:
+        _, args, kwargs = calls[i]
+        v = args[key] if how == "arg" else kwargs[key]
+        seen[id(v)] = v.numel() // T
+    return sum(seen.values())
 
 
 def _chain(events: list[tuple], out, where: str, owner_name: str, boundary=None, loop: bool = False) -> dict:

@@ -142,7 +142,7 @@ class TrainStep:
                 with p.t.compute_span(f"bwd {j} kept", kept=True):
                     graph, h = self.kept.take(j, ctxs)
                     if h.want_dx or h.leaves:
-                        self._backprop(len(ctxs), graph, h.leaves, h.names, dx, h.want_dx, gv)
+                        self._backprop(i, ctxs, graph, h.leaves, h.names, dx, h.want_dx, gv)
                 p.loader.release(f"f{j}")  # the forward's load, held until now
             else:
                 self._recompute_layer(j, dx, ctxs, shapes, gv)
@@ -176,21 +176,26 @@ class TrainStep:
                 return xi, y, extra
 
             if want_dx or leaves:
-                self._backprop(len(ins), graph, leaves, names, dx, want_dx, gv)
+                self._backprop(i, ctxs, graph, leaves, names, dx, want_dx, gv)
         p.loader.release(f"b{j}")
 
-    def _backprop(self, n: int, graph, leaves, names, dx, want_dx: bool, gv) -> None:
-        """Backpropagate one layer's graph of each of n micro-batches (graph(m): input, output,
-        auxiliary term or None), in order: the input gradient into dx[m], the leaves' gradients
-        added (fp32) into gv."""
-        for m in range(n):
+    def _backprop(self, i: int, ctxs, graph, leaves, names, dx, want_dx: bool, gv) -> None:
+        """Backpropagate layer i's graph of each micro-batch (graph(m): input, output, auxiliary
+        term or None), in order: the input gradient into dx[m], the leaves' gradients added (fp32)
+        into gv, its side inputs' (tensors crossing layers, model.side) back to the template."""
+        tmpl = self.p.tmpl
+        for m in range(len(ctxs)):
             with torch.enable_grad():
                 xi, y, extra = graph(m)
+                side = tmpl.side_inputs(i, ctxs[m])
                 outs, seeds = (
                     ([y], [dx[m]]) if extra is None else ([y, extra], [dx[m], torch.ones_like(extra)])
                 )
-                inputs = [xi, *leaves] if want_dx else list(leaves)
+                inputs = [xi, *leaves, *side] if want_dx else [*leaves, *side]
                 grads = torch.autograd.grad(outs, inputs, seeds, allow_unused=True)
+            if side:
+                tmpl.side_grads(i, ctxs[m], grads[len(grads) - len(side) :])
+                grads = grads[: len(grads) - len(side)]
             if want_dx:
                 dx[m], grads = grads[0], grads[1:]
             for name, gw in zip(names, grads, strict=True):

@@ -22,6 +22,10 @@ Around the layers runs transformers' own code too (arch.capture, structure from 
                CausalLM's logits per chunk: its head module, or its whole forward on the chunk's
                rows (`logits: forward`: logit scaling, soft-capping, slicing as it wrote them)
 
+Tensors besides the hidden state that cross layers with a gradient (per-layer inputs computed
+before the layers, float outputs a layer passes to the next) are side inputs (model.side): leaves
+of their consumer under autograd, their gradients seeded into their producer's backward.
+
 Router outputs are caught with forward hooks on the router modules (the class transformers records
 as `router_logits`) and feed model.moe.
 """
@@ -54,6 +58,7 @@ from ..arch.probe import probe
 from ..data.batch import DecodeBatch, MicroBatch
 from .junction import Junctions
 from .moe import RouterStats
+from .side import SideState, plus
 
 
 @dataclass
@@ -72,6 +77,7 @@ class GenericContext:
     # a loop (arch.loop): the outputs of calls a later junction reads, and their gradients so far
     outs: dict[int, torch.Tensor] = field(default_factory=dict)
     sinks: dict[int, torch.Tensor] = field(default_factory=dict)
+    side: SideState = field(default_factory=SideState)  # tensors crossing layers with a gradient
 
 
 def _experts_fallback(model) -> None:
@@ -117,6 +123,9 @@ class GenericTemplate:
         self.calls, self.loop = sequence(s, len(self.layers)), is_loop(s["calls"])
         self.start = 0 if self.loop else self.first  # the call that runs the owner's prefix
         self.junctions = Junctions(s, self.owner, self.emb, self.layers)
+        self._side: dict[int, list[tuple[str, Any]]] = {}  # layer -> its recorded side arguments
+        for i, how, key in s.get("side", []):
+            self._side.setdefault(i, []).append((how, key))
         outside = [m for n, m in model.named_children() if n != s["base"]]
         materialize_buffers(model, [*outside, self.owner], device)  # the owner's own, its layers'
         self._buffers = [
@@ -220,10 +229,15 @@ class GenericTemplate:
         i = self.calls[j]
         if i not in self.called:
             return x  # the owner skips this layer
+        grad = torch.is_grad_enabled()
+        if grad:
+            ctx.side.begin(i)
         if j == self.start:
             calls = self._capture(w, x, ctx)  # x: the embedding rows; under autograd in the recompute
             if ctx.calls is None:
                 ctx.calls = calls
+            if grad and self._side:
+                ctx.side.live_calls = calls  # the recorded side arguments' producer
             args, kwargs = calls[j]
             x = hidden_of(args, kwargs)
         else:
@@ -231,6 +245,8 @@ class GenericTemplate:
             args, kwargs = ctx.calls[j]
             if j in self.junctions:
                 x = self.junctions.run(j, x, ctx, self._owner_inputs(ctx, cache=False))
+            if grad and i in self._side:  # no loop (refused at convert with side inputs): j is i
+                args, kwargs = ctx.side.recorded(i, self._side[i], args, kwargs)
         args, kwargs = self._passed_in(i, *with_hidden(args, kwargs, x), ctx)
         lw = {k: v for k, v in w.items() if not k.startswith("@")}
         for k, dt in self._ints[self.g["layer_kinds"][i]].items():
@@ -258,25 +274,30 @@ class GenericTemplate:
         new, kwargs = list(args), dict(kwargs)
         for k, how, key in self.s.get("passes", []):
             if k in prev:
+                v = prev[k]
+                if v.is_floating_point() and torch.is_grad_enabled():  # a side input (model.side)
+                    v = ctx.side.passed(i, calls[at - 1], k, v)
                 if how == "kw":
-                    kwargs[key] = prev[k]
+                    kwargs[key] = v
                 else:
-                    new[key] = prev[k]
+                    new[key] = v
         return tuple(new), kwargs
 
     def _passed_out(self, i: int, out, ctx: GenericContext) -> None:
-        """Keep what layer i passes to the next one: index tensors (no gradient to carry back)."""
+        """Keep what layer i passes to the next one: index tensors, and float tensors whose
+        gradient the next layer's backward gives back (model.side)."""
         known = {p[0] for p in self.s.get("passes", [])}
         for k in self.s.get("forwarded", []):
             v = out[k]
             if v is None:
                 continue
-            if k not in known or not isinstance(v, torch.Tensor) or v.is_floating_point():
+            if k not in known or not isinstance(v, torch.Tensor):
                 raise RuntimeError(
-                    f"layer {i} returns a tensor its model passes to the next layer (output {k}): "
-                    "tensors crossing layers besides the hidden state are not supported"
+                    f"layer {i} returns a {type(v).__name__} its model uses (output {k}) other than as the "
+                    "next layer's argument: not supported"
                 )
             ctx.carry.setdefault(i, {})[k] = v.detach()
+            ctx.side.produced(i, k, v)
 
     def forward(self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None) -> torch.Tensor:
         """x (b, T, H) -> (b, T, H) (the first layer: x is the embedding rows); records router
@@ -285,35 +306,47 @@ class GenericTemplate:
 
     def forward_held(
         self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, tuple[int, torch.Tensor | None]]:
         """`forward`, and what a kept layer's backward needs for its share of the auxiliary loss
-        (the router logits, with their graph when run under autograd; None for a dense layer)."""
+        and its side inputs' producer term: (i, the router logits, with their graph when run under
+        autograd; None for a dense layer)."""
         y = self._call(i, w, x, ctx, lora)
         i = self.calls[i]  # the layer (a loop's MoE is refused at convert: one call per layer)
         if self.moe is None or i not in self._caught:
-            return y, None
+            return y, (i, None)
         out = self._caught.pop(i)
         chosen = out[-1] if len(out) > 1 and not out[-1].is_floating_point() else None
         logits = out[self.g["moe"]["logits_index"]]
         self.moe.record(i, logits, chosen, ctx.tokens)
-        return y, logits
+        return y, (i, logits)
 
-    def held_objective(self, held: torch.Tensor | None, ctx: GenericContext) -> torch.Tensor | None:
+    def held_objective(self, held: tuple, ctx: GenericContext) -> torch.Tensor | None:
         """A kept layer's backward: the scalar `objective` adds (every layer's routing is known now),
-        from the router logits its forward held."""
-        return None if self.moe is None or held is None else self.moe.objective(held, ctx.tokens)
+        from the router logits its forward held, plus its side inputs' producer term."""
+        i, logits = held
+        aux = None if self.moe is None or logits is None else self.moe.objective(logits, ctx.tokens)
+        return plus(aux, ctx.side.seed(i, i == self.first))
+
+    def side_inputs(self, i: int, ctx: GenericContext) -> list[torch.Tensor]:
+        """The leaves layer i's last autograd run made for its side inputs (model.side): the
+        engine's backward differentiates them too and gives their gradients to `side_grads`."""
+        return ctx.side.inputs(i)
+
+    def side_grads(self, i: int, ctx: GenericContext, grads) -> None:
+        ctx.side.give(i, grads)
 
     def objective(
         self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Recompute under autograd: (output, extra scalar whose gradient is this layer's share of
-        the auxiliary loss, or None)."""
+        the auxiliary loss and of its side inputs' consumers' (model.side), or None)."""
         y = self._call(i, w, x, ctx, lora)
         i = self.calls[i]
-        if self.moe is None or i not in self._caught:
-            return y, None
-        out = self._caught.pop(i)
-        return y, self.moe.objective(out[self.g["moe"]["logits_index"]], ctx.tokens)
+        aux = None
+        if self.moe is not None and i in self._caught:
+            out = self._caught.pop(i)
+            aux = self.moe.objective(out[self.g["moe"]["logits_index"]], ctx.tokens)
+        return y, plus(aux, ctx.side.seed(i, i == self.first))
 
     # -- generation --------------------------------------------------------------------------
     def new_cache(self):

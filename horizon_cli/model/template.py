@@ -68,6 +68,12 @@ class NativeTemplate:
     def add_side_grads(self, j: int, dx: list[torch.Tensor], ctxs: list) -> None:
         pass  # no loop (arch.loop): nothing reaches a layer's output but the next layer's gradient
 
+    def side_inputs(self, i: int, ctx: AttnContext) -> list[torch.Tensor]:
+        return []  # nothing crosses the native layers but the hidden state
+
+    def side_grads(self, i: int, ctx: AttnContext, grads) -> None:
+        pass
+
     def begin_step(self) -> None:
         pass
 

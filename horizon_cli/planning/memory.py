@@ -218,6 +218,9 @@ def memory_plan(
     tok = micro_batch * seq
     p.device["layer working set"] = layer_work_bytes(spec, tok, micro_batch, seq, item)
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
+    side = ((spec.generic or {}).get("model") or {}).get("side_width", 0)
+    if side:  # tensors crossing layers (model.side): recorded per micro-batch, with their gradients
+        p.device["side inputs"] = 2 * rank_batch(batch, world) * seq * side * item
     if world > 1:
         p.device.update(sharded_device(lays, spec, world, prefetch, item, gitem))
     # one kept layer: its own weight buffer (whole, padded as a gathered unit), the graphs of this
