@@ -31,6 +31,7 @@ from torch import nn
 
 from ..errors import InputError
 from .capture import Stop, head_stub, hidden_of, recorders
+from .crossing import side_inputs, side_width
 from .loop import is_loop, junctions
 from .stack import find_stack, path_of
 
@@ -146,16 +147,6 @@ def _forwarded(owner, layers, returns: int, watched, names) -> tuple[list[int], 
     return sorted({int(w[0]) for w in where}), where
 
 
-def _grad_tensors(v) -> bool:
-    if isinstance(v, torch.Tensor):
-        return v.requires_grad
-    if isinstance(v, (tuple, list)):
-        return any(_grad_tensors(x) for x in v)
-    if isinstance(v, dict):
-        return any(_grad_tensors(x) for x in v.values())
-    return False
-
-
 def probe(model: nn.Module, where: str) -> dict:
     """The forward's structure (module doc) of a CausalLM built on the meta device."""
     stack = find_stack(model, where)
@@ -212,8 +203,8 @@ def probe(model: nn.Module, where: str) -> dict:
         res["junctions"] = junctions(
             lambda outs: _calls_with(owner, layers, returns, names, outs), owner, stack, where
         )
-    res["side"] = _side(events, where)
-    res["side_width"] = _side_width(events, res["side"])
+    res["side"] = side_inputs(events, where)
+    res["side_width"] = side_width(events, res["side"], T)
     if res["side"] and is_loop(calls):
         raise InputError(
             f"{where}: {type(owner).__name__} gives layers tensors computed before the layers inside a loop: "
@@ -259,42 +250,6 @@ def _boundary(owner, layers, watched, names, h0, cfg, where: str) -> list | None
             f"layers for (1, {T}) tokens and {tuple(h2.shape)} for ({b2}, {t2}): not (rows, tokens, ...)"
         )
     return form
-
-
-def _side(events: list[tuple], where: str) -> list[list]:
-    """Where layers after the first take tensors computed from trained weights before the layers
-    (Gemma 4's per-layer inputs, Zamba's embedding output): [layer, "arg", j] / [layer, "kw", name].
-    The template gives each its gradient back (model.generic); one inside a container cannot be."""
-    side: list[list] = []
-    for i, ev in enumerate(x for x in events if x[0] == "layer"):
-        if not i:
-            continue
-        _, args, kwargs = ev[3]
-        slots = [("arg", j + 1, v) for j, v in enumerate(args[1:])]
-        slots += [("kw", k, v) for k, v in kwargs.items()]
-        for how, key, v in slots:
-            if not _grad_tensors(v) or (not args and key == "hidden_states"):
-                continue
-            if not isinstance(v, torch.Tensor):
-                what = repr(key) if how == "kw" else f"its positional argument {key}"
-                raise InputError(
-                    f"{where}: layer {ev[1]} receives {what}, a {type(v).__name__} of tensors computed from "
-                    "trained weights before the layers (crossing layers besides the hidden state): not supported"
-                )
-            side.append([ev[1], how, key])
-    return side
-
-
-def _side_width(events: list[tuple], side: list[list]) -> int:
-    """Elements per token of the distinct side tensors (planning.memory: they stay on the device
-    for the step, with their gradients)."""
-    calls = {e[1]: e[3] for e in events if e[0] == "layer"}
-    seen: dict[int, int] = {}
-    for i, how, key in side:
-        _, args, kwargs = calls[i]
-        v = args[key] if how == "arg" else kwargs[key]
-        seen[id(v)] = v.numel() // T
-    return sum(seen.values())
 
 
 def _chain(events: list[tuple], out, where: str, owner_name: str, boundary=None, loop: bool = False) -> dict:

@@ -57,7 +57,7 @@ from ..arch.loop import is_loop, sequence
 from ..arch.probe import probe
 from ..data.batch import DecodeBatch, MicroBatch
 from .junction import Junctions
-from .moe import RouterStats
+from .moe import RouterStats, experts_fallback
 from .side import SideState, plus
 
 
@@ -80,20 +80,6 @@ class GenericContext:
     side: SideState = field(default_factory=SideState)  # tensors crossing layers with a gradient
 
 
-def _experts_fallback(model) -> None:
-    """transformers' grouped_mm experts need 16-byte strides: an expert matrix whose width is not a
-    multiple of 8 elements fails in bf16 ("strides should be multiple of 16 bytes"; transformers'
-    own model too). Such models (no released one) run its batched_mm experts: the same arithmetic
-    without the grouped GEMM. The layers read config._experts_implementation at call time."""
-    for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-        if getattr(cfg, "_experts_implementation", None) != "grouped_mm":
-            continue
-        for name, p in model.named_parameters():
-            if ".experts." in name and p.dim() == 3 and any(d % 8 for d in p.shape[1:]):
-                cfg._experts_implementation = "batched_mm"
-                break
-
-
 def structure(g: dict) -> dict:
     """The forward's structure (arch.probe) a store recorded; stores written before it carry none
     and are probed from their config once."""
@@ -111,7 +97,7 @@ class GenericTemplate:
         self.g, self.device, self.s = g, device, structure(g)
         s = self.s
         model = stored_model(g)
-        _experts_fallback(model)
+        experts_fallback(model)
         self.model, self.cfg = model, model.config.get_text_config()
         self.owner = model.get_submodule(s["owner"])
         self.layers = list(model.get_submodule(s["stack"]))  # meta modules: templates only

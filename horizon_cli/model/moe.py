@@ -117,3 +117,17 @@ class RouterStats:
         ]
         out = torch.stack([v.float() for v in vals]).tolist()
         return out[0], out[1:]
+
+
+def experts_fallback(model) -> None:
+    """transformers' grouped_mm experts need 16-byte strides: an expert matrix whose width is not a
+    multiple of 8 elements fails in bf16 ("strides should be multiple of 16 bytes"; transformers'
+    own model too). Such models (no released one) run its batched_mm experts: the same arithmetic
+    without the grouped GEMM. The layers read config._experts_implementation at call time."""
+    for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        if getattr(cfg, "_experts_implementation", None) != "grouped_mm":
+            continue
+        for name, p in model.named_parameters():
+            if ".experts." in name and p.dim() == 3 and any(d % 8 for d in p.shape[1:]):
+                cfg._experts_implementation = "batched_mm"
+                break
