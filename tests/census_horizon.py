@@ -5,8 +5,24 @@ Shared by scripts/census.py (the whole mapping, every fact recorded) and tests/t
 
 save_pretrained -> horizon_cli.convert.convert (fp32 store) -> `horizon train` (3 AdamW steps,
 4 rows a step in 2 micro-batches, clipping off, a checkpoint every step) -> horizon_cli.export.export
--> AutoModelForCausalLM.from_pretrained; the oracle is the same model trained resident with
-torch.optim.AdamW on the same batches, its loss the one transformers computes from `labels`.
+-> AutoModelForCausalLM.from_pretrained, against two oracles: the same model trained resident with
+torch.optim.AdamW on the same batches, its loss the one transformers computes from `labels`,
+(1) each batch in the same 2 micro-batches as horizon, each micro-batch's loss weighted by its
+share of the batch's label tokens and the gradients accumulated (what transformers' Trainer does
+with gradient_accumulation_steps), and (2) each batch at once. Both are exact arithmetic of the
+same step; they differ only in fp32's order of summation.
+
+The criterion (`exact`), every figure relative to its tensor's largest element: the three losses,
+gradient norms, every step-1 gradient and the logits within 1e-5 of *both* oracles; the exported
+weights within 1e-5 of oracle (1), and within 1e-5 plus the two oracles' own distance
+(`weight_noise`, measured per type here) of oracle (2). Why not 1e-5 of oracle (2): Adam divides
+by sqrt(v) + eps, so a gradient element near eps that is a sum of larger terms (|g| ~ 1e-5 of its
+tensor's largest) turns its fp32 rounding into a weight difference up to 1e-3 of lr; the two
+oracles' weights differ by 1.2e-5 to 3.2e-5 after 3 steps in EXAONE 4, EXAONE-MoE,
+ModernBERT-decoder and Doge, where horizon is within 3e-9 to 1.5e-7 of oracle (1) (and of
+oracle (2) within 1e-7, bitwise for three of them, when it trains each batch as one micro-batch).
+A wrong scale or a lost term in the gradients or the update moves the weights by far more than
+1e-5 from oracle (1) (tests/test_census_criterion.py: each such mutant comes out `mismatch`).
 
 Step-1 gradients come from the step-1 checkpoint's first moment: with clipping off,
 m1 = (1 - beta1) * g1, so g1 = m1 / (1 - beta1) to an ulp. The checkpoint's store with its unit
@@ -16,6 +32,7 @@ transformers, which maps every tensor back to its in-memory name (fused experts 
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import traceback
@@ -28,8 +45,8 @@ import yaml
 # Adam normalises each gradient element: one near zero that is a sum of larger terms (fp32 order
 # of summation differs between the two runs) moves its weight by up to ~lr either way. eps 1e-6
 # keeps those elements in Adam's linear range (|g| << eps: step ~ lr g / eps) and leaves the
-# others normalised; with eps 1e-8 a 6-layer Gemma 3 differs by 8e-5 after 3 steps, all its
-# gradients within 5e-7
+# others normalised; with eps 1e-8 a 6-layer Gemma 3 differed from the full-batch oracle by 8e-5
+# after 3 steps, all its gradients within 5e-7 (the criterion: the module docstring)
 HP = dict(lr=3e-4, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.0, grad_clip=0.0, kernel="torch")
 STEPS, BATCH, MICRO = 3, 4, 2
 TOL = 1e-5
@@ -97,8 +114,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def reference(model, data) -> dict:
-    """Resident transformers + torch.optim.AdamW: loss, gradient norm of every step, step-1 grads."""
+def reference(model, data, micro: int = 1) -> dict:
+    """Resident transformers + torch.optim.AdamW: loss, gradient norm of every step, step-1 grads.
+
+    micro: each step's batch in that many micro-batches, each one's loss weighted by its share of
+    the batch's label tokens and the gradients accumulated (transformers' Trainer with
+    gradient_accumulation_steps: the arithmetic horizon's micro-batches do); 1: the batch at once."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
@@ -108,9 +129,14 @@ def reference(model, data) -> dict:
     for s in range(STEPS):
         opt.zero_grad(set_to_none=True)
         ids, labels = data.step(s)
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        losses.append(loss.item())
+        total, loss_s = int((labels[:, 1:] != -100).sum()), 0.0
+        for mi, ml in zip(ids.chunk(micro), labels.chunk(micro), strict=True):
+            loss = model(input_ids=mi, labels=ml).loss
+            if micro > 1:
+                loss = loss * (int((ml[:, 1:] != -100).sum()) / total)
+            loss.backward()
+            loss_s += loss.item()
+        losses.append(loss_s)
         norms.append(float(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None) ** 0.5))
         if s == 0:
             g1 = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -222,36 +248,59 @@ def train_and_compare(model_ref, data, tmp: Path) -> dict:
             msg = f"{msg} {err(r.exception)} at {where(r.exception)}"
         return {"result": "refused" if r.exit_code == 2 else "failed", "stage": "train", "message": msg}
     metrics = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
-    ref = reference(model_ref, data)
+    full_model = copy.deepcopy(model_ref)
+    full = reference(full_model, data)  # the batch at once
+    ref = reference(model_ref, data, BATCH // MICRO)  # the same micro-batches as horizon
     res = {"losses": [m["loss"] for m in metrics], "ref_losses": ref["losses"]}
-    res["loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref["losses"], strict=True))
     norms = [m["grad_norm"] for m in metrics]
-    res["grad_norm_err"] = max(abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True))
+    res["loss_err"] = max(_rel(res["losses"], o["losses"]) for o in (ref, full))
+    res["grad_norm_err"] = max(_rel(norms, o["norms"]) for o in (ref, full))
     gmodel, gbad = load(
         grads_of_checkpoint(tmp / "run" / "checkpoints" / "step_1", tmp / "grads"), type(model_ref)
     )
-    res["grad_err"], res["grad_worst"], gmiss = compare(
-        dict(gmodel.named_parameters()), ref["g1"], GRAD_FLOOR
+    got = dict(gmodel.named_parameters())
+    (e_m, n_m, gmiss), (e_f, n_f, _) = (
+        compare(got, ref["g1"], GRAD_FLOOR),
+        compare(got, full["g1"], GRAD_FLOOR),
     )
+    res["grad_err"], res["grad_worst"] = max((e_m, n_m), (e_f, n_f))
     export(tmp / "run", tmp / "export")
     emodel, ebad = load(tmp / "export", type(model_ref))
-    want = {k: v for k, v in model_ref.state_dict().items() if v.is_floating_point()}
-    res["weight_err"], res["weight_worst"], wmiss = compare(emodel.state_dict(), want)
+    want, want_full = (_weights(m) for m in (model_ref, full_model))
+    got = emodel.state_dict()
+    res["weight_err"], res["weight_worst"], wmiss = compare(got, want)
+    res["weight_err_full"], res["weight_worst_full"] = compare(got, want_full)[:2]
+    res["weight_noise"] = compare(want, want_full)[0]  # the oracle's own floor: two valid orders
     model_ref.eval()
+    full_model.eval()
     ids, _ = data.probe()
     with torch.no_grad():
-        res["logits_err"] = rel_err(emodel(input_ids=ids).logits, model_ref(input_ids=ids).logits)
+        logits = emodel(input_ids=ids).logits
+        res["logits_err"] = max(rel_err(logits, m(input_ids=ids).logits) for m in (model_ref, full_model))
     problems = {k: v for k, v in {"grad_load": gbad, "export_load": ebad}.items() if v}
     if gmiss or wmiss:
         problems["missing"] = (gmiss + wmiss)[:8]
     if problems:
         res["problems"] = problems
-    errs = {k: res[k] for k in ("loss_err", "grad_norm_err", "grad_err", "weight_err", "logits_err")}
-    res["result"] = "exact" if max(errs.values()) <= TOL and not problems else "mismatch"
-    k = max(errs, key=errs.get)
-    worst = {"grad_err": res["grad_worst"], "weight_err": res["weight_worst"]}.get(k, "")
-    res["worst"] = f"{k} {errs[k]:.2e} {worst}".strip() + (f" {problems}" if problems else "")
+    # each figure against its bound: the full-batch oracle's weights within its own measured floor
+    bounds = {k: TOL for k in ("loss_err", "grad_norm_err", "grad_err", "weight_err", "logits_err")}
+    bounds["weight_err_full"] = TOL + res["weight_noise"]
+    over = {k: res[k] / b for k, b in bounds.items()}
+    res["result"] = "exact" if max(over.values()) <= 1.0 and not problems else "mismatch"
+    k = max(over, key=over.get)
+    names = {"grad_err": "grad_worst", "weight_err": "weight_worst", "weight_err_full": "weight_worst_full"}
+    worst = res.get(names.get(k, ""), "")
+    bound = f" (floor {res['weight_noise']:.2e})" if k == "weight_err_full" else ""
+    res["worst"] = f"{k} {res[k]:.2e}{bound} {worst}".strip() + (f" {problems}" if problems else "")
     return res
+
+
+def _rel(got: list[float], want: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+
+
+def _weights(model) -> dict:
+    return {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
 
 
 def run_type(mt: str, layers: int, tmp: Path) -> dict:

@@ -3,8 +3,9 @@ through horizon's public entry points against transformers + torch.optim.AdamW (
 
 tests/census_horizon.run_type: save_pretrained -> convert -> `horizon train` (3 AdamW steps, eps
 1e-6, 2 micro-batches) -> export -> from_pretrained; the three losses, gradient norms, every step-1
-gradient, every weight after step 3 and the exported model's logits within 1e-5 of the resident
-oracle. What each type gave last is recorded in docs/census.json (`scripts/census.py horizon`),
+gradient and the exported model's logits within 1e-5 of the resident oracle (run in the same
+micro-batches and at once, both), every weight after step 3 within 1e-5 of the micro-batched one
+(tests/census_horizon.py's docstring: the criterion and why). What each type gave last is recorded in docs/census.json (`scripts/census.py horizon`),
 which docs/architectures.md's table is generated from (`scripts/census.py table`):
 
   exact     must stay exact
