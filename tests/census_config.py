@@ -115,7 +115,13 @@ FIXUPS: dict[str, dict | Callable[[int], dict]] = {
     "lfm2_moe": _lfm2_moe,
     "qwen4_exp_text": QSA,  # the QSA indexer's sizes default to None
     "qwen4_exp": {"sub:text_config": QSA},
-    "gemma3n_text": {"num_kv_shared_layers": 2},  # 15 KV-sharing layers do not fit a shallow model
+    "gemma3n_text": {"num_kv_shared_layers": 2},
+    # the full-attention layers' head size is an init argument (not an attribute the shrinking
+    # sees): 512-wide heads with Gemma 4's unscaled q.k would make the tiny model chaotic in fp32
+    "gemma4_text": {"global_head_dim": 16},
+    "gemma4": {"sub:text_config": {"global_head_dim": 16}},
+    "gemma4_unified_text": {"global_head_dim": 16},
+    "gemma4_unified": {"sub:text_config": {"global_head_dim": 16}},  # 15 KV-sharing layers do not fit a shallow model
     # its validator refuses its own default text config; "init": what the default is built with
     "gemma4_assistant": {
         "init": {"text_config": {"model_type": "gemma4_text", **GEMMA4_NO_PLE}},

@@ -12,15 +12,22 @@ share of the batch's label tokens and the gradients accumulated (what transforme
 with gradient_accumulation_steps), and (2) each batch at once. Both are exact arithmetic of the
 same step; they differ only in fp32's order of summation.
 
-The criterion (`exact`), every figure relative to its tensor's largest element: the three losses,
-gradient norms, every step-1 gradient and the logits within 1e-5 of *both* oracles; the exported
-weights within 1e-5 of oracle (1), and within 1e-5 plus the two oracles' own distance
-(`weight_noise`, measured per type here) of oracle (2). Why not 1e-5 of oracle (2): Adam divides
-by sqrt(v) + eps, so a gradient element near eps that is a sum of larger terms (|g| ~ 1e-5 of its
-tensor's largest) turns its fp32 rounding into a weight difference up to 1e-3 of lr; the two
-oracles' weights differ by 1.2e-5 to 3.2e-5 after 3 steps in EXAONE 4, EXAONE-MoE,
-ModernBERT-decoder and Doge, where horizon is within 3e-9 to 1.5e-7 of oracle (1) (and of
-oracle (2) within 1e-7, bitwise for three of them, when it trains each batch as one micro-batch).
+The criterion (`exact`), every figure relative to its tensor's largest element: the three losses
+and every step-1 gradient within 1e-5 of oracle (1); what three steps of Adam made of them (the
+gradient norms of steps 2-3, the exported weights, the logits) within 1e-5 of oracle (1) or the
+two oracles' own measured distance (`*_noise`, per type here), whichever is larger; and every
+figure within 1e-5 plus that distance of oracle (2). Why not 1e-5 of oracle (2), nor always 1e-5
+after 3 steps: Adam divides by sqrt(v) + eps, so a gradient element near eps that is a sum of
+larger terms (|g| ~ 1e-5 of its tensor's largest) turns its fp32 rounding into a weight difference
+up to 1e-3 of lr; the two oracles' weights differ by 1.2e-5 to 3.2e-5 after 3 steps in EXAONE 4,
+EXAONE-MoE, ModernBERT-decoder and Doge, where horizon is within 3e-9 to 1.5e-7 of oracle (1) (and
+of oracle (2) within 1e-7, bitwise for three of them, when it trains
+each batch as one micro-batch); in models whose tiny census config is badly conditioned
+(hyper-connection biases initialised at zero, Gemma 4's unscaled q.k) the two oracles' step-1
+gradients and logits differ too, and Gemma 4's tiny model multiplies a 1e-7 difference of its
+step-1 gradients about 50-fold a step (transformers against itself: step-1..3 gradients 9e-7,
+1.7e-5, 1.2e-4 apart; horizon against oracle (1): 1.4e-7, 7.9e-6, 2.7e-5). A bug in the optimizer
+(shared by every type) shows on the well-conditioned types, where the distance is ~1e-6.
 A wrong scale or a lost term in the gradients or the update moves the weights by far more than
 1e-5 from oracle (1) (tests/test_census_criterion.py: each such mutant comes out `mismatch`).
 
@@ -253,17 +260,19 @@ def train_and_compare(model_ref, data, tmp: Path) -> dict:
     ref = reference(model_ref, data, BATCH // MICRO)  # the same micro-batches as horizon
     res = {"losses": [m["loss"] for m in metrics], "ref_losses": ref["losses"]}
     norms = [m["grad_norm"] for m in metrics]
-    res["loss_err"] = max(_rel(res["losses"], o["losses"]) for o in (ref, full))
-    res["grad_norm_err"] = max(_rel(norms, o["norms"]) for o in (ref, full))
+    # each figure against the micro-batched oracle (the arithmetic horizon does) and against the
+    # full-batch one, whose own distance from the micro-batched one is measured (`*_noise`)
+    res["loss_err"], res["loss_err_full"] = (_rel(res["losses"], o["losses"]) for o in (ref, full))
+    res["loss_noise"] = _rel(ref["losses"], full["losses"])
+    res["grad_norm_err"], res["grad_norm_err_full"] = (_rel(norms, o["norms"]) for o in (ref, full))
+    res["grad_norm_noise"] = _rel(ref["norms"], full["norms"])
     gmodel, gbad = load(
         grads_of_checkpoint(tmp / "run" / "checkpoints" / "step_1", tmp / "grads"), type(model_ref)
     )
     got = dict(gmodel.named_parameters())
-    (e_m, n_m, gmiss), (e_f, n_f, _) = (
-        compare(got, ref["g1"], GRAD_FLOOR),
-        compare(got, full["g1"], GRAD_FLOOR),
-    )
-    res["grad_err"], res["grad_worst"] = max((e_m, n_m), (e_f, n_f))
+    res["grad_err"], res["grad_worst"], gmiss = compare(got, ref["g1"], GRAD_FLOOR)
+    res["grad_err_full"], res["grad_worst_full"] = compare(got, full["g1"], GRAD_FLOOR)[:2]
+    res["grad_noise"] = compare(ref["g1"], full["g1"], GRAD_FLOOR)[0]
     export(tmp / "run", tmp / "export")
     emodel, ebad = load(tmp / "export", type(model_ref))
     want, want_full = (_weights(m) for m in (model_ref, full_model))
@@ -275,22 +284,29 @@ def train_and_compare(model_ref, data, tmp: Path) -> dict:
     full_model.eval()
     ids, _ = data.probe()
     with torch.no_grad():
-        logits = emodel(input_ids=ids).logits
-        res["logits_err"] = max(rel_err(logits, m(input_ids=ids).logits) for m in (model_ref, full_model))
+        logits, ref_logits, full_logits = (m(input_ids=ids).logits for m in (emodel, model_ref, full_model))
+    res["logits_err"], res["logits_err_full"] = rel_err(logits, ref_logits), rel_err(logits, full_logits)
+    res["logits_noise"] = rel_err(ref_logits, full_logits)
     problems = {k: v for k, v in {"grad_load": gbad, "export_load": ebad}.items() if v}
     if gmiss or wmiss:
         problems["missing"] = (gmiss + wmiss)[:8]
     if problems:
         res["problems"] = problems
-    # each figure against its bound: the full-batch oracle's weights within its own measured floor
-    bounds = {k: TOL for k in ("loss_err", "grad_norm_err", "grad_err", "weight_err", "logits_err")}
-    bounds["weight_err_full"] = TOL + res["weight_noise"]
+    # each figure against its bound: the losses and step-1 gradients 1e-5 of the micro-batched
+    # oracle; what three steps of Adam made of them (gradient norms, weights, logits) 1e-5 of it or
+    # the two oracles' own measured distance, whichever is larger; the full-batch oracle 1e-5
+    # beyond that distance
+    figures = ("loss_err", "grad_norm_err", "grad_err", "weight_err", "logits_err")
+    noise = {k: res[k.replace("_err", "_noise")] for k in figures}
+    bounds = {k: TOL if k in ("loss_err", "grad_err") else max(TOL, noise[k]) for k in figures}
+    bounds.update({f"{k}_full": TOL + noise[k] for k in figures})
     over = {k: res[k] / b for k, b in bounds.items()}
     res["result"] = "exact" if max(over.values()) <= 1.0 and not problems else "mismatch"
     k = max(over, key=over.get)
-    names = {"grad_err": "grad_worst", "weight_err": "weight_worst", "weight_err_full": "weight_worst_full"}
+    names = {"grad_err": "grad_worst", "grad_err_full": "grad_worst_full", "weight_err": "weight_worst",
+             "weight_err_full": "weight_worst_full"}  # fmt: skip
     worst = res.get(names.get(k, ""), "")
-    bound = f" (floor {res['weight_noise']:.2e})" if k == "weight_err_full" else ""
+    bound = f" (bound {bounds[k]:.2e})" if bounds[k] != TOL else ""
     res["worst"] = f"{k} {res[k]:.2e}{bound} {worst}".strip() + (f" {problems}" if problems else "")
     return res
 
