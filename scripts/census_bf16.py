@@ -26,9 +26,7 @@ HERE = Path(__file__).resolve().parent
 def one(mt: str, layers: int) -> dict:
     sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     import census_horizon as ch
-    import torch
     import yaml
-    from census_config import build, text_config, tiny_config
     from census_model import quiet
     from typer.testing import CliRunner
 
@@ -38,13 +36,7 @@ def one(mt: str, layers: int) -> dict:
 
     quiet()
     ch.STEPS = 2
-    cfg = tiny_config(mt, layers)
-    torch.manual_seed(0)
-    model = build(mt, cfg).float()
-    ch.perturb(model)
-    vocab = getattr(text_config(cfg), "vocab_size", None) or 128
-    emb = model.get_input_embeddings()
-    data = ch.Data(min(vocab, emb.num_embeddings) if isinstance(emb, torch.nn.Embedding) else vocab)
+    model, data = ch.tiny(mt, layers)
     losses = {}
     with tempfile.TemporaryDirectory(prefix=f"bf16-{mt}-") as t:
         tmp = Path(t)

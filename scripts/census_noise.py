@@ -78,7 +78,6 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/census-noise")
     args = ap.parse_args()
     import census_horizon as ch
-    from census_config import build, text_config, tiny_config
     from census_model import quiet
     from typer.testing import CliRunner
 
@@ -91,12 +90,7 @@ def main() -> None:
     work = Path(args.work) / args.type
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    torch.manual_seed(0)
-    m0 = build(args.type, tiny_config(args.type, args.layers)).float()
-    ch.perturb(m0)
-    emb = m0.get_input_embeddings()
-    vocab = getattr(text_config(m0.config), "vocab_size", None) or 128
-    data = ch.Data(min(vocab, emb.num_embeddings) if isinstance(emb, torch.nn.Embedding) else vocab)
+    m0, data = ch.tiny(args.type, args.layers)
     m0.save_pretrained(work / "hf")
     convert(work / "hf", work / "store", dtype="float32")
     r = CliRunner().invoke(app, ["train", str(ch.train_config(work, data))])

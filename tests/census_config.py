@@ -121,7 +121,9 @@ FIXUPS: dict[str, dict | Callable[[int], dict]] = {
     "gemma4_text": {"global_head_dim": 16},
     "gemma4": {"sub:text_config": {"global_head_dim": 16}},
     "gemma4_unified_text": {"global_head_dim": 16},
-    "gemma4_unified": {"sub:text_config": {"global_head_dim": 16}},  # 15 KV-sharing layers do not fit a shallow model
+    "gemma4_unified": {
+        "sub:text_config": {"global_head_dim": 16}
+    },  # 15 KV-sharing layers do not fit a shallow model
     # its validator refuses its own default text config; "init": what the default is built with
     "gemma4_assistant": {
         "init": {"text_config": {"model_type": "gemma4_text", **GEMMA4_NO_PLE}},

@@ -319,9 +319,8 @@ def _weights(model) -> dict:
     return {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
 
 
-def run_type(mt: str, layers: int, tmp: Path) -> dict:
-    """One type of the mapping, tiny (census_config), through horizon against transformers: the
-    census row's `horizon` entry (result exact / mismatch / refused / failed, with the figures)."""
+def tiny(mt: str, layers: int) -> tuple:
+    """The census's tiny fp32 model of one type (census_config, seed 0, perturbed) and its data."""
     from census_config import build, text_config, tiny_config
 
     cfg = tiny_config(mt, layers)
@@ -330,6 +329,12 @@ def run_type(mt: str, layers: int, tmp: Path) -> dict:
     perturb(model)
     vocab = getattr(text_config(cfg), "vocab_size", None) or 128
     emb = model.get_input_embeddings()
-    data = Data(min(vocab, emb.num_embeddings) if isinstance(emb, torch.nn.Embedding) else vocab)
+    return model, Data(min(vocab, emb.num_embeddings) if isinstance(emb, torch.nn.Embedding) else vocab)
+
+
+def run_type(mt: str, layers: int, tmp: Path) -> dict:
+    """One type of the mapping, tiny (census_config), through horizon against transformers: the
+    census row's `horizon` entry (result exact / mismatch / refused / failed, with the figures)."""
+    model, data = tiny(mt, layers)
     model.save_pretrained(tmp / "hf")
     return try_horizon(tmp / "hf", model, data, True, tmp)
