@@ -69,7 +69,6 @@ def edit_config(src: Path, **kv) -> None:
         ),
         (dict(use_bidirectional_attention=True), ["use_bidirectional_attention", "bidirectional attention"]),
         (dict(use_bidirectional_attention="all"), ["use_bidirectional_attention", "bidirectional attention"]),
-        (dict(num_kv_shared_layers=2), ["num_kv_shared_layers = 2", "KV sharing across layers"]),
     ],
     ids=[
         "quantized",
@@ -78,7 +77,6 @@ def edit_config(src: Path, **kv) -> None:
         "not-causal",
         "bidirectional",
         "bidirectional-all",
-        "kv-sharing",
     ],
 )
 def test_refused_at_convert(src, tmp_path, change, needles):

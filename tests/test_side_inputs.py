@@ -3,8 +3,9 @@ per-layer inputs (computed before the layers from the per-layer embedding and a 
 token embedding), Zamba 2's embedding output given to its hybrid layer, Zaya's router states that
 each layer passes to the next. One fp32 step in 2 micro-batches against transformers (every
 gradient, the per-layer embedding and projection included), the same with every layer kept
-(engine.keep: bitwise), and what stays refused at convert: a block tied across layers (Zamba), KV
-sharing across layers (Gemma 4 with num_kv_shared_layers)."""
+(engine.keep: bitwise), KV sharing across layers (Gemma 4 with num_kv_shared_layers: the entries
+a layer writes into `shared_kv_states`), and what stays refused at convert: a block tied across
+layers (Zamba)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from test_generate import hf_greedy, prompts
 from test_generate import run as generate
 from test_keep import assert_same, run
 
-from horizon_cli.arch.exceptions import refuse_kv_sharing
 from horizon_cli.config.schema import LoraConfig
 from horizon_cli.convert import convert
 from horizon_cli.engine import generate as loop
@@ -125,11 +125,22 @@ def test_a_block_tied_across_layers_is_refused(tmp_path):
     assert not (tmp_path / "store").exists()
 
 
-def test_kv_sharing_across_layers_is_refused(tmp_path):
-    """Gemma 4's last layer (full attention, as the one before it) reuses that one's keys and values."""
-    tiny(tmp_path, "gemma4_text", 7, num_kv_shared_layers=1)
-    with pytest.raises(InputError, match="num_kv_shared_layers = 1: .*KV sharing across layers"):
-        convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
-    cfg = {"model_type": "gemma4", "text_config": {"model_type": "gemma4_text", "num_kv_shared_layers": 20}}
-    with pytest.raises(InputError, match="num_kv_shared_layers = 20"):
-        refuse_kv_sharing(cfg, "config.json")
+def test_kv_sharing_across_layers_trains(tmp_path):
+    """Gemma 4's last layers (num_kv_shared_layers) attend with the keys and values an earlier layer
+    of their type stored in `shared_kv_states`: the consumers' gradient reaches the storing layer's
+    backward (model.side's shared entries). One step against transformers, every layer kept and
+    the top two kept bitwise the run that recomputes them, greedy generation as transformers'."""
+    model, store = store_of(tmp_path, "gemma4_text", 8, num_kv_shared_layers=2)  # a sliding and a full one
+    assert model.config.kv_sharing_modes.count("reuse") == 2
+    eng = make_engine(store)
+    try:
+        check_step_against_hf(eng, model.train())
+    finally:
+        eng.close()
+    ref = run(store, "float32", 0, steps=2)
+    assert_same(ref, run(store, "float32", store.arch.n_layers, steps=2))
+    assert_same(ref, run(store, "float32", 2, steps=2))
+    model.eval()
+    items = prompts(model.config.vocab_size, seed=5)
+    want = [hf_greedy(model, ids, 6, []) for ids in items]
+    assert generate(store, items, Sampler(), host=False, eos=[], new=6) == want

@@ -100,18 +100,6 @@ def refuse_layers(layers: list, calls: list[int], cls: str, where: str) -> None:
             )
 
 
-def refuse_kv_sharing(cfg: dict, where: str) -> None:
-    """InputError when later layers reuse the keys and values an earlier layer computed (Gemma 3n /
-    4's num_kv_shared_layers): the backward recompute of a reusing layer would not reach them."""
-    for c in _configs(cfg):
-        shared = c.get("num_kv_shared_layers")
-        if isinstance(shared, int) and shared > 0:
-            raise InputError(
-                f"{where}: num_kv_shared_layers = {shared}: layers that reuse an earlier layer's keys and "
-                "values (KV sharing across layers) are not supported"
-            )
-
-
 def refuse_shared(model, stack: str, where: str) -> None:
     """InputError when several layers hold the same parameter (transformers ties Zamba's shared
     attention block across its hybrid layers): each layer's unit would train a copy of its own."""

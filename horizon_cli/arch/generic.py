@@ -35,7 +35,7 @@ import torch
 
 from ..errors import InputError
 from .disk import place
-from .exceptions import refuse_config, refuse_kv_sharing, refuse_layers, refuse_shared
+from .exceptions import refuse_config, refuse_layers, refuse_shared
 from .loop import is_loop
 from .probe import probe
 from .workset import measure
@@ -111,7 +111,6 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     """The `generic` block of an ArchSpec (see module doc). `disk`: the checkpoint's tensor names
     and shapes (None: a config-only description, assuming the in-memory layout)."""
     refuse_config(cfg, where)
-    refuse_kv_sharing(cfg, where)  # before the probe: its slicing of the inputs would be named instead
     cls = model_class(cfg, where)
     attn = attn_implementation(cls)
     model = meta_model(cfg, attn, cls.__name__)

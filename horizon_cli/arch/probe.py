@@ -270,7 +270,8 @@ def _chain(events: list[tuple], out, where: str, owner_name: str, boundary=None,
             "between layers is not supported"
         )
     for k, k2 in zip(idx, idx[1:], strict=False):
-        if not loop and events[k2][2] is not _returned(events[k]):
+        # a view of the whole output passes (Gemma 4 slices its inputs [:, -0:] before KV sharing)
+        if not loop and not _same(events[k2][2], _returned(events[k])):
             raise InputError(
                 f"{where}: {owner_name} changes the hidden state between layers {events[k][1]} and "
                 f"{events[k2][1]}: not a chained stack"

@@ -22,12 +22,10 @@ Around the layers runs transformers' own code too (arch.capture, structure from 
                CausalLM's logits per chunk: its head module, or its whole forward on the chunk's
                rows (`logits: forward`: logit scaling, soft-capping, slicing as it wrote them)
 
-Tensors besides the hidden state that cross layers with a gradient (per-layer inputs computed
-before the layers, float outputs a layer passes to the next) are side inputs (model.side): leaves
-of their consumer under autograd, their gradients seeded into their producer's backward.
-
-Router outputs are caught with forward hooks on the router modules (the class transformers records
-as `router_logits`) and feed model.moe.
+Tensors besides the hidden state that cross layers with a gradient (per-layer inputs, outputs a
+layer passes to the next, entries of a dict shared by the layers: Gemma 4's K/V sharing) are side
+inputs (model.side): leaves of their consumer, their gradients seeded into their producer's
+backward. Router outputs are caught with forward hooks on the router modules (model.moe).
 """
 
 from __future__ import annotations
@@ -234,6 +232,7 @@ class GenericTemplate:
             if grad and i in self._side:  # no loop (refused at convert with side inputs): j is i
                 args, kwargs = ctx.side.recorded(i, self._side[i], args, kwargs)
         args, kwargs = self._passed_in(i, *with_hidden(args, kwargs, x), ctx)
+        kwargs, shared = ctx.side.shared_in(i, kwargs)  # Gemma 4's shared_kv_states
         lw = {k: v for k, v in w.items() if not k.startswith("@")}
         for k, dt in self._ints[self.g["layer_kinds"][i]].items():
             lw[k] = lw[k].to(dt)
@@ -242,6 +241,7 @@ class GenericTemplate:
             out = functional_call(self.layers[i], {**self._buffers[i], **lw}, args, kwargs, strict=True)
         finally:
             self._lora = None
+        ctx.side.shared_out(i, shared)
         if isinstance(out, (tuple, list)):
             self._passed_out(i, out, ctx)
             out = out[0]

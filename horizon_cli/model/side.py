@@ -7,6 +7,10 @@ Two kinds reach a layer of the generic path (model.generic):
             producer is the first layer's capture
   passed    float outputs a layer returns and its model passes to the next layer (Zaya's router
             states; arch.probe's `passes`): their producer is that layer
+  shared    entries a layer writes into a dict its model gives every layer, which later layers
+            read (Gemma 4's `shared_kv_states`: the keys and values a "store" layer computed, which
+            its KV-sharing layers attend with): their producer is the layer that wrote them in the
+            forward; a later layer reads them as its forward saw them (`shared_in`, `shared_out`)
 
 Under autograd a consumer layer takes each as a leaf of its own, so its graph stays one layer deep
 (invariant 3). The engine's backward differentiates those leaves with the layer's own (`inputs`,
@@ -17,11 +21,16 @@ so every consumer's gradient is known by the time its producer's backward runs.
 Memory, per micro-batch on the device: a consumer's gradient is the size of the argument itself
 (Gemma 4: the per-layer width per token and layer, about as much as the recorded per-layer inputs
 the forward already holds), kept until the producer's backward; one tensor given to several layers
-(Zamba's embedding output) keeps one gradient, summed in fp32.
+(Zamba's embedding output) keeps one gradient, summed in fp32. Shared entries: the forward's keys
+and values of each storing layer (per layer type) stay referenced until the step ends, and their
+KV-sharing readers' gradients until the storing layer's backward: a few layers' K/V per micro-batch,
+not in the memory plan.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +45,9 @@ class SideState:
     grads: dict[tuple, torch.Tensor] = field(default_factory=dict)  # key -> its consumers' gradient
     keys: dict[int, tuple] = field(default_factory=dict)  # id(recorded tensor) -> its key
     live_calls: dict | None = None  # the first layer's capture under autograd, until its backward
-    live_out: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # passed outputs, with graph
+    live_out: dict[int, dict[Any, torch.Tensor]] = field(default_factory=dict)  # passed outputs, with graph
+    wrote: dict[tuple, int] = field(default_factory=dict)  # (dict argument, entry) -> its forward's writer
+    seen: dict[int, dict[tuple, tuple[int, Any]]] = field(default_factory=dict)  # layer -> what it could read
 
     def begin(self, i: int) -> None:
         """Layer i runs under autograd: the leaves of its previous run are gone."""
@@ -59,13 +70,59 @@ class SideState:
                 kw[key] = leaf
         return tuple(new), kw
 
-    def passed(self, i: int, src: int, k: int, v: torch.Tensor) -> torch.Tensor:
+    def shared_in(self, i: int, kwargs: dict) -> tuple[dict, dict]:
+        """Layer i's call with the dicts its model shares between layers: (its kwargs, {name: (the
+        dict it gets, the shared one, the entries' ids before the call, its forward's run?)}). The
+        forward's run records what earlier layers wrote there; under autograd layer i gets a copy
+        holding those entries as the forward saw them, each tensor a leaf of its own."""
+        dicts = {
+            n: d for n, d in kwargs.items() if isinstance(d, MutableMapping)
+        }  # KVSharingDict: a UserDict
+        if not dicts:
+            return kwargs, {}
+        first = i not in self.seen  # the forward's run (a recompute reads what that one saw)
+        if first:
+            self.seen[i] = {
+                (n, k): (self.wrote[(n, k)], d[k])
+                for n, d in dicts.items()
+                for k in d
+                if (n, k) in self.wrote
+            }
+        given, kw = {}, dict(kwargs)
+        for n, d in dicts.items():
+            mine = d
+            if torch.is_grad_enabled():
+                mine = kw[n] = copy.copy(d)
+                for (name, k), (src, v) in self.seen[i].items():
+                    if name == n:
+                        mine[k] = type(v)(
+                            self.passed(i, src, ("shared", n, k, j), t) for j, t in enumerate(v)
+                        )
+            given[n] = (mine, d, {k: id(v) for k, v in mine.items()}, first)
+        return kw, given
+
+    def shared_out(self, i: int, given: dict) -> None:
+        """What layer i wrote into the shared dicts: its forward's run records it as the writer;
+        under autograd the entries keep their graph (its backward seeds them) and reach the shared
+        dict detached, for the layers after it."""
+        for n, (mine, shared, before, first) in given.items():
+            for k, v in list(mine.items()):
+                if before.get(k) == id(v) or not _tensors(v):
+                    continue
+                if first:
+                    self.wrote[(n, k)] = i
+                if mine is not shared:
+                    for j, t in enumerate(v):
+                        self.produced(i, ("shared", n, k, j), t)
+                    shared[k] = type(v)(t.detach() for t in v)
+
+    def passed(self, i: int, src: int, k, v: torch.Tensor) -> torch.Tensor:
         """Output k of layer src as layer i's input: a leaf of its own."""
         leaf = v.detach().requires_grad_()
         self.leaves[i].append((("out", src, k), leaf))
         return leaf
 
-    def produced(self, i: int, k: int, v: torch.Tensor) -> None:
+    def produced(self, i: int, k: Any, v: torch.Tensor) -> None:
         """Layer i's passed output k, with its graph (the producer's backward seeds it)."""
         if v.requires_grad:
             self.live_out.setdefault(i, {})[k] = v
@@ -97,6 +154,15 @@ class SideState:
             if ("out", i, j) in self.grads:
                 terms.append((v * self.grads.pop(("out", i, j))).sum())
         return sum(terms[1:], terms[0]) if terms else None
+
+
+def _tensors(v) -> bool:
+    """A shared entry horizon carries: a tuple or list of float tensors (keys, values)."""
+    return (
+        isinstance(v, (tuple, list))
+        and bool(v)
+        and all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in v)
+    )
 
 
 def plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
