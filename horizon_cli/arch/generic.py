@@ -85,8 +85,11 @@ def attn_implementation(cls) -> str:
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
-def meta_model(cfg_dict: dict, attn: str | None = None, cls_name: str | None = None):
-    """The model on the meta device: names, shapes and module structure, no memory."""
+def meta_model(cfg_dict: dict, attn: str | None = None, cls_name: str | None = None, dtype=None):
+    """The model on the meta device: names, shapes and module structure, no memory; built with
+    `dtype` (a torch dtype) the default, as transformers' from_pretrained builds a model of that
+    dtype (buffers made without an explicit dtype take it: GPT's causal-mask `bias`; None: the
+    config's own)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -94,17 +97,18 @@ def meta_model(cfg_dict: dict, attn: str | None = None, cls_name: str | None = N
 
     cfg = hf_config(cfg_dict)
     cls = getattr(transformers, cls_name) if cls_name else None
+    kw: dict[str, Any] = {"attn_implementation": attn, **({"dtype": dtype} if dtype is not None else {})}
     with torch.device("meta"):
         if cls is None or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type) == cls.__name__:
-            model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+            model = AutoModelForCausalLM.from_config(cfg, **kw)
         else:
-            model = cls._from_config(cfg, attn_implementation=attn)
+            model = cls._from_config(cfg, **kw)
     return model.eval()
 
 
-def stored_model(g: dict):
+def stored_model(g: dict, dtype=None):
     """The meta-device model of a store's generic description (its class, config, attention)."""
-    return meta_model(g["config"], g["attn"], g.get("class"))
+    return meta_model(g["config"], g["attn"], g.get("class"), dtype)
 
 
 def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:

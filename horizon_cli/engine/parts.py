@@ -117,7 +117,7 @@ def assemble(
     )
     optimizer = OptimizerWorker(params.host, optim.kernel, tracer, t.thread_init)
     # native functional layer, or transformers' own (with LoRA hooks on its linear modules)
-    tmpl = make_template(spec, t.device, lora.targets if lora else None)
+    tmpl = make_template(spec, t.device, lora.targets if lora else None, dtype)
     calls = tmpl.calls  # the layer of each call (arch.loop: a loop calls some more than once)
     if is_loop(calls):
         name = f"{spec.family} runs its layers in a loop ({len(calls)} calls for {spec.n_layers} layers)"

@@ -89,12 +89,12 @@ def structure(g: dict) -> dict:
 class GenericTemplate:
     embed_scale: float | None = None  # the owner's own code scales its embedding (first layer)
 
-    def __init__(self, spec: ArchSpec, device: torch.device, lora_targets=None):
+    def __init__(self, spec: ArchSpec, device: torch.device, lora_targets=None, dtype=torch.float32):
         g = spec.generic
         assert g is not None
         self.g, self.device, self.s = g, device, structure(g)
         s = self.s
-        model = stored_model(g)
+        model = stored_model(g, dtype)  # buffers in the compute dtype, as transformers builds them
         experts_fallback(model)
         self.model, self.cfg = model, model.config.get_text_config()
         self.owner = model.get_submodule(s["owner"])

@@ -95,10 +95,11 @@ class NativeTemplate:
         return F.linear(x, lm)
 
 
-def make_template(spec: ArchSpec, device: torch.device, lora_targets=None):
-    """lora_targets: per layer, the adapted linear layers (lora.targets.Target), or None."""
+def make_template(spec: ArchSpec, device: torch.device, lora_targets=None, dtype=torch.float32):
+    """lora_targets: per layer, the adapted linear layers (lora.targets.Target), or None; dtype:
+    the compute dtype (transformers' model of that dtype builds its buffers in it)."""
     if spec.generic is None:
         return NativeTemplate(spec, device)
     from .generic import GenericTemplate
 
-    return GenericTemplate(spec, device, lora_targets)
+    return GenericTemplate(spec, device, lora_targets, dtype)
