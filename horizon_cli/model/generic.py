@@ -92,7 +92,7 @@ class GenericTemplate:
     def __init__(self, spec: ArchSpec, device: torch.device, lora_targets=None, dtype=torch.float32):
         g = spec.generic
         assert g is not None
-        self.g, self.device, self.s = g, device, structure(g)
+        self.g, self.device, self.s, self.dtype = g, device, structure(g), dtype
         s = self.s
         model = stored_model(g, dtype)  # buffers in the compute dtype, as transformers builds them
         experts_fallback(model)
@@ -245,6 +245,7 @@ class GenericTemplate:
         if isinstance(out, (tuple, list)):
             self._passed_out(i, out, ctx)
             out = out[0]
+        out = out.to(self.dtype)  # the boundary in the compute dtype (Zaya's residual stream is fp32)
         if j in self.junctions.held and j not in ctx.outs:  # the forward's: a later junction reads it
             ctx.outs[j] = out.detach()
         return out
