@@ -390,9 +390,9 @@ class GenericTemplate:
         return h
 
     def logits(self, x: torch.Tensor, lm: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(n, H) -> (n, V) in the compute dtype, as the CausalLM computes them; the rows in the head
-        weight's dtype, as in transformers' model of that dtype (Zaya's residual stream is fp32)."""
-        x = x.to(lm[self._head_w].dtype) if self._head_w in lm else x
+        """(n, H) -> (n, V) in the compute dtype, as the CausalLM computes them; the rows in it too,
+        as in transformers' model of that dtype (Zaya's final norm returns fp32 rows)."""
+        x = x.to(self.dtype)
         if self.s["logits"] == "plain":
             return F.linear(x, lm[self._head_w], lm.get(f"{self.s['head']}.bias"))
         h = x[None]

@@ -72,7 +72,7 @@ class SideState:
 
     def shared_in(self, i: int, kwargs: dict) -> tuple[dict, dict]:
         """Layer i's call with the dicts its model shares between layers: (its kwargs, {name: (the
-        dict it gets, the shared one, the entries' ids before the call, its forward's run?)}). The
+        dict it gets, the shared one, its entries before the call, its forward's run?)}). The
         forward's run records what earlier layers wrote there; under autograd layer i gets a copy
         holding those entries as the forward saw them, each tensor a leaf of its own."""
         dicts = {
@@ -98,7 +98,7 @@ class SideState:
                         mine[k] = type(v)(
                             self.passed(i, src, ("shared", n, k, j), t) for j, t in enumerate(v)
                         )
-            given[n] = (mine, d, {k: id(v) for k, v in mine.items()}, first)
+            given[n] = (mine, d, dict(mine), first)  # the entries themselves: an id can be reused
         return kw, given
 
     def shared_out(self, i: int, given: dict) -> None:
@@ -107,7 +107,7 @@ class SideState:
         dict detached, for the layers after it."""
         for n, (mine, shared, before, first) in given.items():
             for k, v in list(mine.items()):
-                if before.get(k) == id(v) or not _tensors(v):
+                if before.get(k) is v or not _tensors(v):
                     continue
                 if first:
                     self.wrote[(n, k)] = i
