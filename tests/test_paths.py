@@ -21,9 +21,7 @@ EXTENSIONS = "py|md|yaml|yml|json|jsonl|sh|cpp|h|toml|svg|png|txt"
 # `docs/data.md`, `horizon_cli/engine/`, `tests/test_pref_*.py`; for a subpackage, .py files and
 # folders only (`data/sft.jsonl` in an example is the user's file, not the package's)
 _SEG = r"[A-Za-z0-9_.*-]+"
-TOP_PATH = re.compile(
-    rf"(?<![\w/.<>-])(?:{'|'.join(TOP)})/(?:{_SEG}/)*(?:{_SEG}\.(?:{EXTENSIONS})\b)?"
-)
+TOP_PATH = re.compile(rf"(?<![\w/.<>-])(?:{'|'.join(TOP)})/(?:{_SEG}/)*(?:{_SEG}\.(?:{EXTENSIONS})\b)?")
 SUB_PATH = re.compile(rf"(?<![\w/.<>-])(?:{'|'.join(SUBPACKAGES)})/(?:{_SEG}/)*{_SEG}\.py\b")
 
 # paths in other projects' trees, named where the docs credit them (same first folder as ours)
