@@ -168,8 +168,11 @@ def test_readme_other_blocks_are_checked():
 
 
 def test_readme_links_one_page_per_topic():
+    """Five minutes to read: the set-up commands early, one page per topic linked."""
     text = README.read_text()
     assert len(text.splitlines()) <= 200
+    setup = next(i for i, line in enumerate(text.splitlines()) if line.startswith("make demo"))
+    assert setup < 30 and "make test" in text.splitlines()[setup + 1]
     for page in ("configs", "data", "alignment", "generation", "parallel", "memory", "architectures"):
         assert f"(docs/{page}.md" in text, page
     for page in ("reliability", "benchmarks", "engine", "store-format", "profile"):
