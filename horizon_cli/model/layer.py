@@ -76,7 +76,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class AttnContext:
     """Per micro-batch tensors every layer shares: RoPE tables and attention masks.
 
-    masks maps a window (None = full attention) to its mask (engine/attend.py: a bool (b, 1, T, T)
+    masks maps a window (None = full attention) to its mask (model/attend.py: a bool (b, 1, T, T)
     tensor, True = attend, or a flex block mask), or to None when plain causal attention is exact.
     cache: generation's KV cache (a transformers Cache: each layer appends its K/V and attends to
     all of them; masks are then (b, 1, T, S) over the S cached positions), or None.

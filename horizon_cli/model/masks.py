@@ -2,7 +2,7 @@
 
 No mask when plain causal attention is exact (no packing, no window shorter than T): SDPA's
 fused causal path. Otherwise a flex block mask on CUDA and a dense bool mask on the CPU
-(engine/attend.py says why).
+(model/attend.py says why).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The device fit check: before anything is loaded, the device plan against the device's free memory.
 
 An oversized micro-batch would otherwise fail as an out-of-memory error in the middle of the
-first step, after minutes of loading. On CUDA the plan's device bytes (engine/plan.py) are
+first step, after minutes of loading. On CUDA the plan's device bytes (planning/memory.py) are
 compared with what `cudaMemGetInfo` reports free, less a reserve for what the plan does not
 count (cuBLAS workspaces, kernels' scratch, allocator rounding). On the CPU the device's buffers
 are host RAM, and the host check (train/run.py `fits`) already counts them.

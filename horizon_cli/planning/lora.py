@@ -4,7 +4,7 @@ Host: the base's streaming copy only (bf16: 2 B/param; NF4 layers: 0.5 B/param p
 scales, embedding and head in the compute dtype), and per adapter parameter the state of a trained
 unit (streaming copy, bf16 master remainder, AdamW moments, gradient). Device: `prefetch` layer
 buffers (packed bytes for NF4) and one dequantized layer, a layer's adapters with each buffer,
-their fp32 gradient accumulators, and the activations as in full fine-tuning (engine/plan.py).
+their fp32 gradient accumulators, and the activations as in full fine-tuning (planning/memory.py).
 
 With `world` ranks the frozen base is sharded as full fine-tuning's state is (a rank's host holds
 the largest piece of every unit's streaming bytes; the device all-gathers whole layers), while the

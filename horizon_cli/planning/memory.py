@@ -197,7 +197,7 @@ def memory_plan(
     world: int = 1,
     per_node: int = 1,
 ) -> MemoryPlan:
-    """Full fine-tuning, memory: exact | lean (LoRA runs: engine/lora_plan.py), one rank's."""
+    """Full fine-tuning, memory: exact | lean (LoRA runs: planning/lora.py), one rank's."""
     item = ITEM[dtype]
     lays = {lay.name: lay for lay in layouts(spec)}
     params = sum(lay.params for lay in lays.values())
@@ -278,7 +278,7 @@ def sharded_device(
 
 def trained_host(lays: dict, dtype: str, gitem: int, memory: str, world: int = 1) -> dict[str, int]:
     """Host state of full fine-tuning, one rank's pieces: exact (fp32 master + moments) or lean
-    (engine/host.py)."""
+    (state/host.py)."""
     item = ITEM[dtype]
     numel = sum(piece(lay.numel, world) for lay in lays.values())
     embed = piece(lays["embed"].numel, world)

@@ -1,7 +1,7 @@
 """Saving and restoring the engine's training state as a checkpoint (the on-disk definition,
 checks, pruning and sweeping live beside the store, in store/checkpoint.py).
 
-    state/<unit>.<buf>.bin   raw optimizer state (engine/host.py): exact `lo` (bf16 runs: the fp32
+    state/<unit>.<buf>.bin   raw optimizer state (state/host.py): exact `lo` (bf16 runs: the fp32
                              master's low half), `m`, `v`; lean `lo8`, `qm`, `qw`, `sm`, `sw` (and
                              the exact kind's, packed, for its 1-D tensors)
     state/trainer.json       step, optimizer step count, RNG, model fingerprint, ...
