@@ -18,17 +18,21 @@ which leaves the next hidden input depends on.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from ..errors import InputError
 from .capture import hidden_of
-from .generic_arch import Stack
+from .generic_arch import GenericArch, Stack
 
-if TYPE_CHECKING:
-    from .spec import ArchSpec
+
+class Layered(Protocol):
+    """What `spec_sequence` reads of an ArchSpec (arch.spec imports this module)."""
+
+    n_layers: int
+    generic: GenericArch | None
 
 
 def is_loop(calls: Sequence[int]) -> bool:
@@ -42,7 +46,7 @@ def sequence(s: Stack | None, n_layers: int) -> list[int]:
     return calls if calls and is_loop(calls) else list(range(n_layers))
 
 
-def spec_sequence(spec: ArchSpec) -> list[int]:
+def spec_sequence(spec: Layered) -> list[int]:
     """`sequence` of an ArchSpec (native: every layer once)."""
     g = spec.generic
     return sequence(g.model if g is not None else None, spec.n_layers)
