@@ -2,8 +2,8 @@
 
 For a causal LM without a native functional layer, `generic_spec` builds the class the config
 names (`architectures`, else transformers' causal-LM mapping) on the meta device (no memory, no
-weights), observes its forward once (arch.probe) and records, as plain data in the store's
-manifest:
+weights), observes its forward once (arch.probe) and records, as typed frozen data
+(arch.generic_arch.GenericArch, which the store's manifest holds as JSON with a version):
 
   model   where the pieces are and how the forward runs around the layers (arch.probe: stack,
           owner, embedding, head, the modules before and after the layers, the logits mode,
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -142,10 +142,9 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     placed = {k: (v, follows.get(k)) for k, v in parts.items()}  # name -> (its parts, the one it follows)
     groups = _groups(model, s, mem, embed_name, head_weight, tied)
     trained = {n for n, _ in every}
-    prefix_rows = [_entry("@" + n, n, mem, placed, n in trained) for n in groups["prefix"]]
+    prefix_rows = [_entry("@" + n, n, mem, placed, n in trained) for n in groups.prefix]
     head_rows = [
-        _entry("lm_head" if n == head_weight else "@" + n, n, mem, placed, n in trained)
-        for n in groups["head"]
+        _entry("lm_head" if n == head_weight else "@" + n, n, mem, placed, n in trained) for n in groups.head
     ]
     units = Units(
         embed=_grouped([_entry("embed", embed_name, mem, placed, True)], where),
@@ -154,7 +153,7 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     stack = s.stack
     kinds, layer_kinds = _layer_kinds(layers, stack, mem, placed, s.calls[0], prefix_rows, where)
     kinds = _mark_integers(model, kinds, layer_kinds)
-    carried = tuple(p.hf for n in groups["carried"] for p in placed[n][0])
+    carried = tuple(p.hf for n in groups.carried for p in placed[n][0])
     return GenericArch(
         config=cfg,
         cls=cls.__name__,
@@ -182,30 +181,37 @@ def _recurrent(layers) -> tuple[str, ...]:
     )
 
 
-def _groups(
-    model, s: Stack, mem: dict, embed_name: str, head_weight: str, tied: bool
-) -> dict[str, list[str]]:
+@dataclass
+class _Groups:
+    """The model-level tensors by where they go (module doc), in-memory names."""
+
+    prefix: list[str] = field(default_factory=list)  # the first layer's unit
+    head: list[str] = field(default_factory=list)
+    carried: list[str] = field(default_factory=list)
+
+
+def _groups(model, s: Stack, mem: dict, embed_name: str, head_weight: str, tied: bool) -> _Groups:
     """Which unit each model-level tensor belongs to (module doc); layers are taken by prefix."""
     stack, owner = s.stack + ".", s.owner + "."
     prefix_mods = [p + "." for p in s.prefix]  # the embedding module's own others too (Inkling's norm)
     suffix_mods = [p + "." for p in s.suffix]
     head_mod = s.head + "."
-    out: dict[str, list[str]] = {"prefix": [], "head": [], "carried": []}
+    out = _Groups()
     for n in mem:
         if n == embed_name or n.startswith(stack):
             continue
         own = n.startswith(owner) and "." not in n[len(owner) :]  # the owner's own (Zaya's input bias)
         if own or n.startswith(tuple(prefix_mods)):
-            out["prefix"].append(n)
+            out.prefix.append(n)
         elif n.startswith(tuple(suffix_mods)) or n.startswith(head_mod):
-            out["head"].append(n)
+            out.head.append(n)
         elif not n.startswith(s.base + ".") and s.logits == "forward":
-            out["head"].append(n)  # the CausalLM's own code after its base model uses it
+            out.head.append(n)  # the CausalLM's own code after its base model uses it
         else:
-            out["carried"].append(n)  # towers, projectors, modules the text forward never calls
-    if not tied and head_weight in out["head"]:  # the LM head's weight last, as "lm_head"
-        out["head"].remove(head_weight)
-        out["head"].append(head_weight)
+            out.carried.append(n)  # towers, projectors, modules the text forward never calls
+    if not tied and head_weight in out.head:  # the LM head's weight last, as "lm_head"
+        out.head.remove(head_weight)
+        out.head.append(head_weight)
     return out
 
 
