@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .generic_arch import Crossing
+from .generic_arch import Crossing, How
 
 
 def grad_tensors(v) -> bool:
@@ -32,7 +32,7 @@ def side_inputs(events: list[tuple], where: str) -> tuple[Crossing, ...]:
         if not i:
             continue
         _, args, kwargs = ev[3]
-        slots = [("arg", j + 1, v) for j, v in enumerate(args[1:])]
+        slots: list[tuple[How, int | str, object]] = [("arg", j + 1, v) for j, v in enumerate(args[1:])]
         slots += [("kw", k, v) for k, v in kwargs.items()]
         for how, key, v in slots:
             if not grad_tensors(v) or (not args and key == "hidden_states"):

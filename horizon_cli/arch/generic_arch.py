@@ -20,11 +20,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 VERSION = 1  # 0: the same JSON without a version (stores converted before it)
 
 Dim = int | str  # a boundary dim: "b" (rows), "T" (tokens) or a size
+How = Literal["arg", "kw"]  # a layer argument by position or by keyword
+Logits = Literal["plain", "forward"]  # the head module's output, or the CausalLM's forward per chunk
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class Crossing:
     goes to the next layer's argument `key`."""
 
     at: int
-    how: str  # "arg" | "kw"
+    how: How
     key: int | str
 
     @staticmethod
@@ -218,7 +220,7 @@ class Stack(Record):
     returns: int
     calls: tuple[int, ...]
     owner_kwargs: tuple[str, ...]
-    logits: str
+    logits: Logits
     forwarded: tuple[int, ...] = ()
     passes: tuple[Crossing, ...] = ()
     side: tuple[Crossing, ...] = ()

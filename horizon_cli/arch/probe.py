@@ -32,7 +32,7 @@ from torch import nn
 from ..errors import InputError
 from .capture import Stop, head_stub, hidden_of, recorders
 from .crossing import side_inputs, side_width
-from .generic_arch import Crossing, Stack
+from .generic_arch import Crossing, Logits, Stack
 from .loop import is_loop, junctions
 from .stack import find_stack, path_of
 
@@ -340,7 +340,7 @@ def _returned(layer_event):
     return layer_event[2]
 
 
-def _logits_mode(model: nn.Module, base: str, head: nn.Module, where: str) -> str:
+def _logits_mode(model: nn.Module, base: str, head: nn.Module, where: str) -> Logits:
     """'plain' when the CausalLM's logits are its head's output, 'forward' when its forward does
     more (scaling, soft-capping, slicing)."""
     H = _config(model).get_text_config().hidden_size
