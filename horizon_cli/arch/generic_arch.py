@@ -332,7 +332,9 @@ class GenericArch(Record):
         """Any manifest form (module doc); ValueError for one written by a newer horizon."""
         version = d.get("version", 0)
         if not isinstance(version, int) or not 0 <= version <= VERSION:
-            raise ValueError(f"generic architecture version {version!r} (this horizon reads 0 to {VERSION})")
+            raise ValueError(
+                f"arch.generic.version {version!r}: this horizon reads versions 0 to {VERSION} (a newer one wrote it?)"
+            )
         model, moe = d.get("model"), d.get("moe")
         units = d["units"]
         return GenericArch(
