@@ -38,19 +38,19 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
                 f"{len(calls)} calls: {' '.join(map(str, calls))} (2 loads each per step)",
             )
         )
-    moe = (a.generic or {}).get("moe")
+    moe = a.generic.moe if a.generic is not None else None
     if moe:
         rows += [
             (
                 "experts",
-                f"{moe['n_experts']} per routed layer, top-{moe['top_k']}, {len(moe['layers'])} of {a.n_layers} layers routed",
+                f"{moe.n_experts} per routed layer, top-{moe.top_k}, {len(moe.layers)} of {a.n_layers} layers routed",
             ),
             ("  dense / experts", f"{split['dense']:,} / {split['experts']:,}"),
             ("  active per token", f"{split['active']:,}"),
             (
                 "  aux loss",
-                f"on (coef {moe['aux_coef']})"
-                if moe["aux_coef"] is not None
+                f"on (coef {moe.aux_coef})"
+                if moe.aux_coef is not None
                 else "off (config.json: output_router_logits)",
             ),
         ]
@@ -125,7 +125,7 @@ def _path(a) -> str:
     if a.generic is None:
         return "native (horizon's functional layer)"
     g = a.generic
-    return f"generic: transformers' {g['layer_class']} ({g['family']}, {g['attn']} attention)"
+    return f"generic: transformers' {g.layer_class} ({g.family}, {g.attn} attention)"
 
 
 def _flags(a) -> str:
@@ -162,34 +162,34 @@ def _kernels() -> str:
 def _generic_flags(a) -> str:
     g = a.generic
     flags = []
-    s = g.get("model") or {}
-    before = [p.rsplit(".", 1)[-1] for p in s.get("prefix", []) if p != s.get("embed")]
+    s = g.model
+    before = [p.rsplit(".", 1)[-1] for p in s.prefix if p != s.embed] if s is not None else []
     if before:
         flags.append("before the layers: " + ", ".join(before))
-    if s.get("logits") == "forward":
-        flags.append(f"logits by {g.get('class', 'the CausalLM')}'s own forward")
-    if g.get("embed_scale"):  # stores written before the probe
-        flags.append(f"embedding x {g['embed_scale']:.4g}")
-    if g.get("softcap"):
-        flags.append(f"logit soft-cap {g['softcap']}")
+    if s is not None and s.logits == "forward":
+        flags.append(f"logits by {g.cls or 'the CausalLM'}'s own forward")
+    if g.embed_scale:  # stores written before the probe
+        flags.append(f"embedding x {g.embed_scale:.4g}")
+    if g.softcap:
+        flags.append(f"logit soft-cap {g.softcap}")
     windows = sorted({w for w in a.windows if w})
     if windows:
         flags.append(f"sliding window {windows[0]} on {sum(1 for w in a.windows if w)} layers")
-    if s.get("boundary"):
-        flags.append(f"residual streams between layers ({', '.join(map(str, s['boundary']))})")
-    kinds = len(g["kinds"])
+    if g.boundary:
+        flags.append(f"residual streams between layers ({', '.join(map(str, g.boundary))})")
+    kinds = len(g.kinds)
     if kinds > 1:
         flags.append(f"{kinds} layer kinds")
-    frozen = sum(1 for k in g["layer_kinds"] for e in g["kinds"][k] if not e["trainable"])
+    frozen = sum(1 for k in g.layer_kinds for e in g.kinds[k] if not e.trainable)
     if frozen:
         flags.append(f"{frozen} frozen buffers")
-    skipped = len(g["layer_kinds"]) - len(s.get("calls", g["layer_kinds"]))
+    skipped = len(g.layer_kinds) - (len(s.calls) if s is not None else len(g.layer_kinds))
     if skipped:
         flags.append(f"{skipped} layers the text forward skips")
-    if g.get("carried"):
-        flags.append(f"{len(g['carried'])} tensors carried untouched (not the language model)")
-    if g.get("recurrent"):
-        flags.append(f"recurrent layers ({', '.join(g['recurrent'][:3])}; packing refused; {_kernels()})")
+    if g.carried:
+        flags.append(f"{len(g.carried)} tensors carried untouched (not the language model)")
+    if g.recurrent:
+        flags.append(f"recurrent layers ({', '.join(g.recurrent[:3])}; packing refused; {_kernels()})")
     return ", ".join(flags) or "none"
 
 

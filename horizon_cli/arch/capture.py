@@ -109,12 +109,12 @@ def rows_embedding(emb: nn.Module, rows: torch.Tensor) -> Iterator[None]:
             raise RuntimeError(f"embedding called with ids {tuple(ids.shape)}, rows are for {(b, T)}")
         index = torch.arange(b * T, device=rows.device).view(b, T)
         pad = getattr(emb, "padding_idx", None)
-        emb.padding_idx = None
+        setattr(emb, "padding_idx", None)  # noqa: B010 (nn.Module's attribute typing says Tensor | Module)
         try:
             with _reparametrize_module(emb, {"weight": rows.reshape(b * T, -1)}):
                 return type(emb).forward(emb, index, *args, **kwargs)
         finally:
-            emb.padding_idx = pad
+            setattr(emb, "padding_idx", pad)  # noqa: B010
 
     emb.forward = forward
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
+from .generic_arch import Crossing, How
 
 
 def grad_tensors(v) -> bool:
@@ -22,16 +23,16 @@ def grad_tensors(v) -> bool:
     return False
 
 
-def side_inputs(events: list[tuple], where: str) -> list[list]:
+def side_inputs(events: list[tuple], where: str) -> tuple[Crossing, ...]:
     """Where layers after the first take tensors computed from trained weights before the layers
     (Gemma 4's per-layer inputs, Zamba's embedding output): [layer, "arg", j] / [layer, "kw", name].
     The template gives each its gradient back (model.generic); one inside a container cannot be."""
-    side: list[list] = []
+    side: list[Crossing] = []
     for i, ev in enumerate(x for x in events if x[0] == "layer"):
         if not i:
             continue
         _, args, kwargs = ev[3]
-        slots = [("arg", j + 1, v) for j, v in enumerate(args[1:])]
+        slots: list[tuple[How, int | str, object]] = [("arg", j + 1, v) for j, v in enumerate(args[1:])]
         slots += [("kw", k, v) for k, v in kwargs.items()]
         for how, key, v in slots:
             if not grad_tensors(v) or (not args and key == "hidden_states"):
@@ -42,17 +43,17 @@ def side_inputs(events: list[tuple], where: str) -> list[list]:
                     f"{where}: layer {ev[1]} receives {what}, a {type(v).__name__} of tensors computed from "
                     "trained weights before the layers (crossing layers besides the hidden state): not supported"
                 )
-            side.append([ev[1], how, key])
-    return side
+            side.append(Crossing(ev[1], how, key))
+    return tuple(side)
 
 
-def side_width(events: list[tuple], side: list[list], tokens: int) -> int:
+def side_width(events: list[tuple], side: tuple[Crossing, ...], tokens: int) -> int:
     """Elements per token of the distinct side tensors (planning.memory: they stay on the device
     for the step, with their gradients)."""
     calls = {e[1]: e[3] for e in events if e[0] == "layer"}
     seen: dict[int, int] = {}
-    for i, how, key in side:
-        _, args, kwargs = calls[i]
-        v = args[key] if how == "arg" else kwargs[key]
+    for c in side:
+        _, args, kwargs = calls[c.at]
+        v = args[c.key] if c.how == "arg" else kwargs[c.key]
         seen[id(v)] = v.numel() // tokens
     return sum(seen.values())

@@ -119,7 +119,8 @@ def refuse_packing(packing: bool, spec) -> None:
     """InputError when packed rows would meet recurrent layers (Mamba, Gated DeltaNet, short
     convolutions): transformers resets no recurrent state at a document boundary, so one packed
     document would leak into the next (a measured 0.028 logit difference on Qwen3-Next)."""
-    rec = (getattr(spec, "generic", None) or {}).get("recurrent") or []
+    g = getattr(spec, "generic", None)
+    rec = list(g.recurrent) if g is not None else []
     if packing and rec:
         raise InputError(
             f"data.packing: {spec.family}'s layers carry a recurrent state ({', '.join(rec[:3])}) that "

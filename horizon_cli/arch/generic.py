@@ -2,8 +2,8 @@
 
 For a causal LM without a native functional layer, `generic_spec` builds the class the config
 names (`architectures`, else transformers' causal-LM mapping) on the meta device (no memory, no
-weights), observes its forward once (arch.probe) and records, as plain data in the store's
-manifest:
+weights), observes its forward once (arch.probe) and records, as typed frozen data
+(arch.generic_arch.GenericArch, which the store's manifest holds as JSON with a version):
 
   model   where the pieces are and how the forward runs around the layers (arch.probe: stack,
           owner, embedding, head, the modules before and after the layers, the logits mode,
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ import torch
 from ..errors import InputError
 from .disk import place
 from .exceptions import refuse_config, refuse_layers, refuse_shared
+from .generic_arch import DiskPart, GenericArch, Moe, Stack, Table, TensorRow, Units
 from .loop import is_loop
 from .probe import probe
 from .workset import measure
@@ -106,12 +108,12 @@ def meta_model(cfg_dict: dict, attn: str | None = None, cls_name: str | None = N
     return model.eval()
 
 
-def stored_model(g: dict, dtype=None):
+def stored_model(g: GenericArch, dtype=None):
     """The meta-device model of a store's generic description (its class, config, attention)."""
-    return meta_model(g["config"], g["attn"], g.get("class"), dtype)
+    return meta_model(dict(g.config), g.attn, g.cls, dtype)
 
 
-def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
+def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None = None) -> GenericArch:
     """The `generic` block of an ArchSpec (see module doc). `disk`: the checkpoint's tensor names
     and shapes (None: a config-only description, assuming the in-memory layout)."""
     refuse_config(cfg, where)
@@ -119,19 +121,19 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     attn = attn_implementation(cls)
     model = meta_model(cfg, attn, cls.__name__)
     s = probe(model, where)
-    layers = list(model.get_submodule(s["stack"]))
-    refuse_layers(layers, s["calls"], cls.__name__, where)
+    layers = list(model.get_submodule(s.stack))
+    refuse_layers(layers, list(s.calls), cls.__name__, where)
     moe = _moe(model, layers, where)
-    if moe and is_loop(s["calls"]):
+    if moe and is_loop(s.calls):
         raise InputError(
-            f"{where}: {s['owner']} runs routed (MoE) layers in a loop: router statistics per call are not supported"
+            f"{where}: {s.owner} runs routed (MoE) layers in a loop: router statistics per call are not supported"
         )
-    refuse_shared(model, s["stack"], where)
+    refuse_shared(model, s.stack, where)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head.weight is emb.weight
     every = list(model.named_parameters(remove_duplicate=False))
     embed_name = next(n for n, p in every if p is emb.weight)
-    head_weight = f"{s['head']}.weight"
+    head_weight = f"{s.head}.weight"
     mem = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if tied:
         mem.pop(head_weight, None)
@@ -140,72 +142,82 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     placed = {k: (v, follows.get(k)) for k, v in parts.items()}  # name -> (its parts, the one it follows)
     groups = _groups(model, s, mem, embed_name, head_weight, tied)
     trained = {n for n, _ in every}
-    prefix_rows = [_entry("@" + n, n, mem, placed, n in trained) for n in groups["prefix"]]
-    units = {
-        "embed": _grouped([_entry("embed", embed_name, mem, placed, True)], where),
-        "head": _grouped(
-            sorted(
-                [
-                    _entry("lm_head" if n == head_weight else "@" + n, n, mem, placed, n in trained)
-                    for n in groups["head"]
-                ],
-                key=lambda r: not r["trainable"],
-            ),
-            where,
-        ),
-    }
-    stack = s["stack"]
-    kinds, layer_kinds = _layer_kinds(layers, stack, mem, placed, s["calls"][0], prefix_rows, where)
-    _mark_integers(model, kinds, layer_kinds)
-    carried = [p.hf for n in groups["carried"] for p in placed[n][0]]
-    return {
-        "config": cfg,
-        "class": cls.__name__,
-        "attn": attn,
-        "family": type(model).__name__,
-        "layer_class": type(layers[s["calls"][0]]).__name__,
-        "prefix": stack + ".",
-        "model": s,
-        "units": units,
-        "kinds": kinds,
-        "layer_kinds": layer_kinds,
-        "carried": carried,
-        "moe": moe,
-        "recurrent": sorted(
+    prefix_rows = [_entry("@" + n, n, mem, placed, n in trained) for n in groups.prefix]
+    head_rows = [
+        _entry("lm_head" if n == head_weight else "@" + n, n, mem, placed, n in trained) for n in groups.head
+    ]
+    units = Units(
+        embed=_grouped([_entry("embed", embed_name, mem, placed, True)], where),
+        head=_grouped(sorted(head_rows, key=lambda r: not r.trainable), where),
+    )
+    stack = s.stack
+    kinds, layer_kinds = _layer_kinds(layers, stack, mem, placed, s.calls[0], prefix_rows, where)
+    kinds = _mark_integers(model, kinds, layer_kinds)
+    carried = tuple(p.hf for n in groups.carried for p in placed[n][0])
+    return GenericArch(
+        config=cfg,
+        cls=cls.__name__,
+        attn=attn,
+        family=type(model).__name__,
+        layer_class=type(layers[s.calls[0]]).__name__,
+        prefix=stack + ".",
+        model=s,
+        units=units,
+        kinds=kinds,
+        layer_kinds=tuple(layer_kinds),
+        carried=carried,
+        moe=moe,
+        recurrent=_recurrent(layers),
+        workset=measure(model.get_submodule(s.owner), layers, s, layer_kinds, RECURRENT),
+    )
+
+
+def _recurrent(layers) -> tuple[str, ...]:
+    """The recurrent / linear-attention module classes in the layers, by name."""
+    return tuple(
+        sorted(
             {type(m).__name__ for la in layers for m in la.modules() if RECURRENT.search(type(m).__name__)}
-        ),
-        "workset": measure(model.get_submodule(s["owner"]), layers, s, layer_kinds, RECURRENT),
-    }
+        )
+    )
 
 
-def _groups(model, s: dict, mem: dict, embed_name: str, head_weight: str, tied: bool) -> dict[str, list[str]]:
+@dataclass
+class _Groups:
+    """The model-level tensors by where they go (module doc), in-memory names."""
+
+    prefix: list[str] = field(default_factory=list)  # the first layer's unit
+    head: list[str] = field(default_factory=list)
+    carried: list[str] = field(default_factory=list)
+
+
+def _groups(model, s: Stack, mem: dict, embed_name: str, head_weight: str, tied: bool) -> _Groups:
     """Which unit each model-level tensor belongs to (module doc); layers are taken by prefix."""
-    stack, owner = s["stack"] + ".", s["owner"] + "."
-    prefix_mods = [p + "." for p in s["prefix"]]  # the embedding module's own others too (Inkling's norm)
-    suffix_mods = [p + "." for p in s["suffix"]]
-    head_mod = s["head"] + "."
-    out: dict[str, list[str]] = {"prefix": [], "head": [], "carried": []}
+    stack, owner = s.stack + ".", s.owner + "."
+    prefix_mods = [p + "." for p in s.prefix]  # the embedding module's own others too (Inkling's norm)
+    suffix_mods = [p + "." for p in s.suffix]
+    head_mod = s.head + "."
+    out = _Groups()
     for n in mem:
         if n == embed_name or n.startswith(stack):
             continue
         own = n.startswith(owner) and "." not in n[len(owner) :]  # the owner's own (Zaya's input bias)
         if own or n.startswith(tuple(prefix_mods)):
-            out["prefix"].append(n)
+            out.prefix.append(n)
         elif n.startswith(tuple(suffix_mods)) or n.startswith(head_mod):
-            out["head"].append(n)
-        elif not n.startswith(s["base"] + ".") and s["logits"] == "forward":
-            out["head"].append(n)  # the CausalLM's own code after its base model uses it
+            out.head.append(n)
+        elif not n.startswith(s.base + ".") and s.logits == "forward":
+            out.head.append(n)  # the CausalLM's own code after its base model uses it
         else:
-            out["carried"].append(n)  # towers, projectors, modules the text forward never calls
-    if not tied and head_weight in out["head"]:  # the LM head's weight last, as "lm_head"
-        out["head"].remove(head_weight)
-        out["head"].append(head_weight)
+            out.carried.append(n)  # towers, projectors, modules the text forward never calls
+    if not tied and head_weight in out.head:  # the LM head's weight last, as "lm_head"
+        out.head.remove(head_weight)
+        out.head.append(head_weight)
     return out
 
 
 def _entry(
     name: str, hf: str, mem: dict, parts: dict, trainable: bool, layer: tuple[str, int] | None = None
-) -> dict:
+) -> TensorRow:
     """One tensor of a unit's table: its name for the engine, in-memory name, shape, and the disk
     tensors that fill it (`parts`: memory name -> (parts, the tensor it follows or None)). The
     second and later tensors of a group (arch.disk: a split of one disk tensor) name the one they
@@ -216,38 +228,36 @@ def _entry(
         return s if layer is None else _templ(s, layer, disk)
 
     placed, after = parts[hf]
-    out = {
-        "name": name,
-        "hf": tmpl(hf, False),
-        "shape": list(mem[hf]),
-        "trainable": trainable,
-        "parts": [{"hf": tmpl(p.hf, True), "shape": list(p.shape), "at": p.at} for p in placed],
-    }
-    if after is not None:
-        out["after"] = tmpl(after, False)
-    return out
+    return TensorRow(
+        name=name,
+        hf=tmpl(hf, False),
+        shape=tuple(mem[hf]),
+        trainable=trainable,
+        parts=tuple(DiskPart(tmpl(p.hf, True), tuple(p.shape), p.at) for p in placed),
+        after=None if after is None else tmpl(after, False),
+    )
 
 
-def _grouped(rows: list[dict], where: str) -> list[dict]:
+def _grouped(rows: list[TensorRow], where: str) -> Table:
     """The rows with each group's tensors together, in its order (after its first tensor's place)."""
-    nxt = {r["after"]: r for r in rows if "after" in r}
-    out = []
+    nxt = {r.after: r for r in rows if r.after is not None}
+    out: list[TensorRow] = []
     for r in rows:
-        if "after" in r:
+        if r.after is not None:
             continue
         out.append(r)
-        while out[-1]["hf"] in nxt:
-            prev, out_r = out[-1], nxt[out[-1]["hf"]]
-            if out_r["trainable"] != prev["trainable"]:
+        while out[-1].hf in nxt:
+            prev, out_r = out[-1], nxt[out[-1].hf]
+            if out_r.trainable != prev.trainable:
                 raise InputError(
-                    f"{where}: {prev['hf']} and {out_r['hf']} come from one checkpoint tensor, but only "
+                    f"{where}: {prev.hf} and {out_r.hf} come from one checkpoint tensor, but only "
                     "one of them is a parameter (the store cannot hold it)"
                 )
             out.append(out_r)
     if len(out) != len(rows):
         lost = next(r for r in rows if r not in out)
-        raise InputError(f"{where}: {lost['hf']} comes from a checkpoint tensor another unit holds")
-    return out
+        raise InputError(f"{where}: {lost.hf} comes from a checkpoint tensor another unit holds")
+    return tuple(out)
 
 
 def _templ(name: str, layer: tuple[str, int], disk: bool) -> str:
@@ -267,12 +277,12 @@ def _templ(name: str, layer: tuple[str, int], disk: bool) -> str:
 
 
 def _layer_kinds(
-    layers, stack: str, mem: dict, parts: dict, first: int, prefix_rows: list, where: str
-) -> tuple[dict, list]:
+    layers, stack: str, mem: dict, parts: dict, first: int, prefix_rows: list[TensorRow], where: str
+) -> tuple[dict[str, Table], list[str]]:
     """Per-layer tables, deduplicated into kinds ('k0', 'k1', ... in order of first use); the first
     layer the forward calls also holds the tensors used before it (prefix_rows, by full name)."""
-    kinds: dict[str, list] = {}
-    keys: dict[str, str] = {}
+    kinds: dict[str, Table] = {}
+    keys: dict[Table, str] = {}
     layer_kinds = []
     for i, layer in enumerate(layers):
         params = [n for n, _ in layer.named_parameters()]
@@ -283,29 +293,30 @@ def _layer_kinds(
         ]
         if i == first:
             rows += prefix_rows
-        rows.sort(key=lambda r: not r["trainable"])  # frozen tensors last: the optimizer stops before them
-        rows = _grouped(rows, where)
-        key = repr(rows)
-        if key not in keys:
-            keys[key] = f"k{len(kinds)}"
-            kinds[keys[key]] = rows
-        layer_kinds.append(keys[key])
+        rows.sort(key=lambda r: not r.trainable)  # frozen tensors last: the optimizer stops before them
+        table = _grouped(rows, where)
+        if table not in keys:
+            keys[table] = f"k{len(kinds)}"
+            kinds[keys[table]] = table
+        layer_kinds.append(keys[table])
     return kinds, layer_kinds
 
 
-def _mark_integers(model, kinds: dict, layer_kinds: list) -> None:
+def _mark_integers(model, kinds: dict[str, Table], layer_kinds: list[str]) -> dict[str, Table]:
     """A layer's integer buffers (DeepSeek-V4's frozen token -> expert table `tid2eid`) get their
     dtype in the table: the store's float units hold their values (small integers, exactly: convert
     checks), the layer gets them back in that dtype, export writes them in it."""
     ints = {k: str(v.dtype).removeprefix("torch.") for k, v in model.state_dict().items()}
+    out = {k: list(rows) for k, rows in kinds.items()}
     for i, k in enumerate(layer_kinds):
-        for e in kinds[k]:
-            dtype = ints.get(e["hf"].replace("{i}", str(i)), "float32")
+        for j, e in enumerate(out[k]):
+            dtype = ints.get(e.hf.replace("{i}", str(i)), "float32")
             if not getattr(torch, dtype).is_floating_point and dtype != "bool":
-                e["dtype"] = dtype
+                out[k][j] = replace(e, dtype=dtype)
+    return {k: tuple(rows) for k, rows in out.items()}
 
 
-def _moe(model, layers, where: str) -> dict | None:
+def _moe(model, layers, where: str) -> Moe | None:
     """Routing facts from the model: which layers route, over how many experts, top-k, and the
     auxiliary loss coefficient when the CausalLM would add it (None when off)."""
     rec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
@@ -331,14 +342,7 @@ def _moe(model, layers, where: str) -> dict | None:
             )
         aux = float(model.router_aux_loss_coef)
     assert cls is not None
-    return {
-        "router": cls.__name__,
-        "logits_index": int(index or 0),
-        "n_experts": int(n),
-        "top_k": int(top_k),
-        "layers": routed,
-        "aux_coef": aux,
-    }
+    return Moe(cls.__name__, int(index or 0), int(n), int(top_k), tuple(routed), aux)
 
 
 def _conf_int(conf, keys: tuple[str, ...]) -> int | None:

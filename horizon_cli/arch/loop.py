@@ -17,36 +17,45 @@ which leaves the next hidden input depends on.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from ..errors import InputError
 from .capture import hidden_of
+from .generic_arch import GenericArch, Stack
 
 
-def is_loop(calls: list[int]) -> bool:
-    return len(set(calls)) != len(calls) or calls != sorted(calls)
+class Layered(Protocol):
+    """What `spec_sequence` reads of an ArchSpec (arch.spec imports this module)."""
+
+    n_layers: int
+    generic: GenericArch | None
 
 
-def sequence(s: dict | None, n_layers: int) -> list[int]:
+def is_loop(calls: Sequence[int]) -> bool:
+    return len(set(calls)) != len(calls) or list(calls) != sorted(calls)
+
+
+def sequence(s: Stack | None, n_layers: int) -> list[int]:
     """The layer of each call the engine runs: the probe's calls for a loop, else every layer in
     order (a layer the owner skips passes its input through, model.generic)."""
-    calls = list((s or {}).get("calls") or [])
+    calls = list(s.calls) if s is not None else []
     return calls if calls and is_loop(calls) else list(range(n_layers))
 
 
-def spec_sequence(spec) -> list[int]:
+def spec_sequence(spec: Layered) -> list[int]:
     """`sequence` of an ArchSpec (native: every layer once)."""
     g = spec.generic
-    return sequence(g.get("model") if g else None, spec.n_layers)
+    return sequence(g.model if g is not None else None, spec.n_layers)
 
 
 def junctions(
     run: Callable[[dict | None], list], owner: nn.Module, stack: str, where: str
-) -> dict[str, list[int]]:
-    """{call (as a string, JSON keys): the earlier calls whose outputs its hidden input reads} for
+) -> dict[int, tuple[int, ...]]:
+    """{call: the earlier calls whose outputs its hidden input reads} for
     every call whose input is not simply the previous call's output. run(outputs): the owner's
     meta forward with recorders returning outputs[k] from call k (arch.probe), its call log."""
     name = type(owner).__name__
@@ -58,7 +67,7 @@ def junctions(
     log = run(outs)
     cut = stack.rpartition(".")[2] + "."
     weights = [(n, p) for n, p in owner.named_parameters() if p.requires_grad and not n.startswith(cut)]
-    found: dict[str, list[int]] = {}
+    found: dict[int, tuple[int, ...]] = {}
     for k in range(1, len(log)):
         i, args, kwargs = log[k]
         h = hidden_of(args, kwargs)
@@ -76,7 +85,7 @@ def junctions(
                 f"{where}: {name} computes the input of call {k} (layer {i}) with its weight {used[0]} "
                 "between the calls of its loop: trained model-level code between layers is not supported"
             )
-        found[str(k)] = [m for m in range(k) if grads[m] is not None]
-        if not found[str(k)]:
+        found[k] = tuple(m for m in range(k) if grads[m] is not None)
+        if not found[k]:
             raise InputError(f"{where}: {name}'s call {k} (layer {i}) reads no layer's output: not supported")
     return found

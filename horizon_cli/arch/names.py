@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, replace
 
 from ..errors import InputError
+from .generic_arch import GenericArch, Moe, Table, TensorRow
 from .spec import ArchSpec
 
 # Tensors that may appear in a checkpoint but carry no parameters we train.
@@ -57,39 +58,30 @@ def layer_tensors(spec: ArchSpec, i: int) -> list[TensorName]:
     return out
 
 
-def generic_table(spec: ArchSpec, unit: str) -> list[dict]:
-    """A generic unit's in-memory tensors: [{name, hf, shape, trainable, parts: [{hf, shape, at}],
-    and `after` for a tensor that shares the region of the one before (arch.disk's groups)}], layer
-    names filled in."""
+def generic_table(spec: ArchSpec, unit: str) -> Table:
+    """A generic unit's in-memory tensors (arch.generic_arch.TensorRow: name, hf, shape, trainable,
+    parts, and `after` for a tensor that shares the region of the one before: arch.disk's
+    groups), layer names filled in."""
     g = spec.generic
     assert g is not None
     if unit in ("embed", "head"):
-        return g["units"][unit]
+        return g.units.of(unit)
     i = int(unit.split(".")[1])
-    fill = str(i)
-    return [
-        {
-            **e,
-            "hf": e["hf"].replace("{i}", fill),
-            "parts": [{**p, "hf": p["hf"].replace("{i}", fill)} for p in e["parts"]],
-            **({"after": e["after"].replace("{i}", fill)} if "after" in e else {}),
-        }
-        for e in g["kinds"][g["layer_kinds"][i]]
-    ]
+    return tuple(e.at_layer(i) for e in g.layer_table(i))
 
 
-def part_name(entry: dict, k: int) -> str:
+def part_name(entry: TensorRow, k: int) -> str:
     """Store name of the k-th checkpoint tensor of an in-memory tensor."""
-    return entry["name"] if len(entry["parts"]) == 1 else f"{entry['name']}[{k}]"
+    return entry.name if len(entry.parts) == 1 else f"{entry.name}[{k}]"
 
 
 def unit_tensors(spec: ArchSpec, unit: str) -> list[TensorName]:
     """The checkpoint tensors a unit holds, in store order."""
     if spec.generic is not None:
         return [
-            TensorName(part_name(e, k), p["hf"], tuple(p["shape"]))
+            TensorName(part_name(e, k), p.hf, p.shape)
             for e in generic_table(spec, unit)
-            for k, p in enumerate(e["parts"])
+            for k, p in enumerate(e.parts)
         ]
     return [_on_disk(spec, t) for t in _native_tensors(spec, unit)]
 
@@ -172,25 +164,25 @@ def param_split(spec: ArchSpec) -> dict[str, int]:
     total = 0
     for u in unit_names(spec):
         total += sum(math.prod(t.shape) for t in unit_tensors(spec, u))
-    experts = expert_params(spec.generic) if spec.generic is not None else 0
-    moe = (spec.generic or {}).get("moe")
-    active = total - experts + (experts * moe["top_k"] // moe["n_experts"] if moe else 0)
+    g = spec.generic
+    experts = expert_params(g) if g is not None else 0
+    moe = g.moe if g is not None else None
+    active = total - experts + (experts * moe.top_k // moe.n_experts if moe else 0)
     return {"dense": total - experts, "experts": experts, "active": active, "total": total}
 
 
-def expert_params(spec_generic: dict) -> int:
+def expert_params(g: GenericArch) -> int:
     """Parameters inside the routed experts (stacked over the expert dimension)."""
-    moe = spec_generic.get("moe")
+    moe = g.moe
     if not moe:
         return 0
-    kinds = spec_generic["kinds"]
     return sum(
-        math.prod(e["shape"]) for k in spec_generic["layer_kinds"] for e in kinds[k] if is_expert(e, moe)
+        math.prod(e.shape) for k in g.layer_kinds for e in g.kinds[k] if is_expert(e.name, e.shape, moe)
     )
 
 
-def is_expert(entry: dict, moe: dict | None) -> bool:
-    shape = entry["shape"]
+def is_expert(name: str, shape: tuple[int, ...], moe: Moe | None) -> bool:
+    """A routed expert tensor: under `experts`, stacked over the expert dimension."""
     if not moe:
         return False
-    return ".experts." in f".{entry['name']}" and len(shape) >= 2 and shape[0] == moe["n_experts"]
+    return ".experts." in f".{name}" and len(shape) >= 2 and shape[0] == moe.n_experts

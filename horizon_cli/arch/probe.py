@@ -32,6 +32,7 @@ from torch import nn
 from ..errors import InputError
 from .capture import Stop, head_stub, hidden_of, recorders
 from .crossing import side_inputs, side_width
+from .generic_arch import Crossing, Logits, Stack
 from .loop import is_loop, junctions
 from .stack import find_stack, path_of
 
@@ -127,27 +128,27 @@ class _Extra:
     """Stands for a layer's extra output in the probe: is it passed on to the next layer?"""
 
 
-def _forwarded(owner, layers, returns: int, watched, names) -> tuple[list[int], list[list]]:
+def _forwarded(owner, layers, returns: int, watched, names) -> tuple[list[int], tuple[Crossing, ...]]:
     """(positions 1, 2, ... of a layer's extra outputs that the owner passes to the next layer —
     all of them when the owner cannot run with stand-ins —, and where the next layer takes each:
     [k, "kw", name] or [k, "arg", index])."""
     if returns < 2:
-        return [], []
+        return [], ()
     marks = tuple(_Extra() for _ in range(returns - 1))
     try:
         events, _ = _record(owner, layers, returns, watched, names, stop_at=1, extras=marks)
     except Exception:  # noqa: BLE001 (the owner computes with them)
-        return list(range(1, returns)), []
+        return list(range(1, returns)), ()
     calls = [e[3] for e in events if e[0] == "layer"]
     if len(calls) < 2:
-        return [], []
+        return [], ()
     _, args, kwargs = calls[1]
-    where: list[list] = [[k + 1, "arg", j] for k, m in enumerate(marks) for j, v in enumerate(args) if v is m]
-    where += [[k + 1, "kw", n] for k, m in enumerate(marks) for n, v in kwargs.items() if v is m]
-    return sorted({int(w[0]) for w in where}), where
+    where = [Crossing(k + 1, "arg", j) for k, m in enumerate(marks) for j, v in enumerate(args) if v is m]
+    where += [Crossing(k + 1, "kw", n) for k, m in enumerate(marks) for n, v in kwargs.items() if v is m]
+    return sorted({w.at for w in where}), tuple(where)
 
 
-def probe(model: nn.Module, where: str) -> dict:
+def probe(model: nn.Module, where: str) -> Stack:
     """The forward's structure (module doc) of a CausalLM built on the meta device."""
     stack = find_stack(model, where)
     owner_path = stack.rpartition(".")[0]
@@ -176,7 +177,7 @@ def probe(model: nn.Module, where: str) -> dict:
         try:
             events, out = _record(owner, layers, returns, watched, names)
             calls = [e[1] for e in events if e[0] == "layer"]
-            res = _chain(events, out, where, type(owner).__name__, boundary, loop=is_loop(calls))
+            prefix, suffix = _chain(events, out, where, type(owner).__name__, boundary, loop=is_loop(calls))
             break
         except Exception as e:  # noqa: BLE001 (another return convention may fit)
             tried.append(e)
@@ -194,35 +195,42 @@ def probe(model: nn.Module, where: str) -> dict:
             f"and returns {tuple(last.shape)}, not (batch, tokens, hidden): its modules after the last layer do "
             "not merge the streams"
         )
-    res["forwarded"], res["passes"] = _forwarded(owner, layers, returns, watched, names)
+    forwarded, passes = _forwarded(owner, layers, returns, watched, names)
+    junction_map = None
     if is_loop(calls):  # arch.loop: the engine runs the calls; the code between them is re-run
-        if res["forwarded"]:
+        if forwarded:
             raise InputError(
                 f"{where}: {type(owner).__name__} passes layer outputs to the next call in a loop: not supported"
             )
-        res["junctions"] = junctions(
+        junction_map = junctions(
             lambda outs: _calls_with(owner, layers, returns, names, outs), owner, stack, where
         )
-    res["side"] = side_inputs(events, where)
-    res["side_width"] = side_width(events, res["side"], T)
-    if res["side"] and is_loop(calls):
+    side = side_inputs(events, where)
+    width = side_width(events, side, T)
+    if side and is_loop(calls):
         raise InputError(
             f"{where}: {type(owner).__name__} gives layers tensors computed before the layers inside a loop: "
             "not supported"
         )
-    res.update(
+    return Stack(
         stack=stack,
         owner=owner_path,
         base=owner_path.split(".")[0],
         embed=emb_path,
         head=head_path,
+        prefix=tuple(prefix),
+        suffix=tuple(suffix),
         returns=returns,
-        calls=calls,
-        owner_kwargs=names,
-        **({"boundary": boundary} if boundary is not None else {}),
+        calls=tuple(calls),
+        owner_kwargs=tuple(names),
         logits=_logits_mode(model, owner_path.split(".")[0], head, where),
+        forwarded=tuple(forwarded),
+        passes=passes,
+        side=side,
+        side_width=width,
+        junctions=junction_map,
+        boundary=None if boundary is None else tuple(boundary),
     )
-    return res
 
 
 def _boundary(owner, layers, watched, names, h0, cfg, where: str) -> list | None:
@@ -252,7 +260,9 @@ def _boundary(owner, layers, watched, names, h0, cfg, where: str) -> list | None
     return form
 
 
-def _chain(events: list[tuple], out, where: str, owner_name: str, boundary=None, loop: bool = False) -> dict:
+def _chain(
+    events: list[tuple], out, where: str, owner_name: str, boundary=None, loop: bool = False
+) -> tuple[list[str], list[str]]:
     """Prefix and suffix modules from the event order; InputError when the stack is not chained
     (a loop: the code between its calls is arch.loop's junctions, without trained weights)."""
     idx = [k for k, e in enumerate(events) if e[0] == "layer"]
@@ -301,7 +311,7 @@ def _chain(events: list[tuple], out, where: str, owner_name: str, boundary=None,
     for e in events[:a]:
         if e[0] == "mod" and e[1] not in prefix:
             prefix.append(e[1])
-    return {"prefix": prefix, "suffix": suffix}
+    return prefix, suffix
 
 
 def _module(events: list[tuple], path: str) -> nn.Module:
@@ -330,7 +340,7 @@ def _returned(layer_event):
     return layer_event[2]
 
 
-def _logits_mode(model: nn.Module, base: str, head: nn.Module, where: str) -> str:
+def _logits_mode(model: nn.Module, base: str, head: nn.Module, where: str) -> Logits:
     """'plain' when the CausalLM's logits are its head's output, 'forward' when its forward does
     more (scaling, soft-capping, slicing)."""
     H = _config(model).get_text_config().hidden_size

@@ -17,13 +17,14 @@ sizes, for reports and memory plans).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
 from ..fsutil import read_json
 from .generic import generic_spec, hf_config, model_class
+from .generic_arch import GenericArch
 
 # model_type -> family.  The family picks the HF name table and default flags.
 FAMILIES = {
@@ -71,7 +72,7 @@ class ArchSpec:
     hidden_act: str = "silu"
     padding_idx: int | None = None  # the embedding row transformers never updates (config pad_token_id)
     path: str = "native"  # native | generic
-    generic: dict[str, Any] | None = None  # path generic: arch.generic.generic_spec's description
+    generic: GenericArch | None = None  # path generic: arch.generic.generic_spec's description
     # native: checkpoint names that differ from the Llama layout (`model.layers.{i}....` -> disk name)
     hf_names: dict[str, str] | None = None
 
@@ -86,20 +87,25 @@ class ArchSpec:
     def boundary(self, b: int, T: int) -> tuple[int, ...]:
         """The shape of the tensor one layer passes to the next for b rows of T tokens: (b, T,
         hidden), or the model's own (several residual streams: arch.probe's `boundary`)."""
-        form = ((self.generic or {}).get("model") or {}).get("boundary")
+        form = self._form
         if form is None:
             return (b, T, self.hidden)
         return tuple(b if d == "b" else T if d == "T" else int(d) for d in form)
 
     @property
+    def _form(self) -> tuple[int | str, ...] | None:
+        return None if self.generic is None else self.generic.boundary
+
+    @property
     def streams(self) -> bool:
         """Layers pass more than (b, T, hidden): several residual streams."""
-        return ((self.generic or {}).get("model") or {}).get("boundary") is not None
+        return self._form is not None
 
     @property
     def tokens_dim(self) -> int:
         """Which dim of the boundary tensor is the tokens'."""
-        return 1 if not self.streams else list(self.generic["model"]["boundary"]).index("T")  # type: ignore[index]
+        form = self._form
+        return 1 if form is None else form.index("T")
 
     @property
     def boundary_width(self) -> int:
@@ -107,10 +113,14 @@ class ArchSpec:
         input is the embedding rows)."""
         return max(self.hidden, math.prod(self.boundary(1, 1)))
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
+    def to_dict(self, versioned: bool = True) -> dict:
+        """The manifest's `arch`; versioned=False: the generic section without its version (what a
+        model fingerprint hashes, as for stores converted before it had one)."""
+        d = asdict(replace(self, generic=None))
         if self.generic is None:  # native stores keep the version-1 manifest
             del d["path"], d["generic"]
+        else:
+            d["generic"] = self.generic.to_dict(versioned)
         if self.padding_idx is None:  # and stores without a padding row, their fingerprint
             del d["padding_idx"]
         if self.hf_names is None:
@@ -119,7 +129,9 @@ class ArchSpec:
 
     @staticmethod
     def from_dict(d: dict) -> ArchSpec:
-        return ArchSpec(**d)
+        """A manifest's `arch`, of any version (arch.generic_arch)."""
+        g = d.get("generic")
+        return ArchSpec(**{**d, "generic": None if g is None else GenericArch.from_dict(g)})
 
 
 def read_hf_config(src: Path) -> dict:
@@ -251,7 +263,7 @@ def _windows(cfg: dict, family: str, n_layers: int) -> list[int | None]:
 
 def _generic_spec(cfg: dict, where: str, disk) -> ArchSpec:
     g = generic_spec(cfg, where, disk)
-    c = hf_config(g["config"]).get_text_config()
+    c = hf_config(dict(g.config)).get_text_config()
 
     def get(key: str, default: Any = 0) -> Any:
         try:
@@ -262,7 +274,7 @@ def _generic_spec(cfg: dict, where: str, disk) -> ArchSpec:
 
     hidden = int(get("hidden_size", 0) or get("d_model", 0))
     heads = int(get("num_attention_heads", 1))
-    n_layers = len(g["layer_kinds"])
+    n_layers = len(g.layer_kinds)
     return ArchSpec(
         family=str(c.model_type),
         hidden=hidden,
@@ -274,7 +286,7 @@ def _generic_spec(cfg: dict, where: str, disk) -> ArchSpec:
         vocab=int(c.vocab_size),
         rms_eps=float(get("rms_norm_eps", 1e-6)),
         max_positions=int(get("max_position_embeddings", 2048)),
-        tie_embeddings="lm_head" not in [e["name"] for e in g["units"]["head"]],
+        tie_embeddings="lm_head" not in [e.name for e in g.units.head],
         rope=dict(get("rope_parameters", {}) or {}),
         windows=generic_windows(c, n_layers),
         hidden_act=str(get("hidden_act", "") or get("hidden_activation", "")),

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .capture import Stop, recorders
+from .generic_arch import Mixer, Stack
 from .probe import _no_packing_check
 
 LENGTHS = (256, 512)  # multiples of every chunk size in transformers' kernels (64, 128, 256)
@@ -83,11 +84,13 @@ def _saved_bytes(mod: nn.Module, call: tuple[tuple, dict], dtype: torch.dtype) -
     return sum(seen.values())
 
 
-def measure(owner: nn.Module, layers: list[nn.Module], s: dict, layer_kinds: list[str], pattern) -> dict:
-    """Per layer kind holding a recurrent mixer: {"module": its path in the layer, dtype name:
-    [fixed bytes per row, bytes per token]} (module doc); kinds that cannot run on meta left out."""
+def measure(
+    owner: nn.Module, layers: list[nn.Module], s: Stack, layer_kinds: list[str], pattern
+) -> dict[str, Mixer]:
+    """Per layer kind holding a recurrent mixer: its path in the layer and per dtype name (fixed
+    bytes per row, bytes per token) (module doc); kinds that cannot run on meta left out."""
     mixers: dict[int, tuple[str, nn.Module]] = {}
-    for i in s["calls"]:
+    for i in s.calls:
         found = _mixer(layers[i], pattern)
         if found is not None and layer_kinds[i] not in {layer_kinds[j] for j in mixers}:
             mixers[i] = found
@@ -100,14 +103,14 @@ def measure(owner: nn.Module, layers: list[nn.Module], s: dict, layer_kinds: lis
             with (
                 torch.no_grad(),
                 _no_packing_check(),
-                recorders(layers, log, s["returns"], None),
+                recorders(layers, log, s.returns, None),
                 contextlib.suppress(Stop),
             ):
                 owner(input_ids=torch.zeros(1, T, dtype=torch.long, device="meta"), **_cache_off(s))
         except Exception:  # noqa: BLE001 (the owner's code needs values the meta device has not)
             return {}
         calls[T] = {i: (args, kwargs) for i, args, kwargs in log}
-    out: dict[str, dict] = {}
+    out: dict[str, Mixer] = {}
     for i, (path, mod) in mixers.items():
         try:
             sizes = {}
@@ -118,13 +121,13 @@ def measure(owner: nn.Module, layers: list[nn.Module], s: dict, layer_kinds: lis
         except Exception:  # noqa: BLE001 (meta kernels are incomplete: the table estimate stands)
             continue
         t1, t2 = LENGTHS
-        entry: dict = {"module": path}
+        saved: dict[str, tuple[float, float]] = {}
         for n in DTYPES:
             per_token = max((sizes[t2][n] - sizes[t1][n]) / (t2 - t1), 0.0)
-            entry[n] = [max(sizes[t1][n] - per_token * t1, 0.0), per_token]
-        out[layer_kinds[i]] = entry
+            saved[n] = (max(sizes[t1][n] - per_token * t1, 0.0), per_token)
+        out[layer_kinds[i]] = Mixer(path, saved)
     return out
 
 
-def _cache_off(s: dict) -> dict:
-    return {"use_cache": False} if "use_cache" in s.get("owner_kwargs", []) else {}
+def _cache_off(s: Stack) -> dict:
+    return {"use_cache": False} if "use_cache" in s.owner_kwargs else {}

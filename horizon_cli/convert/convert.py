@@ -70,7 +70,7 @@ def convert(
     elif spec.family != hf_cfg.get("model_type"):  # a native class saved under its own names (EXAONE)
         spec.hf_names = native_disk_names(spec, hf_cfg, disk, where) or None
     plan = check_tensors(ckpt, spec)
-    carried = [ckpt.infos[n] for n in (spec.generic or {}).get("carried", [])]
+    carried = [ckpt.infos[n] for n in (spec.generic.carried if spec.generic is not None else ())]
     total = sum(ckpt.infos[n].nbytes for n in plan) + sum(i.nbytes for i in carried)
     with io_failures(dst), atomic_dir(dst, force=force) as tmp:
         writer = StoreWriter(tmp, spec, dtype, source=str(src.resolve()), quant=quantize)

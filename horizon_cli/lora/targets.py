@@ -78,7 +78,7 @@ def generic_modules(spec: ArchSpec) -> tuple[list[Module], dict[str, Target]]:
     assert g is not None
     model = stored_model(g)
     emb, out = model.get_input_embeddings(), model.get_output_embeddings()
-    prefix = g["prefix"]  # "model.layers."
+    prefix = g.prefix  # "model.layers."
     mods, linear = [], {}
     for name, m in model.named_modules():
         if m is emb:

@@ -51,6 +51,7 @@ from ..arch.capture import (
     with_hidden,
 )
 from ..arch.generic import stored_model
+from ..arch.generic_arch import GenericArch, Moe, Stack
 from ..arch.loop import is_loop, sequence
 from ..arch.probe import probe
 from ..data.batch import DecodeBatch, MicroBatch
@@ -78,11 +79,11 @@ class GenericContext:
     side: SideState = field(default_factory=SideState)  # tensors crossing layers with a gradient
 
 
-def structure(g: dict) -> dict:
+def structure(g: GenericArch) -> Stack:
     """The forward's structure (arch.probe) a store recorded; stores written before it carry none
     and are probed from their config once."""
-    if "model" in g:
-        return g["model"]
+    if g.model is not None:
+        return g.model
     return probe(stored_model(g), "the store's config.json")
 
 
@@ -97,36 +98,35 @@ class GenericTemplate:
         model = stored_model(g, dtype)  # buffers in the compute dtype, as transformers builds them
         experts_fallback(model)
         self.model, self.cfg = model, model.config.get_text_config()
-        self.owner = model.get_submodule(s["owner"])
-        self.layers = list(model.get_submodule(s["stack"]))  # meta modules: templates only
-        self.emb = model.get_submodule(s["embed"])
-        self.head = model.get_submodule(s["head"])
-        self.suffix = [(p, model.get_submodule(p)) for p in s["suffix"]]
-        self.first, self.last, self.called = s["calls"][0], s["calls"][-1], set(s["calls"])
+        self.owner = model.get_submodule(s.owner)
+        self.layers = list(model.get_submodule(s.stack))  # meta modules: templates only
+        self.emb = model.get_submodule(s.embed)
+        self.head = model.get_submodule(s.head)
+        self.suffix = [(p, model.get_submodule(p)) for p in s.suffix]
+        self.first, self.last, self.called = s.calls[0], s.calls[-1], set(s.calls)
         # the engine runs one call after another (arch.loop): every layer once, or a loop's calls
-        self.calls, self.loop = sequence(s, len(self.layers)), is_loop(s["calls"])
+        self.calls, self.loop = sequence(s, len(self.layers)), is_loop(s.calls)
         self.start = 0 if self.loop else self.first  # the call that runs the owner's prefix
         self.junctions = Junctions(s, self.owner, self.emb, self.layers)
         self._side: dict[int, list[tuple[str, Any]]] = {}  # layer -> its recorded side arguments
-        for i, how, key in s.get("side", []):
-            self._side.setdefault(i, []).append((how, key))
-        outside = [m for n, m in model.named_children() if n != s["base"]]
+        for c in s.side:
+            self._side.setdefault(c.at, []).append((c.how, c.key))
+        outside = [m for n, m in model.named_children() if n != s.base]
         materialize_buffers(model, [*outside, self.owner], device)  # the owner's own, its layers'
         self._buffers = [
             {n: b for n, b in la.named_buffers() if b.device.type != "meta"} for la in self.layers
         ]
-        first_kind = g["kinds"][g["layer_kinds"][self.first]]
+        first_kind = g.layer_table(self.first)
         self._ints = {  # a kind's integer buffers, held as floats in the unit (DeepSeek-V4's tid2eid)
-            k: {e["name"]: getattr(torch, e["dtype"]) for e in rows if e.get("dtype")}
-            for k, rows in g["kinds"].items()
+            k: {e.name: getattr(torch, e.dtype) for e in rows if e.dtype} for k, rows in g.kinds.items()
         }
-        self._prefix = {e["name"]: e["hf"] for e in first_kind if e["name"].startswith("@")}
-        self._head = {e["name"]: e["hf"] for e in g["units"]["head"]}
-        self._head_w = f"{s['head']}.weight"
-        self.moe = RouterStats(g["moe"]) if g.get("moe") else None
+        self._prefix = {e.name: e.hf for e in first_kind if e.name.startswith("@")}
+        self._head = {e.name: e.hf for e in g.units.head}
+        self._head_w = f"{s.head}.weight"
+        self.moe = RouterStats(g.moe) if g.moe else None
         self._caught: dict[int, tuple] = {}
-        if self.moe is not None:
-            self._hook_routers(g["moe"])
+        if g.moe is not None:
+            self._hook_routers(g.moe)
         self._lora = None  # the adapters of the layer being computed (model.lora.LayerLora)
         for targets in lora_targets or []:
             for t in targets:
@@ -142,9 +142,9 @@ class GenericTemplate:
 
         mod.register_forward_hook(adapt)
 
-    def _hook_routers(self, moe: dict) -> None:
-        for i in moe["layers"]:
-            router = next(m for m in self.layers[i].modules() if type(m).__name__ == moe["router"])
+    def _hook_routers(self, moe: Moe) -> None:
+        for i in moe.layers:
+            router = next(m for m in self.layers[i].modules() if type(m).__name__ == moe.router)
 
             def catch(_mod, _inp, out, i=i):
                 self._caught[i] = out if isinstance(out, tuple) else (out,)
@@ -171,7 +171,7 @@ class GenericTemplate:
         )
 
     def _owner_inputs(self, ctx: GenericContext, cache: bool = True) -> dict[str, Any]:
-        names = self.s["owner_kwargs"]
+        names = self.s.owner_kwargs
         kw: dict[str, Any] = {"input_ids": ctx.ids}
         if "position_ids" in names:
             kw["position_ids"] = ctx.pos
@@ -187,14 +187,14 @@ class GenericTemplate:
     def _capture(self, w: dict[str, torch.Tensor], rows: torch.Tensor, ctx: GenericContext) -> dict:
         """Run the owner's forward up to its last layer on `rows` (b, T, H): every layer's call
         (by layer; a loop's by call)."""
-        cut = len(self.s["owner"]) + 1
+        cut = len(self.s.owner) + 1
         pw = {self._prefix[k][cut:]: v for k, v in w.items() if k in self._prefix}
         log: list = []
         stop = dict(stop_at=None, stop_call=len(self.calls) - 1) if self.loop else dict(stop_at=self.last)
         with (
             _reparametrize_module(self.owner, pw, strict=False),
             rows_embedding(self.emb, rows),
-            recorders(self.layers, log, self.s["returns"], **stop),  # type: ignore[arg-type]
+            recorders(self.layers, log, self.s.returns, **stop),  # type: ignore[arg-type]
             packed_positions(self.owner, ctx.pos) if ctx.packed else contextlib.nullcontext(),
             contextlib.suppress(Stop),
         ):
@@ -234,7 +234,7 @@ class GenericTemplate:
         args, kwargs = self._passed_in(i, *with_hidden(args, kwargs, x), ctx)
         kwargs, shared = ctx.side.shared_in(i, kwargs)  # Gemma 4's shared_kv_states
         lw = {k: v for k, v in w.items() if not k.startswith("@")}
-        for k, dt in self._ints[self.g["layer_kinds"][i]].items():
+        for k, dt in self._ints[self.g.layer_kinds[i]].items():
             lw[k] = lw[k].to(dt)
         self._lora = lora
         try:
@@ -253,28 +253,28 @@ class GenericTemplate:
     def _passed_in(self, i: int, args: tuple, kwargs: dict, ctx: GenericContext) -> tuple[tuple, dict]:
         """The outputs the previous layer passed on (GLM-MoE-DSA's `prev_topk_indices`), as the
         forward sweep computed them (the backward recompute reads the same values)."""
-        calls = self.s["calls"]
+        calls = self.s.calls
         at = calls.index(i)
         prev = ctx.carry.get(calls[at - 1]) if at else None
         if not prev:
             return args, kwargs
         new, kwargs = list(args), dict(kwargs)
-        for k, how, key in self.s.get("passes", []):
-            if k in prev:
-                v = prev[k]
+        for p in self.s.passes:
+            if p.at in prev:
+                v = prev[p.at]
                 if v.is_floating_point() and torch.is_grad_enabled():  # a side input (model.side)
-                    v = ctx.side.passed(i, calls[at - 1], k, v)
-                if how == "kw":
-                    kwargs[key] = v
+                    v = ctx.side.passed(i, calls[at - 1], p.at, v)
+                if p.how == "kw":
+                    kwargs[str(p.key)] = v
                 else:
-                    new[key] = v
+                    new[int(p.key)] = v
         return tuple(new), kwargs
 
     def _passed_out(self, i: int, out, ctx: GenericContext) -> None:
         """Keep what layer i passes to the next one: index tensors, and float tensors whose
         gradient the next layer's backward gives back (model.side)."""
-        known = {p[0] for p in self.s.get("passes", [])}
-        for k in self.s.get("forwarded", []):
+        known = {p.at for p in self.s.passes}
+        for k in self.s.forwarded:
             v = out[k]
             if v is None:
                 continue
@@ -303,7 +303,7 @@ class GenericTemplate:
             return y, (i, None)
         out = self._caught.pop(i)
         chosen = out[-1] if len(out) > 1 and not out[-1].is_floating_point() else None
-        logits = out[self.g["moe"]["logits_index"]]
+        logits = out[self.moe.logits_index]
         self.moe.record(i, logits, chosen, ctx.tokens)
         return y, (i, logits)
 
@@ -332,7 +332,7 @@ class GenericTemplate:
         aux = None
         if self.moe is not None and i in self._caught:
             out = self._caught.pop(i)
-            aux = self.moe.objective(out[self.g["moe"]["logits_index"]], ctx.tokens)
+            aux = self.moe.objective(out[self.moe.logits_index], ctx.tokens)
         return y, plus(aux, ctx.side.seed(i, i == self.first))
 
     # -- generation --------------------------------------------------------------------------
@@ -393,8 +393,8 @@ class GenericTemplate:
         """(n, H) -> (n, V) in the compute dtype, as the CausalLM computes them; the rows in it too,
         as in transformers' model of that dtype (Zaya's final norm returns fp32 rows)."""
         x = x.to(self.dtype)
-        if self.s["logits"] == "plain":
-            return F.linear(x, lm[self._head_w], lm.get(f"{self.s['head']}.bias"))
+        if self.s.logits == "plain":
+            return F.linear(x, lm[self._head_w], lm.get(f"{self.s.head}.bias"))
         h = x[None]
-        with _reparametrize_module(self.model, lm, strict=False), head_stub(self.model, self.s["base"], h):
+        with _reparametrize_module(self.model, lm, strict=False), head_stub(self.model, self.s.base, h):
             return self.model(inputs_embeds=h).logits[0]

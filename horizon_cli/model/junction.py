@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..arch.capture import Stop, hidden_of, packed_positions, recorders, rows_embedding
+from ..arch.generic_arch import Stack
 
 
 class _Sink(torch.autograd.Function):
@@ -45,9 +46,9 @@ class _Sink(torch.autograd.Function):
 
 
 class Junctions:
-    def __init__(self, s: dict, owner: nn.Module, emb: nn.Module, layers: list[nn.Module]):
+    def __init__(self, s: Stack, owner: nn.Module, emb: nn.Module, layers: list[nn.Module]):
         self.s, self.owner, self.emb, self.layers = s, owner, emb, layers
-        self.deps = {int(k): v for k, v in (s.get("junctions") or {}).items()}
+        self.deps: dict[int, tuple[int, ...]] = dict(s.junctions or {})
         self.held = {d for j, deps in self.deps.items() for d in deps if d != j - 1}  # outputs kept
         self._zeros: dict = {}
 
@@ -67,7 +68,7 @@ class Junctions:
         with (
             _reparametrize_module(self.owner, self._owner_zeros(x.dtype, x.device), strict=False),
             rows_embedding(self.emb, self._zeros_like(x.shape, x.dtype, x.device)),
-            recorders(self.layers, log, self.s["returns"], None, stop_call=j, outputs=outs),
+            recorders(self.layers, log, self.s.returns, None, stop_call=j, outputs=outs),
             packed_positions(self.owner, ctx.pos) if ctx.packed else contextlib.nullcontext(),
             contextlib.suppress(Stop),
         ):
@@ -91,8 +92,8 @@ class Junctions:
 
     def _owner_zeros(self, dtype, device) -> dict[str, torch.Tensor]:
         """The owner's model-level weights (not its layers', not the embedding's) as zeros."""
-        cut = len(self.s["owner"]) + 1
-        skip = (self.s["stack"][cut:] + ".", self.s["embed"][cut:] + ".")
+        cut = len(self.s.owner) + 1
+        skip = (self.s.stack[cut:] + ".", self.s.embed[cut:] + ".")
         return {
             n: self._zeros_like(p.shape, dtype if p.is_floating_point() else p.dtype, device)
             for n, p in self.owner.named_parameters()

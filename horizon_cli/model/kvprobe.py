@@ -14,6 +14,7 @@ import contextlib
 import torch
 
 from ..arch.generic import stored_model
+from ..arch.generic_arch import GenericArch
 
 
 def _numel(x) -> int:
@@ -24,7 +25,9 @@ def _numel(x) -> int:
     return 0
 
 
-def cache_sizes(g: dict, new_cache, fallback: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+def cache_sizes(
+    g: GenericArch, new_cache, fallback: list[tuple[int, int | None]]
+) -> list[tuple[int, int | None]]:
     """Per cache layer: (elements per position of a row, positions kept; None: every one);
     `fallback` when the meta forward cannot run (a kernel without a meta implementation)."""
     import inspect

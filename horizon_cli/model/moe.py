@@ -33,13 +33,16 @@ from collections.abc import Callable
 
 import torch
 
+from ..arch.generic_arch import Moe
+
 
 class RouterStats:
-    def __init__(self, moe: dict):
-        self.n = int(moe["n_experts"])
-        self.k = int(moe["top_k"])
-        self.layers = list(moe["layers"])
-        self.coef = moe.get("aux_coef")  # None: the aux loss is reported, not trained
+    def __init__(self, moe: Moe):
+        self.n = int(moe.n_experts)
+        self.k = int(moe.top_k)
+        self.layers = list(moe.layers)
+        self.logits_index = moe.logits_index  # which of the router's outputs are its logits
+        self.coef = moe.aux_coef  # None: the aux loss is reported, not trained
         self.reduce: Callable[[torch.Tensor], None] | None = None  # sum over ranks, in place
         self.begin_step()
 

@@ -120,27 +120,26 @@ def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int
     its chunked scan's states and decay matrices, rows * (fixed + per_token * T) bytes), twice."""
     g = spec.generic
     assert g is not None
-    moe, H = g.get("moe"), spec.hidden
-    measured = g.get("workset") or {}
+    moe, H = g.moe, spec.hidden
     worst = 0
-    for kind in set(g["layer_kinds"]):
+    for kind in set(g.layer_kinds):
         n = 4 * spec.boundary_width  # the residual stream (several: hyper-connections)
-        mixer = measured.get(kind)
-        inside = mixer["module"] + "." if mixer else None
-        for e in g["kinds"][kind]:
-            shape = e["shape"]
-            if inside and e["name"].startswith(inside):
+        mixer = g.workset.get(kind)
+        inside = mixer.module + "." if mixer else None
+        for e in g.kinds[kind]:
+            shape = e.shape
+            if inside and e.name.startswith(inside):
                 continue
-            if moe and len(shape) == 3 and shape[0] == moe["n_experts"]:
-                n += moe["top_k"] * (shape[1] if shape[2] == H else shape[2]) + H  # + gathered inputs
+            if moe and len(shape) == 3 and shape[0] == moe.n_experts:
+                n += moe.top_k * (shape[1] if shape[2] == H else shape[2]) + H  # + gathered inputs
             elif len(shape) == 2:
                 n += shape[0]
         b = 2 * tokens * n * item
         if mixer:
-            fixed, per_token = mixer["float32" if item >= 4 else "bfloat16"]
+            fixed, per_token = mixer.saved["float32" if item >= 4 else "bfloat16"]
             b += 2 * int(rows * fixed + tokens * per_token)
         worst = max(worst, b)
-    masked = g["attn"] == "eager" or any(w is not None and w < T for w in spec.windows)
+    masked = g.attn == "eager" or any(w is not None and w < T for w in spec.windows)
     attn = rows * spec.n_heads * T * T * (4 + item) if masked else 0  # fp32 softmax + its input
     return worst + attn
 
@@ -218,7 +217,8 @@ def memory_plan(
     tok = micro_batch * seq
     p.device["layer working set"] = layer_work_bytes(spec, tok, micro_batch, seq, item)
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
-    side = ((spec.generic or {}).get("model") or {}).get("side_width", 0)
+    stack = spec.generic.model if spec.generic is not None else None
+    side = stack.side_width if stack is not None else 0
     if side:  # tensors crossing layers (model.side): recorded per micro-batch, with their gradients
         p.device["side inputs"] = 2 * rank_batch(batch, world) * seq * side * item
     if world > 1:
@@ -242,12 +242,13 @@ def with_loop(p: MemoryPlan, spec: ArchSpec, acts: int, grad_sum: int) -> Memory
     p.calls = len(calls)
     if len(calls) == spec.n_layers and calls == sorted(calls):
         return p
-    model = (spec.generic or {}).get("model") or {}
+    stack = spec.generic.model if spec.generic is not None else None
     p.loop = f"{len(calls)} calls for {spec.n_layers} layers"
     p.host["saved activations"] = len(calls) * acts
     repeated = len({i for i in calls if calls.count(i) > 1})
     p.device["gradient sums of layers called more than once"] = repeated * grad_sum
-    held = {d for j, deps in (model.get("junctions") or {}).items() for d in deps if d != int(j) - 1}
+    junctions = stack.junctions if stack is not None and stack.junctions is not None else {}
+    held = {d for j, deps in junctions.items() for d in deps if d != j - 1}
     if held:
         p.device["outputs held for the loop's junctions"] = len(held) * acts
     p.kept_layer = (0, 0)

@@ -197,8 +197,10 @@ def sweep(run_dir: Path) -> list[Path]:
 
 
 def model_fingerprint(store: Store) -> str:
-    """Identity of a starting model: its architecture and every tensor checksum."""
-    h = hashlib.sha256(json.dumps(store.arch.to_dict(), sort_keys=True).encode())
+    """Identity of a starting model: its architecture and every tensor checksum. The architecture
+    without the generic section's version (arch.generic_arch): a store converted before it had one
+    keeps its fingerprint, and its runs resume."""
+    h = hashlib.sha256(json.dumps(store.arch.to_dict(versioned=False), sort_keys=True).encode())
     for u in store.units:
         for t in u.tensors:
             h.update(f"{t.hf}:{t.crc32};".encode())

@@ -92,28 +92,19 @@ def _generic_layout(spec: ArchSpec, unit: str) -> UnitLayout:
     params: list[Param] = []
     end, trained = 0, 0
     for e in generic_table(spec, unit):
-        shape = tuple(e["shape"])
+        shape = e.shape
         n = math.prod(shape)
-        joined = "after" in e
-        if joined and (not params or params[-1].hf != e["after"]):
+        joined = e.after is not None
+        if joined and (not params or params[-1].hf != e.after):
             raise InputError(
-                f"store manifest: unit {unit}: {e['hf']} is not right after {e['after']}, which it follows"
+                f"store manifest: unit {unit}: {e.hf} is not right after {e.after}, which it follows"
             )
         off = end if joined else round_up(end, ALIGN)
-        params.append(Param(e["name"], e["hf"], shape, off, n, bool(e["trainable"]), e.get("dtype")))
-        for k, p in enumerate(e["parts"]):
-            slots.append(
-                Slot(
-                    part_name(e, k),
-                    p["hf"],
-                    tuple(p["shape"]),
-                    off + p["at"],
-                    math.prod(p["shape"]),
-                    e.get("dtype"),
-                )
-            )
+        params.append(Param(e.name, e.hf, shape, off, n, bool(e.trainable), e.dtype))
+        for k, p in enumerate(e.parts):
+            slots.append(Slot(part_name(e, k), p.hf, p.shape, off + p.at, math.prod(p.shape), e.dtype))
         end = off + n
-        if e["trainable"]:
+        if e.trainable:
             trained = round_up(end, ALIGN)
     slots.sort(key=lambda s: s.offset)
     return UnitLayout(unit, tuple(slots), max(round_up(end, ALIGN), ALIGN), tuple(params), trained)

@@ -68,15 +68,16 @@ def kept(spec: ArchSpec, lay: UnitLayout) -> frozenset[str]:
     elements a layer. QLoRA practice agrees: bitsandbytes replaces only nn.Linear modules, and
     transformers 5's routers are their own modules, so they stay in the compute dtype.
     """
-    moe = (spec.generic or {}).get("moe") or {}
-    routed = bool(moe) and int(lay.name.split(".")[1]) in moe["layers"]
+    moe = spec.generic.moe if spec.generic is not None else None
+    routed = moe is not None and int(lay.name.split(".")[1]) in moe.layers
     keep = set()
     for p in lay.tensors:
         gate = (
             routed
+            and moe is not None
             and len(p.shape) == 2
-            and p.shape[0] <= moe["n_experts"]
-            and not is_expert({"name": p.name, "shape": list(p.shape)}, moe)
+            and p.shape[0] <= moe.n_experts
+            and not is_expert(p.name, tuple(p.shape), moe)
         )
         if gate or p.name.endswith("bias") or p.dtype is not None:  # an integer table: as it is
             keep |= {s.name for s in lay.slots if p.offset <= s.offset < p.offset + p.numel}
