@@ -42,10 +42,10 @@ format: install
 	$(BIN)/ruff check --fix horizon_cli tests scripts kernels
 
 bench: install
-	$(BIN)/python scripts/bench.py
+	$(BIN)/python benchmarks/bench.py
 
 bench-convert: install
-	$(BIN)/python scripts/bench_convert.py --json bench_out/convert.json
+	$(BIN)/python benchmarks/bench_convert.py --json bench_out/convert.json
 
 smollm2: install
 	$(BIN)/python scripts/smollm2.py

@@ -1,16 +1,16 @@
 """Side-by-side training benchmark: horizon against the peers a user would otherwise pick.
 
-    .venv/bin/python scripts/bench.py                       # `make bench`: the default set below
-    .venv/bin/python scripts/bench.py --sizes 30m --dtypes float32 --steps 4   # a quick run
+    .venv/bin/python benchmarks/bench.py                       # `make bench`: the default set below
+    .venv/bin/python benchmarks/bench.py --sizes 30m --dtypes float32 --steps 4   # a quick run
 
 The same Llama-shaped model (transformers' random init, seed 0), the same token rows, the same
 thread count, trained in one run by
-  horizon    `horizon train` (scripts/peers/horizon_peer.py; --horizon-driver engine: Engine.step),
+  horizon    `horizon train` (benchmarks/horizon_peer.py; --horizon-driver engine: Engine.step),
              engine.keep_activations: auto (on the CPU with room to spare: every layer kept)
   horizon-recompute  the same with engine.keep_activations: 0 (every layer recomputed, loaded twice)
   hf         transformers, resident, gradient checkpointing, torch.optim.AdamW(fused=True)
   deepspeed  DeepSpeed ZeRO-3, offload_param + offload_optimizer to the CPU, DeepSpeedCPUAdam
-each in a process of its own (scripts/peers/runner.py). Same lr/betas/eps/weight decay/clip,
+each in a process of its own (benchmarks/runner.py). Same lr/betas/eps/weight decay/clip,
 constant lr, batch 4 x seq 256 (no padding), micro-batch 4 for every peer (the whole batch: each
 peer's natural choice at this size, one optimizer step per forward/backward).
 
@@ -20,7 +20,7 @@ B/param: peak RSS / parameters; horizon's plan figure is planning.memory.memory_
 per parameter. Loss agreement: each peer's per-step loss against hf's at the same dtype.
 
 Then one decoder layer alone, horizon's functional layer against transformers' own
-(scripts/bench_layer.py, --layer-repeat rounds, 0 skips it): the per-phase comparison, timed by one
+(benchmarks/bench_layer.py, --layer-repeat rounds, 0 skips it): the per-phase comparison, timed by one
 compute thread's CPU time so that other work on a shared machine does not decide it.
 
 Writes --json (default bench_out/bench.json) and prints markdown tables.
@@ -36,9 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-from common import SHAPES, make_rows, write_rows  # noqa: E402
-from runner import ROOT, GiB, child_env, exit_on_sigterm, run_child, run_peer  # noqa: E402
+from common import SHAPES, make_rows, write_rows
+from runner import ROOT, GiB, child_env, exit_on_sigterm, run_child, run_peer
 
 PEERS = ("horizon", "hf", "deepspeed", "hf-pure", "horizon-recompute")
 PEER_SCRIPT = {
@@ -103,7 +102,7 @@ def prepare(size: str, args, steps: int) -> dict:
         print(f"[{size}] building the random checkpoint and its store ...", flush=True)
         d.mkdir(parents=True, exist_ok=True)
         (d / "prepare.json").write_text(json.dumps(job))
-        c = run_child([sys.executable, str(ROOT / "scripts/peers/prepare.py"), str(d / "prepare.json")],
+        c = run_child([sys.executable, str(ROOT / "benchmarks/prepare.py"), str(d / "prepare.json")],
                       d / "prepare.log", child_env(args.threads))  # fmt: skip
         if c.rc != 0 or not ok.is_file():
             raise SystemExit(f"prepare {size} failed: see {d / 'prepare.log'}")
@@ -232,7 +231,7 @@ def layer_table(rows: list[dict]) -> str:
 
 def run_layer_bench(args, sizes: list[str], dtypes: list[str]) -> list[dict]:
     out = args.json.parent / "layer.json"
-    cmd = [sys.executable, str(ROOT / "scripts/bench_layer.py"), "--sizes", ",".join(sizes), "--dtypes",
+    cmd = [sys.executable, str(ROOT / "benchmarks/bench_layer.py"), "--sizes", ",".join(sizes), "--dtypes",
            ",".join(dtypes), "--batch", str(args.batch), "--seq", str(args.seq), "--repeat",
            str(args.layer_repeat), "--json", str(out)]  # fmt: skip
     c = run_child(cmd, args.work / "layer.log", child_env(1))
@@ -291,7 +290,7 @@ def main(argv=None) -> None:
     layer = run_layer_bench(args, sizes, dtypes) if args.layer_repeat else []
     out = {
         "command": " ".join(
-            [".venv/bin/python", "scripts/bench.py", *(argv if argv is not None else sys.argv[1:])]
+            [".venv/bin/python", "benchmarks/bench.py", *(argv if argv is not None else sys.argv[1:])]
         ),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

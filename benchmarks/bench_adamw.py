@@ -2,7 +2,7 @@
 
 Run (the command behind the kernel's reported figures):
 
-    .venv/bin/python scripts/bench_adamw.py --sizes 1M,16M,64M --threads 2 --json bench_out/adamw.json
+    .venv/bin/python benchmarks/bench_adamw.py --sizes 1M,16M,64M --threads 2 --json bench_out/adamw.json
 
 Variants, each timed on one flat unit of N elements, state updated in place every step:
   kernel-fp32[-ISA]   native.adamw_fp32_   p, g, m, v fp32
@@ -44,13 +44,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from horizon_cli.optim import adamw as ref  # noqa: E402
+from horizon_cli.optim import adamw as ref
 from horizon_cli.optim import (
-    lean,  # noqa: E402
-    native,  # noqa: E402
+    lean,
+    native,
 )
-from horizon_cli.optim.split import split_  # noqa: E402
+from horizon_cli.optim.split import split_
 
 FP32, SPLIT, LEAN = 28, 28, 14  # bytes read + written per element, see the module docstring
 HYPER = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}

@@ -1,6 +1,6 @@
 """Benchmark `horizon convert`: throughput against a plain `cp -r` of the same files, peak RSS.
 
-    .venv/bin/python scripts/bench_convert.py --json bench_out/convert.json
+    .venv/bin/python benchmarks/bench_convert.py --json bench_out/convert.json
 
 1. Builds (once, cached under --work) a synthetic Llama-shaped checkpoint of about --size-gb GB
    with transformers: random bf16 weights, saved as sharded safetensors.

@@ -1,8 +1,8 @@
 """Sharded data parallelism on this CPU: 2 ranks x 1 thread against 1 rank x 2 threads.
 
-    .venv/bin/python scripts/bench_dist.py --size 30m --repeat 2 --json bench_out/dist.json
+    .venv/bin/python benchmarks/bench_dist.py --size 30m --repeat 2 --json bench_out/dist.json
 
-One random Llama-shaped checkpoint (scripts/peers/common.py SHAPES), converted to a store, and the
+One random Llama-shaped checkpoint (benchmarks/common.py SHAPES), converted to a store, and the
 same token rows (`tokens` format) at the same global batch, trained by `horizon train` in a child
 process (1 rank, engine.compute_threads 2) and by `torchrun --nproc-per-node 2 -m horizon_cli
 train` (gloo, engine.compute_threads 1 per rank). Reported per mode: tokens/s after the first step
@@ -24,10 +24,9 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-import horizon_runs  # noqa: E402
-from common import SHAPES, param_count  # noqa: E402
-from runner import ROOT, GiB  # noqa: E402
+import horizon_runs
+from common import SHAPES, param_count
+from runner import ROOT, GiB
 
 MODES = {"1x2": (1, 2), "2x1": (2, 1)}  # ranks x threads per rank
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}

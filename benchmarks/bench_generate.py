@@ -1,11 +1,11 @@
 """Generation speed: decode tokens/s against batch size on the CPU with an emulated link, against the
 link-bound model; prefill tokens/s; and the plan's figures for large models on one H200 over PCIe.
 
-    .venv/bin/python scripts/bench_generate.py                 # measure (CPU, emulated link) + paper plans
-    .venv/bin/python scripts/bench_generate.py --plan-only     # the paper plans alone
-    .venv/bin/python scripts/bench_generate.py --json bench_out/generate.json
+    .venv/bin/python benchmarks/bench_generate.py                 # measure (CPU, emulated link) + paper plans
+    .venv/bin/python benchmarks/bench_generate.py --plan-only     # the paper plans alone
+    .venv/bin/python benchmarks/bench_generate.py --json bench_out/generate.json
 
-Measured: a random-weight Llama-shaped store (scripts/synthetic.py), fp32 (generation computes in
+Measured: a random-weight Llama-shaped store (horizon_cli/testing/synthetic.py), fp32 (generation computes in
 fp32 on the CPU, whose bf16 matrix products are slow at few rows), `engine.link_gbps` set
 so that one sweep of the weights takes SWEEP_MS on the link; for each batch size, greedy decoding
 of NEW tokens after prompts of PROMPT tokens through engine.generate's loop (the one `horizon
@@ -22,25 +22,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from horizon_cli.arch import spec_from_hf
+from horizon_cli.config.schema import EngineConfig, OptimConfig
+from horizon_cli.engine import Engine
+from horizon_cli.engine.generate import Decoder, SweepStats
+from horizon_cli.engine.kvcache import kv_bytes
+from horizon_cli.model.sample import Sampler
+from horizon_cli.model.template import make_template
+from horizon_cli.planning.generate import plan_generation, weights_per_sweep
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import torch  # noqa: E402
-
-from horizon_cli.arch import spec_from_hf  # noqa: E402
-from horizon_cli.config.schema import EngineConfig, OptimConfig  # noqa: E402
-from horizon_cli.engine import Engine  # noqa: E402
-from horizon_cli.engine.generate import Decoder, SweepStats  # noqa: E402
-from horizon_cli.engine.kvcache import kv_bytes  # noqa: E402
-from horizon_cli.model.sample import Sampler  # noqa: E402
-from horizon_cli.model.template import make_template  # noqa: E402
-from horizon_cli.planning.generate import plan_generation, weights_per_sweep  # noqa: E402
 
 MODEL = dict(model_type="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=2, vocab_size=8192, max_position_embeddings=4096,
@@ -143,7 +140,7 @@ def main() -> None:
               f"{r['kv_where']:>6s} {r['device_gib']:10.1f} {r['step_s']:7.2f} {r['bound_tokens_per_s']:11.1f} "
               f"{r['compute_s_at_700tflops']:9.3f}")  # fmt: skip
     if not args.plan_only:
-        from synthetic import random_store
+        from horizon_cli.testing.synthetic import random_store
 
         torch.set_num_threads(2)
         with tempfile.TemporaryDirectory() as tmp:

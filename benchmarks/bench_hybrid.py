@@ -1,7 +1,7 @@
 """Qwen3-Next (Gated DeltaNet + full attention, MoE) through horizon's generic path against
 transformers' own model trained resident, on the CPU (issue 19).
 
-    .venv/bin/python scripts/bench_hybrid.py [--json FILE] [--repeats N] [--dtype float32|bfloat16]
+    .venv/bin/python benchmarks/bench_hybrid.py [--json FILE] [--repeats N] [--dtype float32|bfloat16]
                                              [--keep auto|N] [--batch B --micro M --seq T]
 
 A small random Qwen3NextForCausalLM (MODEL below: its layer_types mix linear_attention and
@@ -70,7 +70,7 @@ def batches(batch: int, micro: int, seq: int) -> list[torch.Tensor]:
 
 
 class Hf:
-    """transformers' own model, resident, as scripts/peers/hf_peer.py trains it."""
+    """transformers' own model, resident, as benchmarks/hf_peer.py trains it."""
 
     def __init__(self, hf_dir: Path, dtype: str):
         self.model = transformers.Qwen3NextForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)

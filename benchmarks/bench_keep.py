@@ -1,9 +1,9 @@
 """Kept layers (engine.keep_activations, issue 21): what keeping the top layers' graphs saves.
 
-    .venv/bin/python scripts/bench_keep.py [--sizes 30m,120m] [--dtypes bfloat16,float32] [--rounds 5]
-    .venv/bin/python scripts/bench_keep.py --paper [--device-gib 139]
+    .venv/bin/python benchmarks/bench_keep.py [--sizes 30m,120m] [--dtypes bfloat16,float32] [--rounds 5]
+    .venv/bin/python benchmarks/bench_keep.py --paper [--device-gib 139]
 
-CPU (default): one process builds the benchmark model (scripts/bench.py's shapes, random weights,
+CPU (default): one process builds the benchmark model (benchmarks/bench.py's shapes, random weights,
 batch 4 x 256, micro-batch 4, one compute thread per engine step) and two engines on the same store,
 one recomputing every layer (K = 0), one keeping every layer (K = L); their steps alternate
 (A B A B ...) after a warm-up step each, so load from other work on the machine falls on both alike.
@@ -16,7 +16,7 @@ a quarter and the step (loss head and the rest unchanged) to about 0.8.
 --paper: the plan's K on one H200 (--device-gib free, --host-gib of RAM) for Llama-3.1-8B and 70B at
 batches 8 x 2048 and 64 x 2048 (micro-batch --micro), the bytes it keeps, and the compute it saves:
 each kept layer's recompute forward (2 x its parameters + causal attention's forward, per token) of
-the step's hardware FLOPs (scripts/gpu_throughput.py's count: 6 x parameters of the layers and
+the step's hardware FLOPs (benchmarks/gpu_throughput.py's count: 6 x parameters of the layers and
 head, attention, plus every recomputed layer's forward). Nothing runs; the figures are the plan's.
 
 Writes --json (default bench_out/keep.json).
@@ -33,9 +33,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "scripts" / "peers"))
 
 SEQ, BATCH = 256, 4
 
@@ -43,11 +40,11 @@ SEQ, BATCH = 256, 4
 def cpu_bench(args) -> list[dict]:
     import torch
     from common import SHAPES
-    from synthetic import random_store
 
     from horizon_cli.config.schema import EngineConfig, OptimConfig
     from horizon_cli.data.batch import MicroBatch
     from horizon_cli.engine import Engine
+    from horizon_cli.testing.synthetic import random_store
 
     torch.set_num_threads(args.threads)
     rows = []
@@ -157,7 +154,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=ROOT / "bench_out" / "keep.json")
     args = ap.parse_args()
     rows = paper(args) if args.paper else cpu_bench(args)
-    out = {"command": " ".join([".venv/bin/python", "scripts/bench_keep.py", *sys.argv[1:]]), "rows": rows}
+    out = {"command": " ".join([".venv/bin/python", "benchmarks/bench_keep.py", *sys.argv[1:]]), "rows": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
     print(f"wrote {args.json}")

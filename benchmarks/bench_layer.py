@@ -1,10 +1,10 @@
 """One decoder layer, horizon's functional layer against transformers' own, phase by phase.
 
-    .venv/bin/python scripts/bench_layer.py [--sizes 30m,120m] [--dtypes bfloat16,float32]
+    .venv/bin/python benchmarks/bench_layer.py [--sizes 30m,120m] [--dtypes bfloat16,float32]
         [--batch 4] [--seq 256] [--kv-heads N] [--repeat 30] [--json FILE]
 
 The same weights (a random `LlamaDecoderLayer`, seed 0) and the same input, at the shapes of
-`make bench` (scripts/peers/common.py). Phases, each timed alone (best of --repeat, interleaved
+`make bench` (benchmarks/common.py). Phases, each timed alone (best of --repeat, interleaved
 between the implementations, so a busy neighbour on a shared machine hits both alike):
 
   fwd          the forward without autograd (horizon's forward pass, HF's checkpointed forward)
@@ -36,14 +36,12 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from common import SHAPES, llama_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-from common import SHAPES, llama_config  # noqa: E402
-
-from horizon_cli.arch import spec_from_hf  # noqa: E402
-from horizon_cli.data.batch import MicroBatch  # noqa: E402
-from horizon_cli.model.layer import apply_rope, attention, inv_freq, layer_forward, mlp, rms_norm  # noqa: E402
-from horizon_cli.model.masks import attn_context  # noqa: E402
+from horizon_cli.arch import spec_from_hf
+from horizon_cli.data.batch import MicroBatch
+from horizon_cli.model.layer import apply_rope, attention, inv_freq, layer_forward, mlp, rms_norm
+from horizon_cli.model.masks import attn_context
 
 DT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 NAMES = {

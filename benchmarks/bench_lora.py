@@ -1,10 +1,10 @@
 """LoRA against full fine-tuning on this machine: tokens/s, peak RSS, and the bytes on the link.
 
-    .venv/bin/python scripts/bench_lora.py --size 120m --repeat 2 --json bench_out/lora.json
+    .venv/bin/python benchmarks/bench_lora.py --size 120m --repeat 2 --json bench_out/lora.json
 
-One random Llama-shaped checkpoint (scripts/peers/common.py SHAPES, bf16), converted twice: a bf16
+One random Llama-shaped checkpoint (benchmarks/common.py SHAPES, bf16), converted twice: a bf16
 store and an NF4 store (`--quantize nf4`). Three modes, each `horizon train` in a child process
-(scripts/peers/runner.py: ru_maxrss is the peak RSS) on the same token rows (`tokens` format):
+(benchmarks/runner.py: ru_maxrss is the peak RSS) on the same token rows (`tokens` format):
 
   full    full fine-tuning of the bf16 store
   lora    LoRA r 16, alpha 32, every linear layer (all-linear), on the bf16 store
@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-import horizon_runs  # noqa: E402
-from common import SHAPES, param_count  # noqa: E402
-from runner import ROOT, GiB  # noqa: E402
+import horizon_runs
+from common import SHAPES, param_count
+from runner import ROOT, GiB
 
 MODES = ("full", "lora", "qlora")
 LORA = {"r": 16, "alpha": 32, "targets": "all-linear"}

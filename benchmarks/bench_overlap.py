@@ -1,6 +1,6 @@
 """How well the pipeline hides an emulated host <-> device link on the CPU (issue D).
 
-    .venv/bin/python scripts/bench_overlap.py [--repeats N] [--json FILE]
+    .venv/bin/python benchmarks/bench_overlap.py [--repeats N] [--json FILE]
 
 A 20-layer Llama-shaped model (hidden 192) runs on `device: cpu` with an unthrottled link (to
 measure compute), then with `engine.link_gbps` set so that moving the step's bytes takes 3x the
@@ -23,13 +23,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from synthetic import random_store
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.data.batch import MicroBatch
 from horizon_cli.engine import Engine
 from horizon_cli.profile.timeline import median_step, step_times
 from horizon_cli.runtime.trace import Tracer
+from horizon_cli.testing.synthetic import random_store
 
 MODEL = dict(
     model_type="llama",

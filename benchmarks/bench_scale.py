@@ -1,15 +1,15 @@
 """Scale study: the deepest Llama-shaped model (width fixed, depth searched) that horizon, HF and
 DeepSpeed can each take `--steps` training steps on within a memory limit on this machine.
 
-    .venv/bin/python scripts/bench_scale.py                 # hidden 2048, bf16, limit 20 GiB
-    .venv/bin/python scripts/bench_scale.py --peers horizon --probes 2,4 --limit-gib 8   # quicker
-    .venv/bin/python scripts/bench_scale.py --peers horizon --lora [--quantize nf4] --keep 1 --limit-gib 19.5
-    .venv/bin/python scripts/bench_scale.py --peers horizon --memory lean   # horizon with optim.memory: lean
-    .venv/bin/python scripts/bench_scale.py --peers horizon,deepspeed --preference dpo --batch 2   # DPO, a pair a step
+    .venv/bin/python benchmarks/bench_scale.py                 # hidden 2048, bf16, limit 20 GiB
+    .venv/bin/python benchmarks/bench_scale.py --peers horizon --probes 2,4 --limit-gib 8   # quicker
+    .venv/bin/python benchmarks/bench_scale.py --peers horizon --lora [--quantize nf4] --keep 1 --limit-gib 19.5
+    .venv/bin/python benchmarks/bench_scale.py --peers horizon --memory lean   # horizon with optim.memory: lean
+    .venv/bin/python benchmarks/bench_scale.py --peers horizon,deepspeed --preference dpo --batch 2   # DPO, a pair a step
 
-Peers as in scripts/bench.py (horizon through Engine.step, no checkpoint: writing a multi-GB one
+Peers as in benchmarks/bench.py (horizon through Engine.step, no checkpoint: writing a multi-GB one
 would dominate; hf resident + checkpointing + fused AdamW; deepspeed ZeRO-3 offload). Each
-attempt runs in a process of its own, one at a time, watched by scripts/peers/runner.py: it is
+attempt runs in a process of its own, one at a time, watched by benchmarks/runner.py: it is
 killed when its RSS passes --limit-gib (a safety margin below the machine's 24 GiB; other work
 shares it) or the machine's available memory drops under 1 GiB. An attempt passes when every
 step completes under the limit.
@@ -17,11 +17,11 @@ step completes under the limit.
 Search per peer: two small probe depths fit peak RSS = a + b * depth (memory is linear in depth),
 the fit predicts the deepest passing depth, and attempts around it (then bisection) settle it.
 Checkpoints are random (normal(0, 0.02)) bf16 safetensors written tensor by tensor
-(scripts/peers/prepare.py), converted to a bf16 horizon store; all peers load the same files.
+(benchmarks/prepare.py), converted to a bf16 horizon store; all peers load the same files.
 
 --preference dpo: rows 2k, 2k+1 are a pair (the second given the first's first half: one prompt,
 two completions of seq/2 tokens); horizon trains them with its DPO objective and streamed reference
-pass, deepspeed with TRL's DPOTrainer under ZeRO-3 offload (scripts/peers/ds_dpo.py). No hf peer.
+pass, deepspeed with TRL's DPOTrainer under ZeRO-3 offload (benchmarks/ds_dpo.py). No hf peer.
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-import psutil  # noqa: E402
-from common import make_rows, param_count, write_rows  # noqa: E402
-from runner import ROOT, GiB, child_env, exit_on_sigterm, run_child, run_peer  # noqa: E402
+import psutil
+from common import make_rows, param_count, write_rows
+from runner import ROOT, GiB, child_env, exit_on_sigterm, run_child, run_peer
 
 PEER_SCRIPT = {"horizon": "horizon", "hf": "hf", "deepspeed": "ds"}
 
@@ -101,7 +100,7 @@ class Models:
             )
             d.mkdir(parents=True, exist_ok=True)
             (d / "prepare.json").write_text(json.dumps(job))
-            cmd = [sys.executable, str(ROOT / "scripts/peers/prepare.py"), str(d / "prepare.json")]
+            cmd = [sys.executable, str(ROOT / "benchmarks/prepare.py"), str(d / "prepare.json")]
             c = run_child(
                 cmd,
                 d / "prepare.log",
@@ -238,7 +237,7 @@ def main(argv=None) -> None:
         for p in by
         if p != "horizon" and "horizon" in by and by["horizon"]["params"] and by[p]["params"]
     }
-    res = {"command": " ".join([".venv/bin/python", "scripts/bench_scale.py", *(argv or sys.argv[1:])]),
+    res = {"command": " ".join([".venv/bin/python", "benchmarks/bench_scale.py", *(argv or sys.argv[1:])]),
            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
            "summary": summary, "ratios": ratios, "searches": out, "wall_s": time.perf_counter() - t0}  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)

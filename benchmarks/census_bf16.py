@@ -3,7 +3,7 @@ train in bf16? (No oracle at 1e-5 here: bf16 rounds differently from any referen
 that convert (a bf16 store) -> `horizon train` (2 steps, engine.dtype bfloat16) -> export runs,
 the losses are finite and within 2 % of horizon's own fp32 run's, and the export loads.)
 
-    PYTHONPATH=$PWD nice -n 10 python scripts/census_bf16.py docs/census.json [--types a,b] [--json out.json]
+    PYTHONPATH=$PWD nice -n 10 python benchmarks/census_bf16.py docs/census.json [--types a,b] [--json out.json]
 
 Each type runs in a subprocess of its own; the rows print as they finish.
 """
@@ -20,19 +20,16 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
 
 def one(mt: str, layers: int) -> dict:
-    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
-    import census_horizon as ch
     import yaml
-    from census_model import quiet
     from typer.testing import CliRunner
 
     from horizon_cli.cli import app
     from horizon_cli.convert import convert
     from horizon_cli.export import export
+    from horizon_cli.testing import census_horizon as ch
+    from horizon_cli.testing.census_horizon import quiet
 
     quiet()
     ch.STEPS = 2

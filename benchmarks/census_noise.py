@@ -1,8 +1,8 @@
 """The census's weight check against transformers' own noise floor, for one type.
 
-    OMP_NUM_THREADS=1 python scripts/census_noise.py TYPE LAYERS [--micro 2] [--f64] [--work DIR]
+    OMP_NUM_THREADS=1 python benchmarks/census_noise.py TYPE LAYERS [--micro 2] [--f64] [--work DIR]
 
-The tiny model of the census row (tests/census_config, tests/census_horizon), horizon's 3 steps
+The tiny model of the census row (horizon_cli/testing/census_config, horizon_cli/testing/census_horizon), horizon's 3 steps
 (`--micro`: its micro-batch size; 2 is the census's), and transformers + torch.optim.AdamW run
 four ways on the same batches: "full" (each batch at once), "accum" (horizon's micro-batches,
 gradient accumulation), "threads2" (full, on 2 threads) and, with --f64, "f64" (full, float64).
@@ -19,14 +19,10 @@ import argparse
 import copy
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 
 
 def oracle(ch, m0, data, micro: int, threads: int = 1, dtype=torch.float32):
@@ -77,13 +73,13 @@ def main() -> None:
     ap.add_argument("--f64", action="store_true", help="also a float64 oracle")
     ap.add_argument("--work", default="/tmp/census-noise")
     args = ap.parse_args()
-    import census_horizon as ch
-    from census_model import quiet
     from typer.testing import CliRunner
 
     from horizon_cli.cli import app
     from horizon_cli.convert import convert
     from horizon_cli.export import export
+    from horizon_cli.testing import census_horizon as ch
+    from horizon_cli.testing.census_horizon import quiet
 
     quiet()
     ch.MICRO = args.micro

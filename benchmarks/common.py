@@ -1,6 +1,6 @@
-"""Shared pieces of the peer benchmarks (scripts/bench.py, scripts/bench_scale.py).
+"""Shared pieces of the peer benchmarks (benchmarks/bench.py, benchmarks/bench_scale.py).
 
-A peer runs in its own process: `python scripts/peers/<peer>_peer.py JOB.json`. The job names the
+A peer runs in its own process: `python benchmarks/<peer>_peer.py JOB.json`. The job names the
 model (an HF checkpoint dir, and a horizon store of it), the token rows, dtype, steps, threads and
 AdamW settings; the peer writes RESULT.json with per-step losses, grad norms, step times and
 non-padding tokens, plus RSS readings. The parent (runner.py) adds the whole-process peak RSS.

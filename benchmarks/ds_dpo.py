@@ -12,7 +12,7 @@ run full-parameter DPO that does not fit one device:
   ref_model is None, but the scale study's random checkpoints carry no `architectures` field.
 - loss_type sigmoid, beta 0.1 (horizon's default), DPOTrainer's own _compute_loss: log-probs summed
   over the completion, TRL's fused head (no full logits), its metrics.
-- The data: rows 2k, 2k+1 of the job are one pair (scripts/bench_scale.py --preference writes the
+- The data: rows 2k, 2k+1 of the job are one pair (benchmarks/bench_scale.py --preference writes the
   second with the first's prompt half), given to DPOTrainer already tokenized in the columns its
   own _prepare_dataset produces (prompt_ids, chosen_ids, rejected_ids): the override skips only
   the string tokenisation (and the EOS it appends to string completions). One pair per step

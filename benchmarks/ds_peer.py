@@ -6,7 +6,7 @@ bf16 nor fp16 enabled. The HF model gets the same activation checkpointing as pe
 built under zero.Init (HfDeepSpeedConfig) so it is partitioned as it loads, as HF documents for
 ZeRO-3. DeepSpeed scales the loss by 1 / gradient accumulation steps; with micro = batch there is
 one micro-batch and the HF mean loss is the token-level mean. job['preference'] 'dpo': TRL's
-DPOTrainer on the same ZeRO-3 config, policy and a stage-3 reference (scripts/peers/ds_dpo.py).
+DPOTrainer on the same ZeRO-3 config, policy and a stage-3 reference (benchmarks/ds_dpo.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def run(job: dict) -> dict:
         LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", CROSS_RANK="0", CROSS_SIZE="1",
     ).items():  # fmt: skip
         os.environ.setdefault(k, v)
-    if job.get("preference"):  # TRL's DPOTrainer on this config (scripts/peers/ds_dpo.py)
+    if job.get("preference"):  # TRL's DPOTrainer on this config (benchmarks/ds_dpo.py)
         from ds_dpo import run_dpo
 
         return run_dpo(job, ds_config(job))

@@ -5,7 +5,7 @@ pinned      torch's pinned allocator (cudaHostAlloc; rounds blocks up to a power
 staging     pageable memory copied through a small pinned staging buffer by the CPU first
 pageable    plain pageable memory handed to cudaMemcpy
 
-  python3 scripts/gpu_pinned.py [--json FILE]
+  python3 benchmarks/gpu_pinned.py [--json FILE]
 """
 
 from __future__ import annotations

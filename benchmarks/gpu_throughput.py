@@ -1,7 +1,7 @@
 """Throughput of horizon on a CUDA GPU at an 8B-class layer shape, with MFU and peak device memory
 against the plan.
 
-    python3 scripts/gpu_throughput.py [--json FILE] [--layers 4] [--batch 16] [--micro 4] [--seq 4096]
+    python3 benchmarks/gpu_throughput.py [--json FILE] [--layers 4] [--batch 16] [--micro 4] [--seq 4096]
         [--steps 4] [--store DIR] [--profile-config FILE] [--keep 0|N|auto]
 
 The model has Llama-3.1-8B's layers and vocabulary (hidden 4096, intermediate 14336, 32 query and
@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 import torch
-from synthetic import random_store
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.data.batch import MicroBatch
@@ -39,6 +38,7 @@ from horizon_cli.planning.fit import Machine
 from horizon_cli.planning.keep import keep_plan
 from horizon_cli.planning.memory import memory_plan
 from horizon_cli.store import Store, layouts
+from horizon_cli.testing.synthetic import random_store
 
 PEAK = 989e12
 

@@ -68,7 +68,7 @@ def write_config(job: dict, run_dir: Path) -> Path:
         "output": {"dir": str(run_dir), "export": False},
         "log": {"every": 1, "plot": False},
     }
-    if job.get("lora"):  # LoRA on the store (scripts/bench_scale.py --lora)
+    if job.get("lora"):  # LoRA on the store (benchmarks/bench_scale.py --lora)
         cfg["lora"] = job["lora"]
     path = run_dir.parent / f"{run_dir.name}.yaml"
     path.write_text(f"# .venv/bin/horizon train {path}\n" + yaml.safe_dump(cfg, sort_keys=False))

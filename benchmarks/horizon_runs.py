@@ -1,5 +1,5 @@
 """`horizon train` in a child process, for the benchmarks that compare ways of training
-(scripts/bench_dist.py, scripts/bench_lora.py): the checkpoint and token rows they share, a run's
+(benchmarks/bench_dist.py, benchmarks/bench_lora.py): the checkpoint and token rows they share, a run's
 config, one timed run, and what is kept of interleaved repeats.
 
 A run's tokens/s leaves out its first step (it compiles kernels for new shapes); of the repeats

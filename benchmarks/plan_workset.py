@@ -1,7 +1,7 @@
 """The layer working set the plan reserves for each hybrid family at its default sizes, with and
 without the recurrent mixers measured at convert (docs/benchmarks.md).
 
-    PYTHONPATH=$PWD python scripts/plan_workset.py
+    PYTHONPATH=$PWD python benchmarks/plan_workset.py
 """
 
 from __future__ import annotations

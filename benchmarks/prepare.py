@@ -1,6 +1,6 @@
 """Build a random Llama checkpoint and its horizon store, in a process of its own.
 
-    python scripts/peers/prepare.py JOB.json
+    python benchmarks/prepare.py JOB.json
 
 JOB: {"shape": {...}, "seq": 256, "hf_dir": ..., "store": ..., "store_dtype": "float32",
       "hf_dtype": "float32", "how": "init" | "stream", "seed": 0}

@@ -1,8 +1,8 @@
 """Where horizon's step time goes on the CPU, phase by phase (issue E.3).
 
-    .venv/bin/python scripts/profile_phases.py [--size 30m|120m] [--dtype bfloat16|float32] [--json F]
+    .venv/bin/python benchmarks/profile_phases.py [--size 30m|120m] [--dtype bfloat16|float32] [--json F]
 
-Runs the benchmark model (scripts/bench.py's shapes, batch 4 x seq 256, micro-batch 4) for one
+Runs the benchmark model (benchmarks/bench.py's shapes, batch 4 x seq 256, micro-batch 4) for one
 warm-up and four measured steps with the timeline on, and splits the median step into:
 
   forward            device compute of the forward layers
@@ -25,13 +25,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-from synthetic import random_store
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.data.batch import MicroBatch
 from horizon_cli.engine import Engine
 from horizon_cli.profile.timeline import busy
 from horizon_cli.runtime.trace import Tracer
+from horizon_cli.testing.synthetic import random_store
 
 SIZES = {
     "30m": dict(

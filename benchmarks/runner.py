@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 
 PEERS_DIR = Path(__file__).resolve().parent
-ROOT = PEERS_DIR.parents[1]
+ROOT = PEERS_DIR.parent
 GiB = 1 << 30
 
 
@@ -136,7 +136,7 @@ def _sweep_shm(since: float) -> None:
 
 
 def run_peer(peer: str, job: dict, work: Path, **kw) -> dict:
-    """Run scripts/peers/<peer>_peer.py on `job` in a fresh process; its result dict plus the
+    """Run benchmarks/<peer>_peer.py on `job` in a fresh process; its result dict plus the
     parent's measurements (peak_rss, sampled_peak, child_wall_s, killed, rc)."""
     work.mkdir(parents=True, exist_ok=True)
     tag = job.get("tag", peer)

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import make_model, save
 from typer.testing import CliRunner
 
 from horizon_cli.cli import app
 from horizon_cli.convert import convert
 from horizon_cli.errors import InputError
 from horizon_cli.store import Store
+from horizon_cli.testing.tiny import make_model, save
 
 RUNNER = CliRunner()
 

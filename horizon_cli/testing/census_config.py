@@ -2,8 +2,7 @@
 
 A rule matches a config attribute's real name (not an attribute_map alias) and shrinks its value;
 nothing is set that the class does not have. FIXUPS holds what the rules cannot derive, per type:
-that table is itself a census finding. Sub-configs (text_config, vision_config, ...) are shrunk
-with the same rules.
+that table is itself a census finding. Sub-configs (text_config, ...) follow the same rules.
 """
 
 from __future__ import annotations

@@ -90,6 +90,19 @@ class Data:
         return ids, self.labels(ids)
 
 
+def quiet() -> None:
+    """Warnings and transformers' logs off, one thread: a census process prints only its rows."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+
+
 def perturb(model) -> None:
     """Norms, biases and correction biases away from their init, so every variant shows (as the
     tests do: (1 + w) norms, zero-init biases)."""
@@ -321,7 +334,7 @@ def _weights(model) -> dict:
 
 def tiny(mt: str, layers: int) -> tuple:
     """The census's tiny fp32 model of one type (census_config, seed 0, perturbed) and its data."""
-    from census_config import build, text_config, tiny_config
+    from horizon_cli.testing.census_config import build, text_config, tiny_config
 
     cfg = tiny_config(mt, layers)
     torch.manual_seed(0)
