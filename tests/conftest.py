@@ -17,6 +17,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["COLUMNS"] = "200"
 
 
+def horizon(*args):
+    """`horizon ARGS...` in this process (typer's CliRunner), for the tests of the CLI: its Result
+    (exit_code, output). Arguments may be paths; 2000 columns, so no line of the output wraps."""
+    from typer.testing import CliRunner
+
+    from horizon_cli.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "2000"})
+
+
 def store_with_tokenizer(root: Path, family: str = "llama", **over) -> Path:
     """A tiny `family` model (vocab 400, 128 positions; `over`: more config) saved with the tiny
     tokenizer under root/hf and converted to fp32 at root/store."""

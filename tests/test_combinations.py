@@ -5,14 +5,7 @@ of a problem found that way (docs/reliability.md, "Combinations tried")."""
 from __future__ import annotations
 
 import pytest
-from conftest import chat_rows, write_config, write_jsonl
-from typer.testing import CliRunner
-
-from horizon_cli.cli import app
-
-
-def horizon(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "2000"})  # no wrapping
+from conftest import chat_rows, horizon, write_config, write_jsonl
 
 
 def error_line(r) -> str:

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import horizon as run_horizon
 from oracle import hf_loss_backward, make_engine, rel_err
 from safetensors import safe_open
-from typer.testing import CliRunner
 
-from horizon_cli.cli import app
 from horizon_cli.data.batch import MicroBatch
 from horizon_cli.store import Store
 
@@ -37,7 +36,7 @@ def source() -> Path:
 
 
 def horizon(*args):
-    r = CliRunner().invoke(app, [str(a) for a in args])
+    r = run_horizon(*args)
     assert r.exit_code == 0, r.output
     return r.output
 
