@@ -47,10 +47,10 @@ format: install
 	$(BIN)/ruff check --fix horizon_cli tests scripts benchmarks kernels
 
 bench: install
-	$(BIN)/python benchmarks/bench.py
+	$(BIN)/python scripts/bench.py  # the benchmark runner: benchmarks/bench_peers.py
 
 bench-convert: install
-	$(BIN)/python benchmarks/bench_convert.py --json bench_out/convert.json
+	$(BIN)/python scripts/bench.py convert --json bench_out/convert.json
 
 smollm2: install
 	$(BIN)/python scripts/smollm2.py

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_keep.py [--sizes 30m,120m] [--dtypes bfloat16,float32] [--rounds 5]
     .venv/bin/python benchmarks/bench_keep.py --paper [--device-gib 139]
 
-CPU (default): one process builds the benchmark model (benchmarks/bench.py's shapes, random weights,
+CPU (default): one process builds the benchmark model (benchmarks/bench_peers.py's shapes, random weights,
 batch 4 x 256, micro-batch 4, one compute thread per engine step) and two engines on the same store,
 one recomputing every layer (K = 0), one keeping every layer (K = L); their steps alternate
 (A B A B ...) after a warm-up step each, so load from other work on the machine falls on both alike.

@@ -7,7 +7,7 @@ DeepSpeed can each take `--steps` training steps on within a memory limit on thi
     .venv/bin/python benchmarks/bench_scale.py --peers horizon --memory lean   # horizon with optim.memory: lean
     .venv/bin/python benchmarks/bench_scale.py --peers horizon,deepspeed --preference dpo --batch 2   # DPO, a pair a step
 
-Peers as in benchmarks/bench.py (horizon through Engine.step, no checkpoint: writing a multi-GB one
+Peers as in benchmarks/bench_peers.py (horizon through Engine.step, no checkpoint: writing a multi-GB one
 would dominate; hf resident + checkpointing + fused AdamW; deepspeed ZeRO-3 offload). Each
 attempt runs in a process of its own, one at a time, watched by benchmarks/runner.py: it is
 killed when its RSS passes --limit-gib (a safety margin below the machine's 24 GiB; other work

@@ -1,4 +1,4 @@
-"""Shared pieces of the peer benchmarks (benchmarks/bench.py, benchmarks/bench_scale.py).
+"""Shared pieces of the peer benchmarks (benchmarks/bench_peers.py, benchmarks/bench_scale.py).
 
 A peer runs in its own process: `python benchmarks/<peer>_peer.py JOB.json`. The job names the
 model (an HF checkpoint dir, and a horizon store of it), the token rows, dtype, steps, threads and

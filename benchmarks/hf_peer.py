@@ -2,7 +2,7 @@
 
 fp32: fp32 weights and compute. bf16: fp32 master weights with bf16 autocast compute (what the HF
 Trainer's `bf16=True` does), so like horizon the optimizer sees fp32 weights. job['pure']
-(peer "hf-pure" in bench.py): the model cast to bf16 instead, weights, grads and AdamW moments all
+(peer "hf-pure" in bench_peers.py): the model cast to bf16 instead, weights, grads and AdamW moments all
 bf16 and no fp32 master (faster and leaner, numerically not the same training). Micro-batch: the
 job's (default: the whole batch of 4 in one forward). Loss: summed CE over the global batch /
 its label tokens (`num_items_in_batch`), i.e. the token-level mean horizon uses.

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/profile_phases.py [--size 30m|120m] [--dtype bfloat16|float32] [--json F]
 
-Runs the benchmark model (benchmarks/bench.py's shapes, batch 4 x seq 256, micro-batch 4) for one
+Runs the benchmark model (benchmarks/bench_peers.py's shapes, batch 4 x seq 256, micro-batch 4) for one
 warm-up and four measured steps with the timeline on, and splits the median step into:
 
   forward            device compute of the forward layers

@@ -1,7 +1,7 @@
 """Side-by-side training benchmark: horizon against the peers a user would otherwise pick.
 
-    .venv/bin/python benchmarks/bench.py                       # `make bench`: the default set below
-    .venv/bin/python benchmarks/bench.py --sizes 30m --dtypes float32 --steps 4   # a quick run
+    .venv/bin/python benchmarks/bench_peers.py                       # `make bench`: the default set below
+    .venv/bin/python benchmarks/bench_peers.py --sizes 30m --dtypes float32 --steps 4   # a quick run
 
 The same Llama-shaped model (transformers' random init, seed 0), the same token rows, the same
 thread count, trained in one run by
@@ -290,7 +290,7 @@ def main(argv=None) -> None:
     layer = run_layer_bench(args, sizes, dtypes) if args.layer_repeat else []
     out = {
         "command": " ".join(
-            [".venv/bin/python", "benchmarks/bench.py", *(argv if argv is not None else sys.argv[1:])]
+            [".venv/bin/python", "benchmarks/bench_peers.py", *(argv if argv is not None else sys.argv[1:])]
         ),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
