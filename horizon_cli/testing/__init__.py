@@ -49,4 +49,4 @@ def continuation(model_dir: Path, prompt: str = PARIS, n: int = 8) -> str:
     enc = tok(prompt, return_tensors="pt")
     with torch.no_grad():
         ids = model.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
-    return tok.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    return str(tok.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)).strip()

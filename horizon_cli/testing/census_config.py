@@ -289,7 +289,7 @@ def build(mt: str, cfg: PretrainedConfig, device="cpu") -> nn.Module:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     with torch.device(device):
-        if "use_sub" not in (FIXUPS.get(mt) if isinstance(FIXUPS.get(mt), dict) else {}):
+        if "use_sub" not in (fix if isinstance(fix := FIXUPS.get(mt), dict) else {}):
             return AutoModelForCausalLM.from_config(cfg)
         return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mt])._from_config(cfg)
 
@@ -350,7 +350,7 @@ def kinds(mt: str, cfg: PretrainedConfig, device="meta") -> tuple[str | None, li
     path, stack = layer_stack(model, n) if n else (None, None)
     if stack is None:
         return None, []
-    lists = {
+    lists: dict = {
         k: v for k, v in attrs(t).items() if isinstance(v, (list, tuple)) and len(v) == n and not _indices(v)
     }
     return path, [layer_signature(layer, lists, i) for i, layer in enumerate(stack)]
@@ -360,7 +360,7 @@ def choose_depth(mt: str, max_layers: int = 16) -> dict:
     """The fewest layers (>= 2) whose model has every layer kind of the full-depth one."""
     full_cfg = tiny_config(mt, None)
     full_n = n_layers_of(text_config(full_cfg))
-    info = {"default_layers": full_n}
+    info: dict = {"default_layers": full_n}
     try:
         path, sigs = kinds(mt, full_cfg)
     except Exception as e:  # noqa: BLE001 (meta build failed: try on the CPU, still tiny)

@@ -44,6 +44,7 @@ import json
 import shutil
 import traceback
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,7 +55,9 @@ import yaml
 # keeps those elements in Adam's linear range (|g| << eps: step ~ lr g / eps) and leaves the
 # others normalised; with eps 1e-8 a 6-layer Gemma 3 differed from the full-batch oracle by 8e-5
 # after 3 steps, all its gradients within 5e-7 (the criterion: the module docstring)
-HP = dict(lr=3e-4, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.0, grad_clip=0.0, kernel="torch")
+HP: dict[str, Any] = dict(
+    lr=3e-4, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.0, grad_clip=0.0, kernel="torch"
+)
 STEPS, BATCH, MICRO = 3, 4, 2
 TOL = 1e-5
 GRAD_FLOOR = 1e-4  # a gradient below 1e-4 of the largest is compared against that (compare)
@@ -315,7 +318,7 @@ def train_and_compare(model_ref, data, tmp: Path) -> dict:
     bounds.update({f"{k}_full": TOL + noise[k] for k in figures})
     over = {k: res[k] / b for k, b in bounds.items()}
     res["result"] = "exact" if max(over.values()) <= 1.0 and not problems else "mismatch"
-    k = max(over, key=over.get)
+    k = max(over, key=lambda name: over[name])
     names = {"grad_err": "grad_worst", "grad_err_full": "grad_worst_full", "weight_err": "weight_worst",
              "weight_err_full": "weight_worst_full"}  # fmt: skip
     worst = res.get(names.get(k, ""), "")
@@ -338,7 +341,7 @@ def tiny(mt: str, layers: int) -> tuple:
 
     cfg = tiny_config(mt, layers)
     torch.manual_seed(0)
-    model = build(mt, cfg).float()
+    model: Any = build(mt, cfg).float()
     perturb(model)
     vocab = getattr(text_config(cfg), "vocab_size", None) or 128
     emb = model.get_input_embeddings()

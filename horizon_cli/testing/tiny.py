@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -18,7 +19,7 @@ BASE = dict(
     rms_norm_eps=1e-5,
 )
 
-FAMILIES = {
+FAMILIES: dict[str, tuple[Any, Any, dict]] = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "llama31": (
         transformers.LlamaConfig,
@@ -46,7 +47,7 @@ FAMILIES = {
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.02)
 SMALL = dict(BASE, num_hidden_layers=2, **IDS)
-GENERIC = {
+GENERIC: dict[str, tuple[Any, dict]] = {
     "gemma2": (
         transformers.Gemma2Config,
         dict(
