@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-lora demo-dpo test test-slow lint format bench bench-convert smollm2 clean
+.PHONY: install demo demo-lora demo-dpo test test-slow audit lint format bench bench-convert smollm2 clean
 
 install: $(STAMP)
 
@@ -32,20 +32,25 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -n auto --dist loadfile -m 'slow or not slow and not gpu and not smollm2'
 
+# the mutation audit (scripts/mutation_audit.py): each row's mutant against its tests, one at a time
+# (hours on a laptop); rows whose anchor no longer applies are listed as stale, not failed
+audit: install
+	$(BIN)/python scripts/mutation_audit.py --json bench_out/mutation_audit.json
+
 lint: install
-	$(BIN)/ruff check horizon_cli tests scripts kernels
-	$(BIN)/ruff format --check horizon_cli tests scripts kernels
+	$(BIN)/ruff check horizon_cli tests scripts benchmarks kernels
+	$(BIN)/ruff format --check horizon_cli tests scripts benchmarks kernels
 	$(BIN)/mypy horizon_cli
 
 format: install
-	$(BIN)/ruff format horizon_cli tests scripts kernels
-	$(BIN)/ruff check --fix horizon_cli tests scripts kernels
+	$(BIN)/ruff format horizon_cli tests scripts benchmarks kernels
+	$(BIN)/ruff check --fix horizon_cli tests scripts benchmarks kernels
 
 bench: install
-	$(BIN)/python scripts/bench.py
+	$(BIN)/python scripts/bench.py  # the benchmark runner: benchmarks/bench_peers.py
 
 bench-convert: install
-	$(BIN)/python scripts/bench_convert.py --json bench_out/convert.json
+	$(BIN)/python scripts/bench.py convert --json bench_out/convert.json
 
 smollm2: install
 	$(BIN)/python scripts/smollm2.py

@@ -11,7 +11,7 @@ and gradient norms, every step-1 gradient (read back from the step-1 checkpoint'
 m1 = (1 - beta1) g1 with clipping off) and the logits after step 3 within 1e-5 of both; the
 exported weights within 1e-5 of the micro-batched run, and of the other within 1e-5 plus the two
 runs' own distance (`weight_noise`: Adam's division by sqrt(v) + eps turns fp32 summation order
-into up to 3.2e-5 of weight, tests/census_horizon.py says where). It also records, from the model itself and transformers' source, the
+into up to 3.2e-5 of weight, horizon_cli/testing/census_horizon.py says where). It also records, from the model itself and transformers' source, the
 structure issue 19 needs (decoder stack, norm, embeddings, rotary, mask functions, multipliers,
 recurrent layers, multimodal prefixes).
 
@@ -39,8 +39,6 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
 
 
 def all_types() -> list[str]:
@@ -124,14 +122,12 @@ def cmd_horizon(args) -> None:
 def cmd_horizon_one(args) -> None:
     import tempfile
 
-    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
-    from census_horizon import run_type
-    from census_model import quiet
+    from horizon_cli.testing.census_horizon import quiet, run_type
 
     quiet()
     layers = int(args.layers)
     if not layers:
-        from census_config import choose_depth
+        from horizon_cli.testing.census_config import choose_depth
 
         layers = choose_depth(args.type)["layers"]
     with tempfile.TemporaryDirectory(prefix=f"census-{args.type}-") as tmp:
@@ -149,7 +145,6 @@ def dump_rows(rows: dict) -> str:
 
 
 def cmd_one(args) -> None:
-    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_model import census_one  # scripts/census_model.py: the child's work
 
     census_one(args.type, Path(args.json))
@@ -177,7 +172,6 @@ def horizon_cell(row: dict) -> str:
 
 
 def cmd_table(args) -> None:
-    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_summary import kind
 
     rows = json.loads(Path(args.json).read_text())
@@ -196,7 +190,6 @@ def cmd_table(args) -> None:
 def cmd_counts(args) -> None:
     """The census counts for docs/benchmarks.md: over the target (text decoders and the language
     models of multimodal checkpoints that transformers trains) and over every type."""
-    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_summary import TARGET, kind
 
     rows = json.loads(Path(args.json).read_text())
@@ -226,7 +219,6 @@ def cmd_counts(args) -> None:
 
 
 def cmd_stacks(args) -> None:
-    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_stacks import main as stacks
 
     stacks(args.json)
@@ -301,7 +293,6 @@ def cmd_compact(args) -> None:
 
 
 def cmd_summary(args) -> None:
-    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
     from census_summary import main as summary
 
     summary(args.json)

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import math
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
 from census_calls import call_order
-from census_config import FIXUPS, build, choose_depth, text_config, tiny_config
-from census_horizon import Data, err, perturb, try_horizon, where
 from census_structure import structure
+
+from horizon_cli.testing.census_config import FIXUPS, build, choose_depth, text_config, tiny_config
+from horizon_cli.testing.census_horizon import Data, err, perturb, quiet, try_horizon, where
 
 
 def check_transformers(model, data: Data) -> dict:
@@ -56,15 +55,6 @@ def check_transformers(model, data: Data) -> dict:
         res["causal"] = bool((a - b).abs().max() <= 1e-6 * a.abs().max().clamp_min(1e-30))
     model.train()
     return res
-
-
-def quiet() -> None:
-    warnings.filterwarnings("ignore")
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    logging.getLogger("torch").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
 
 
 def census_one(mt: str, out: Path) -> None:

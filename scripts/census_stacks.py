@@ -61,7 +61,8 @@ def rules(model: nn.Module) -> dict[str, list[str]]:
 def main(path: str) -> None:
     warnings.filterwarnings("ignore")
     import transformers
-    from census_config import build, tiny_config
+
+    from horizon_cli.testing.census_config import build, tiny_config
 
     transformers.logging.set_verbosity_error()
     rows = json.loads(Path(path).read_text())

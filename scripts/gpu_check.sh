@@ -47,14 +47,14 @@ run parity 180 env HORIZON_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider
   tests/test_keep.py::test_a_sequence_objective_kept_equals_recomputed
 run lora 30 env HORIZON_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/test_lora_engine.py \
   -k "steps_match or nf4"
-run throughput 210 $PY scripts/gpu_throughput.py --store "$WORK/store" --profile-config "$WORK/profile.yaml" \
+run throughput 210 $PY benchmarks/gpu_throughput.py --store "$WORK/store" --profile-config "$WORK/profile.yaml" \
   --json "$OUT/throughput.json"
 if [ -d "$WORK/store" ]; then  # the same store and shapes, every layer the plan has room for kept
-  run keep 90 $PY scripts/gpu_throughput.py --store "$WORK/store" --keep auto --json "$OUT/throughput-keep.json"
+  run keep 90 $PY benchmarks/gpu_throughput.py --store "$WORK/store" --keep auto --json "$OUT/throughput-keep.json"
 fi
 if [ -f "$WORK/profile.yaml" ]; then
   run profile 120 $PY -m horizon_cli.cli profile "$WORK/profile.yaml" --json "$OUT/profile.json" \
     --trace "$OUT/trace.json" --plot "$OUT/timeline.png"
 fi
-run pinned 60 $PY scripts/gpu_pinned.py --json "$OUT/pinned.json"
+run pinned 60 $PY benchmarks/gpu_pinned.py --json "$OUT/pinned.json"
 exit $status

@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("train", "profile", "generate"),
     ("api",),
     ("cli", "__main__"),
+    ("testing",),  # what tests, scripts/ and benchmarks/ share; nothing in the package imports it
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -11,18 +11,15 @@ fits the machine, per rung (train.run.plan_ladder, the figures `horizon train --
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from horizon_cli.arch import spec_from_hf
+from horizon_cli.config import load_config
+from horizon_cli.planning.ladder import fit_parts, plan_for
+from horizon_cli.planning.memory import RUNGS
+from horizon_cli.preflight import given_machine
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from horizon_cli.arch import spec_from_hf  # noqa: E402
-from horizon_cli.config import load_config  # noqa: E402
-from horizon_cli.planning.ladder import fit_parts, plan_for  # noqa: E402
-from horizon_cli.planning.memory import RUNGS  # noqa: E402
-from horizon_cli.preflight import given_machine  # noqa: E402
-
 WIDTHS = {  # model_type mistral/llama, as config.json has them
     "Mistral-Large-2407 width (h 12288)": dict(model_type="mistral", hidden_size=12288, intermediate_size=28672,
                                                num_attention_heads=96, num_key_value_heads=8, vocab_size=32768),

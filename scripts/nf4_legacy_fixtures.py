@@ -22,10 +22,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from tiny_models import make_model, save
 
 from horizon_cli.convert import convert
 from horizon_cli.store import Store, packed
+from horizon_cli.testing.tiny import make_model, save
 
 
 def digest(store: Store) -> dict[str, str]:

@@ -115,7 +115,6 @@ def sha256(path: Path) -> str:
 
 
 def build(gguf: Path, out: Path, dtype: str) -> None:
-    sys.path.insert(0, str(REPO))
     from horizon_cli.quiet import silence_import_noise
 
     silence_import_noise()  # before transformers imports torchao (horizon_cli/quiet.py)
@@ -162,7 +161,6 @@ def build(gguf: Path, out: Path, dtype: str) -> None:
 
 def save_stamped(model, tok, out: Path, stamp_name: str, **stamp: str) -> None:
     """model + tokenizer + stamp_name (what they were built from, as JSON) into `out`, all or nothing."""
-    sys.path.insert(0, str(REPO))
     from horizon_cli.fsutil import atomic_dir
 
     with atomic_dir(out, force=True) as tmp:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # rich wraps at the inherited terminal width (COLUMNS), and hard-wraps a word longer than it (a
@@ -19,13 +17,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["COLUMNS"] = "200"
 
 
+def horizon(*args):
+    """`horizon ARGS...` in this process (typer's CliRunner), for the tests of the CLI: its Result
+    (exit_code, output). Arguments may be paths; 2000 columns, so no line of the output wraps."""
+    from typer.testing import CliRunner
+
+    from horizon_cli.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "2000"})
+
+
 def store_with_tokenizer(root: Path, family: str = "llama", **over) -> Path:
     """A tiny `family` model (vocab 400, 128 positions; `over`: more config) saved with the tiny
     tokenizer under root/hf and converted to fp32 at root/store."""
-    from tiny_models import make_model, save
-    from tiny_tokenizer import make_tokenizer
-
     from horizon_cli.convert import convert
+    from horizon_cli.testing.tiny import make_model, save
+    from horizon_cli.testing.tokenizer import make_tokenizer
 
     save(make_model(family, **{"vocab_size": 400, "max_position_embeddings": 128, **over}), root / "hf")
     make_tokenizer(root / "hf")
@@ -42,7 +49,7 @@ def tiny_store(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tok():
     """The tiny tokenizer, with its chat template (one per test module, as each module had)."""
-    from tiny_tokenizer import make_tokenizer
+    from horizon_cli.testing.tokenizer import make_tokenizer
 
     return make_tokenizer()
 
@@ -50,7 +57,7 @@ def tok():
 @pytest.fixture(scope="module")
 def tok_plain():
     """The tiny tokenizer without a chat template."""
-    from tiny_tokenizer import make_tokenizer
+    from horizon_cli.testing.tokenizer import make_tokenizer
 
     return make_tokenizer(chat_template=False)
 

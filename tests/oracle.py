@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import make_model, save
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.convert import convert
@@ -20,6 +19,7 @@ from horizon_cli.data.batch import IGNORE, MicroBatch
 from horizon_cli.engine import Engine
 from horizon_cli.runtime.trace import Tracer
 from horizon_cli.store import Store
+from horizon_cli.testing.tiny import make_model, save
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -3,13 +3,13 @@ masks give, and grouped-query K/V reach the kernel unexpanded."""
 
 import pytest
 import torch
-from tiny_models import BASE
 
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.data.batch import MicroBatch
 from horizon_cli.model import attend
 from horizon_cli.model.layer import inv_freq, layer_forward
 from horizon_cli.model.masks import attn_context
+from horizon_cli.testing.tiny import BASE
 
 T = 40
 

@@ -1,7 +1,7 @@
 """The generic path in bf16 (the default compute dtype) on models whose transformers code is
 dtype-sensitive: a causal-mask buffer built in the default dtype (OpenAI GPT), sinusoidal positions
 (XGLM), a residual stream kept in fp32 and cast before the final norm (Zaya), Mamba's mixer.
-scripts/census_bf16.py found each crashing in bf16 (every fp32 census row was exact). Oracle:
+benchmarks/census_bf16.py found each crashing in bf16 (every fp32 census row was exact). Oracle:
 transformers' own model of the same checkpoint in bf16 (`from_pretrained(dtype=bfloat16)`): the
 logits of a micro-batch agree to bf16 rounding, and a training step runs with a finite loss."""
 
@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-from census_horizon import tiny
 from oracle import micro_batches, one_thread, random_rows, rel_err  # noqa: F401 (autouse fixture)
 from transformers import AutoModelForCausalLM
 
@@ -19,6 +18,7 @@ from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.convert import convert
 from horizon_cli.engine import Engine
 from horizon_cli.store import Store
+from horizon_cli.testing.census_horizon import tiny
 
 
 @pytest.mark.parametrize("mt,layers", [("openai-gpt", 2), ("xglm", 2), ("zaya", 2), ("mamba", 2)])

@@ -1,11 +1,11 @@
 """The census as a test: every model type of transformers' causal-LM mapping, tiny and random,
 through horizon's public entry points against transformers + torch.optim.AdamW (fp32, 3 steps).
 
-tests/census_horizon.run_type: save_pretrained -> convert -> `horizon train` (3 AdamW steps, eps
+horizon_cli/testing/census_horizon.run_type: save_pretrained -> convert -> `horizon train` (3 AdamW steps, eps
 1e-6, 2 micro-batches) -> export -> from_pretrained; the three losses, gradient norms, every step-1
 gradient and the exported model's logits within 1e-5 of the resident oracle (run in the same
 micro-batches and at once, both), every weight after step 3 within 1e-5 of the micro-batched one
-(tests/census_horizon.py's docstring: the criterion and why). What each type gave last is recorded in docs/census.json (`scripts/census.py horizon`),
+(horizon_cli/testing/census_horizon.py's docstring: the criterion and why). What each type gave last is recorded in docs/census.json (`scripts/census.py horizon`),
 which docs/architectures.md's table is generated from (`scripts/census.py table`):
 
   exact     must stay exact
@@ -24,8 +24,9 @@ import re
 from pathlib import Path
 
 import pytest
-from census_horizon import run_type
 from oracle import one_thread  # noqa: F401 (autouse fixture: tiny models on one thread)
+
+from horizon_cli.testing.census_horizon import run_type
 
 RECORD = json.loads((Path(__file__).parent.parent / "docs" / "census.json").read_text())
 
@@ -72,7 +73,7 @@ def test_census(mt, tmp_path):
     row = RECORD.get(mt, {})
     layers = FAST.get(mt) or (row.get("depth") or {}).get("layers")
     if not layers:
-        from census_config import choose_depth
+        from horizon_cli.testing.census_config import choose_depth
 
         layers = choose_depth(mt)["layers"]
     got = run_type(mt, layers, tmp_path)

@@ -1,4 +1,4 @@
-"""The census's weight criterion still fails on real bugs (tests/census_horizon.train_and_compare).
+"""The census's weight criterion still fails on real bugs (horizon_cli/testing/census_horizon.train_and_compare).
 
 The exported weights are judged against the oracle that trains the same micro-batches as horizon
 (gradient accumulation), within 1e-5, and against the full-batch oracle within 1e-5 plus the two
@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from census_horizon import TOL, run_type
 from oracle import one_thread  # noqa: F401 (autouse fixture: tiny models on one thread)
 
 from horizon_cli.engine.objective import TokenCE
 from horizon_cli.optim import adamw, kernel
+from horizon_cli.testing.census_horizon import TOL, run_type
 
 _CE = TokenCE.train
 

@@ -12,17 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import chat_rows, write_config, write_jsonl
-from typer.testing import CliRunner
+from conftest import chat_rows, horizon, write_config, write_jsonl
 
-from horizon_cli.cli import app
 from horizon_cli.store import checkpoint as ckpt
 
 LORA = {"r": 2, "alpha": 4, "targets": ["q_proj", "v_proj"]}
-
-
-def horizon(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "2000"})
 
 
 def said(r) -> str:

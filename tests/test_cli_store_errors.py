@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import horizon
 from safetensors.torch import load_file, save_file
-from tiny_models import make_model, save
 from typer.testing import CliRunner
 
 from horizon_cli.cli import app
 from horizon_cli.convert import convert
 from horizon_cli.errors import InputError
 from horizon_cli.store import Store
+from horizon_cli.testing.tiny import make_model, save
 
 RUNNER = CliRunner()
 
@@ -41,10 +42,6 @@ def src(good, tmp_path) -> Path:
 def store(good, tmp_path) -> Path:
     convert(good, tmp_path / "store", dtype="bfloat16")
     return tmp_path / "store"
-
-
-def horizon(*args: str | Path):
-    return RUNNER.invoke(app, [str(a) for a in args])
 
 
 def leftovers(dst: Path) -> list[str]:

@@ -5,14 +5,7 @@ of a problem found that way (docs/reliability.md, "Combinations tried")."""
 from __future__ import annotations
 
 import pytest
-from conftest import chat_rows, write_config, write_jsonl
-from typer.testing import CliRunner
-
-from horizon_cli.cli import app
-
-
-def horizon(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "2000"})  # no wrapping
+from conftest import chat_rows, horizon, write_config, write_jsonl
 
 
 def error_line(r) -> str:
@@ -94,10 +87,10 @@ def test_peft_note_names_the_layers_peft_leaves_out():
     export. horizon's peft_dropped must be exactly what peft leaves out (checked against peft)."""
     peft = pytest.importorskip("peft")
     import torch
-    from tiny_models import make_model
 
     from horizon_cli.arch import spec_from_hf
     from horizon_cli.lora.targets import peft_dropped, peft_note, resolve_targets
+    from horizon_cli.testing.tiny import make_model
 
     default = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]

@@ -16,12 +16,12 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
-from tiny_models import make_model, save
 
 from horizon_cli.convert import checkpoint as ckpt_mod
 from horizon_cli.convert import convert
 from horizon_cli.export import export
 from horizon_cli.store import DTYPES, Store
+from horizon_cli.testing.tiny import make_model, save
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

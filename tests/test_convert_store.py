@@ -8,11 +8,11 @@ import zlib
 
 import pytest
 import torch
-from tiny_models import make_model, save
 
 from horizon_cli.convert import convert
 from horizon_cli.store import ALIGN, Store, StoreWriter, layouts
 from horizon_cli.store import reader as reader_mod
+from horizon_cli.testing.tiny import make_model, save
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])

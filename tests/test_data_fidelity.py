@@ -10,12 +10,12 @@ import json
 import numpy as np
 import pytest
 from test_data_formats import CHAT, loss_spans
-from tiny_tokenizer import make_tokenizer
 
 from horizon_cli import utf8
 from horizon_cli.config.schema import DataConfig
 from horizon_cli.data import pad_id_of, prepare_data
 from horizon_cli.errors import InputError
+from horizon_cli.testing.tokenizer import make_tokenizer
 
 # renders `tools`, assistant `tool_calls` (name + arguments as JSON) and tool results
 TOOLS_TEMPLATE = (

@@ -6,11 +6,11 @@ import json
 
 import numpy as np
 import pytest
-from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
 
 from horizon_cli.config.schema import DataConfig
 from horizon_cli.data import IGNORE, prepare_data
 from horizon_cli.errors import InputError
+from horizon_cli.testing.tokenizer import VOCAB_SIZE, make_tokenizer
 
 
 def prep(tmp_path, records, tokenizer, **cfg):

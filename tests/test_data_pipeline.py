@@ -7,11 +7,11 @@ import os
 
 import numpy as np
 import pytest
-from tiny_tokenizer import make_tokenizer
 
 from horizon_cli.config.schema import DataConfig
 from horizon_cli.data import IGNORE, prepare_data, source
 from horizon_cli.errors import InputError
+from horizon_cli.testing.tokenizer import make_tokenizer
 
 WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 

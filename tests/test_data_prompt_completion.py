@@ -7,11 +7,11 @@ import json
 
 import pytest
 from test_data_fidelity import NO_SYSTEM_TEMPLATE
-from tiny_tokenizer import make_tokenizer
 
 from horizon_cli.config.schema import DataConfig
 from horizon_cli.data import IGNORE, prepare_data
 from horizon_cli.errors import InputError
+from horizon_cli.testing.tokenizer import make_tokenizer
 
 PLAIN = [
     {"prompt": "The quick brown fox", "completion": " jumps over the lazy dog."},

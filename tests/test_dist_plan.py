@@ -8,11 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import chat_rows, write_config, write_jsonl
-from typer.testing import CliRunner
+from conftest import chat_rows, horizon, write_config, write_jsonl
 
 from horizon_cli.arch import spec_from_hf
-from horizon_cli.cli import app
 from horizon_cli.config import load_config
 from horizon_cli.errors import InputError
 from horizon_cli.parallel.topology import World, world_for
@@ -22,10 +20,6 @@ from horizon_cli.preflight import given_machine
 ROOT = Path(__file__).parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
 PER_BATCH = ("saved activations", "staging")
-
-
-def horizon(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")

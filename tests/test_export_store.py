@@ -10,13 +10,13 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
-from tiny_models import make_model, save
 from typer.testing import CliRunner
 
 from horizon_cli.cli import app
 from horizon_cli.convert import convert
 from horizon_cli.errors import InputError
 from horizon_cli.export import export, resolve_source
+from horizon_cli.testing.tiny import make_model, save
 
 # the module, not the function the package re-exports under the same name
 EXPORT_MOD = importlib.import_module("horizon_cli.export.export")

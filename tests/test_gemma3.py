@@ -9,16 +9,14 @@ transformers' on a real prompt; the exported checkpoint still says the Eiffel To
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import horizon as run_horizon
 from oracle import hf_loss_backward, make_engine, rel_err
 from safetensors import safe_open
-from typer.testing import CliRunner
 
-from horizon_cli.cli import app
 from horizon_cli.data.batch import MicroBatch
 from horizon_cli.store import Store
 
@@ -38,7 +36,7 @@ def source() -> Path:
 
 
 def horizon(*args):
-    r = CliRunner().invoke(app, [str(a) for a in args])
+    r = run_horizon(*args)
     assert r.exit_code == 0, r.output
     return r.output
 
@@ -55,8 +53,7 @@ def test_convert_export_is_bitwise_and_still_answers(source, tmp_path):
         assert set(out) == set(a.keys())
         for k in a.keys():  # noqa: SIM118
             assert torch.equal(a.get_tensor(k).view(torch.int16), out[k].view(torch.int16)), k
-    sys.path.insert(0, str(REPO / "scripts"))
-    from gemma3 import continuation
+    from horizon_cli.testing import continuation
 
     assert "paris" in continuation(tmp_path / "out").lower()
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle import DEVICE, make_store, one_thread  # noqa: F401 (autouse fixture)
-from tiny_models import FAMILIES, GENERIC
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.engine import Engine
 from horizon_cli.engine import generate as loop
 from horizon_cli.engine.generate import Decoder
 from horizon_cli.model.sample import Sampler
+from horizon_cli.testing.tiny import FAMILIES, GENERIC
 
 LENGTHS = (3, 11, 7, 14, 5)
 

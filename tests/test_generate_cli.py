@@ -12,10 +12,10 @@ import torch
 from conftest import chat_rows, store_with_tokenizer, write_config, write_jsonl
 from rich.console import Console
 from test_train_cli import horizon, one_error_line
-from tiny_tokenizer import make_tokenizer
 from transformers import AutoModelForCausalLM
 
 from horizon_cli import api
+from horizon_cli.testing.tokenizer import make_tokenizer
 
 NEW = 8
 

@@ -11,10 +11,10 @@ from conftest import chat_rows, write_config, write_jsonl
 from oracle import one_thread  # noqa: F401 (autouse fixture: tiny models on one thread)
 from safetensors.torch import load_file, save_file
 from test_cli_store_errors import assert_bad, horizon
-from tiny_models import make_model, save
-from tiny_tokenizer import make_tokenizer
 
 from horizon_cli.convert import convert
+from horizon_cli.testing.tiny import make_model, save
+from horizon_cli.testing.tokenizer import make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +124,8 @@ def test_misshapen_expert_tensor_is_named(src, tmp_path):
 
 def test_packing_refused_for_recurrent_layers(tmp_path):
     """Bamba's Mamba layers keep a state across the row: packed documents would leak into each other."""
-    from census_config import build, tiny_config
-
     from horizon_cli.convert import convert
+    from horizon_cli.testing.census_config import build, tiny_config
 
     build("bamba", tiny_config("bamba", 2)).save_pretrained(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
@@ -138,9 +137,8 @@ def test_packing_refused_for_recurrent_layers(tmp_path):
 
 
 def test_inspect_names_recurrent_layers(tmp_path):
-    from census_config import build, tiny_config
-
     from horizon_cli.convert import convert
+    from horizon_cli.testing.census_config import build, tiny_config
 
     build("bamba", tiny_config("bamba", 2)).save_pretrained(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
@@ -172,7 +170,7 @@ def test_inspect_names_recurrent_layers(tmp_path):
 )
 def test_what_stays_refused_is_named(tmp_path, mt, needles):
     """Refused at convert, before a byte is written, naming the feature (never "not described")."""
-    from census_config import build, tiny_config
+    from horizon_cli.testing.census_config import build, tiny_config
 
     build(mt, tiny_config(mt, 6 if mt == "inkling2_loop_text" else 2)).save_pretrained(tmp_path / "src")
     line = assert_bad(horizon("convert", tmp_path / "src", tmp_path / "dst"), *needles, dst=tmp_path / "dst")

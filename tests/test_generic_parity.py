@@ -25,9 +25,9 @@ from oracle import (
     rel_err,
 )
 from safetensors import safe_open
-from tiny_models import GENERIC
 
 from horizon_cli.export import export
+from horizon_cli.testing.tiny import GENERIC
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]  # families whose ForCausalLM adds an aux loss
 CASES = [(f, tie) for f in GENERIC for tie in (False, True)]

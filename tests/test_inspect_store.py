@@ -7,13 +7,13 @@ import re
 
 import pytest
 from rich.console import Console
-from tiny_models import make_model, save
 from typer.testing import CliRunner
 
 from horizon_cli.cli import app
 from horizon_cli.convert import convert
 from horizon_cli.inspect import inspect_store
 from horizon_cli.store import Store
+from horizon_cli.testing.tiny import make_model, save
 
 RUNNER = CliRunner(env={"COLUMNS": "160"})
 

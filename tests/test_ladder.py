@@ -8,12 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import chat_rows, write_config, write_jsonl
-from typer.testing import CliRunner
+from conftest import chat_rows, horizon, write_config, write_jsonl
 
 from horizon_cli import preflight
 from horizon_cli.arch import spec_from_hf
-from horizon_cli.cli import app
 from horizon_cli.config import load_config
 from horizon_cli.planning.ladder import best_rung, fit_parts, plan_ladder
 from horizon_cli.preflight import given_machine
@@ -22,10 +20,6 @@ from horizon_cli.store import Store
 ROOT = Path(__file__).parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
 H200_1_5TB = (1.5e12 / 2**30, 141e9 / 2**30)  # GiB
-
-
-def horizon(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def test_mistral_large_fits_one_h200_in_lean_not_in_exact():

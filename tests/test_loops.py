@@ -15,13 +15,13 @@ from oracle import (
     random_rows,
     rel_err,
 )
-from tiny_models import save
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.convert import convert
 from horizon_cli.engine import Engine
 from horizon_cli.errors import InputError
 from horizon_cli.store import Store
+from horizon_cli.testing.tiny import save
 
 # 1 input layer, 2 recurrent layers run twice, 1 output layer: calls 0 1 2 1 2 3
 DORY = dict(
@@ -81,9 +81,8 @@ def test_loop_refusals(tmp_path):
     _, store = dory(tmp_path)
     with pytest.raises(InputError, match="keep_activations: 2: .*loop .*6 calls for 4 layers.*not supported"):
         engine(store, keep=2)
-    from census_config import tiny_config
-
     from horizon_cli.arch.generic import generic_spec
+    from horizon_cli.testing.census_config import tiny_config
 
     with pytest.raises(
         InputError, match="message_input, which has trained weights, between the calls of its loop"

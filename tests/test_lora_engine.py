@@ -129,9 +129,8 @@ def test_lora_on_an_nf4_base_matches_peft_on_the_dequantized_base(tmp_path, fami
     ],
 )
 def test_targets_follow_peft(family, targets):
-    from tiny_models import make_model
-
     from horizon_cli.arch import spec_from_hf
+    from horizon_cli.testing.tiny import make_model
 
     model = make_model(family)
     cfg = model.config.to_dict()
@@ -151,9 +150,8 @@ def test_targets_follow_peft(family, targets):
     ],
 )
 def test_targets_that_peft_would_refuse(targets, says):
-    from tiny_models import BASE
-
     from horizon_cli.arch import spec_from_hf
+    from horizon_cli.testing.tiny import BASE
 
     spec = spec_from_hf({**BASE, "model_type": "llama"})
     with pytest.raises(InputError, match=says):

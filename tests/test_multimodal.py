@@ -6,14 +6,14 @@ from pathlib import Path
 
 import torch
 import transformers
-from census_config import tiny_config
 from conftest import chat_rows, write_config, write_jsonl
 from oracle import one_thread  # noqa: F401 (autouse fixture: tiny models on one thread)
 from test_cli_store_errors import horizon
-from tiny_tokenizer import make_tokenizer
 
 from horizon_cli.convert import convert
 from horizon_cli.export import export
+from horizon_cli.testing.census_config import tiny_config
+from horizon_cli.testing.tokenizer import make_tokenizer
 
 
 def tiny_llava(root: Path) -> Path:

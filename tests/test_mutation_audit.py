@@ -1,86 +1,79 @@
-"""scripts/mutation_audit.py stays applicable: every mutation's `original` occurs exactly once in
-its file (else the audit reports it `stale` and tests nothing), its mutant still parses, and every
-test it names exists. Runs in well under a second; it fails as soon as a change moves mutated code
-without updating the audit."""
+"""The machinery of scripts/mutation_audit.py (the audit itself runs as `make audit`): its rows are
+well formed and resolve against today's code, a mutant of a tiny function is caught, and an anchor
+that no longer applies (the function moved, the line was rewritten) is reported `stale`, never
+raised. A row going stale is a warning here, not a failure: a refactor that keeps behaviour keeps
+`make test` green, and `make audit` lists what to re-anchor."""
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from horizon_cli.testing import script
+
+AUDIT = script("mutation_audit")
 
 
-def load_audit():
-    spec = importlib.util.spec_from_file_location("mutation_audit", ROOT / "scripts" / "mutation_audit.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(mod)
-    return mod
-
-
-AUDIT = load_audit()
-
-
-def problems(m) -> list[str]:
-    """What makes mutation m inapplicable (empty: it is fine)."""
-    path = ROOT / m.file
-    if not path.is_file():
-        return [f"{m.file} does not exist"]
-    text = path.read_text()
-    out = []
-    n = text.count(m.original)
-    if n != 1:
-        out.append(f"original found {n} times in {m.file}")
-    if m.mutated == m.original:
-        out.append("mutated equals original")
-    if n == 1 and m.file.endswith(".py"):
-        try:
-            ast.parse(text.replace(m.original, m.mutated))
-        except SyntaxError as e:
-            out.append(f"the mutant does not parse: {e}")
-    if not m.tests:
-        out.append("names no test")
-    for t in m.tests:
-        fname, _, func = t.partition("::")
-        tf = ROOT / fname
-        if not tf.is_file():
-            out.append(f"test file {fname} does not exist")
-        elif func and not re.search(rf"^def {re.escape(func)}\(", tf.read_text(), re.M):
-            out.append(f"{fname} has no test {func}")
-    if m.expect not in ("caught", "equivalent"):
-        out.append(f"expect {m.expect!r}")
-    elif m.expect == "equivalent" and not m.note:
-        out.append("an equivalent mutant needs a note saying why")
-    return out
-
-
-def test_every_mutation_applies_to_todays_code():
+def test_the_anchors_resolve_against_todays_code():
     ids = [m.id for m in AUDIT.MUTATIONS]
     assert len(ids) == len(set(ids)), "duplicate mutation ids"
-    bad = {m.id: p for m in AUDIT.MUTATIONS if (p := problems(m))}
-    assert not bad, f"stale mutations in scripts/mutation_audit.py: {bad}"
+    assert {m.id: p for m in AUDIT.MUTATIONS if (p := AUDIT.malformed(m))} == {}
+    stale = {m.id: p for m in AUDIT.MUTATIONS if (p := AUDIT.problems(m))}
+    if stale:
+        warnings.warn(
+            f"{len(stale)} stale rows in scripts/mutation_audit.py (make audit skips them): {stale}",
+            stacklevel=1,
+        )
+    assert len(stale) < len(ids)  # the resolver finds the package's code at all
+
+
+def tiny_project(root: Path) -> Path:
+    """A package of two tiny functions and a test of one, laid out as the repository is."""
+    (root / "tinypkg").mkdir(parents=True)
+    (root / "tinypkg" / "__init__.py").write_text("")
+    (root / "tinypkg" / "calc.py").write_text(
+        "def add(a, b):\n    return a + b\n\n\ndef four(x):\n    return x + x + x + x\n"
+    )
+    (root / "tests").mkdir()
+    (root / "tests" / "test_calc.py").write_text(
+        "from tinypkg.calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+    )
+    return root
+
+
+def row(**over):
+    fields = dict(
+        id="add-sign", area="run", where="tinypkg.calc:add", pattern="a + b", mutated="a - b",
+        tests=["tests/test_calc.py"], what="add subtracts",
+    )  # fmt: skip
+    return AUDIT.Mutation(**{**fields, **over})
+
+
+def test_a_mutant_of_a_tiny_function_is_caught(tmp_path):
+    root = tiny_project(tmp_path / "repo")
+    before = (root / "tinypkg" / "calc.py").read_text()
+    res = AUDIT.run_one(row(), timeout=300, ext_dir=tmp_path / "ext", py=sys.executable, root=root)
+    assert res["result"] == "caught", res
+    assert "test_add" in res["detail"]
+    assert (root / "tinypkg" / "calc.py").read_text() == before  # restored
 
 
 @pytest.mark.parametrize(
-    "change",
+    "over, reason",
     [
-        {"original": "this line is in no file of horizon"},
-        {"tests": ["tests/test_no_such_file.py"]},
-        {"tests": ["tests/test_engine_parity.py::test_no_such_test"]},
-        {"mutated": "return (("},
+        ({"where": "tinypkg.old:add"}, "no module tinypkg.old (the pattern is now in tinypkg.calc:add)"),
+        ({"pattern": "a * b"}, "pattern found 0 times in tinypkg.calc:add"),
+        ({"where": "tinypkg.calc:four", "pattern": "x + x"}, "pattern found 2 times in tinypkg.calc:four"),
     ],
+    ids=["moved-to-another-module", "line-rewritten", "pattern-ambiguous"],
 )
-def test_a_stale_mutation_is_reported(change):
-    """The check itself can fail: a mutation whose line moved, or whose tests were renamed."""
-    from dataclasses import replace
-
-    m = next(m for m in AUDIT.MUTATIONS if m.id == "rmsnorm-eps")
-    assert problems(m) == []
-    assert problems(replace(m, **change))
+def test_a_stale_anchor_is_reported_not_raised(tmp_path, over, reason):
+    root = tiny_project(tmp_path / "repo")
+    m = row(**over)
+    assert AUDIT.malformed(m) == []
+    assert AUDIT.problems(m, root) == [reason]
+    res = AUDIT.run_one(m, timeout=300, ext_dir=tmp_path / "ext", py=sys.executable, root=root)
+    assert (res["result"], res["detail"]) == ("stale", reason)

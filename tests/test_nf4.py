@@ -123,10 +123,10 @@ def test_transformers_bitsandbytes_loading_meets_the_same_base(tmp_path):
     the very bytes of the store, and dequantizes to its tensors: an adapter trained on the store
     (test_lora_engine: the engine against peft on the store's dequantized base) meets that base."""
     F = bnb_functional()
-    from tiny_models import make_model, save
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from horizon_cli.convert import convert
+    from horizon_cli.testing.tiny import make_model, save
 
     save(make_model("llama", **WIDE).to(torch.bfloat16), tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "store", dtype="bfloat16", quantize="nf4")
@@ -228,10 +228,9 @@ def test_moe_routers_gates_and_biases_stay_in_the_store_dtype(tmp_path):
 
 def test_a_weight_with_inf_or_nan_is_refused_and_nothing_is_written(tmp_path):
     """NF4 cannot hold a non-finite weight (its block's scale would be inf or NaN)."""
-    from tiny_models import make_model, save
-
     from horizon_cli.convert import convert
     from horizon_cli.errors import InputError
+    from horizon_cli.testing.tiny import make_model, save
 
     model = make_model("llama")
     with torch.no_grad():

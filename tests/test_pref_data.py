@@ -36,7 +36,7 @@ PLAIN = {
 
 @pytest.fixture(scope="module")
 def trainer(tok, tmp_path_factory):
-    from tiny_models import make_model
+    from horizon_cli.testing.tiny import make_model
 
     model = make_model("llama", vocab_size=400)
     args = trl.DPOConfig(

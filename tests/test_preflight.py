@@ -9,15 +9,9 @@ import resource
 
 import pytest
 import torch
-from conftest import chat_rows, write_config, write_jsonl
-from typer.testing import CliRunner
+from conftest import chat_rows, horizon, write_config, write_jsonl
 
 from horizon_cli import preflight
-from horizon_cli.cli import app
-
-
-def horizon(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "2000"})
 
 
 def error_line(r, code: int = 2) -> str:

@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import chat_rows, write_config, write_jsonl
-from typer.testing import CliRunner
+from conftest import chat_rows, horizon, write_config, write_jsonl
 
-from horizon_cli.cli import app
 from horizon_cli.config import dump_yaml, load_config
 from horizon_cli.errors import InputError
 from horizon_cli.optim.schedules import lr_at
@@ -171,10 +169,6 @@ def run(cosine_run, tmp_path):
     raw["output"]["dir"] = str(tmp_path / "run")
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
     return tmp_path / "run", tmp_path / "cfg.yaml"
-
-
-def horizon(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "2000"})
 
 
 def snapshot(root: Path) -> dict[str, bytes | None]:

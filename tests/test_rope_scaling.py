@@ -3,8 +3,8 @@ as in the real 8B, and linear scaling.
 
 The scaling leaves short wavelengths alone (< original_max / high_freq_factor), divides long ones
 by `factor` (> original_max / low_freq_factor), and blends the two in between. The parity family
-`llama31` of tiny_models (head_dim 8, original max 64) has no wavelength in that band, so the blend
-was never exercised. This config takes the real 8B's settings (theta 500000, factor 8, low 1,
+`llama31` of horizon_cli.testing.tiny (head_dim 8, original max 64) has no wavelength in that band,
+so the blend was never exercised. This config takes the real 8B's settings (theta 500000, factor 8, low 1,
 high 4, original 8192) with head_dim 64, which puts three of its 32 frequencies in the band.
 """
 

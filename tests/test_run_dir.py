@@ -16,16 +16,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import chat_rows, write_config, write_jsonl
-from typer.testing import CliRunner
+from conftest import chat_rows, horizon, write_config, write_jsonl
 
 from horizon_cli import owner
-from horizon_cli.cli import app
 from horizon_cli.store import checkpoint as ckpt
-
-
-def horizon(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "2000"})  # no wrapping
 
 
 def error_line(r, code: int = 2) -> str:

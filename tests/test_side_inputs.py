@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from census_config import build, tiny_config
 from oracle import check_step_against_hf, make_engine, one_thread, rel_err  # noqa: F401 (autouse fixture)
 from test_generate import hf_greedy, prompts
 from test_generate import run as generate
@@ -25,6 +24,7 @@ from horizon_cli.lora.setup import lora_setup
 from horizon_cli.model.sample import Sampler
 from horizon_cli.planning.memory import memory_plan
 from horizon_cli.store import Store
+from horizon_cli.testing.census_config import build, tiny_config
 
 CASES = {"gemma4_text": 3, "zamba2": 7, "zaya": 2}  # zamba2: its hybrid layer is the 7th
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from census_config import build, tiny_config
 from oracle import one_thread  # noqa: F401 (autouse fixture: tiny models on one thread)
 from safetensors.torch import load_file, save_file
 
@@ -22,6 +21,7 @@ from horizon_cli.convert import convert
 from horizon_cli.errors import InputError
 from horizon_cli.export import export
 from horizon_cli.store import Store
+from horizon_cli.testing.census_config import build, tiny_config
 
 FUSED = {
     "sarvam_moe": ("attention.query_key_value.weight", ["q_proj", "k_proj", "v_proj"], "self_attn."),
@@ -194,9 +194,10 @@ def test_lora_merged_export_of_a_split(tmp_path):
     """LoRA on q_proj / k_proj (split from query_key_value) and o_proj (renamed from dense): the
     merged export is PEFT's merge, written under the checkpoint's own names."""
     import yaml
-    from census_horizon import Data, train_config
     from test_cli_store_errors import horizon
     from transformers import AutoModelForCausalLM
+
+    from horizon_cli.testing.census_horizon import Data, train_config
 
     peft = pytest.importorskip("peft")
     _saved("sarvam_moe", tmp_path)
@@ -253,7 +254,7 @@ def test_fused_tensor_given_twice_is_refused(tmp_path, extra):
 def test_unaligned_split_trains_as_transformers(tmp_path):
     """The census oracle (3 AdamW steps: losses, gradients, exported weights, logits) on a
     Sarvam-MoE whose q / k / v pieces are no ALIGN multiples: k_proj and v_proj start mid-block."""
-    from census_horizon import Data, perturb, try_horizon
+    from horizon_cli.testing.census_horizon import Data, perturb, try_horizon
 
     cfg = tiny_config("sarvam_moe", 2)
     cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads = 40, 10, 3, 1

@@ -11,7 +11,6 @@ import io
 
 import pytest
 import torch
-from census_config import build, tiny_config
 from oracle import (
     DEVICE,
     engine_grads,
@@ -33,6 +32,7 @@ from horizon_cli.convert import convert
 from horizon_cli.errors import InputError
 from horizon_cli.export import export
 from horizon_cli.store import Store
+from horizon_cli.testing.census_config import build, tiny_config
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0, grad_clip=0.0)
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import ast
 import re
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from horizon_cli.testing import script
 
-import import_graph  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+import_graph = script("import_graph")
 
 
 def test_no_cycles_no_upward_imports_no_long_files():

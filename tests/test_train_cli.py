@@ -9,19 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import chat_rows, write_config, write_jsonl
-from typer.testing import CliRunner
-
-from horizon_cli.cli import app
+from conftest import chat_rows, horizon, write_config, write_jsonl
 
 METRIC_FIELDS = {
     "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_s", "h2d_bytes", "d2h_bytes",
     "weight_loads", "device_peak_bytes", "host_rss_bytes", "kept_layers",
 }  # fmt: skip
-
-
-def horizon(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def one_error_line(r) -> str:
