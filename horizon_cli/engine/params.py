@@ -32,9 +32,11 @@ from ..model.lora import LayerLora, layer_lora
 from ..planning.lora import adapter_kept_bytes, adapter_work_bytes
 from ..runtime.events import READY, Event
 from ..state.adapters import lora_state
-from ..state.frozen import FrozenState
-from ..state.host import HostState
+from ..state.frozen import FrozenState, FrozenUnit
+from ..state.host import HostState, UnitState
 from ..store import Store
+from .headgrad import FrozenHead, TrainedHead
+from .seams import HeadGrads, Params
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
 
@@ -45,12 +47,13 @@ class FullParams:
     lora: LoraSetup | None = None
     base: FrozenState | None = None
     trains_head = True
+    head: HeadGrads = TrainedHead()
 
     def __init__(self, store: Store, dtype, grad_dtype, alloc: Alloc, progress, memory: str, shard):
         self.host = HostState(store, dtype, alloc, progress, grad_dtype, memory, shard)
         self.layers = [f"layer.{i}" for i in range(store.arch.n_layers)]
         self.trained: list[str | None] = list(self.layers)
-        self.units: dict = dict(self.host.units)
+        self.units: dict[str, UnitState | FrozenUnit] = dict(self.host.units)
         # per unit: the tensors that get gradients (frozen buffers such as a routing bias do not)
         self.names = {
             u: [p.name for p in st.layout.tensors if p.trainable] for u, st in self.host.units.items()
@@ -97,19 +100,22 @@ class FullParams:
         return 0
 
 
-class LoraParams:
-    """LoRA: a frozen base (streaming copies only; NF4 layers dequantized on the device) and the
-    adapters, units of their own (lora.{i}) that travel with their layer and alone get gradients."""
+class _OnFrozenBase:
+    """Adapters (or none) riding on a frozen base (streaming copies only; NF4 layers dequantized
+    on the device): what LoRA training and a forward-only engine share."""
 
     trains_head = False
+    head: HeadGrads = FrozenHead()
 
-    def __init__(self, store: Store, setup: LoraSetup, dtype, grad_dtype, alloc: Alloc, progress, shard):
+    def __init__(
+        self, store: Store, setup: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, shard
+    ):
         self.lora = setup
         self.base, self.host, self.trained = lora_state(
             store, setup, dtype, grad_dtype, alloc, progress, shard
         )
         self.layers = [f"layer.{i}" for i in range(store.arch.n_layers)]
-        self.units: dict = {**self.base.units, **self.host.units}
+        self.units: dict[str, UnitState | FrozenUnit] = {**self.base.units, **self.host.units}
         self.names = {
             u: [p.name for p in st.layout.tensors if p.trainable] for u, st in self.host.units.items()
         }
@@ -136,6 +142,7 @@ class LoraParams:
             return None, [], []
         st = self.host[u]
         names = [p.name for p in st.layout.tensors]
+        assert self.lora is not None  # a lora.{i} unit exists only with a setup
         lora, leaves = layer_lora(self.lora, st.views(extras[0]), names, i, step, train, grad)
         return lora, leaves, names
 
@@ -181,26 +188,26 @@ class LoraParams:
         return self.base.attach(device_empty, dtype, kept)
 
 
-class FrozenParams(LoraParams):
+class LoraParams(_OnFrozenBase):
+    """LoRA: a frozen base and the adapters, units of their own (lora.{i}) that travel with their
+    layer and alone get gradients."""
+
+    def __init__(self, store: Store, setup: LoraSetup, dtype, grad_dtype, alloc: Alloc, progress, shard):
+        super().__init__(store, setup, dtype, grad_dtype, alloc, progress, shard)
+
+
+class FrozenParams(_OnFrozenBase):
     """Forward only (generation, evaluation, a reference pass): every unit frozen — its streaming
     copy only, no master, moments or gradients (an NF4 store's layers stay packed and are
     dequantized on the device); with a LoRA setup (its `init`: the adapters to apply) the
-    adapters ride with their layers as in training, dropout off."""
-
-    def __init__(
-        self, store: Store, setup: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, shard
-    ):
-        if setup is None:  # no adapters: an empty setup, so no lora.{i} unit exists
-            from ..config.schema import LoraConfig
-
-            setup = LoraSetup(LoraConfig(), [[] for _ in range(store.arch.n_layers)], 1.0, 0)
-        super().__init__(store, setup, dtype, grad_dtype, alloc, progress, shard)
+    adapters ride with their layers as in training, dropout off; without one, no lora.{i} unit
+    exists."""
 
 
 def make_params(
     store: Store, lora: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, memory, shard,
     forward_only: bool = False,
-):  # fmt: skip
+) -> Params:  # fmt: skip
     if forward_only:
         return FrozenParams(store, lora, dtype, grad_dtype, alloc, progress, shard)
     if lora is None:

@@ -17,7 +17,6 @@ chosen once; the passes that use them (engine.step, engine.infer) never branch o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -36,9 +35,10 @@ from ..state.optimizer import OptimizerWorker
 from ..store import DTYPES, Store
 from .embed import Embedding, HostEmbedding, ShardedEmbedding
 from .grads import GradSums
-from .objective import Objective, TokenCE
-from .params import FullParams, LoraParams, make_params
+from .objective import TokenCE
+from .params import make_params
 from .reduce import LocalReduce, ShardedReduce
+from .seams import LayerTemplate, LossObjective, Params, Reduce, Transport
 from .sharded import ShardedGrads
 
 
@@ -49,18 +49,18 @@ class Parts:
     ocfg: OptimConfig
     dtype: torch.dtype
     grad_dtype: torch.dtype
-    t: Any  # the transport (runtime.transport.CpuTransport or runtime.cuda.CudaTransport)
+    t: Transport  # runtime.transport.CpuTransport or runtime.cuda.CudaTransport
     tracer: Tracer
     poison: Poison
     dist: Dist | None
-    params: FullParams | LoraParams  # (FrozenParams is a LoraParams)
+    params: Params  # engine.params: FullParams, LoraParams or FrozenParams
     loader: Loader
     optimizer: OptimizerWorker
-    tmpl: Any  # model.template.NativeTemplate or model.generic.GenericTemplate
+    tmpl: LayerTemplate  # model.template.NativeTemplate or model.generic.GenericTemplate
     grads: GradSums
-    reduce: LocalReduce | ShardedReduce
+    reduce: Reduce  # engine.reduce: LocalReduce or ShardedReduce
     embedding: Embedding
-    objective: Objective
+    objective: LossObjective
     keep: int = 0  # K: the last K layers keep graph and weights from forward to backward (engine.keep)
     adam_step: int = 0  # optimizer steps applied (dropout masks are seeded by it)
 
@@ -76,10 +76,10 @@ def assemble(
     *,
     tracer: Tracer | None = None,
     progress=lambda n: None,
-    transport=None,
+    transport: Transport | None = None,
     lora: LoraSetup | None = None,
     dist: Dist | None = None,
-    objective: Objective | None = None,
+    objective: LossObjective | None = None,
     step_numel: int = 0,
     keep: int = 0,
     forward_only: bool = False,
@@ -117,7 +117,7 @@ def assemble(
     )
     optimizer = OptimizerWorker(params.host, optim.kernel, tracer, t.thread_init)
     # native functional layer, or transformers' own (with LoRA hooks on its linear modules)
-    tmpl = make_template(spec, t.device, lora.targets if lora else None, dtype)
+    tmpl: LayerTemplate = make_template(spec, t.device, lora.targets if lora else None, dtype)
     calls = tmpl.calls  # the layer of each call (arch.loop: a loop calls some more than once)
     if is_loop(calls):
         name = f"{spec.family} runs its layers in a loop ({len(calls)} calls for {spec.n_layers} layers)"
@@ -136,7 +136,7 @@ def assemble(
     t.memory.set("grad_acc", grads.nbytes() + (sharded.nbytes() if sharded else 0))
     embedding: Embedding
     if sharded is None:
-        reduce: LocalReduce | ShardedReduce = LocalReduce(t, params.host, grads, tied)
+        reduce: Reduce = LocalReduce(t, params.host, grads, tied)
         embedding = HostEmbedding(t, loader, params.units, params.host, spec, dtype, tmpl.embed_scale)
     else:
         reduce = ShardedReduce(sharded)

@@ -31,10 +31,12 @@ import torch
 from ..data.batch import MicroBatch
 from ..optim.adamw import AdamWHyper
 from ..planning.memory import head_work_bytes, kept_graph_bytes, layer_vectors, layer_work_bytes
-from ..runtime.events import Event
+from ..runtime.events import Event, Promise
 from .keep import KeptLayers
 from .objective import HeadOut
 from .parts import Parts
+from .passes import KeptPass, SavePass
+from .seams import LayerPass
 from .sweep import Sweep
 
 
@@ -47,11 +49,12 @@ class TrainStep:
         self.vectors = layer_vectors(p.params.units[u].layout for u in p.layers) if p.keep else 0
         self.grad_ready: dict[str, Event] = {}  # unit -> its gradient is on the host (this step)
         self.mb_base = 0  # sharded runs: the global index of this rank's first micro-batch
+        self.save = SavePass(p, [], [], 0, 0)  # this step's recompute pass (its saved shapes)
 
     def reserve(self, step_numel: int) -> None:
         """Size the host buffers once (pinning and unpinning L buffers mid-run doubles them)."""
         self._ensure_ckpt(step_numel)
-        self.p.embedding.reserve(step_numel, grad=self.p.params.trains_head)
+        self.p.params.head.reserve(self.p, step_numel)
 
     def forward_backward(
         self, mbs: list[MicroBatch], tokens: int | None = None
@@ -76,18 +79,14 @@ class TrainStep:
 
         p.tmpl.begin_step()
         self.kept.clear()
-        seq = self.sweep.loads([(self.ckpt[i][:total], saved[i]) for i in range(self.recomputed)], p.keep)
-        x = self.sweep.start(mbs, seq)
-        x = self.sweep.layers(x, ctxs, self.mb_base, save=(self.ckpt, saved), keep=self.kept)
+        passes = self._passes(saved, total)
+        x = self.sweep.start(mbs, self.sweep.loads(passes))
+        x = self.sweep.layers(x, ctxs, passes)
         p.tmpl.end_forward()  # MoE: every layer's routing is known, the aux loss with it
         out = self._head(x, targets, inv_n, sq)
         dx = self._backward_layers(out.dx, ctxs, shapes, sq)
         with p.tracer.span("host", "embed grad + norm"):
-            host_sq = (
-                p.embedding.backward(p.embedding.scale(dx), mbs, self.grad_ready)
-                if p.params.trains_head
-                else 0.0
-            )
+            host_sq = p.params.head.embed_backward(p, dx, mbs, self.grad_ready)
             loss, sq_all, stats = p.reduce.total(out.loss_sum, sq, host_sq, out.stats)
         return loss, tokens, sq_all, stats
 
@@ -100,28 +99,22 @@ class TrainStep:
         # the order the next forward needs them (layer 0 first)
         p.loader.ready.update(p.optimizer.submit(p.params.order(), h, self.grad_ready))
 
+    def _passes(self, saved: list[Promise], total: int) -> list[LayerPass]:
+        """Per call its pass: the recomputed calls save their inputs, the last K are kept."""
+        p = self.p
+        self.save = SavePass(p, self.ckpt, saved, total, self.mb_base)
+        kept = KeptPass(p, self.kept, self.mb_base)
+        return [self.save] * self.recomputed + [kept] * p.keep
+
     # -- head and backward -------------------------------------------------------------------
     def _head(self, x, targets, inv_n: float, sq: list) -> HeadOut:
         p = self.p
         head = self.sweep.acquire_head()
-        g = p.grads
-        if g.head is not None:  # a trained head (not LoRA)
-            gh = p.params.host["head"].views(g.head)
-            g.head.zero_()
-            # the LM head is the embedding when tied
-            g_embed = (
-                p.params.host["embed"].views(g.embed)["embed"]
-                if p.spec.tie_embeddings and g.embed is not None
-                else None
-            )
-            head.g_norm, head.g_lm = p.tmpl.head_tensors(gh, g_embed)
-            if g.embed is not None:
-                g.embed.zero_()
+        p.params.head.bind(p, head)
         with p.t.compute_span("head"):
             out = p.objective.train(head, x, targets, inv_n)
         self.sweep.release_head()
-        if g.head is not None:
-            p.reduce.head(g, self.grad_ready, sq)
+        p.params.head.send(p, self.grad_ready, sq)
         return out
 
     def _backward_layers(self, dx, ctxs, shapes, sq: list) -> list[torch.Tensor]:
@@ -164,7 +157,7 @@ class TrainStep:
             w = p.params.weights(i, w)
             w, lora, leaves, names = p.params.leaves(i, w, extras, p.adam_step)
             want_dx = j > 0 or p.params.wants_dx(i)
-            offs, ins = [0], self.sweep.saved[j]  # the inputs' shapes, as the forward saved them
+            offs, ins = [0], self.save.shapes[j]  # the inputs' shapes, as the forward saved them
             for shape in ins:
                 offs.append(offs[-1] + math.prod(shape))
 
