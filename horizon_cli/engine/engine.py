@@ -33,8 +33,8 @@ from ..store import Store
 from .decode import Generation
 from .infer import Inference
 from .kvcache import KVCache
-from .objective import Objective
 from .parts import assemble
+from .seams import LossObjective
 from .step import TrainStep
 from .sweep import Sweep
 
@@ -70,7 +70,7 @@ class Engine:
         transport=None,
         lora: LoraSetup | None = None,
         dist: Dist | None = None,
-        objective: Objective | None = None,
+        objective: LossObjective | None = None,
         keep: int | None = None,
         forward_only: bool = False,
     ):

@@ -35,8 +35,10 @@ from ..state.adapters import lora_state
 from ..state.frozen import FrozenState, FrozenUnit
 from ..state.host import HostState, UnitState
 from ..store import Store
+from .embed import Embedding
+from .grads import GradSums
 from .headgrad import FrozenHead, TrainedHead
-from .seams import HeadGrads, Params
+from .seams import HeadGrads, LayerTemplate, Params, Reduce
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
 
@@ -47,7 +49,6 @@ class FullParams:
     lora: LoraSetup | None = None
     base: FrozenState | None = None
     trains_head = True
-    head: HeadGrads = TrainedHead()
 
     def __init__(self, store: Store, dtype, grad_dtype, alloc: Alloc, progress, memory: str, shard):
         self.host = HostState(store, dtype, alloc, progress, grad_dtype, memory, shard)
@@ -99,13 +100,18 @@ class FullParams:
     def attach(self, device_empty: Alloc, dtype: torch.dtype, kept: list[str]) -> int:
         return 0
 
+    def head_grads(
+        self, grads: GradSums, tmpl: LayerTemplate, reduce: Reduce, embedding: Embedding, tied: bool
+    ) -> HeadGrads:
+        """The head and the embedding are trained."""
+        return TrainedHead(self.host, grads, tmpl, reduce, embedding, tied)
+
 
 class _OnFrozenBase:
     """Adapters (or none) riding on a frozen base (streaming copies only; NF4 layers dequantized
     on the device): what LoRA training and a forward-only engine share."""
 
     trains_head = False
-    head: HeadGrads = FrozenHead()
 
     def __init__(
         self, store: Store, setup: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, shard
@@ -186,6 +192,12 @@ class _OnFrozenBase:
         layer (their bytes; 0: nothing is packed)."""
         assert self.base is not None
         return self.base.attach(device_empty, dtype, kept)
+
+    def head_grads(
+        self, grads: GradSums, tmpl: LayerTemplate, reduce: Reduce, embedding: Embedding, tied: bool
+    ) -> HeadGrads:
+        """The head computes its input gradient only; the embedding's backward is skipped."""
+        return FrozenHead(embedding)
 
 
 class LoraParams(_OnFrozenBase):

@@ -9,6 +9,7 @@
     reduce      where gradients go: this process's host, or every rank's slice (engine.reduce)
     embedding   the embedding stage: on the host, or gathered on the device (engine.embed)
     objective   what the loss head computes (engine.objective)
+    head        the head's and the embedding's gradients, or none (engine.headgrad)
 
 Each difference decided here (full or LoRA, one process or sharded, the objective) is one object
 chosen once; the passes that use them (engine.step, engine.infer) never branch on it.
@@ -38,7 +39,7 @@ from .grads import GradSums
 from .objective import TokenCE
 from .params import make_params
 from .reduce import LocalReduce, ShardedReduce
-from .seams import LayerTemplate, LossObjective, Params, Reduce, Transport
+from .seams import HeadGrads, LayerTemplate, LossObjective, Params, Reduce, Transport
 from .sharded import ShardedGrads
 
 
@@ -61,6 +62,7 @@ class Parts:
     reduce: Reduce  # engine.reduce: LocalReduce or ShardedReduce
     embedding: Embedding
     objective: LossObjective
+    head: HeadGrads  # the head's and the embedding's gradients, or none (engine.headgrad)
     keep: int = 0  # K: the last K layers keep graph and weights from forward to backward (engine.keep)
     adam_step: int = 0  # optimizer steps applied (dropout masks are seeded by it)
 
@@ -151,5 +153,6 @@ def assemble(
         t.memory.set("dequantized layer", n)  # NF4: one layer, dequantized on the device (+ each kept one)
     return Parts(
         spec, engine, optim, dtype, grad_dtype, t, tracer, Poison(), dist, params, loader, optimizer, tmpl,
-        grads, reduce, embedding, objective or TokenCE(), keep,
+        grads, reduce, embedding, objective or TokenCE(), params.head_grads(grads, tmpl, reduce, embedding, tied),
+        keep,
     )  # fmt: skip

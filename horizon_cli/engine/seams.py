@@ -17,7 +17,7 @@ holds are the template's own: the engine only hands them back (`Context`, `Cache
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -30,11 +30,9 @@ from ..runtime.loader import Load
 from ..runtime.transport import Transport
 from ..state.frozen import FrozenState, FrozenUnit
 from ..state.host import HostState, UnitState
-
-if TYPE_CHECKING:
-    from .grads import GradSums
-    from .objective import Head, HeadOut, Targets
-    from .parts import Parts
+from .embed import Embedding
+from .grads import GradSums
+from .objective import Head, HeadOut, Targets
 
 __all__ = ["Transport", "LayerTemplate", "Params", "HeadGrads", "Reduce", "LossObjective", "LayerPass"]
 
@@ -78,13 +76,13 @@ class LayerTemplate(Protocol):
 
 class HeadGrads(Protocol):
     """The head's side of a training step: full fine-tuning trains the head and the embedding;
-    adapters on a frozen base compute only the head's input gradient."""
+    adapters on a frozen base compute only the head's input gradient (engine.headgrad)."""
 
-    def reserve(self, p: Parts, step_numel: int) -> None: ...
-    def bind(self, p: Parts, head: Head) -> None: ...
-    def send(self, p: Parts, ready: dict[str, Event], sq: list[torch.Tensor]) -> None: ...
+    def reserve(self, step_numel: int) -> None: ...
+    def bind(self, head: Head) -> None: ...
+    def send(self, ready: dict[str, Event], sq: list[torch.Tensor]) -> None: ...
     def embed_backward(
-        self, p: Parts, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]
+        self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]
     ) -> float: ...
 
 
@@ -103,8 +101,10 @@ class Params(Protocol):
     def lora(self) -> LoraSetup | None: ...  # the adapters computed with, or None
     @property
     def trains_head(self) -> bool: ...
-    @property
-    def head(self) -> HeadGrads: ...
+
+    def head_grads(
+        self, grads: GradSums, tmpl: LayerTemplate, reduce: Reduce, embedding: Embedding, tied: bool
+    ) -> HeadGrads: ...
 
     def extras(self, i: int, ready: dict[str, Event]) -> tuple[list[torch.Tensor], list[Event]]: ...
     def extra_numel(self) -> int: ...

@@ -54,7 +54,7 @@ class TrainStep:
     def reserve(self, step_numel: int) -> None:
         """Size the host buffers once (pinning and unpinning L buffers mid-run doubles them)."""
         self._ensure_ckpt(step_numel)
-        self.p.params.head.reserve(self.p, step_numel)
+        self.p.head.reserve(step_numel)
 
     def forward_backward(
         self, mbs: list[MicroBatch], tokens: int | None = None
@@ -86,7 +86,7 @@ class TrainStep:
         out = self._head(x, targets, inv_n, sq)
         dx = self._backward_layers(out.dx, ctxs, shapes, sq)
         with p.tracer.span("host", "embed grad + norm"):
-            host_sq = p.params.head.embed_backward(p, dx, mbs, self.grad_ready)
+            host_sq = p.head.embed_backward(dx, mbs, self.grad_ready)
             loss, sq_all, stats = p.reduce.total(out.loss_sum, sq, host_sq, out.stats)
         return loss, tokens, sq_all, stats
 
@@ -110,11 +110,11 @@ class TrainStep:
     def _head(self, x, targets, inv_n: float, sq: list) -> HeadOut:
         p = self.p
         head = self.sweep.acquire_head()
-        p.params.head.bind(p, head)
+        p.head.bind(head)
         with p.t.compute_span("head"):
             out = p.objective.train(head, x, targets, inv_n)
         self.sweep.release_head()
-        p.params.head.send(p, self.grad_ready, sq)
+        p.head.send(self.grad_ready, sq)
         return out
 
     def _backward_layers(self, dx, ctxs, shapes, sq: list) -> list[torch.Tensor]:
