@@ -21,14 +21,22 @@ from ..arch import ArchSpec
 from ..data.batch import MicroBatch
 from ..runtime.events import READY, Event
 from ..runtime.loader import Loader
+from ..runtime.transport import Transport
+from ..state.frozen import FrozenUnit
+from ..state.host import HostState, UnitState
 from .grads import GradSums, sumsq64
 from .sharded import ShardedGrads
+
+Units = dict[str, UnitState | FrozenUnit]  # every unit's streaming copy
 
 
 class Embedding:
     """What both kinds share: the family's scale, and the rows' split into micro-batches."""
 
-    def __init__(self, transport, loader: Loader, units: dict, host, spec: ArchSpec, dtype, scale):
+    def __init__(
+        self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,
+        dtype: torch.dtype, scale: float | None,
+    ):  # fmt: skip
         """units: every unit's streaming copy (LoRA: the frozen base's); host: the trained units'
         state (the embedding's grad, when trained). scale: the family's embedding scale, or None."""
         self.t, self.loader, self.units, self.host = transport, loader, units, host
@@ -70,7 +78,10 @@ class Embedding:
 class HostEmbedding(Embedding):
     """One rank: host staging for the rows and their gradient."""
 
-    def __init__(self, transport, loader: Loader, units: dict, host, spec: ArchSpec, dtype, scale):
+    def __init__(
+        self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,
+        dtype: torch.dtype, scale: float | None,
+    ):  # fmt: skip
         super().__init__(transport, loader, units, host, spec, dtype, scale)
         self.staging: dict[str, torch.Tensor] = {}
 
@@ -125,7 +136,10 @@ class HostEmbedding(Embedding):
 class ShardedEmbedding(Embedding):
     """Several ranks: the table gathered on the device, its gradient reduce-scattered."""
 
-    def __init__(self, transport, loader: Loader, units: dict, host, spec, dtype, scale, sharded, grads):
+    def __init__(
+        self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,
+        dtype: torch.dtype, scale: float | None, sharded: ShardedGrads, grads: GradSums,
+    ):  # fmt: skip
         super().__init__(transport, loader, units, host, spec, dtype, scale)
         self.sharded: ShardedGrads = sharded
         self.grads: GradSums = grads

@@ -34,9 +34,11 @@ from .decode import Generation
 from .infer import Inference
 from .kvcache import KVCache
 from .parts import assemble
+from .ranks import Placement, ranks_for
 from .seams import LossObjective
 from .step import TrainStep
 from .sweep import Sweep
+from .tuning import tuning_for
 
 
 @dataclass
@@ -97,6 +99,8 @@ class Engine:
             forward_only=forward_only,
         )  # fmt: skip
         self.p = p
+        self.tuning = tuning_for(lora)  # what train/ asks of a run's training (engine.tuning)
+        self.ranks = ranks_for(p.dist)  # ... and of its processes (engine.ranks)
         self.sweep = Sweep(p)
         self.trainer = TrainStep(p, self.sweep)
         self.infer = Inference(p, self.sweep)
@@ -121,6 +125,11 @@ class Engine:
     optimizer = property(lambda self: self.p.optimizer)
     tmpl = property(lambda self: self.p.tmpl)
     objective = property(lambda self: self.p.objective)
+
+    @property
+    def placement(self) -> Placement:
+        """How the trained state lies over the ranks (what a checkpoint's writers follow)."""
+        return self.tuning.placement(self.ranks)
 
     @property
     def adam_step(self) -> int:
