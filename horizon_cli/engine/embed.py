@@ -20,7 +20,7 @@ import torch
 from ..arch import ArchSpec
 from ..data.batch import MicroBatch
 from ..runtime.events import READY, Event
-from ..runtime.loader import Loader
+from ..runtime.loader import Load, Loader
 from ..runtime.transport import Transport
 from ..state.frozen import FrozenUnit
 from ..state.host import HostState, UnitState
@@ -32,6 +32,12 @@ Units = dict[str, UnitState | FrozenUnit]  # every unit's streaming copy
 
 class Embedding:
     """What both kinds share: the family's scale, and the rows' split into micro-batches."""
+
+    ahead = 1  # loads begun before the embedding's rows are sent (layer 0's)
+
+    def loads(self) -> list[Load]:
+        """Loads before layer 0's: none (the rows are gathered on the host)."""
+        return []
 
     def __init__(
         self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,
@@ -135,6 +141,12 @@ class HostEmbedding(Embedding):
 
 class ShardedEmbedding(Embedding):
     """Several ranks: the table gathered on the device, its gradient reduce-scattered."""
+
+    ahead = 2  # the table's gather and layer 0's
+
+    def loads(self) -> list[Load]:
+        """The embedding table, gathered on the device first."""
+        return [Load("embed-in", "embed")]
 
     def __init__(
         self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,

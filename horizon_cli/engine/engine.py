@@ -34,7 +34,7 @@ from .decode import Generation
 from .infer import Inference
 from .kvcache import KVCache
 from .parts import assemble
-from .ranks import Placement, ranks_for
+from .ranks import Placement
 from .seams import LossObjective
 from .step import TrainStep
 from .sweep import Sweep
@@ -100,7 +100,7 @@ class Engine:
         )  # fmt: skip
         self.p = p
         self.tuning = tuning_for(lora)  # what train/ asks of a run's training (engine.tuning)
-        self.ranks = ranks_for(p.dist)  # ... and of its processes (engine.ranks)
+        self.ranks = p.ranks  # ... and of its processes (engine.ranks)
         self.sweep = Sweep(p)
         self.trainer = TrainStep(p, self.sweep)
         self.infer = Inference(p, self.sweep)

@@ -38,6 +38,7 @@ from .embed import Embedding, HostEmbedding, ShardedEmbedding
 from .grads import GradSums
 from .objective import TokenCE
 from .params import make_params
+from .ranks import Ranks, ranks_for
 from .reduce import LocalReduce, ShardedReduce
 from .seams import HeadGrads, LayerTemplate, LossObjective, Params, Reduce, Transport
 from .sharded import ShardedGrads
@@ -63,6 +64,7 @@ class Parts:
     embedding: Embedding
     objective: LossObjective
     head: HeadGrads  # the head's and the embedding's gradients, or none (engine.headgrad)
+    ranks: Ranks  # one process, or this rank of a sharded run (engine.ranks)
     keep: int = 0  # K: the last K layers keep graph and weights from forward to backward (engine.keep)
     adam_step: int = 0  # optimizer steps applied (dropout masks are seeded by it)
 
@@ -154,5 +156,5 @@ def assemble(
     return Parts(
         spec, engine, optim, dtype, grad_dtype, t, tracer, Poison(), dist, params, loader, optimizer, tmpl,
         grads, reduce, embedding, objective or TokenCE(), params.head_grads(grads, tmpl, reduce, embedding, tied),
-        keep,
+        ranks_for(dist), keep,
     )  # fmt: skip

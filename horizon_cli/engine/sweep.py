@@ -47,8 +47,7 @@ class Sweep:
             extra, deps = p.params.extras(i, ready)
             more, more_deps = run.extras(i)
             seq.append(Load(f"f{j}", p.layers[i], [*extra, *more], [*deps, *more_deps], kept=run.kept))
-        if p.dist is not None:  # the embedding table, gathered on the device first
-            seq.insert(0, Load("embed-in", "embed"))
+        seq[:0] = p.embedding.loads()  # sharded: the embedding table, gathered on the device first
         seq.append(Load("head", "head"))
         if p.spec.tie_embeddings:
             seq.append(Load("embed", "embed"))
@@ -64,7 +63,7 @@ class Sweep:
         CPU optimizer runs after the embedding's): on the in-order copy queue it must not wait
         for that update."""
         p = self.p
-        p.loader.begin(seq, ahead=1 if p.dist is None else 2)
+        p.loader.begin(seq, ahead=p.embedding.ahead)
         with p.tracer.span("host", "embed"):
             x = p.embedding.forward(mbs)
         p.loader.fill()
