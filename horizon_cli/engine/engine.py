@@ -35,7 +35,7 @@ from .infer import Inference
 from .kvcache import KVCache
 from .parts import assemble
 from .ranks import Placement
-from .seams import LossObjective
+from .seams import LossObjective, Transport
 from .step import TrainStep
 from .sweep import Sweep
 from .tuning import tuning_for
@@ -69,7 +69,7 @@ class Engine:
         tracer: Tracer | None = None,
         progress=lambda n: None,
         max_tokens: int = 0,
-        transport=None,
+        transport: Transport | None = None,
         lora: LoraSetup | None = None,
         dist: Dist | None = None,
         objective: LossObjective | None = None,

@@ -11,7 +11,10 @@ assembles them; every implementation is chosen once, at build time).
     LayerPass      what one call of a layer does in a sweep (engine.passes)
 
 The template's per-micro-batch context, its generation cache and what a kept layer's forward
-holds are the template's own: the engine only hands them back (`Context`, `Cache`, `Held`).
+holds are the template's own: the engine only hands them back (`Context`, `Cache`, `Held`, typed
+`object` here). The templates annotate them with their own types (model.layer.AttnContext,
+model.generic.GenericContext), narrower than the protocol's, which a strict structural check
+reports; the engine never builds or reads one, so only the template's own methods see them.
 """
 
 from __future__ import annotations

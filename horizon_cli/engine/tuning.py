@@ -41,6 +41,7 @@ class FullTuning:
     lora: LoraSetup | None = None
     state_buffers = STATE_BUFFERS
     reference_on_base = False  # a preference run's reference policy: the initial weights
+    note = ""  # a warning for the user
 
     def source(self, ck: Path | None, base: Store) -> Store:
         """A resume's weights are its checkpoint's store."""
@@ -88,6 +89,7 @@ class LoraTuning:
         self.lora = setup
         # fresh adapters (no lora.init): the initial policy is the base, the reference adapters off
         self.reference_on_base = not setup.cfg.init
+        self.note = setup.note  # the adapter does not load whole into peft (lora.targets.peft_note)
 
     def source(self, ck: Path | None, base: Store) -> Store:
         """The base never changes: a resume builds on it and reads the adapters from `ck`."""
