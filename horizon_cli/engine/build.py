@@ -24,7 +24,7 @@ from ..planning.memory import MemoryPlan
 from ..runtime.trace import Tracer
 from ..store import Store
 from .engine import Engine
-from .objective import Objective
+from .seams import LossObjective
 
 
 @dataclass
@@ -75,7 +75,7 @@ def build_engine(
     dist: Dist | None = None,
     tracer: Tracer | None = None,
     progress: Callable[[int], None] = lambda n: None,
-    objective: Objective | None = None,
+    objective: LossObjective | None = None,
     keep: int = 0,
 ) -> Engine:
     """The engine for `cfg` on `store` (a resumed full fine-tuning run: its checkpoint's store).

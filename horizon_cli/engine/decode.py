@@ -20,6 +20,7 @@ from ..data.batch import DecodeBatch
 from ..errors import InputError
 from .kvcache import KVCache, kv_bytes
 from .parts import Parts
+from .passes import DecodePass
 from .sweep import Sweep
 
 
@@ -66,8 +67,9 @@ class Generation:
         p.tmpl.begin_step()  # MoE router statistics are a training step's; none accumulate here
         caches = kv.live()
         ctxs = [p.tmpl.gen_context(db, c, p.dtype, p.t.device) for db, c in zip(dbs, caches, strict=True)]
-        x = self.sweep.start(dbs, self.sweep.loads(kv=kv))  # type: ignore[arg-type]
-        x = self.sweep.layers(x, ctxs, kv=kv)
+        passes = [DecodePass(p, kv)] * len(p.tmpl.calls)
+        x = self.sweep.start(dbs, self.sweep.loads(passes))  # type: ignore[arg-type]
+        x = self.sweep.layers(x, ctxs, passes)
         head = self.sweep.acquire_head()
         if p.spec.streams:  # the modules after the last layer merge the streams, on the newest position
             d = p.spec.tokens_dim

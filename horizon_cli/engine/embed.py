@@ -20,15 +20,29 @@ import torch
 from ..arch import ArchSpec
 from ..data.batch import MicroBatch
 from ..runtime.events import READY, Event
-from ..runtime.loader import Loader
+from ..runtime.loader import Load, Loader
+from ..runtime.transport import Transport
+from ..state.frozen import FrozenUnit
+from ..state.host import HostState, UnitState
 from .grads import GradSums, sumsq64
 from .sharded import ShardedGrads
+
+Units = dict[str, UnitState | FrozenUnit]  # every unit's streaming copy
 
 
 class Embedding:
     """What both kinds share: the family's scale, and the rows' split into micro-batches."""
 
-    def __init__(self, transport, loader: Loader, units: dict, host, spec: ArchSpec, dtype, scale):
+    ahead = 1  # loads begun before the embedding's rows are sent (layer 0's)
+
+    def loads(self) -> list[Load]:
+        """Loads before layer 0's: none (the rows are gathered on the host)."""
+        return []
+
+    def __init__(
+        self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,
+        dtype: torch.dtype, scale: float | None,
+    ):  # fmt: skip
         """units: every unit's streaming copy (LoRA: the frozen base's); host: the trained units'
         state (the embedding's grad, when trained). scale: the family's embedding scale, or None."""
         self.t, self.loader, self.units, self.host = transport, loader, units, host
@@ -70,7 +84,10 @@ class Embedding:
 class HostEmbedding(Embedding):
     """One rank: host staging for the rows and their gradient."""
 
-    def __init__(self, transport, loader: Loader, units: dict, host, spec: ArchSpec, dtype, scale):
+    def __init__(
+        self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,
+        dtype: torch.dtype, scale: float | None,
+    ):  # fmt: skip
         super().__init__(transport, loader, units, host, spec, dtype, scale)
         self.staging: dict[str, torch.Tensor] = {}
 
@@ -125,7 +142,16 @@ class HostEmbedding(Embedding):
 class ShardedEmbedding(Embedding):
     """Several ranks: the table gathered on the device, its gradient reduce-scattered."""
 
-    def __init__(self, transport, loader: Loader, units: dict, host, spec, dtype, scale, sharded, grads):
+    ahead = 2  # the table's gather and layer 0's
+
+    def loads(self) -> list[Load]:
+        """The embedding table, gathered on the device first."""
+        return [Load("embed-in", "embed")]
+
+    def __init__(
+        self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,
+        dtype: torch.dtype, scale: float | None, sharded: ShardedGrads, grads: GradSums,
+    ):  # fmt: skip
         super().__init__(transport, loader, units, host, spec, dtype, scale)
         self.sharded: ShardedGrads = sharded
         self.grads: GradSums = grads

@@ -33,10 +33,12 @@ from ..store import Store
 from .decode import Generation
 from .infer import Inference
 from .kvcache import KVCache
-from .objective import Objective
 from .parts import assemble
+from .ranks import Placement
+from .seams import LossObjective, Transport
 from .step import TrainStep
 from .sweep import Sweep
+from .tuning import tuning_for
 
 
 @dataclass
@@ -67,10 +69,10 @@ class Engine:
         tracer: Tracer | None = None,
         progress=lambda n: None,
         max_tokens: int = 0,
-        transport=None,
+        transport: Transport | None = None,
         lora: LoraSetup | None = None,
         dist: Dist | None = None,
-        objective: Objective | None = None,
+        objective: LossObjective | None = None,
         keep: int | None = None,
         forward_only: bool = False,
     ):
@@ -97,6 +99,8 @@ class Engine:
             forward_only=forward_only,
         )  # fmt: skip
         self.p = p
+        self.tuning = tuning_for(lora)  # what train/ asks of a run's training (engine.tuning)
+        self.ranks = p.ranks  # ... and of its processes (engine.ranks)
         self.sweep = Sweep(p)
         self.trainer = TrainStep(p, self.sweep)
         self.infer = Inference(p, self.sweep)
@@ -121,6 +125,11 @@ class Engine:
     optimizer = property(lambda self: self.p.optimizer)
     tmpl = property(lambda self: self.p.tmpl)
     objective = property(lambda self: self.p.objective)
+
+    @property
+    def placement(self) -> Placement:
+        """How the trained state lies over the ranks (what a checkpoint's writers follow)."""
+        return self.tuning.placement(self.ranks)
 
     @property
     def adam_step(self) -> int:

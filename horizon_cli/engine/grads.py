@@ -23,6 +23,7 @@ import torch
 
 from ..parallel.shard import padded_numel
 from ..runtime.events import READY, Event
+from ..runtime.transport import Transport
 from ..state.host import HostState
 
 
@@ -31,7 +32,7 @@ class GradSums:
 
     def __init__(
         self,
-        transport,
+        transport: Transport,
         host: HostState,
         trained: list[str | None],
         grad_dtype: torch.dtype,

@@ -21,6 +21,7 @@ from ..data.batch import MicroBatch
 from ..model.head import label_index, token_scores
 from .objective import Head, Targets
 from .parts import Parts
+from .passes import ForwardPass
 from .sweep import Sweep
 
 
@@ -33,8 +34,9 @@ class Inference:
         """(last hidden states per micro-batch, the head on the device): the caller must
         `sweep.release_head()` once done with the head."""
         ctxs = self.sweep.contexts(mbs)
-        x = self.sweep.start(mbs, self.sweep.loads())
-        x = self.sweep.layers(x, ctxs)
+        passes = [ForwardPass(self.p)] * len(self.p.tmpl.calls)
+        x = self.sweep.start(mbs, self.sweep.loads(passes))
+        x = self.sweep.layers(x, ctxs, passes)
         return x, self.sweep.acquire_head()
 
     @torch.no_grad()

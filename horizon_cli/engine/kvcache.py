@@ -22,6 +22,7 @@ import math
 import torch
 
 from ..runtime.events import READY, Event
+from ..runtime.transport import Transport
 
 STATES = ("keys", "values")
 
@@ -37,7 +38,7 @@ def kv_bytes(rows: list[tuple[int, int]], per_layer: list[tuple[int, int | None]
 
 
 class KVCache:
-    def __init__(self, t, caches: list, host: bool, positions: list[int]):
+    def __init__(self, t: Transport, caches: list, host: bool, positions: list[int]):
         """caches: per micro-batch a fresh transformers Cache (template.new_cache()); positions: per
         micro-batch the most positions it will hold (prompt + new tokens); host: host mode."""
         self.t, self.caches, self.host = t, caches, host

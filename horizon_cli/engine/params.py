@@ -32,9 +32,13 @@ from ..model.lora import LayerLora, layer_lora
 from ..planning.lora import adapter_kept_bytes, adapter_work_bytes
 from ..runtime.events import READY, Event
 from ..state.adapters import lora_state
-from ..state.frozen import FrozenState
-from ..state.host import HostState
+from ..state.frozen import FrozenState, FrozenUnit
+from ..state.host import HostState, UnitState
 from ..store import Store
+from .embed import Embedding
+from .grads import GradSums
+from .headgrad import FrozenHead, TrainedHead
+from .seams import HeadGrads, LayerTemplate, Params, Reduce
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
 
@@ -50,7 +54,7 @@ class FullParams:
         self.host = HostState(store, dtype, alloc, progress, grad_dtype, memory, shard)
         self.layers = [f"layer.{i}" for i in range(store.arch.n_layers)]
         self.trained: list[str | None] = list(self.layers)
-        self.units: dict = dict(self.host.units)
+        self.units: dict[str, UnitState | FrozenUnit] = dict(self.host.units)
         # per unit: the tensors that get gradients (frozen buffers such as a routing bias do not)
         self.names = {
             u: [p.name for p in st.layout.tensors if p.trainable] for u, st in self.host.units.items()
@@ -96,20 +100,28 @@ class FullParams:
     def attach(self, device_empty: Alloc, dtype: torch.dtype, kept: list[str]) -> int:
         return 0
 
+    def head_grads(
+        self, grads: GradSums, tmpl: LayerTemplate, reduce: Reduce, embedding: Embedding, tied: bool
+    ) -> HeadGrads:
+        """The head and the embedding are trained."""
+        return TrainedHead(self.host, grads, tmpl, reduce, embedding, tied)
 
-class LoraParams:
-    """LoRA: a frozen base (streaming copies only; NF4 layers dequantized on the device) and the
-    adapters, units of their own (lora.{i}) that travel with their layer and alone get gradients."""
+
+class _OnFrozenBase:
+    """Adapters (or none) riding on a frozen base (streaming copies only; NF4 layers dequantized
+    on the device): what LoRA training and a forward-only engine share."""
 
     trains_head = False
 
-    def __init__(self, store: Store, setup: LoraSetup, dtype, grad_dtype, alloc: Alloc, progress, shard):
+    def __init__(
+        self, store: Store, setup: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, shard
+    ):
         self.lora = setup
         self.base, self.host, self.trained = lora_state(
             store, setup, dtype, grad_dtype, alloc, progress, shard
         )
         self.layers = [f"layer.{i}" for i in range(store.arch.n_layers)]
-        self.units: dict = {**self.base.units, **self.host.units}
+        self.units: dict[str, UnitState | FrozenUnit] = {**self.base.units, **self.host.units}
         self.names = {
             u: [p.name for p in st.layout.tensors if p.trainable] for u, st in self.host.units.items()
         }
@@ -136,6 +148,7 @@ class LoraParams:
             return None, [], []
         st = self.host[u]
         names = [p.name for p in st.layout.tensors]
+        assert self.lora is not None  # a lora.{i} unit exists only with a setup
         lora, leaves = layer_lora(self.lora, st.views(extras[0]), names, i, step, train, grad)
         return lora, leaves, names
 
@@ -180,27 +193,33 @@ class LoraParams:
         assert self.base is not None
         return self.base.attach(device_empty, dtype, kept)
 
+    def head_grads(
+        self, grads: GradSums, tmpl: LayerTemplate, reduce: Reduce, embedding: Embedding, tied: bool
+    ) -> HeadGrads:
+        """The head computes its input gradient only; the embedding's backward is skipped."""
+        return FrozenHead(embedding)
 
-class FrozenParams(LoraParams):
+
+class LoraParams(_OnFrozenBase):
+    """LoRA: a frozen base and the adapters, units of their own (lora.{i}) that travel with their
+    layer and alone get gradients."""
+
+    def __init__(self, store: Store, setup: LoraSetup, dtype, grad_dtype, alloc: Alloc, progress, shard):
+        super().__init__(store, setup, dtype, grad_dtype, alloc, progress, shard)
+
+
+class FrozenParams(_OnFrozenBase):
     """Forward only (generation, evaluation, a reference pass): every unit frozen — its streaming
     copy only, no master, moments or gradients (an NF4 store's layers stay packed and are
     dequantized on the device); with a LoRA setup (its `init`: the adapters to apply) the
-    adapters ride with their layers as in training, dropout off."""
-
-    def __init__(
-        self, store: Store, setup: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, shard
-    ):
-        if setup is None:  # no adapters: an empty setup, so no lora.{i} unit exists
-            from ..config.schema import LoraConfig
-
-            setup = LoraSetup(LoraConfig(), [[] for _ in range(store.arch.n_layers)], 1.0, 0)
-        super().__init__(store, setup, dtype, grad_dtype, alloc, progress, shard)
+    adapters ride with their layers as in training, dropout off; without one, no lora.{i} unit
+    exists."""
 
 
 def make_params(
     store: Store, lora: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, memory, shard,
     forward_only: bool = False,
-):  # fmt: skip
+) -> Params:  # fmt: skip
     if forward_only:
         return FrozenParams(store, lora, dtype, grad_dtype, alloc, progress, shard)
     if lora is None:

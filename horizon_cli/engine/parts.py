@@ -9,6 +9,7 @@
     reduce      where gradients go: this process's host, or every rank's slice (engine.reduce)
     embedding   the embedding stage: on the host, or gathered on the device (engine.embed)
     objective   what the loss head computes (engine.objective)
+    head        the head's and the embedding's gradients, or none (engine.headgrad)
 
 Each difference decided here (full or LoRA, one process or sharded, the objective) is one object
 chosen once; the passes that use them (engine.step, engine.infer) never branch on it.
@@ -17,7 +18,6 @@ chosen once; the passes that use them (engine.step, engine.infer) never branch o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -36,9 +36,11 @@ from ..state.optimizer import OptimizerWorker
 from ..store import DTYPES, Store
 from .embed import Embedding, HostEmbedding, ShardedEmbedding
 from .grads import GradSums
-from .objective import Objective, TokenCE
-from .params import FullParams, LoraParams, make_params
+from .objective import TokenCE
+from .params import make_params
+from .ranks import Ranks, ranks_for
 from .reduce import LocalReduce, ShardedReduce
+from .seams import HeadGrads, LayerTemplate, LossObjective, Params, Reduce, Transport
 from .sharded import ShardedGrads
 
 
@@ -49,18 +51,20 @@ class Parts:
     ocfg: OptimConfig
     dtype: torch.dtype
     grad_dtype: torch.dtype
-    t: Any  # the transport (runtime.transport.CpuTransport or runtime.cuda.CudaTransport)
+    t: Transport  # runtime.transport.CpuTransport or runtime.cuda.CudaTransport
     tracer: Tracer
     poison: Poison
     dist: Dist | None
-    params: FullParams | LoraParams  # (FrozenParams is a LoraParams)
+    params: Params  # engine.params: FullParams, LoraParams or FrozenParams
     loader: Loader
     optimizer: OptimizerWorker
-    tmpl: Any  # model.template.NativeTemplate or model.generic.GenericTemplate
+    tmpl: LayerTemplate  # model.template.NativeTemplate or model.generic.GenericTemplate
     grads: GradSums
-    reduce: LocalReduce | ShardedReduce
+    reduce: Reduce  # engine.reduce: LocalReduce or ShardedReduce
     embedding: Embedding
-    objective: Objective
+    objective: LossObjective
+    head: HeadGrads  # the head's and the embedding's gradients, or none (engine.headgrad)
+    ranks: Ranks  # one process, or this rank of a sharded run (engine.ranks)
     keep: int = 0  # K: the last K layers keep graph and weights from forward to backward (engine.keep)
     adam_step: int = 0  # optimizer steps applied (dropout masks are seeded by it)
 
@@ -76,10 +80,10 @@ def assemble(
     *,
     tracer: Tracer | None = None,
     progress=lambda n: None,
-    transport=None,
+    transport: Transport | None = None,
     lora: LoraSetup | None = None,
     dist: Dist | None = None,
-    objective: Objective | None = None,
+    objective: LossObjective | None = None,
     step_numel: int = 0,
     keep: int = 0,
     forward_only: bool = False,
@@ -117,7 +121,7 @@ def assemble(
     )
     optimizer = OptimizerWorker(params.host, optim.kernel, tracer, t.thread_init)
     # native functional layer, or transformers' own (with LoRA hooks on its linear modules)
-    tmpl = make_template(spec, t.device, lora.targets if lora else None, dtype)
+    tmpl: LayerTemplate = make_template(spec, t.device, lora.targets if lora else None, dtype)
     calls = tmpl.calls  # the layer of each call (arch.loop: a loop calls some more than once)
     if is_loop(calls):
         name = f"{spec.family} runs its layers in a loop ({len(calls)} calls for {spec.n_layers} layers)"
@@ -136,7 +140,7 @@ def assemble(
     t.memory.set("grad_acc", grads.nbytes() + (sharded.nbytes() if sharded else 0))
     embedding: Embedding
     if sharded is None:
-        reduce: LocalReduce | ShardedReduce = LocalReduce(t, params.host, grads, tied)
+        reduce: Reduce = LocalReduce(t, params.host, grads, tied)
         embedding = HostEmbedding(t, loader, params.units, params.host, spec, dtype, tmpl.embed_scale)
     else:
         reduce = ShardedReduce(sharded)
@@ -151,5 +155,6 @@ def assemble(
         t.memory.set("dequantized layer", n)  # NF4: one layer, dequantized on the device (+ each kept one)
     return Parts(
         spec, engine, optim, dtype, grad_dtype, t, tracer, Poison(), dist, params, loader, optimizer, tmpl,
-        grads, reduce, embedding, objective or TokenCE(), keep,
+        grads, reduce, embedding, objective or TokenCE(), params.head_grads(grads, tmpl, reduce, embedding, tied),
+        ranks_for(dist), keep,
     )  # fmt: skip

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 
 from ..runtime.events import Event
+from ..runtime.transport import Transport
+from ..state.host import HostState
 from .grads import GradSums, sumsq
 from .sharded import ShardedGrads
 
@@ -28,7 +30,7 @@ Stats = dict[str, torch.Tensor]  # an objective's sums over this rank's data
 
 
 class LocalReduce:
-    def __init__(self, transport, host, grads: GradSums, tied: bool):
+    def __init__(self, transport: Transport, host: HostState, grads: GradSums, tied: bool):
         self.t, self.host, self.grads, self.tied = transport, host, grads, tied
 
     def begin_step(self) -> None:
@@ -43,6 +45,7 @@ class LocalReduce:
         which the embedding's backward then adds its rows to)."""
         assert grads.head is not None
         if self.tied and not self.t.shares_host:
+            assert grads.embed is not None  # a tied head's share lands in the embedding's
             ready["embed"] = self.t.d2h([(self.host["embed"].grad, grads.embed)], [self.t.record()], "g-lm")
         sq.extend(sumsq(grads.head))
         ready["head"] = grads.send("head", grads.head, None)

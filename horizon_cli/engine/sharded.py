@@ -29,13 +29,22 @@ import torch
 from ..parallel.comm import Dist
 from ..parallel.shard import SHARD_ALIGN, shard_size
 from ..runtime.events import READY, Event, FutureEvent
+from ..runtime.transport import Transport
+from ..state.host import HostState
 from .grads import sumsq64
 
 
 class ShardedGrads:
     """Reduce-scatter of gradients into host slices, and the step's loss/norm all-reduce."""
 
-    def __init__(self, dist: Dist, transport, host, grad_dtype: torch.dtype, replicated: bool = False):
+    def __init__(
+        self,
+        dist: Dist,
+        transport: Transport,
+        host: HostState,
+        grad_dtype: torch.dtype,
+        replicated: bool = False,
+    ):
         """replicated: the trained units are whole on every rank (LoRA's adapters): their
         gradients are all-reduced, and every rank applies the same update to its copy."""
         self.d, self.t, self.host, self.replicated = dist, transport, host, replicated

@@ -18,8 +18,10 @@ loads), whatever the number of micro-batches (invariant 2). A model that runs it
 (arch.loop) runs its C calls instead (2C loads): call j loads layer calls[j]'s unit and saves its
 input; the backward visits the calls from the last, each call's weight gradient accumulating into
 its unit's, which goes to the host (and the optimizer) after the unit's earliest call only. What
-is trained (engine.params) and where gradients go (engine.reduce) are strategies of `Parts`,
-chosen once. See docs/engine.md.
+is trained (engine.params, the head's share engine.headgrad) and where gradients go (engine.reduce)
+are strategies of `Parts`, chosen once; what each call does forward and backward is its pass
+(engine.passes: SavePass recomputes, KeptPass holds its graph), chosen per step here. See
+docs/engine.md.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ import torch
 from ..data.batch import MicroBatch
 from ..optim.adamw import AdamWHyper
 from ..planning.memory import head_work_bytes, kept_graph_bytes, layer_vectors, layer_work_bytes
-from ..runtime.events import Event
+from ..runtime.events import Event, Promise
 from .keep import KeptLayers
-from .objective import HeadOut
+from .objective import HeadOut, Targets
 from .parts import Parts
+from .passes import KeptPass, SavePass
+from .seams import Context, LayerPass
 from .sweep import Sweep
 
 
@@ -47,11 +51,12 @@ class TrainStep:
         self.vectors = layer_vectors(p.params.units[u].layout for u in p.layers) if p.keep else 0
         self.grad_ready: dict[str, Event] = {}  # unit -> its gradient is on the host (this step)
         self.mb_base = 0  # sharded runs: the global index of this rank's first micro-batch
+        self.passes: list[LayerPass] = []  # this step's pass of each call (engine.passes)
 
     def reserve(self, step_numel: int) -> None:
         """Size the host buffers once (pinning and unpinning L buffers mid-run doubles them)."""
         self._ensure_ckpt(step_numel)
-        self.p.embedding.reserve(step_numel, grad=self.p.params.trains_head)
+        self.p.head.reserve(step_numel)
 
     def forward_backward(
         self, mbs: list[MicroBatch], tokens: int | None = None
@@ -61,7 +66,7 @@ class TrainStep:
         tokens: the divisor of the global batch (sharded runs; default: this batch's)."""
         p = self.p
         tokens = p.objective.divisor(mbs) if tokens is None else tokens
-        self.mb_base = p.dist.rank * len(mbs) if p.dist else 0
+        self.mb_base = p.ranks.rank * len(mbs)  # sharded: this rank's first global micro-batch
         inv_n = 1.0 / tokens if tokens else 0.0
         ctxs = self.sweep.contexts(mbs)
         targets = p.objective.targets(mbs, p.t.device)  # before any compute is queued
@@ -76,18 +81,14 @@ class TrainStep:
 
         p.tmpl.begin_step()
         self.kept.clear()
-        seq = self.sweep.loads([(self.ckpt[i][:total], saved[i]) for i in range(self.recomputed)], p.keep)
-        x = self.sweep.start(mbs, seq)
-        x = self.sweep.layers(x, ctxs, self.mb_base, save=(self.ckpt, saved), keep=self.kept)
+        self.passes = self._passes(saved, total)
+        x = self.sweep.start(mbs, self.sweep.loads(self.passes))
+        x = self.sweep.layers(x, ctxs, self.passes)
         p.tmpl.end_forward()  # MoE: every layer's routing is known, the aux loss with it
         out = self._head(x, targets, inv_n, sq)
-        dx = self._backward_layers(out.dx, ctxs, shapes, sq)
+        dx = self._backward_layers(out.dx, ctxs, sq)
         with p.tracer.span("host", "embed grad + norm"):
-            host_sq = (
-                p.embedding.backward(p.embedding.scale(dx), mbs, self.grad_ready)
-                if p.params.trains_head
-                else 0.0
-            )
+            host_sq = p.head.embed_backward(dx, mbs, self.grad_ready)
             loss, sq_all, stats = p.reduce.total(out.loss_sum, sq, host_sq, out.stats)
         return loss, tokens, sq_all, stats
 
@@ -100,31 +101,29 @@ class TrainStep:
         # the order the next forward needs them (layer 0 first)
         p.loader.ready.update(p.optimizer.submit(p.params.order(), h, self.grad_ready))
 
+    def _passes(self, saved: list[Promise], total: int) -> list[LayerPass]:
+        """Per call its pass: the recomputed calls save their inputs, the last K are kept."""
+        p = self.p
+        save = SavePass(p, self.ckpt, saved, total, self.mb_base)
+        kept = KeptPass(p, self.kept, self.mb_base)
+        return [save] * self.recomputed + [kept] * p.keep
+
     # -- head and backward -------------------------------------------------------------------
-    def _head(self, x, targets, inv_n: float, sq: list) -> HeadOut:
+    def _head(
+        self, x: list[torch.Tensor], targets: list[Targets], inv_n: float, sq: list[torch.Tensor]
+    ) -> HeadOut:
         p = self.p
         head = self.sweep.acquire_head()
-        g = p.grads
-        if g.head is not None:  # a trained head (not LoRA)
-            gh = p.params.host["head"].views(g.head)
-            g.head.zero_()
-            # the LM head is the embedding when tied
-            g_embed = (
-                p.params.host["embed"].views(g.embed)["embed"]
-                if p.spec.tie_embeddings and g.embed is not None
-                else None
-            )
-            head.g_norm, head.g_lm = p.tmpl.head_tensors(gh, g_embed)
-            if g.embed is not None:
-                g.embed.zero_()
+        p.head.bind(head)
         with p.t.compute_span("head"):
             out = p.objective.train(head, x, targets, inv_n)
         self.sweep.release_head()
-        if g.head is not None:
-            p.reduce.head(g, self.grad_ready, sq)
+        p.head.send(self.grad_ready, sq)
         return out
 
-    def _backward_layers(self, dx, ctxs, shapes, sq: list) -> list[torch.Tensor]:
+    def _backward_layers(
+        self, dx: list[torch.Tensor], ctxs: list[Context], sq: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         p = self.p
         calls = p.tmpl.calls  # call j runs layer calls[j] (arch.loop; without a loop j is i)
         latest = {i: j for j, i in enumerate(calls)}  # a unit's first call in the backward
@@ -138,69 +137,13 @@ class TrainStep:
                 g, gv = p.grads.buffer(unit, k)
             else:  # called more than once: its calls' gradients add up in a buffer of its own
                 g, gv = p.grads.loop_buffer(unit, fresh=j == latest[i])
-            if j in self.kept:
-                with p.t.compute_span(f"bwd {j} kept", kept=True):
-                    graph, h = self.kept.take(j, ctxs)
-                    if h.want_dx or h.leaves:
-                        self._backprop(i, ctxs, graph, h.leaves, h.names, dx, h.want_dx, gv)
-                p.loader.release(f"f{j}")  # the forward's load, held until now
-            else:
-                self._recompute_layer(j, dx, ctxs, shapes, gv)
+            self.passes[j].backward(j, dx, ctxs, gv)  # recompute from the saved input, or the kept graph
             if unit is not None and j == earliest[i]:  # its last call in the backward: the sum is whole
                 ev = p.reduce.layer(unit, g, k, sq)
                 p.grads.free[k] = self.grad_ready[unit] = ev
                 if latest[i] != earliest[i]:
                     p.grads.loop_free[unit] = ev
         return dx
-
-    def _recompute_layer(self, j, dx, ctxs, shapes, gv) -> None:
-        """Load call j's layer again with its saved inputs and recompute it under autograd for every
-        micro-batch: its input gradient into dx, the leaves' gradients added (fp32) into gv."""
-        p = self.p
-        i = p.tmpl.calls[j]
-        w, extras = p.loader.acquire(f"b{j}")
-        saved = extras[-1]
-        with p.t.compute_span(f"bwd {j}" if j == i else f"bwd {j} (layer {i})"):
-            w = p.params.weights(i, w)
-            w, lora, leaves, names = p.params.leaves(i, w, extras, p.adam_step)
-            want_dx = j > 0 or p.params.wants_dx(i)
-            offs, ins = [0], self.sweep.saved[j]  # the inputs' shapes, as the forward saved them
-            for shape in ins:
-                offs.append(offs[-1] + math.prod(shape))
-
-            def graph(m: int) -> tuple:
-                xi = saved[offs[m] : offs[m + 1]].view(ins[m]).detach().requires_grad_(want_dx)
-                if lora is not None:  # the global micro-batch: dropout masks as on one rank (and per call)
-                    lora.mb = self.mb_base + m if j == i else (self.mb_base + m, j)
-                y, extra = p.tmpl.objective(j, w, xi, ctxs[m], lora)
-                return xi, y, extra
-
-            if want_dx or leaves:
-                self._backprop(i, ctxs, graph, leaves, names, dx, want_dx, gv)
-        p.loader.release(f"b{j}")
-
-    def _backprop(self, i: int, ctxs, graph, leaves, names, dx, want_dx: bool, gv) -> None:
-        """Backpropagate layer i's graph of each micro-batch (graph(m): input, output, auxiliary
-        term or None), in order: the input gradient into dx[m], the leaves' gradients added (fp32)
-        into gv, its side inputs' (tensors crossing layers, model.side) back to the template."""
-        tmpl = self.p.tmpl
-        for m in range(len(ctxs)):
-            with torch.enable_grad():
-                xi, y, extra = graph(m)
-                side = tmpl.side_inputs(i, ctxs[m])
-                outs, seeds = (
-                    ([y], [dx[m]]) if extra is None else ([y, extra], [dx[m], torch.ones_like(extra)])
-                )
-                inputs = [xi, *leaves, *side] if want_dx else [*leaves, *side]
-                grads = torch.autograd.grad(outs, inputs, seeds, allow_unused=True)
-            if side:
-                tmpl.side_grads(i, ctxs[m], grads[len(grads) - len(side) :])
-                grads = grads[: len(grads) - len(side)]
-            if want_dx:
-                dx[m], grads = grads[0], grads[1:]
-            for name, gw in zip(names, grads, strict=True):
-                if gw is not None:  # None: a tensor this micro-batch never reached (an unrouted expert bias)
-                    gv[name].add_(gw)  # fp32 accumulation across micro-batches
 
     # -- buffers -----------------------------------------------------------------------------
     def _ensure_ckpt(self, total: int) -> None:

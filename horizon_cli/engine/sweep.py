@@ -6,65 +6,54 @@ loads     the sequence of loads the loader streams: every layer forward, the hea
           layers in a loop (arch.loop) runs its sequence of calls instead: call j loads layer
           calls[j]'s unit, forward and backward (every layer once, in order, otherwise: j is i)
 start     begin the loads and send the embedded inputs
-layers    each layer once over every micro-batch (invariant 2: one transfer serves them all),
-          optionally saving each layer's input to the host for the backward recompute, or (a
-          kept layer) holding its graph and weights for the backward instead
+layers    each layer once over every micro-batch (invariant 2: one transfer serves them all), each
+          call as the pass the schedule chose for it runs it (engine.passes: save the input for
+          the backward recompute, keep the graph, forward only, decode with a KV cache)
 head      the final norm's weights and the LM head on the device, for an objective
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..data.batch import MicroBatch
-from ..runtime.events import Promise
 from ..runtime.loader import Load
-from .keep import KeptLayers
 from .objective import Head
 from .parts import Parts
+from .seams import Context, LayerPass
 
 
 class Sweep:
     def __init__(self, p: Parts):
         self.p = p
-        self.saved: dict[int, list[torch.Size]] = {}  # call -> the shapes of the inputs it saved
 
-    def contexts(self, mbs: list[MicroBatch]) -> list:
+    def contexts(self, mbs: list[MicroBatch]) -> list[Context]:
         """Per micro-batch: positions, rotary tables, masks (model.template)."""
         p = self.p
         return [p.tmpl.context(mb, p.dtype, p.t.device) for mb in mbs]
 
-    def loads(
-        self, backward: list[tuple[torch.Tensor, Promise]] | None = None, kept: int = 0, kv=None
-    ) -> list[Load]:
-        """The step's loads: forward layers, the head, then (with `backward`: per layer its saved
-        inputs and the promise of their copy) the backward layers but the `kept` last ones, whose
-        forward loads go to buffers of their own. A layer's extras (LoRA: its adapters) come along
-        once the optimizer has updated them; with `kv` (a generation's KV cache held on the host,
-        engine.kvcache) so do the layer's cached K/V, once written back. A forward-only pass
-        (`backward` None: evaluation, generation) keeps nothing."""
+    def loads(self, passes: Sequence[LayerPass]) -> list[Load]:
+        """The sweep's loads: per call its layer's forward load (with the params' extras — LoRA: its
+        adapters, once the optimizer has updated them — and the pass's: a generation's cached K/V
+        held on the host), the head, then the backward loads the passes ask for, from the top (a
+        recomputed layer's, with its saved inputs; a kept layer's forward load serves its backward)."""
         p = self.p
         ready = p.loader.ready
-        assert backward is not None or kept == 0, "only a training step keeps layers"
         calls = p.tmpl.calls  # the layer of each call (arch.loop)
-        first = len(calls) - kept
         seq = []
-        for j, i in enumerate(calls):
+        for j, (i, run) in enumerate(zip(calls, passes, strict=True)):
             extra, deps = p.params.extras(i, ready)
-            if kv is not None:
-                kv_extra, kv_deps = kv.extras(i)
-                extra, deps = [*extra, *kv_extra], [*deps, *kv_deps]
-            seq.append(Load(f"f{j}", p.layers[i], extra, deps, kept=j >= first))
-        if p.dist is not None:  # the embedding table, gathered on the device first
-            seq.insert(0, Load("embed-in", "embed"))
+            more, more_deps = run.extras(i)
+            seq.append(Load(f"f{j}", p.layers[i], [*extra, *more], [*deps, *more_deps], kept=run.kept))
+        seq[:0] = p.embedding.loads()  # sharded: the embedding table, gathered on the device first
         seq.append(Load("head", "head"))
         if p.spec.tie_embeddings:
             seq.append(Load("embed", "embed"))
-        if backward is not None:
-            for j in reversed(range(first)):
-                extra, deps = p.params.extras(calls[j], ready)
-                buf, saved = backward[j]
-                seq.append(Load(f"b{j}", p.layers[calls[j]], [*extra, buf], [*deps, saved]))
+        for j in reversed(range(len(calls))):
+            if (back := passes[j].backward_load(j)) is not None:
+                seq.append(back)
         return seq
 
     def start(self, mbs: list[MicroBatch], seq: list[Load]) -> list[torch.Tensor]:
@@ -74,7 +63,7 @@ class Sweep:
         CPU optimizer runs after the embedding's): on the in-order copy queue it must not wait
         for that update."""
         p = self.p
-        p.loader.begin(seq, ahead=1 if p.dist is None else 2)
+        p.loader.begin(seq, ahead=p.embedding.ahead)
         with p.tracer.span("host", "embed"):
             x = p.embedding.forward(mbs)
         p.loader.fill()
@@ -82,53 +71,11 @@ class Sweep:
 
     @torch.no_grad()
     def layers(
-        self,
-        x: list[torch.Tensor],
-        ctxs: list,
-        mb_base: int = 0,
-        save: tuple[list[torch.Tensor], list[Promise]] | None = None,
-        keep: KeptLayers | None = None,
-        kv=None,
+        self, x: list[torch.Tensor], ctxs: list[Context], passes: Sequence[LayerPass]
     ) -> list[torch.Tensor]:
-        """Every layer over every micro-batch. save: (per layer a host buffer, the promise of its
-        copy): each layer's input goes to the host first, for the backward recompute (async,
-        overlapping the compute); a training forward (dropout on). mb_base: the global index of
-        this rank's first micro-batch (dropout masks as on one rank). keep: the kept layers, run
-        under autograd and held (their loads stay acquired until their backward releases them); a
-        training step's only. kv: a generation's KV cache (engine.kvcache): its layer's K/V bound
-        before the compute, kept after it."""
-        p = self.p
-        assert keep is None or kv is None, "a generation keeps no graphs"
-        for j, i in enumerate(p.tmpl.calls):  # call j runs layer i (arch.loop; j == i without a loop)
-            if keep is not None and j in keep:
-                w, extras = p.loader.acquire(f"f{j}")
-                with p.t.compute_span(f"fwd {j} kept", kept=True):
-                    x = keep.forward(j, w, extras, x, ctxs, mb_base)
-                continue
-            if save is not None:
-                buffers, promises = save
-                pairs, off = [], 0
-                self.saved[j] = [xm.shape for xm in x]
-                for xm in x:
-                    pairs.append((buffers[j][off : off + xm.numel()], xm.reshape(-1)))
-                    off += xm.numel()
-                ev = p.t.d2h(pairs, [p.t.record()], label=f"save{j}")
-                promises[j].set(ev)  # the transport keeps x alive until the copy has read it
-            w, extras = p.loader.acquire(f"f{j}")
-            if kv is not None:
-                extras = kv.bind(i, extras)  # the params' extras remain
-            with p.t.compute_span(f"fwd {j}" if j == i else f"fwd {j} (layer {i})"):
-                w = p.params.weights(i, w)
-                lora = p.params.layer_lora(i, extras, p.adam_step, train=save is not None)
-                out = []
-                for m, (xm, c) in enumerate(zip(x, ctxs, strict=True)):
-                    if lora is not None:  # a loop's later calls: dropout masks of their own
-                        lora.mb = mb_base + m if j == i else (mb_base + m, j)
-                    out.append(p.tmpl.forward(j, w, xm, c, lora))
-                x = out
-            if kv is not None:
-                kv.keep(i)
-            p.loader.release(f"f{j}")
+        """Every layer over every micro-batch, call j as its pass runs it (engine.passes)."""
+        for j, i in enumerate(self.p.tmpl.calls):  # call j runs layer i (arch.loop; j == i without a loop)
+            x = passes[j].run(j, i, x, ctxs)
         return x
 
     def acquire_head(self) -> Head:

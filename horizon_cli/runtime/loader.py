@@ -26,13 +26,26 @@ the unit's `stream` is, in its dtype.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from ..parallel.comm import Dist
 from ..parallel.shard import padded_numel
 from .events import READY, Event, FutureEvent
+from .transport import Transport
+
+
+class Streamed(Protocol):
+    """A unit as the loader streams it (state.host.UnitState, state.frozen.FrozenUnit)."""
+
+    @property
+    def stream(self) -> torch.Tensor: ...  # the flat host copy (a sharded rank's slice)
+    @property
+    def full_numel(self) -> int: ...  # the whole unit's stream length
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass
@@ -59,8 +72,8 @@ class Slot:
 class Loader:
     def __init__(
         self,
-        transport,
-        host,
+        transport: Transport,
+        host: Mapping[str, Streamed],
         ring_units: list[str],
         own_units: list[str],
         prefetch: int,

@@ -100,13 +100,21 @@ class AdapterState(HostState):
         return out
 
 
+class NoAdapters(AdapterState):
+    """A frozen base computed alone (a forward-only engine without adapters): no lora.{i} unit."""
+
+    def __init__(self, dtype: torch.dtype, grad_dtype: torch.dtype = torch.float32):
+        self.dtype, self.grad_dtype, self.memory = dtype, grad_dtype, "exact"
+        self.units = {}
+
+
 def lora_state(
-    store, setup: LoraSetup, dtype, grad_dtype, alloc, progress, shard: tuple[int, int] = (1, 0)
-) -> tuple[FrozenState, AdapterState, list]:
+    store, setup: LoraSetup | None, dtype, grad_dtype, alloc, progress, shard: tuple[int, int] = (1, 0)
+) -> tuple[FrozenState, AdapterState, list[str | None]]:
     """A LoRA run's host state: the frozen base, the adapters, and per decoder layer its adapter
     unit (None where no linear layer is adapted). Sharded runs (shard): the base is sharded, the
-    adapters (under 1 % of the parameters) are whole on every rank."""
+    adapters (under 1 % of the parameters) are whole on every rank. setup None: the base alone."""
     base = FrozenState(store, dtype, alloc, progress, shard)
-    host = AdapterState(setup, dtype, alloc, grad_dtype)
+    host = NoAdapters(dtype, grad_dtype) if setup is None else AdapterState(setup, dtype, alloc, grad_dtype)
     trained = [u if u in host.units else None for u in map(unit_name, range(store.arch.n_layers))]
     return base, host, trained

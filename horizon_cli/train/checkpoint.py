@@ -16,7 +16,10 @@ fingerprint) but its adapters as a PEFT adapter, with their exact fp32 masters:
 Written into an owner-named temp dir beside the others, with the checksums file last, fsynced,
 then renamed to step_N: a crash or a full disk leaves the previous checkpoints as they were.
 
-Sharded runs write and read the same files, each rank its slices (train/sharded_checkpoint.py).
+Sharded runs write and read the same files, each rank its slices (train/sharded_checkpoint.py),
+or rank 0 all of them where every rank holds the same (LoRA's adapters): the engine's placement
+(engine.ranks.Placement) picks the writer and the reader; what the weights are is the engine's
+tuning's (engine.tuning).
 """
 
 from __future__ import annotations
@@ -32,47 +35,47 @@ from pathlib import Path
 import torch
 
 from .. import owner
+from ..engine.ranks import Placement
 from ..errors import HorizonError, InputError
 from ..faults import phase
-from ..fsutil import copy_tree, fsync_tree, read_exact, replace_dir
-from ..lora import peft
-from ..store import Store, StoreWriter
+from ..fsutil import fsync_tree, read_exact, replace_dir
+from ..store import Store
 from ..store import checkpoint as ckpt
-from ..store.manifest import DTYPE_NAMES
 from ..store.writer import tensor_bytes
 from . import sharded_checkpoint
-
-STATE_BUFFERS = ("lo", "m", "v", "lo8", "qm", "qw", "sm", "sw")  # those a unit's state kinds have
-LORA_BUFFERS = ("m", "v")  # the master is the adapter file's fp32 tensors
 
 
 def save(
     engine, run_dir: Path, step: int, trainer: dict, config_yaml: str, model_store: Store, keep_last: int
 ) -> Path:
-    """Write checkpoint step_N for the engine's current (fully updated) state, then prune."""
-    if engine.dist is not None and engine.lora is None:  # every rank its slices
+    """Write checkpoint step_N for the engine's current (fully updated) state, then prune: as its
+    trained state lies over the ranks (engine.placement)."""
+    return SAVE[engine.placement](engine, run_dir, step, trainer, config_yaml, model_store, keep_last)
 
-        def meta(tmp: Path, known: dict[str, int]) -> None:
-            _write_meta(tmp, trainer, config_yaml, known)
 
-        return sharded_checkpoint.save(
-            engine,
-            engine.dist,
-            run_dir,
-            step,
-            trainer,
-            model_store,
-            keep_last,
-            STATE_BUFFERS,
-            meta,
-        )
-    if engine.dist is not None:  # LoRA: the adapters are whole (and the same) on every rank
-        return sharded_checkpoint.on_rank0(
-            engine,
-            engine.dist,
-            lambda: _save(engine, run_dir, step, trainer, config_yaml, model_store, keep_last),
-        )
-    return _save(engine, run_dir, step, trainer, config_yaml, model_store, keep_last)
+def _save_slices(
+    engine, run_dir: Path, step: int, trainer: dict, config_yaml: str, model_store: Store, keep_last: int
+) -> Path:
+    """Every rank its slices (train/sharded_checkpoint.py)."""
+
+    def meta(tmp: Path, known: dict[str, int]) -> None:
+        _write_meta(tmp, trainer, config_yaml, known)
+
+    comm, buffers = engine.ranks.comm, engine.tuning.state_buffers
+    return sharded_checkpoint.save(
+        engine, comm, run_dir, step, trainer, model_store, keep_last, buffers, meta
+    )
+
+
+def _save_on_rank0(
+    engine, run_dir: Path, step: int, trainer: dict, config_yaml: str, model_store: Store, keep_last: int
+) -> Path:
+    """The state is whole (and the same) on every rank: rank 0 writes it."""
+    return sharded_checkpoint.on_rank0(
+        engine,
+        engine.ranks.comm,
+        lambda: _save(engine, run_dir, step, trainer, config_yaml, model_store, keep_last),
+    )
 
 
 def _save(
@@ -105,39 +108,9 @@ def _save(
 
 
 def _write(engine, tmp: Path, trainer: dict, config_yaml: str, model_store: Store) -> None:
-    if engine.lora is not None:
-        _write_adapter(engine, tmp, model_store)
-        _write_state(engine, tmp, trainer, config_yaml, LORA_BUFFERS)
-        return
-    dtype = DTYPE_NAMES[engine.dtype]
-    w = StoreWriter(tmp, engine.spec, dtype, source=model_store.manifest.source or str(model_store.root))
-    try:
-        for name, st in engine.host.units.items():
-            w.write_unit(name, st.stream)
-        w.finish(extra={"step": trainer["step"]})
-    finally:
-        w.close()
-    phase("checkpoint-store", trainer["step"])
-    if (model_store.root / "hf").is_dir():
-        copy_tree(model_store.root / "hf", tmp / "hf")
-    _write_state(engine, tmp, trainer, config_yaml, STATE_BUFFERS)
-
-
-def _write_adapter(engine, tmp: Path, model_store: Store) -> None:
-    """The adapters as a PEFT adapter dir (fp32: the exact masters)."""
-    setup = engine.lora
-    cfg = setup.cfg
-    (tmp / "adapter").mkdir()
-    peft.write_adapter(
-        tmp / "adapter",
-        engine.host.tensors(),
-        r=cfg.r,
-        alpha=cfg.alpha,
-        dropout=cfg.dropout,
-        targets=peft.saved_targets(cfg.targets, setup.targets),
-        rslora=cfg.use_rslora,
-        base=model_store.manifest.source or str(model_store.root),
-    )
+    tuning = engine.tuning  # the weights (a store, or a LoRA run's adapter), then the optimizer state
+    tuning.write(engine.host, engine.spec, engine.dtype, tmp, model_store, trainer["step"])
+    _write_state(engine, tmp, trainer, config_yaml, tuning.state_buffers)
 
 
 def _write_state(engine, tmp: Path, trainer: dict, config_yaml: str, keys: tuple[str, ...]) -> None:
@@ -180,17 +153,8 @@ def load(engine, ck: Path) -> dict:
             f"{ck}: trained with optim.memory {memory}, this run has {engine.host.memory}; "
             "its optimizer state cannot be read in another mode"
         )
-    keys: tuple[str, ...] = STATE_BUFFERS
-    if engine.lora is not None:  # the masters from the adapter file, checked against its checksum
-        keys = LORA_BUFFERS
-        rel = f"adapter/{peft.WEIGHTS}"
-        if rel not in sums or ckpt.crc_file(ck / rel) != sums[rel][1]:
-            raise ckpt.CheckpointDamaged(f"{ck / rel}: missing or fails its checksum")
-        engine.host.set_tensors(peft.read_weights(ck / "adapter", engine.lora.expected()))
-    if engine.dist is not None and engine.lora is None:  # this rank's ranges; checksums split over ranks
-        sharded_checkpoint.verify_split(engine.dist, ck, Store.open(ck))
-        sharded_checkpoint.read_slices(engine, ck, sums, keys)
-        keys = ()
+    engine.tuning.read(engine.host, ck, sums)
+    keys = LOAD[engine.placement](engine, ck, sums)
     for name, st in engine.host.units.items():
         bufs = st.buffers()
         for key in keys:
@@ -203,6 +167,42 @@ def load(engine, ck: Path) -> dict:
     engine.adam_step = trainer["adam_step"]
     _set_rng_state(trainer["rng"])
     return trainer
+
+
+def _whole(engine, ck: Path, sums: dict) -> tuple[str, ...]:
+    """This process reads every unit's state (below)."""
+    return engine.tuning.state_buffers
+
+
+def _slices(engine, ck: Path, sums: dict) -> tuple[str, ...]:
+    """This rank's ranges; the checksums split over the ranks. Nothing is left to read."""
+    sharded_checkpoint.verify_split(engine.ranks.comm, ck, Store.open(ck))
+    sharded_checkpoint.read_slices(engine, ck, sums, engine.tuning.state_buffers)
+    return ()
+
+
+def verify_base(engine, ck: Path | None, src: Store) -> None:
+    """A freshly built engine's weights checked against the store they came from: sharded, each
+    rank its share of the checksums (a sliced checkpoint's are checked as it loads)."""
+    VERIFY[engine.placement](engine.ranks.comm, ck, src)
+
+
+def _verify_none(comm, ck: Path | None, src: Store) -> None:
+    pass  # one process: the store's reader checks what it reads
+
+
+def _verify_base(comm, ck: Path | None, src: Store) -> None:
+    sharded_checkpoint.verify_split(comm, None, src)  # the base is what every rank streams
+
+
+def _verify_fresh(comm, ck: Path | None, src: Store) -> None:
+    if ck is None:  # a resume's checkpoint is checked as it loads (`_slices`)
+        sharded_checkpoint.verify_split(comm, None, src)
+
+
+VERIFY = {Placement.WHOLE: _verify_none, Placement.REPLICATED: _verify_base, Placement.SLICED: _verify_fresh}
+SAVE = {Placement.WHOLE: _save, Placement.REPLICATED: _save_on_rank0, Placement.SLICED: _save_slices}
+LOAD = {Placement.WHOLE: _whole, Placement.REPLICATED: _whole, Placement.SLICED: _slices}
 
 
 def _read_raw(path: Path, out: torch.Tensor, crc: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ..config import Config
-from ..parallel.comm import Dist
+from ..engine.ranks import OneProcess, Ranks
 from ..store import checkpoint as ckpt
 
 
@@ -23,7 +23,7 @@ def kept_layers(
     planned: int,
     cfg: Config,
     ck: Path | None,
-    dist: Dist | None,
+    ranks: Ranks | None,
     layers: int,
     console: Console,
     calls: int | None = None,
@@ -40,8 +40,7 @@ def kept_layers(
             k, why = recorded, f"auto: as the run began; {planned} would fit"
         elif recorded is not None:
             why = f"auto: as many as fit; the run began with {recorded}"
-    if dist is not None:
-        k = min(dist.gather_objects(k))
+    k = (ranks or OneProcess()).fewest(k)  # sharded: the least of every rank's (None: one process)
     console.print(
         f"keep_activations: {k} of {layers} layers kept from forward to backward "
         f"({2 * (calls or layers) - k} layer loads per step; {why})",

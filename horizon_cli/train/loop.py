@@ -25,10 +25,12 @@ from ..data import PreparedData
 from ..data.batch import MicroBatch
 from ..engine import Engine, StepResult
 from ..engine.build import build_engine
+from ..engine.ranks import ranks_for
+from ..engine.tuning import tuning_for
 from ..errors import HorizonError, InputError
 from ..faults import phase
 from ..fmt import fmt_bytes, fmt_loss
-from ..lora.setup import LoraSetup, load_init
+from ..lora.setup import LoraSetup
 from ..optim.schedules import lr_at
 from ..parallel.comm import Dist
 from ..progress import byte_progress, train_columns
@@ -36,11 +38,11 @@ from ..store import Store
 from ..store import checkpoint as ckpt
 from . import checkpoint
 from .batches import make_batches, unlabelled
+from .checkpoint import verify_base
 from .checks import kernel_ready
 from .inputs import load_data
 from .kept import kept_layers
 from .metrics import MetricsLog, plot_loss, read_metrics
-from .ranks import main_first
 from .rundir import RunDir
 from .samples import Samples, keep_until
 from .trackers import Trackers
@@ -62,9 +64,11 @@ class Trainer:
         self.cfg, self.store, self.rd, self.console = cfg, store, rd, console
         self.keep = keep
         self.samples = samples  # eval-time samples (train.samples), answered at each eval
-        self.dist = dist  # a sharded run's rank (None: one process)
-        self.main = dist is None or dist.is_main
+        self.dist = dist  # a sharded run's rank (None: one process), passed to the engine
         self.lora = lora  # LoRA: the frozen base is `store` itself, checkpoints hold the adapters
+        self.tuning = tuning_for(lora)  # what train/ asks of the run's training (engine.tuning)
+        self.ranks = ranks_for(dist)  # ... and of its processes (engine.ranks)
+        self.main = self.ranks.is_main
         self.run_dir = rd.path
         self.proc = psutil.Process()
         self._engine: Engine | None = None
@@ -111,11 +115,7 @@ class Trainer:
 
     def _load_data(self) -> PreparedData:
         """Rank 0 tokenizes (and fills the run's cache) first; the others then read the cache."""
-        if self.dist is None:
-            return load_data(self.cfg, self.store, self.run_dir / "cache", self.console)
-        return main_first(
-            self.dist, lambda: load_data(self.cfg, self.store, self.run_dir / "cache", self.console)
-        )
+        return self.ranks.first(lambda: load_data(self.cfg, self.store, self.run_dir / "cache", self.console))
 
     def _resume(self) -> dict:
         """Build the engine on the newest checkpoint that loads intact (a damaged one is set
@@ -137,8 +137,7 @@ class Trainer:
             self.saved = state["step"]
             return state
         phase("load", 0)
-        if self.lora is not None:
-            load_init(self.lora)  # a fresh start after all (every checkpoint damaged) needs lora.init
+        self.tuning.fresh()  # LoRA: a fresh start after all (every checkpoint damaged) needs lora.init
         self._engine = self._build_engine(None)
         return {"step": 0, "bad_steps": 0}
 
@@ -153,9 +152,9 @@ class Trainer:
             self._engine = None
 
     def _build_engine(self, ck: Path | None) -> Engine:
-        src = Store.open(ck) if ck and self.lora is None else self.store
+        src = self.tuning.source(ck, self.store)  # a checkpoint's store, or the frozen base
         keep = kept_layers(
-            self.keep, self.cfg, ck, self.dist, self.store.arch.n_layers, self.console,
+            self.keep, self.cfg, ck, self.ranks, self.store.arch.n_layers, self.console,
             calls=len(spec_sequence(self.store.arch)),
         )  # fmt: skip
         with byte_progress(self.console, "load weights", src.nbytes()) as advance:
@@ -163,27 +162,18 @@ class Trainer:
             engine = build_engine(
                 self.cfg, src, lora=self.lora, dist=self.dist, progress=advance, objective=obj, keep=keep
             )
-        if self.dist is not None and (ck is None or self.lora is not None):  # the model's checksums, split
-            from .sharded_checkpoint import verify_split
-
-            try:
-                verify_split(self.dist, None, src)
-            except BaseException:
-                engine.close()
-                raise
+        try:
+            verify_base(engine, ck, src)  # sharded: the model's checksums, split over the ranks
+        except BaseException:
+            engine.close()
+            raise
         if engine.optimizer.note:
             self.console.print(f"[yellow]warning:[/] {engine.optimizer.note}")
         host = sum(engine.host.nbytes().values()) + (sum(engine.base.nbytes().values()) if engine.base else 0)
-        lora = ""
-        if self.lora is not None:
-            n = sum(st.layout.params for st in engine.host.units.values())
-            lora = f", LoRA r {self.lora.r} on {sum(map(len, self.lora.targets))} linear layers ({n:,} parameters)"
-        ranks = ""
-        if self.dist is not None:
-            ranks = f", rank {self.dist.rank} of {self.dist.world} (host state per rank)"
+        what = self.tuning.describe(engine.host) + self.ranks.describe()
         self.console.print(
             f"engine: {engine.t.kind} {engine.t.device}, {self.cfg.engine.dtype}, prefetch {self.cfg.engine.prefetch}, "
-            f"AdamW kernel {engine.optimizer.kernel_name}, host state {fmt_bytes(host)}{lora}{ranks}"
+            f"AdamW kernel {engine.optimizer.kernel_name}, host state {fmt_bytes(host)}{what}"
         )
         return engine
 
@@ -263,10 +253,7 @@ class Trainer:
 
     def _share(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
         """This rank's contiguous share of the global batch's micro-batches (all of them on one)."""
-        if self.dist is None:
-            return mbs
-        k = len(mbs) // self.dist.world
-        return mbs[self.dist.rank * k : (self.dist.rank + 1) * k]
+        return self.ranks.share(mbs)
 
     def _show(self, prog: Progress, task, row: dict) -> None:
         loss = fmt_loss(row["loss"]) if row["loss"] is not None else "nan"
@@ -314,14 +301,7 @@ class Trainer:
     def _eval_share(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
         """Micro-batches dealt round-robin; a rank short of one gets a copy of the first with no
         labels (every rank must run the same loads and collectives; it adds nothing)."""
-        if self.dist is None:
-            return mbs
-        w, r = self.dist.world, self.dist.rank
-        k = -(-len(mbs) // w)
-        mine = mbs[r::w]
-        while len(mine) < k:
-            mine.append(unlabelled(mbs[0]))
-        return mine
+        return self.ranks.eval_share(mbs, unlabelled)
 
     def save(self, step: int) -> Path:
         trainer = {
@@ -332,11 +312,9 @@ class Trainer:
             "dtype": self.cfg.engine.dtype,
             "model_fingerprint": ckpt.model_fingerprint(self.store),
             "seed": self.cfg.train.seed,
-            "lora": self.lora is not None,
+            **self.tuning.trainer_fields(self.store),  # LoRA: the frozen base it names
             "kept_layers": self.engine.kept_layers,  # reused on resume (engine.keep_activations: auto)
         }
-        if self.lora is not None:  # the checkpoint holds no weights: name the frozen base
-            trainer["base"] = str(self.store.root.resolve())
         path = checkpoint.save(
             self.engine,
             self.run_dir,
@@ -352,7 +330,7 @@ class Trainer:
 
     def _follower_finish(self, step: int, ck: Path) -> dict:
         """A rank > 0 is done once the last checkpoint is written: rank 0 finishes the run."""
-        return {"step": step, "checkpoint": str(ck), "rank": self.dist.rank if self.dist else 0}
+        return {"step": step, "checkpoint": str(ck), "rank": self.ranks.rank}
 
     def _finish(self, step: int) -> dict:
         """The last checkpoint, the loss plot, the export; then finished.json, written last."""
@@ -367,11 +345,7 @@ class Trainer:
         out = {"step": step, "checkpoint": str(ck), "final_loss": final}
         if self.cfg.log.plot and rows:
             out["plot"] = str(plot_loss(rows, self.run_dir / "loss.png", title=f"{self.run_dir.name}"))
-        if self.lora is not None:  # the adapter alone, as PEFT files (small: always)
-            from ..export import export
-
-            export(ck, self.run_dir / "adapter", force=True, adapter=True)
-            out["adapter"] = str(self.run_dir / "adapter")
+        out.update(self.tuning.finish(ck, self.run_dir))  # LoRA: the adapter alone, as PEFT files
         if self.cfg.output.export:
             from ..export import export
 

@@ -10,37 +10,22 @@ writes config.yaml, metrics, the plot, the export and finished.json.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
 
 from rich.console import Console
 
 from ..config import Config
+from ..engine.ranks import main_first
 from ..errors import HorizonError, InputError
 from ..parallel.comm import Dist
 from ..store import Store
 from .rundir import RunDir
 
+__all__ = ["claim", "main_first"]
+
 T = TypeVar("T")
-
-
-def main_first(d: Dist, fn: Callable[[], T]) -> T:
-    """fn on rank 0, then on the others (rank 0 fills what they read: the data cache). Rank 0's
-    error stops every rank with the same line and exit status, instead of the others' "a
-    collective failed" when rank 0 leaves."""
-    if d.is_main:
-        try:
-            out = fn()
-        except HorizonError as e:
-            d.broadcast_object((isinstance(e, InputError), str(e)))
-            raise
-        d.broadcast_object((None, ""))
-        return out
-    bad, msg = d.broadcast_object(None)
-    if bad is not None:
-        raise (InputError if bad else HorizonError)(msg)
-    return fn()
 
 
 @contextlib.contextmanager

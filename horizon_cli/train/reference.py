@@ -48,7 +48,7 @@ def reference(
     sets = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
     assert all(isinstance(s, PairSet) for s in sets.values()), "a preference run trains on pairs"
     where = Path(run_dir) / "reference"
-    base = cfg.lora is not None and not cfg.lora.init  # fresh adapters: the initial policy is the base
+    base = engine.tuning.reference_on_base  # fresh adapters: the initial policy is the base
     meta = {
         "model": model_fp,
         "dtype": cfg.engine.dtype,
@@ -171,8 +171,7 @@ def _count(arrays: dict[str, np.ndarray]) -> int:
 
 
 def _ranks(engine) -> tuple[int, int]:
-    d = engine.dist
-    return (d.world, d.rank) if d is not None else (1, 0)
+    return engine.ranks.world, engine.ranks.rank
 
 
 def _unlabelled(mb: MicroBatch) -> MicroBatch:

@@ -20,6 +20,7 @@ from ..arch.exceptions import refuse_packing
 from ..config import Config, load_config
 from ..data.prepare import check_lengths
 from ..engine.build import plan_run
+from ..engine.tuning import tuning_for
 from ..errors import InputError
 from ..faults import phase
 from ..lora.setup import lora_for
@@ -69,8 +70,9 @@ def run_training(
     needs_init = cfg.lora is not None and bool(cfg.lora.init)
     fresh = needs_init and not ckpt.intact(Path(cfg.output.dir))[0]
     lora = lora_for(cfg.lora, model, cfg.train.seed, read_init=fresh)  # checked before any write
-    if lora is not None and lora.note and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
-        console.print(f"[yellow]warning:[/] {escape(lora.note)}", highlight=False)
+    note = tuning_for(lora).note
+    if note and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
+        console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
     check_lengths(cfg.data, model.arch.max_positions)
     refuse_packing(cfg.data.packing, model.arch)
     cfg = resolve_length(cfg, model, console, dry_run)  # train.epochs -> train.steps (reads the data)
