@@ -31,8 +31,8 @@ import torch
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.engine import Engine
-from horizon_cli.engine.generate import Decoder, SweepStats
-from horizon_cli.engine.kvcache import kv_bytes
+from horizon_cli.generate.decoder import Decoder, SweepStats
+from horizon_cli.generate.kvcache import kv_bytes
 from horizon_cli.model.sample import Sampler
 from horizon_cli.model.template import make_template
 from horizon_cli.planning.generate import plan_generation, weights_per_sweep

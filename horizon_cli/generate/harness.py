@@ -22,9 +22,9 @@ import torch
 from rich.console import Console
 
 from ..data.batch import IGNORE, MicroBatch
-from ..engine.generate import MICRO_TOKENS, Decoder
 from ..errors import InputError
 from ..model.sample import Sampler
+from .decoder import MICRO_TOKENS, Decoder
 from .run import build
 from .source import open_source
 

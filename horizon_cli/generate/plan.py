@@ -12,8 +12,6 @@ import time
 import torch
 from rich.table import Table
 
-from ..engine.generate import micro_batches
-from ..engine.kvcache import kv_bytes
 from ..errors import InputError
 from ..fmt import fmt_bytes
 from ..lora.targets import adapter_params
@@ -21,6 +19,8 @@ from ..model.template import make_template
 from ..planning.fit import RESERVE
 from ..planning.generate import GenPlan, plan_generation
 from ..runtime.device import cuda_index, resolve_device
+from .decoder import micro_batches
+from .kvcache import kv_bytes
 from .source import Source
 
 

@@ -18,8 +18,8 @@ from rich.markup import escape
 from ..config import Config
 from ..data.prompts import Prompt, encode, model_eos_ids, read_records
 from ..engine import Engine
-from ..engine.generate import Decoder
 from ..errors import InputError
+from ..generate.decoder import Decoder
 from ..model.sample import Sampler
 from .inputs import load_tokenizer
 from .metrics import io_failure
