@@ -1,4 +1,4 @@
-"""The plan a generation shows before it starts (planning.generate): the batches' KV cache, where
+"""The plan a generation shows before it starts (generate.budget): the batches' KV cache, where
 it lives, the bytes one sweep moves and the link-bound decode speed.
 
 The link speed: engine.link_gbps on the CPU (an emulated link; 0: none), on CUDA a 256 MiB pinned
@@ -17,8 +17,8 @@ from ..fmt import fmt_bytes
 from ..lora.targets import adapter_params
 from ..model.template import make_template
 from ..planning.fit import RESERVE
-from ..planning.generate import GenPlan, plan_generation
 from ..runtime.device import cuda_index, resolve_device
+from .budget import GenPlan, plan_generation
 from .decoder import micro_batches
 from .kvcache import kv_bytes
 from .source import Source

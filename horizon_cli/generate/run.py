@@ -24,9 +24,9 @@ from ..engine import Engine
 from ..errors import InputError
 from ..fsutil import write_text_atomic
 from ..model.sample import Sampler
-from ..planning.generate import GenPlan
 from ..progress import byte_progress
 from ..runtime.device import check_device
+from .budget import GenPlan
 from .decoder import Completion, Decoder, SweepStats
 from .plan import plan_batches, plan_table
 from .source import Source, open_source
