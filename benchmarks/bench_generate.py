@@ -34,6 +34,7 @@ from horizon_cli.engine import Engine
 from horizon_cli.generate.budget import plan_generation, weights_per_sweep
 from horizon_cli.generate.decoder import Decoder, SweepStats
 from horizon_cli.generate.kvcache import kv_bytes
+from horizon_cli.generate.kvprobe import per_layer
 from horizon_cli.model.sample import Sampler
 from horizon_cli.model.template import make_template
 
@@ -99,13 +100,13 @@ def paper() -> list[dict]:
     out = []
     for name, cfg in PAPER.items():
         spec = spec_from_hf(cfg)
-        per_layer = make_template(spec, torch.device("cpu")).kv_row_numel()
+        sizes = per_layer(make_template(spec, torch.device("cpu")))
         for quant in ("", "nf4"):
             for b in PAPER_BATCHES:
                 S = PAPER_PROMPT + PAPER_NEW
                 micro = max(1, 8192 // PAPER_PROMPT)  # generate.decoder.MICRO_TOKENS
                 batches = [(min(micro, b - a), PAPER_PROMPT, S) for a in range(0, b, micro)]
-                kv = kv_bytes([(n, s) for n, _, s in batches], per_layer, 2)
+                kv = kv_bytes([(n, s) for n, _, s in batches], sizes, 2)
                 p = plan_generation(
                     spec, "bfloat16", batches, kv, quant=quant, link_gbps=PCIE, device_free=H200
                 )

@@ -27,6 +27,7 @@ from ..engine.parts import Parts
 from ..engine.passes import ForwardPass
 from ..errors import InputError
 from ..runtime.events import Event
+from . import kvprobe
 from .kvcache import KVCache, kv_bytes
 
 
@@ -50,13 +51,10 @@ class DecodePass(ForwardPass):
 class Generation:
     def __init__(self, engine: Engine):
         self.p, self.sweep, self.guard = engine.p, engine.sweep, engine.guard
-        self._per_layer: list[tuple[int, int | None]] | None = None
 
     def per_layer(self) -> list[tuple[int, int | None]]:
-        """Per layer: cached elements per position of a row, most positions kept (the template's)."""
-        if self._per_layer is None:
-            self._per_layer = self.p.tmpl.kv_row_numel()
-        return self._per_layer
+        """Per layer: cached elements per position of a row, most positions kept (generate.kvprobe)."""
+        return kvprobe.per_layer(self.p.tmpl)
 
     def cache_bytes(self, rows: list[tuple[int, int]]) -> int:
         """Bytes of the KV cache of micro-batches of (rows, positions reached)."""

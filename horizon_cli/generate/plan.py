@@ -21,13 +21,14 @@ from ..runtime.device import cuda_index, resolve_device
 from .budget import GenPlan, plan_generation
 from .decoder import micro_batches
 from .kvcache import kv_bytes
+from .kvprobe import per_layer
 from .source import Source
 
 
 def plan_batches(source: Source, prompts: list[list[int]], max_new: int, batch_size: int) -> GenPlan:
     """The plan of the largest batch (the one whose KV cache is largest) of these prompts."""
     spec, ecfg = source.store.arch, source.engine
-    per_layer = make_template(spec, torch.device("cpu")).kv_row_numel()
+    sizes = per_layer(make_template(spec, torch.device("cpu")))
     item = 4 if ecfg.dtype == "float32" else 2
     best: tuple[int, list[tuple[int, int, int]]] = (-1, [])
     for a in range(0, len(prompts), batch_size):
@@ -36,7 +37,7 @@ def plan_batches(source: Source, prompts: list[list[int]], max_new: int, batch_s
         for g in groups:
             P = max(len(ids) for _, ids in g)
             rows.append((len(g), P, P + max(min(max_new, spec.max_positions - len(ids)) for _, ids in g)))
-        n = kv_bytes([(b, S) for b, _, S in rows], per_layer, item)
+        n = kv_bytes([(b, S) for b, _, S in rows], sizes, item)
         if n > best[0]:
             best = (n, rows)
     device = resolve_device(ecfg)
