@@ -25,8 +25,8 @@ from ..data.batch import IGNORE, MicroBatch
 from ..errors import InputError
 from ..model.sample import Sampler
 from .decoder import MICRO_TOKENS, Decoder
+from .model_source import open_source
 from .run import build
-from .source import open_source
 
 try:
     from lm_eval import utils as lm_utils

@@ -22,7 +22,7 @@ from .budget import GenPlan, plan_generation
 from .decoder import micro_batches
 from .kvcache import kv_bytes
 from .kvprobe import per_layer
-from .source import Source
+from .model_source import Source
 
 
 def plan_batches(source: Source, prompts: list[list[int]], max_new: int, batch_size: int) -> GenPlan:

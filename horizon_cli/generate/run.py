@@ -28,8 +28,8 @@ from ..progress import byte_progress
 from ..runtime.device import check_device
 from .budget import GenPlan
 from .decoder import Completion, Decoder, SweepStats
+from .model_source import Source, open_source
 from .plan import plan_batches, plan_table
-from .source import Source, open_source
 
 
 @dataclass(frozen=True)
