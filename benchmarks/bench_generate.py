@@ -8,12 +8,12 @@ link-bound model; prefill tokens/s; and the plan's figures for large models on o
 Measured: a random-weight Llama-shaped store (horizon_cli/testing/synthetic.py), fp32 (generation computes in
 fp32 on the CPU, whose bf16 matrix products are slow at few rows), `engine.link_gbps` set
 so that one sweep of the weights takes SWEEP_MS on the link; for each batch size, greedy decoding
-of NEW tokens after prompts of PROMPT tokens through engine.generate's loop (the one `horizon
-generate` runs). Link bound: batch x link / bytes per sweep (planning/generate.py). A decode step
+of NEW tokens after prompts of PROMPT tokens through generate.decoder's loop (the one `horizon
+generate` runs). Link bound: batch x link / bytes per sweep (generate/budget.py). A decode step
 is also bounded by the CPU's compute (2 FLOPs per parameter per token), which the last column
 estimates from the batch-1 step's compute.
 
-On paper: planning.generate.plan_generation for Llama-3.1-70B and Mistral-Large-2407 on one H200
+On paper: generate.budget.plan_generation for Llama-3.1-70B and Mistral-Large-2407 on one H200
 (141 GB, 139 GiB usable) with 55 GB/s of PCIe 5 per direction (docs/benchmarks.md's assumption),
 bf16 and NF4 stores, prompts of 1024 tokens + 512 new.
 """
@@ -31,11 +31,12 @@ import torch
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.engine import Engine
-from horizon_cli.engine.generate import Decoder, SweepStats
-from horizon_cli.engine.kvcache import kv_bytes
+from horizon_cli.generate.budget import plan_generation, weights_per_sweep
+from horizon_cli.generate.decoder import Decoder, SweepStats
+from horizon_cli.generate.kvcache import kv_bytes
+from horizon_cli.generate.kvprobe import per_layer
 from horizon_cli.model.sample import Sampler
 from horizon_cli.model.template import make_template
-from horizon_cli.planning.generate import plan_generation, weights_per_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,13 +100,13 @@ def paper() -> list[dict]:
     out = []
     for name, cfg in PAPER.items():
         spec = spec_from_hf(cfg)
-        per_layer = make_template(spec, torch.device("cpu")).kv_row_numel()
+        sizes = per_layer(make_template(spec, torch.device("cpu")))
         for quant in ("", "nf4"):
             for b in PAPER_BATCHES:
                 S = PAPER_PROMPT + PAPER_NEW
-                micro = max(1, 8192 // PAPER_PROMPT)  # engine.generate.MICRO_TOKENS
+                micro = max(1, 8192 // PAPER_PROMPT)  # generate.decoder.MICRO_TOKENS
                 batches = [(min(micro, b - a), PAPER_PROMPT, S) for a in range(0, b, micro)]
-                kv = kv_bytes([(n, s) for n, _, s in batches], per_layer, 2)
+                kv = kv_bytes([(n, s) for n, _, s in batches], sizes, 2)
                 p = plan_generation(
                     spec, "bfloat16", batches, kv, quant=quant, link_gbps=PCIE, device_free=H200
                 )

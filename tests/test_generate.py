@@ -13,8 +13,8 @@ from oracle import DEVICE, make_store, one_thread  # noqa: F401 (autouse fixture
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.engine import Engine
-from horizon_cli.engine import generate as loop
-from horizon_cli.engine.generate import Decoder
+from horizon_cli.generate import decoder as loop
+from horizon_cli.generate.decoder import Decoder
 from horizon_cli.model.sample import Sampler
 from horizon_cli.testing.tiny import FAMILIES, GENERIC
 

@@ -206,7 +206,7 @@ def test_forward_only_engines_keep_nothing_and_generation_beside_kept_layers(tmp
     keeping 2 of 3 layers generates (the KV cache on the device, and on the host through the
     ring's extra buffers, over a link) the tokens one recomputing every layer generates, and
     trains on after it as that one does: the decode path's loads never touch the kept buffers."""
-    from horizon_cli.engine.generate import Decoder
+    from horizon_cli.generate.decoder import Decoder
     from horizon_cli.model.sample import Sampler
 
     _, store = make_store(tmp_path, "llama", False, num_hidden_layers=3)

@@ -122,7 +122,7 @@ def test_dory_generates_as_transformers(tmp_path, monkeypatch):
     transformers gives them (its per-loop copies, `cache_offset` in the recorded arguments)."""
     from test_generate import hf_greedy, prompts, run
 
-    from horizon_cli.engine import generate as loop
+    from horizon_cli.generate import decoder as loop
     from horizon_cli.model.sample import Sampler
 
     monkeypatch.setattr(loop, "MICRO_TOKENS", 24)

@@ -18,8 +18,8 @@ from test_keep import assert_same, run
 
 from horizon_cli.config.schema import LoraConfig
 from horizon_cli.convert import convert
-from horizon_cli.engine import generate as loop
 from horizon_cli.errors import InputError
+from horizon_cli.generate import decoder as loop
 from horizon_cli.lora.setup import lora_setup
 from horizon_cli.model.sample import Sampler
 from horizon_cli.planning.memory import memory_plan

@@ -5,12 +5,13 @@ forward-only passes (engine.infer) over them, and the guard that stops the pipel
     eval_loss(mbs)     summed loss and label tokens, forward only (evaluate: with the objective's stats)
     sequence_logps     each row's summed log-prob, forward only (a preference run's reference pass)
     logits(mb)         full logits of a small micro-batch
-    open_cache / decode  generation: a batch's KV cache, and one sweep per new token (engine.decode)
     wait() / close()   let queued updates land / stop the workers
 
-Every public operation runs under `_guard`: an error (or Ctrl-C) poisons the pipeline so no worker
+Every public operation runs under `guard`: an error (or Ctrl-C) poisons the pipeline so no worker
 waits for ever on work the main thread will never issue (runtime.events), a device out-of-memory
-becomes one line, and the engine refuses further work. docs/engine.md draws the whole.
+becomes one line, and the engine refuses further work. Generation is no part of the engine: it
+lives in generate/ and runs on the engine's public parts (`p`, `sweep`), each of its operations
+under `guard` too. docs/engine.md draws the whole.
 """
 
 from __future__ import annotations
@@ -24,15 +25,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config.schema import EngineConfig, OptimConfig
-from ..data.batch import DecodeBatch, MicroBatch
+from ..data.batch import MicroBatch
 from ..errors import HorizonError
 from ..lora.setup import LoraSetup
 from ..parallel.comm import Dist
 from ..runtime.trace import Tracer
 from ..store import Store
-from .decode import Generation
 from .infer import Inference
-from .kvcache import KVCache
 from .parts import assemble
 from .ranks import Placement
 from .seams import LossObjective, Transport
@@ -104,7 +103,6 @@ class Engine:
         self.sweep = Sweep(p)
         self.trainer = TrainStep(p, self.sweep)
         self.infer = Inference(p, self.sweep)
-        self.gen = Generation(p, self.sweep)
         if step_numel:
             self.trainer.reserve(step_numel)
         p.t.memory.set("weights", p.loader.weight_bytes())
@@ -145,7 +143,7 @@ class Engine:
         Sharded: `mbs` is this rank's share, `tokens` the global batch's divisor."""
         p = self.p
         t0 = time.perf_counter()
-        with self._guard():
+        with self.guard():
             p.t.mark()
             p.t.stats.reset()
             p.t.reset_peak()
@@ -178,7 +176,7 @@ class Engine:
 
     def forward_backward(self, mbs: list[MicroBatch], tokens: int | None = None) -> tuple[float, int, float]:
         """Gradients only (no update): (loss sum, divisor, squared global grad norm)."""
-        with self._guard():
+        with self.guard():
             loss_sum, tokens, sq, _ = self.trainer.forward_backward(mbs, tokens)
             return loss_sum, tokens, sq
 
@@ -189,46 +187,34 @@ class Engine:
 
     def evaluate(self, mbs: list[MicroBatch]) -> tuple[float, int, dict[str, float]]:
         """(the objective's summed loss, its divisor, its stat sums) of a forward pass, over every rank."""
-        with self._guard():
+        with self.guard():
             return self.infer.evaluate(mbs)
 
     def sequence_logps(self, mbs: list[MicroBatch], adapters: bool = True) -> list[torch.Tensor]:
         """Per micro-batch (b,) fp32 on the host: each row's summed log-prob of its labelled tokens,
         forward only, each layer loaded once for all of `mbs`. adapters=False: LoRA's base alone
         (the reference of a preference run)."""
-        with self._guard():
+        with self.guard():
             return self.infer.sequence_logps(mbs, adapters)
 
     def sum_over_ranks(self, v: torch.Tensor) -> torch.Tensor:
         """A small host vector summed over the ranks (itself on one process)."""
-        with self._guard():
+        with self.guard():
             return self.p.reduce.sum_vector(v)
 
     def scores(self, mbs: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per micro-batch: each label's log-prob and whether it is the argmax (engine.infer)."""
-        with self._guard():
+        with self.guard():
             return self.infer.scores(mbs)
 
     def logits(self, mb: MicroBatch) -> torch.Tensor:
         """Full (b, T, V) fp32 logits of one small micro-batch — for tests and spot checks only."""
-        with self._guard():
+        with self.guard():
             return self.infer.logits(mb)
-
-    def open_cache(self, dbs: list[DecodeBatch], new_tokens: int, host: bool) -> KVCache:
-        """A KV cache for a batch of left-padded micro-batches (host: kept in host memory between
-        sweeps, engine.kvcache)."""
-        with self._guard():
-            return self.gen.open(dbs, new_tokens, host)
-
-    def decode(self, dbs: list[DecodeBatch], kv: KVCache) -> list[torch.Tensor]:
-        """One generation sweep (prefill or one new token per row): per micro-batch the (b, V)
-        fp32 logits of each row's newest position, on the device."""
-        with self._guard():
-            return self.gen.step(dbs, kv)
 
     def wait(self) -> None:
         """Block until every queued update has landed in the host store (before eval or save)."""
-        with self._guard():
+        with self.guard():
             self.p.reduce.drain()
             self.p.optimizer.wait()
             self.p.t.synchronize()
@@ -250,7 +236,7 @@ class Engine:
                     p.t.close()
 
     @contextlib.contextmanager
-    def _guard(self) -> Iterator[None]:
+    def guard(self) -> Iterator[None]:
         """Around every public operation: an error (or Ctrl-C) poisons the pipeline, so no worker
         waits for ever on work the main thread will now never issue; a device out-of-memory
         becomes one line. The engine is unusable afterwards."""

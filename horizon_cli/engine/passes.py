@@ -6,8 +6,9 @@ schedule that runs the sweep, so a new kind of layer pass is a new class here, n
                    first (async, overlapping the compute), its backward load brings it back
     KeptPass       a kept layer (engine.keep): run under autograd, graph and weights held until its
                    backward, which needs no second load
-    DecodePass     a generation sweep with a KV cache (engine.kvcache): the layer's cached K/V bound
-                   before its compute and kept after it (host mode: they ride with its load)
+
+A feature's own pass subclasses one of these in its package: generation's `DecodePass`
+(generate.decode) binds a layer's KV cache before its compute and keeps it after.
 
 Each answers `extras(i)` (what its forward load carries beyond the params' extras),
 `backward_load(j)` (its backward's load, or None), `run(j, i, x, ctxs)` (call j of layer i over
@@ -26,7 +27,6 @@ import torch
 from ..runtime.events import Event, Promise
 from ..runtime.loader import Load
 from .keep import KeptLayers
-from .kvcache import KVCache
 from .parts import Parts
 from .seams import Context, LayerTemplate, Weights
 
@@ -162,23 +162,6 @@ class KeptPass(ForwardPass):
             if h.want_dx or h.leaves:
                 backprop(p.tmpl, p.tmpl.calls[j], ctxs, graph, h.leaves, h.names, dx, h.want_dx, gv)
         p.loader.release(f"f{j}")
-
-
-class DecodePass(ForwardPass):
-    """A generation sweep: the layer computes with its KV cache, which keeps the new positions."""
-
-    def __init__(self, p: Parts, kv: KVCache):
-        super().__init__(p)
-        self.kv = kv
-
-    def extras(self, i: int) -> tuple[list[torch.Tensor], list[Event]]:
-        return self.kv.extras(i)
-
-    def bind(self, i: int, extras: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self.kv.bind(i, extras)  # the params' extras remain
-
-    def after(self, i: int) -> None:
-        self.kv.keep(i)
 
 
 def backprop(

@@ -8,7 +8,7 @@ assembles them; every implementation is chosen once, at build time).
     HeadGrads      whether and how the head and the embedding get gradients (engine.headgrad)
     Reduce         where gradients go (engine.reduce: LocalReduce, ShardedReduce)
     LossObjective  what the loss head computes (engine.objective, engine.pairs)
-    LayerPass      what one call of a layer does in a sweep (engine.passes)
+    LayerPass      what one call of a layer does in a sweep (engine.passes, generate.decode)
 
 The template's per-micro-batch context, its generation cache and what a kept layer's forward
 holds are the template's own: the engine only hands them back (`Context`, `Cache`, `Held`, typed

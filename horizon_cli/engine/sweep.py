@@ -8,7 +8,8 @@ loads     the sequence of loads the loader streams: every layer forward, the hea
 start     begin the loads and send the embedded inputs
 layers    each layer once over every micro-batch (invariant 2: one transfer serves them all), each
           call as the pass the schedule chose for it runs it (engine.passes: save the input for
-          the backward recompute, keep the graph, forward only, decode with a KV cache)
+          the backward recompute, keep the graph, forward only; generate.decode: decode with a
+          KV cache)
 head      the final norm's weights and the LM head on the device, for an objective
 """
 

@@ -4,7 +4,7 @@ engine, on the machine that trained it.
 
     loglikelihood          requests sorted by length, `batch_size` rows per sweep of the weights
     loglikelihood_rolling  lm-eval's own rolling windows, scored the same way
-    generate_until         the generation loop (engine.generate): one sweep per new token for the
+    generate_until         the generation loop (generate.decoder): one sweep per new token for the
                            whole batch, stopping at `until` strings, EOS or max_gen_toks
 
 Tokenization follows lm-eval's `hf` model rule for rule (its own helpers: BOS handling, the
@@ -22,11 +22,11 @@ import torch
 from rich.console import Console
 
 from ..data.batch import IGNORE, MicroBatch
-from ..engine.generate import MICRO_TOKENS, Decoder
 from ..errors import InputError
 from ..model.sample import Sampler
+from .decoder import MICRO_TOKENS, Decoder
+from .model_source import open_source
 from .run import build
-from .source import open_source
 
 try:
     from lm_eval import utils as lm_utils

@@ -1,4 +1,4 @@
-"""The plan a generation shows before it starts (planning.generate): the batches' KV cache, where
+"""The plan a generation shows before it starts (generate.budget): the batches' KV cache, where
 it lives, the bytes one sweep moves and the link-bound decode speed.
 
 The link speed: engine.link_gbps on the CPU (an emulated link; 0: none), on CUDA a 256 MiB pinned
@@ -12,22 +12,23 @@ import time
 import torch
 from rich.table import Table
 
-from ..engine.generate import micro_batches
-from ..engine.kvcache import kv_bytes
 from ..errors import InputError
 from ..fmt import fmt_bytes
 from ..lora.targets import adapter_params
 from ..model.template import make_template
 from ..planning.fit import RESERVE
-from ..planning.generate import GenPlan, plan_generation
 from ..runtime.device import cuda_index, resolve_device
-from .source import Source
+from .budget import GenPlan, plan_generation
+from .decoder import micro_batches
+from .kvcache import kv_bytes
+from .kvprobe import per_layer
+from .model_source import Source
 
 
 def plan_batches(source: Source, prompts: list[list[int]], max_new: int, batch_size: int) -> GenPlan:
     """The plan of the largest batch (the one whose KV cache is largest) of these prompts."""
     spec, ecfg = source.store.arch, source.engine
-    per_layer = make_template(spec, torch.device("cpu")).kv_row_numel()
+    sizes = per_layer(make_template(spec, torch.device("cpu")))
     item = 4 if ecfg.dtype == "float32" else 2
     best: tuple[int, list[tuple[int, int, int]]] = (-1, [])
     for a in range(0, len(prompts), batch_size):
@@ -36,7 +37,7 @@ def plan_batches(source: Source, prompts: list[list[int]], max_new: int, batch_s
         for g in groups:
             P = max(len(ids) for _, ids in g)
             rows.append((len(g), P, P + max(min(max_new, spec.max_positions - len(ids)) for _, ids in g)))
-        n = kv_bytes([(b, S) for b, _, S in rows], per_layer, item)
+        n = kv_bytes([(b, S) for b, _, S in rows], sizes, item)
         if n > best[0]:
             best = (n, rows)
     device = resolve_device(ecfg)

@@ -21,15 +21,15 @@ from .. import preflight
 from ..config.schema import OptimConfig
 from ..data.prompts import Prompt, encode, read_records
 from ..engine import Engine
-from ..engine.generate import Completion, Decoder, SweepStats
 from ..errors import InputError
 from ..fsutil import write_text_atomic
 from ..model.sample import Sampler
-from ..planning.generate import GenPlan
 from ..progress import byte_progress
 from ..runtime.device import check_device
+from .budget import GenPlan
+from .decoder import Completion, Decoder, SweepStats
+from .model_source import Source, open_source
 from .plan import plan_batches, plan_table
-from .source import Source, open_source
 
 
 @dataclass(frozen=True)

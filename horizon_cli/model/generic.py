@@ -344,15 +344,15 @@ class GenericTemplate:
         return DynamicCache(config=self.model.config)
 
     def kv_row_numel(self) -> list[tuple[int, int | None]]:
-        """Per cache layer: elements it keeps per position of one row, and the most positions it
-        keeps (a sliding window; 1 for a recurrent state, whatever the length; None: all)."""
-        from .kvprobe import cache_sizes
-
+        """Per layer: elements cached per position of one row, most positions kept (None: all), as
+        the config's attention shape says: K and V of every position in every layer. Generation
+        reads the exact sizes (sliding windows, recurrent states) off transformers' own model
+        (generate.kvprobe) and falls back on these."""
         c = self.cfg
         heads = int(getattr(c, "num_attention_heads", None) or 1)
         kv = 2 * int(getattr(c, "num_key_value_heads", None) or heads)
         kv *= int(getattr(c, "head_dim", None) or int(getattr(c, "hidden_size", 0) or 0) // heads)
-        return cache_sizes(self.g, self.new_cache, [(kv, None)] * len(self.layers))
+        return [(kv, None)] * len(self.layers)
 
     # -- step --------------------------------------------------------------------------------
     def begin_step(self) -> None:

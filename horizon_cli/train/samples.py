@@ -1,6 +1,6 @@
 """Eval-time samples: at each evaluation (every `train.eval_every` steps; at the last step when that
 is 0) the training engine answers `train.samples`' prompts greedily (at most `train.sample_tokens`
-new tokens, engine.generate), the answers go to `<output.dir>/samples.jsonl` (step, prompt,
+new tokens, generate.decoder), the answers go to `<output.dir>/samples.jsonl` (step, prompt,
 completion) and are shown after the eval line, so a user sees the model change as it trains.
 
 The prompts file is read and tokenized before anything is loaded (run.py), as any input: a bad one
@@ -18,8 +18,8 @@ from rich.markup import escape
 from ..config import Config
 from ..data.prompts import Prompt, encode, model_eos_ids, read_records
 from ..engine import Engine
-from ..engine.generate import Decoder
 from ..errors import InputError
+from ..generate.decoder import Decoder
 from ..model.sample import Sampler
 from .inputs import load_tokenizer
 from .metrics import io_failure

@@ -60,7 +60,7 @@ class KVCache:
                 self._shape.pop(key, None)
         self.active = list(active)
 
-    # -- host mode: the sweep's hooks (engine.sweep) ---------------------------------------------
+    # -- host mode: the pass's hooks (generate.decode) --------------------------------------------
     def _keys(self, i: int) -> list[tuple[int, int, str]]:
         return [(i, m, s) for m in self.active for s in STATES if (i, m, s) in self._shape]
 

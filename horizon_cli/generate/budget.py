@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from ..arch import ArchSpec
 from ..arch.loop import is_loop, spec_sequence
 from ..errors import InputError
+from ..planning.lora import base_bytes
+from ..planning.memory import ITEM
 from ..store import layouts
-from .lora import base_bytes
-from .memory import ITEM
 
 KV_WHERE = ("auto", "device", "host")
 
@@ -82,7 +82,7 @@ def plan_generation(
     reserve: int = 1 << 30,
 ) -> GenPlan:
     """batches: per micro-batch (rows, prompt length, positions reached); kv_bytes: their whole
-    cache (engine.kvcache.kv_bytes); device_free: a CUDA device's free bytes (None: the CPU,
+    cache (generate.kvcache.kv_bytes); device_free: a CUDA device's free bytes (None: the CPU,
     whose "device" is host memory: the cache stays there). kv: auto | device | host."""
     item = ITEM[dtype]
     base = base_bytes(spec, dtype, quant)

@@ -1,10 +1,10 @@
 """The generation loop over one batch of prompts: prefill, then one sweep of the layers per new
-token for every row still generating (engine.decode), until each row stops at an EOS id, a stop
+token for every row still generating (generate.decode), until each row stops at an EOS id, a stop
 string, its token limit or the model's last position.
 
 Rows are sorted by length and cut into micro-batches of at most `MICRO_TOKENS` prompt tokens
-(left-padded, engine.decode); a micro-batch whose rows have all stopped leaves the sweep. The
-same loop serves `horizon generate`, eval-time samples (train.loop) and the evaluation harness.
+(left-padded, generate.decode); a micro-batch whose rows have all stopped leaves the sweep. The
+same loop serves `horizon generate`, eval-time samples (train.samples) and the evaluation harness.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..data.batch import DecodeBatch
+from ..engine import Engine
 from ..model.sample import Sampler, StopText
-from .engine import Engine
+from .decode import Generation
 
 MICRO_TOKENS = 8192  # prompt tokens per micro-batch at most (its prefill working set)
 
@@ -67,6 +68,7 @@ class Decoder:
         on_sweep: Callable[[SweepStats], None] = lambda s: None,
     ):
         self.engine, self.sampler = engine, sampler
+        self.gen = Generation(engine)  # the engine's sweep and parts, driven for generation
         self.max_new, self.eos = max_new_tokens, set(eos_ids)
         self.tokenizer, self.stop = tokenizer, StopText(tokenizer, list(stops)) if tokenizer else None
         self.host_kv, self.pad_id = host_kv, pad_id
@@ -78,7 +80,7 @@ class Decoder:
         groups = micro_batches(prompts)
         dbs = [DecodeBatch.left_padded([ids for _, ids in g], self.pad_id) for g in groups]
         limits = [[min(self.max_new, self.positions - len(ids)) for _, ids in g] for g in groups]
-        kv = self.engine.open_cache(dbs, max(max(lim) for lim in limits), self.host_kv)
+        kv = self.gen.open(dbs, max(max(lim) for lim in limits), self.host_kv)
         out = {i: Completion(i) for i, _ in prompts}
         active = list(range(len(groups)))
         try:
@@ -108,7 +110,7 @@ class Decoder:
         t = self.engine.t
         t.stats.reset()
         t0 = time.perf_counter()
-        logits = self.engine.decode(dbs, kv)
+        logits = self.gen.step(dbs, kv)
         tokens = sum(db.input_ids.numel() for db in dbs)
         self.on_sweep(SweepStats(tokens, time.perf_counter() - t0, t.stats.h2d_bytes, prefill))
         return logits

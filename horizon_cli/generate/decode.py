@@ -2,14 +2,19 @@
 each sweep serving every micro-batch of the batch (each layer's weights cross the link once per
 sweep, whatever the batch size: decoding is link-bound, and a large batch makes it cheap).
 
-    open(dbs, host)   the KV cache of a batch of left-padded micro-batches (engine.kvcache), on the
-                      device or between sweeps on the host
+    DecodePass        the pass of a generation sweep (engine.seams.LayerPass, run by the engine's
+                      sweep): the layer's cached K/V bound before its compute and kept after it
+                      (host mode: they ride with its load)
+    open(dbs, host)   the KV cache of a batch of left-padded micro-batches (generate.kvcache), on
+                      the device or between sweeps on the host
     step(dbs, kv)     one sweep: the layers over every micro-batch with its cache, then the head on
                       each row's newest position -> per micro-batch (b, V) fp32 logits on the device
 
-Left padding puts every row's newest token at the same index, so the head reads one position and
-the caches grow by one position per sweep for all rows alike (model.masks / model.generic mask the
-padding out, as transformers' generate does).
+The engine knows nothing of generation: `Generation` builds on its public parts (`engine.p`, the
+parts; `engine.sweep`, the sweep) and runs each operation under the engine's guard, as the
+engine's own operations run. Left padding puts every row's newest token at the same index, so the
+head reads one position and the caches grow by one position per sweep for all rows alike
+(model.masks / model.generic mask the padding out, as transformers' generate does).
 """
 
 from __future__ import annotations
@@ -17,31 +22,52 @@ from __future__ import annotations
 import torch
 
 from ..data.batch import DecodeBatch
+from ..engine import Engine
+from ..engine.parts import Parts
+from ..engine.passes import ForwardPass
 from ..errors import InputError
+from ..runtime.events import Event
+from . import kvprobe
 from .kvcache import KVCache, kv_bytes
-from .parts import Parts
-from .passes import DecodePass
-from .sweep import Sweep
+
+
+class DecodePass(ForwardPass):
+    """A generation sweep: the layer computes with its KV cache, which keeps the new positions."""
+
+    def __init__(self, p: Parts, kv: KVCache):
+        super().__init__(p)
+        self.kv = kv
+
+    def extras(self, i: int) -> tuple[list[torch.Tensor], list[Event]]:
+        return self.kv.extras(i)
+
+    def bind(self, i: int, extras: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.kv.bind(i, extras)  # the params' extras remain
+
+    def after(self, i: int) -> None:
+        self.kv.keep(i)
 
 
 class Generation:
-    def __init__(self, p: Parts, sweep: Sweep):
-        self.p, self.sweep = p, sweep
-        self._per_layer: list[tuple[int, int | None]] | None = None
+    def __init__(self, engine: Engine):
+        self.p, self.sweep, self.guard = engine.p, engine.sweep, engine.guard
 
     def per_layer(self) -> list[tuple[int, int | None]]:
-        """Per layer: cached elements per position of a row, most positions kept (the template's)."""
-        if self._per_layer is None:
-            self._per_layer = self.p.tmpl.kv_row_numel()
-        return self._per_layer
+        """Per layer: cached elements per position of a row, most positions kept (generate.kvprobe)."""
+        return kvprobe.per_layer(self.p.tmpl)
 
     def cache_bytes(self, rows: list[tuple[int, int]]) -> int:
         """Bytes of the KV cache of micro-batches of (rows, positions reached)."""
         return kv_bytes(rows, self.per_layer(), self.p.dtype.itemsize)
 
     def open(self, dbs: list[DecodeBatch], new_tokens: int, host: bool) -> KVCache:
-        """A KV cache for these micro-batches, each growing by up to `new_tokens` positions. Host
-        mode sizes the loader's extra buffers once for the largest layer's cache."""
+        """A KV cache for these micro-batches, each growing by up to `new_tokens` positions (host:
+        kept in host memory between sweeps). Host mode sizes the loader's extra buffers once for
+        the largest layer's cache."""
+        with self.guard():
+            return self._open(dbs, new_tokens, host)
+
+    def _open(self, dbs: list[DecodeBatch], new_tokens: int, host: bool) -> KVCache:
         p = self.p
         positions = [db.input_ids.shape[1] + new_tokens for db in dbs]
         kv = KVCache(p.t, [p.tmpl.new_cache() for _ in dbs], host and not p.t.shares_host, positions)
@@ -58,11 +84,15 @@ class Generation:
             p.t.memory.set("kv in flight", p.loader.extra_bytes())
         return kv
 
-    @torch.no_grad()
     def step(self, dbs: list[DecodeBatch], kv: KVCache) -> list[torch.Tensor]:
-        """One sweep over the active micro-batches `dbs` (kv.active, in order): their new tokens
-        through every layer, appended to the caches; the logits (b, V) fp32 of each row's newest
-        position."""
+        """One sweep (prefill or one new token per row) over the active micro-batches `dbs`
+        (kv.active, in order): their new tokens through every layer, appended to the caches; the
+        logits (b, V) fp32 of each row's newest position, on the device."""
+        with self.guard():
+            return self._step(dbs, kv)
+
+    @torch.no_grad()
+    def _step(self, dbs: list[DecodeBatch], kv: KVCache) -> list[torch.Tensor]:
         p = self.p
         p.tmpl.begin_step()  # MoE router statistics are a training step's; none accumulate here
         caches = kv.live()

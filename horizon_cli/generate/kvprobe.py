@@ -3,18 +3,38 @@
 One token of one row runs through a fresh meta copy of the model (no memory, no weights) with a
 `DynamicCache` made for its config; what each cache layer then holds says its size: keys and values
 per position (a sliding-window layer keeps at most its window), a recurrent layer's conv and
-recurrent states once per row whatever the length. Used by the generation plan (planning.generate)
-and the host-mode buffers (engine.decode).
+recurrent states once per row whatever the length. `per_layer(tmpl)` is what generation reads: for
+the generic template the probe's sizes (its own `kv_row_numel`, the config's uniform shape, when the
+probe cannot run), for the native one its own. Used by the generation plan (generate.plan) and the
+host-mode buffers (generate.decode). The template knows nothing of this: generation calls the probe
+on it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
 from ..arch.generic import stored_model
 from ..arch.generic_arch import GenericArch
+from ..engine.seams import LayerTemplate
+from ..model.generic import GenericTemplate
+
+_probed: weakref.WeakKeyDictionary[GenericTemplate, list[tuple[int, int | None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def per_layer(tmpl: LayerTemplate) -> list[tuple[int, int | None]]:
+    """Per cache layer: (elements per position of a row, positions kept; None: every one). The
+    generic template's are probed once per template (a meta forward)."""
+    if not isinstance(tmpl, GenericTemplate):
+        return tmpl.kv_row_numel()
+    if tmpl not in _probed:
+        _probed[tmpl] = cache_sizes(tmpl.g, tmpl.new_cache, tmpl.kv_row_numel())
+    return _probed[tmpl]
 
 
 def _numel(x) -> int:
