@@ -409,7 +409,7 @@ MUTATIONS: list[Mutation] = [
       "a buffer refilled without waiting for the compute that read it", "equivalent",
       "every copy already waits for all compute issued before it is requested (the transport's contract), and a buffer is refilled only by a load requested after its release"),
     # ---- engine: LoRA adapters and NF4 bases --------------------------------------------------------
-    M("lora-dropout-rescale", "engine", "horizon_cli.model.lora:LayerLora._dropout",
+    M("lora-dropout-rescale", "engine", "horizon_cli.lora.layer:LayerLora._dropout",
       "return x * keep.to(x.dtype) * (1.0 / (1.0 - self.p))",
       "return x * keep.to(x.dtype)",
       ["tests/test_lora_engine.py::test_dropout_masks_are_the_same_in_the_recompute",

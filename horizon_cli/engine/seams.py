@@ -25,9 +25,9 @@ from typing import Protocol
 import torch
 
 from ..data.batch import DecodeBatch, MicroBatch
+from ..lora.layer import LayerLora
 from ..lora.setup import LoraSetup
 from ..model.head import LM
-from ..model.lora import LayerLora
 from ..runtime.events import Event
 from ..runtime.loader import Load
 from ..runtime.transport import Transport

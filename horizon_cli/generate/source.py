@@ -23,8 +23,8 @@ from ..config.schema import EngineConfig
 from ..data.prompts import model_eos_ids
 from ..errors import InputError
 from ..export.export import resolve_source
-from ..export.lora import base_store
 from ..lora import peft
+from ..lora.export import base_store
 from ..lora.setup import LoraSetup, lora_setup
 from ..runtime.device import resolve_device
 from ..store import Store

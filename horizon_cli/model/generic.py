@@ -127,7 +127,7 @@ class GenericTemplate:
         self._caught: dict[int, tuple] = {}
         if g.moe is not None:
             self._hook_routers(g.moe)
-        self._lora = None  # the adapters of the layer being computed (model.lora.LayerLora)
+        self._lora = None  # the adapters of the layer being computed (lora.layer.LayerLora)
         for targets in lora_targets or []:
             for t in targets:
                 self._hook_linear(t.layer, t.rel, t.weight)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from ..arch import ArchSpec
 from ..arch.loop import is_loop, spec_sequence
 from ..errors import InputError
+from ..lora.plan import base_bytes
 from ..store import layouts
-from .lora import base_bytes
 from .memory import ITEM
 
 KV_WHERE = ("auto", "device", "host")

@@ -196,7 +196,7 @@ def memory_plan(
     world: int = 1,
     per_node: int = 1,
 ) -> MemoryPlan:
-    """Full fine-tuning, memory: exact | lean (LoRA runs: planning/lora.py), one rank's."""
+    """Full fine-tuning, memory: exact | lean (LoRA runs: lora/plan.py), one rank's."""
     item = ITEM[dtype]
     lays = {lay.name: lay for lay in layouts(spec)}
     params = sum(lay.params for lay in lays.values())
