@@ -2,7 +2,7 @@
 which of them fit a machine. `horizon train --dry-run` prints it, a start is refused with it.
 
 The model may be a store or only an HF config.json (`PlannedModel`: planned as `convert` would
-read it). Plans are one rank's of `world` (planning.memory, lora.plan).
+read it). Plans are one rank's of `world` (planning.memory, lora.sizes).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from .config import Config
 from .config.schema import LoraConfig
 from .errors import InputError
 from .fmt import fmt_bytes
-from .lora.plan import lora_memory_plan
 from .lora.setup import LoraSetup
+from .lora.sizes import lora_memory_plan
 from .lora.targets import resolve_targets
 from .parallel.topology import World
 from .planning.fit import RESERVE, Machine

@@ -22,7 +22,7 @@ OLD = json.loads((FIXTURES / "generic-arch-v0.json").read_text())
 
 
 def _hash(d: dict) -> str:
-    """What store.checkpoint.model_fingerprint hashed of the architecture before the version."""
+    """What store.ckpt.model_fingerprint hashed of the architecture before the version."""
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 
@@ -90,7 +90,7 @@ def test_a_store_without_the_version_keeps_its_fingerprint(tmp_path):
 
     from horizon_cli.convert import convert
     from horizon_cli.store import Store
-    from horizon_cli.store.checkpoint import model_fingerprint
+    from horizon_cli.store.ckpt import model_fingerprint
 
     torch.manual_seed(0)
     build("mixtral", tiny_config("mixtral", 2)).float().save_pretrained(tmp_path / "hf")

@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..lora.layer import LayerLora, layer_lora
-from ..lora.plan import adapter_kept_bytes, adapter_work_bytes
+from ..lora.linear import LayerLora, layer_lora
 from ..lora.setup import LoraSetup
+from ..lora.sizes import adapter_kept_bytes, adapter_work_bytes
 from ..lora.state import lora_state
 from ..runtime.events import READY, Event
 from ..state.frozen import FrozenState, FrozenUnit
@@ -182,7 +182,7 @@ class _OnFrozenBase:
         return adapter_work_bytes(self.lora.targets, self.lora.cfg.r, tokens, item)
 
     def kept_bytes(self, tokens: int, item: int) -> int:
-        """What the adapters add to a kept layer's graph for one micro-batch (lora.plan)."""
+        """What the adapters add to a kept layer's graph for one micro-batch (lora.sizes)."""
         assert self.lora is not None
         c = self.lora.cfg
         return adapter_kept_bytes(self.lora.targets, c.r, c.dropout, tokens, item)

@@ -28,8 +28,7 @@ from ..lora import peft
 from ..lora.setup import LoraSetup, load_init
 from ..lora.state import AdapterState
 from ..state.host import HostState
-from ..store import Store, StoreWriter
-from ..store import checkpoint as ckpt
+from ..store import Store, StoreWriter, ckpt
 from ..store.manifest import DTYPE_NAMES
 from .ranks import Placement, Ranks
 

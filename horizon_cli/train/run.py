@@ -28,12 +28,11 @@ from ..lora.setup import lora_for
 from ..parallel.launch import joined, rank_device, world_from_env
 from ..parallel.shard import check_world
 from ..parallel.topology import world_for
-from ..store import Store
-from ..store import checkpoint as ckpt
+from ..store import Store, ckpt
 from . import checks
+from .claim import claim
 from .length import resolve_length
 from .loop import Trainer
-from .ranks import claim
 from .report import dry_run_report
 from .samples import Samples
 from .signals import runtime_failures, stop_signals

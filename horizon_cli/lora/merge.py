@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
-from ..store import Store
-from ..store import checkpoint as ckpt
+from ..store import Store, ckpt
 from . import peft
 from .targets import scale
 
