@@ -383,7 +383,7 @@ MUTATIONS: list[Mutation] = [
       "the embedding updated after every layer: the next step's start waits for all of them"),
     M("device-activations-kept", "engine", "horizon_cli.engine.passes:ForwardPass.run",
       'p.loader.release(f"f{j}")',
-      'p.loader.release(f"f{j}"); self.__dict__.setdefault("kept", []).append(x)',
+      'p.loader.release(f"f{j}"); p.__dict__.setdefault("kept", []).append(x)',  # on the run's parts: a pass lives one call
       ["tests/test_device_memory.py"],
       "every layer's activations stay alive (device memory grows with depth)"),
     # ---- engine: the loader ------------------------------------------------------------------------

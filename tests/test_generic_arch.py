@@ -86,7 +86,7 @@ def test_a_store_without_the_version_keeps_its_fingerprint(tmp_path):
     """A store converted before the version (its manifest as today's less `version`) opens, and its
     model fingerprint — what a run dir and a LoRA export check — is the versioned store's."""
     import torch
-    from census_config import build, tiny_config
+    from horizon_cli.testing.census_config import build, tiny_config
 
     from horizon_cli.convert import convert
     from horizon_cli.store import Store
