@@ -28,7 +28,7 @@ from ..lora.setup import lora_for
 from ..parallel.launch import joined, rank_device, world_from_env
 from ..parallel.shard import check_world
 from ..parallel.topology import world_for
-from ..store import Store, ckpt
+from ..store import Store
 from . import checks
 from .claim import claim
 from .length import resolve_length
@@ -65,10 +65,8 @@ def run_training(
             f"model.path: {model.root} is an HF checkpoint, not a store: convert it first "
             f"(horizon convert {model.root} STORE); --dry-run plans it as it is"
         )
-    # a resume needs no lora.init (it has its checkpoint): scan the run dir only when one is given
-    needs_init = cfg.lora is not None and bool(cfg.lora.init)
-    fresh = needs_init and not ckpt.intact(Path(cfg.output.dir))[0]
-    lora = lora_for(cfg.lora, model, cfg.train.seed, read_init=fresh)  # checked before any write
+    # checked before any write; a resume needs no lora.init (it has its checkpoint)
+    lora = lora_for(cfg.lora, model, cfg.train.seed, run_dir=Path(cfg.output.dir))
     note = tuning_for(lora).note
     if note and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
