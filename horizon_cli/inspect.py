@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .arch.loop import spec_sequence
+from .arch.calls import spec_sequence
 from .arch.names import param_split
 from .fmt import fmt_bytes
 from .planning.memory import memory_plan
@@ -31,7 +31,7 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
         ("parameters", f"{m.params:,}"),
     ]
     calls = spec_sequence(a)
-    if calls != list(range(a.n_layers)):  # arch.loop
+    if calls != list(range(a.n_layers)):  # arch.calls
         rows.append(
             (
                 "layers run in a loop",

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import chat_rows, horizon, write_config, write_jsonl
 
-from horizon_cli.store import checkpoint as ckpt
+from horizon_cli.store import ckpt
 
 LORA = {"r": 2, "alpha": 4, "targets": ["q_proj", "v_proj"]}
 

@@ -1,7 +1,7 @@
 """Large checkpoint files are checked when they load, not when the run dir is opened.
 
 Opening a run dir checks every checkpoint file's size, and the checksums of files under 1 MiB
-(store/checkpoint.py `check`); a large state file (a real model's moments are gigabytes) is checked
+(store/ckpt.py `check`); a large state file (a real model's moments are gigabytes) is checked
 against its CRC while `train/checkpoint.load` reads it. The tiny test models have no state file
 that large, so that path is exercised here with an embedding of 9000 x 32 fp32 moments (1.1 MiB).
 """
@@ -12,8 +12,7 @@ import pytest
 import torch
 from oracle import make_engine, make_store, micro_batches, one_thread, random_rows  # noqa: F401
 
-from horizon_cli.store import Store
-from horizon_cli.store import checkpoint as ckpt
+from horizon_cli.store import Store, ckpt
 from horizon_cli.train import checkpoint
 
 

@@ -17,8 +17,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from horizon_cli.convert import checkpoint as ckpt_mod
 from horizon_cli.convert import convert
+from horizon_cli.convert import hf_files as ckpt_mod
 from horizon_cli.export import export
 from horizon_cli.store import DTYPES, Store
 from horizon_cli.testing.tiny import make_model, save

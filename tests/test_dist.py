@@ -28,12 +28,11 @@ from safetensors.torch import load_file
 from horizon_cli.config.schema import LoraConfig
 from horizon_cli.errors import InputError
 from horizon_cli.lora.setup import lora_setup
+from horizon_cli.lora.sizes import lora_memory_plan
 from horizon_cli.parallel.crc import crc32_combine, crc32_of_pieces
-from horizon_cli.planning.lora import lora_memory_plan
 from horizon_cli.planning.memory import MemoryPlan, memory_plan
 from horizon_cli.state.host import HostState
-from horizon_cli.store import Store
-from horizon_cli.store import checkpoint as ckpt
+from horizon_cli.store import Store, ckpt
 from horizon_cli.train import run_training
 
 HERE = Path(__file__).parent

@@ -56,7 +56,7 @@ def test_many_shards(store, model, tmp_path, monkeypatch):
 
 def test_run_dir_exports_its_latest_checkpoint(store, tmp_path):
     """A run dir's checkpoints/step_N is a store (plus state/); export takes the newest complete one."""
-    from horizon_cli.store.checkpoint import write_sums
+    from horizon_cli.store.ckpt import write_sums
 
     run = tmp_path / "run"
     for step in (2, 10, 4, 14):

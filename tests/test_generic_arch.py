@@ -22,7 +22,7 @@ OLD = json.loads((FIXTURES / "generic-arch-v0.json").read_text())
 
 
 def _hash(d: dict) -> str:
-    """What store.checkpoint.model_fingerprint hashed of the architecture before the version."""
+    """What store.ckpt.model_fingerprint hashed of the architecture before the version."""
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 
@@ -86,11 +86,11 @@ def test_a_store_without_the_version_keeps_its_fingerprint(tmp_path):
     """A store converted before the version (its manifest as today's less `version`) opens, and its
     model fingerprint — what a run dir and a LoRA export check — is the versioned store's."""
     import torch
-    from horizon_cli.testing.census_config import build, tiny_config
 
     from horizon_cli.convert import convert
     from horizon_cli.store import Store
-    from horizon_cli.store.checkpoint import model_fingerprint
+    from horizon_cli.store.ckpt import model_fingerprint
+    from horizon_cli.testing.census_config import build, tiny_config
 
     torch.manual_seed(0)
     build("mixtral", tiny_config("mixtral", 2)).float().save_pretrained(tmp_path / "hf")

@@ -23,11 +23,11 @@ from horizon_cli.cli import app
 from horizon_cli.config import load_config
 from horizon_cli.config.schema import EngineConfig, LoraConfig, OptimConfig
 from horizon_cli.engine import Engine
-from horizon_cli.engine.keep import KeptLayers
+from horizon_cli.engine.kept_layers import KeptLayers
 from horizon_cli.errors import ConfigError
+from horizon_cli.ladder import fit_parts, plan_for
 from horizon_cli.lora.setup import lora_setup
 from horizon_cli.planning.fit import RESERVE, Machine
-from horizon_cli.planning.ladder import fit_parts, plan_for
 from horizon_cli.runtime.cuda import CudaTransport
 from horizon_cli.store import Store
 from horizon_cli.train import run_training
@@ -241,9 +241,9 @@ def test_forward_only_engines_keep_nothing_and_generation_beside_kept_layers(tmp
 
 
 def test_a_resumed_auto_run_keeps_the_k_it_began_with(tmp_path):
-    """train/kept.py: `auto` on resume keeps the checkpoint's K while the plan's K (the most that
+    """train/keep_choice.py: `auto` on resume keeps the checkpoint's K while the plan's K (the most that
     fits) is at least that, else the plan's; a number is the plan's K, recorded or not."""
-    from horizon_cli.train.kept import kept_layers
+    from horizon_cli.train.keep_choice import kept_layers
 
     ck = tmp_path / "ck"
     (ck / "state").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""Layers run in a loop (arch.loop): Dory calls its recurrent layers once per loop, and starts each
+"""Layers run in a loop (arch.calls): Dory calls its recurrent layers once per loop, and starts each
 loop from transformers' own code between the calls (norm(h) + the input section's normalised
 output). The streamed engine runs the sequence of calls — 2 loads per call, each unit's gradient
 summed over its calls — against a resident transformers model + torch AdamW; the combinations it

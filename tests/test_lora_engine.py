@@ -187,7 +187,7 @@ def test_lora_init_is_read_strictly(tmp_path):
 def test_dropout_masks_are_the_same_in_the_recompute(tmp_path):
     """With dropout the step's gradient equals autograd through a resident layer stack that draws
     the same masks (the recompute must not draw new ones)."""
-    from horizon_cli.model import lora as adapters
+    from horizon_cli.lora import linear as adapters
 
     model, store = make_store(tmp_path, "llama", False)
     peft_model(model, ["q_proj", "v_proj"]).save_pretrained(tmp_path / "init")
@@ -227,7 +227,7 @@ def test_dropout_scales_what_it_keeps_as_torch_dropout_does():
     """PEFT's lora_dropout is nn.Dropout: an input is zeroed with probability p and the kept ones
     are scaled by 1 / (1 - p), so the adapter's expected input is x. The recompute test above only
     compares the engine with itself; here each kept element must equal torch's own scaling of it."""
-    from horizon_cli.model.lora import LayerLora
+    from horizon_cli.lora.linear import LayerLora
 
     p = 0.3
     x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0))

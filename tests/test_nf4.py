@@ -208,7 +208,7 @@ def test_moe_routers_gates_and_biases_stay_in_the_store_dtype(tmp_path):
     expert's (1, hidden) gate and gpt-oss's stacked expert biases read back exactly as the store
     dtype holds them; the experts and the other linear weights are NF4; the LoRA plan's base
     bytes are the store's."""
-    from horizon_cli.planning.lora import base_bytes
+    from horizon_cli.lora.sizes import base_bytes
 
     kept = {"qwen2_moe": {"mlp.gate.weight", "mlp.shared_expert_gate.weight"},
             "gpt_oss": {"mlp.router.weight", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"}}  # fmt: skip

@@ -19,7 +19,7 @@ import yaml
 from conftest import chat_rows, horizon, write_config, write_jsonl
 
 from horizon_cli import owner
-from horizon_cli.store import checkpoint as ckpt
+from horizon_cli.store import ckpt
 
 
 def error_line(r, code: int = 2) -> str:

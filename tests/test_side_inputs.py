@@ -3,7 +3,7 @@ per-layer inputs (computed before the layers from the per-layer embedding and a 
 token embedding), Zamba 2's embedding output given to its hybrid layer, Zaya's router states that
 each layer passes to the next. One fp32 step in 2 micro-batches against transformers (every
 gradient, the per-layer embedding and projection included), the same with every layer kept
-(engine.keep: bitwise), KV sharing across layers (Gemma 4 with num_kv_shared_layers: the entries
+(engine.kept_layers: bitwise), KV sharing across layers (Gemma 4 with num_kv_shared_layers: the entries
 a layer writes into `shared_kv_states`), and what stays refused at convert: a block tied across
 layers (Zamba)."""
 

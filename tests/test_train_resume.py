@@ -236,8 +236,7 @@ def test_full_disk_keeps_the_previous_checkpoint(tiny_store, tmp_path, monkeypat
     from oracle import make_engine
 
     from horizon_cli.errors import HorizonError
-    from horizon_cli.store import Store
-    from horizon_cli.store import checkpoint as ckpt
+    from horizon_cli.store import Store, ckpt
     from horizon_cli.train import checkpoint
 
     eng = make_engine(Store.open(tiny_store))

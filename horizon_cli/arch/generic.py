@@ -35,10 +35,10 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from .calls import is_loop
 from .disk import place
 from .exceptions import refuse_config, refuse_layers, refuse_shared
 from .generic_arch import DiskPart, GenericArch, Moe, Stack, Table, TensorRow, Units
-from .loop import is_loop
 from .probe import probe
 from .workset import measure
 

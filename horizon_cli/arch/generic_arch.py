@@ -12,7 +12,7 @@ Manifests written before the version (version 0) hold the same keys without it; 
 some keys (stores from before the probe: no `model`, `class`, `carried`, ...; their pre-probe
 keys are kept as `legacy`). `from_dict` reads every form; `to_dict` writes back exactly what was
 read, so the JSON a model fingerprint hashes (`to_dict(versioned=False)`) is unchanged for a
-store converted before (store.checkpoint.model_fingerprint).
+store converted before (store.ckpt.model_fingerprint).
 """
 
 from __future__ import annotations

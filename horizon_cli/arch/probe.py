@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from ..errors import InputError
+from .calls import is_loop, junctions
 from .capture import Stop, head_stub, hidden_of, recorders
 from .crossing import side_inputs, side_width
 from .generic_arch import Crossing, Logits, Stack
-from .loop import is_loop, junctions
 from .stack import find_stack, path_of
 
 T = 4  # probe tokens
@@ -197,7 +197,7 @@ def probe(model: nn.Module, where: str) -> Stack:
         )
     forwarded, passes = _forwarded(owner, layers, returns, watched, names)
     junction_map = None
-    if is_loop(calls):  # arch.loop: the engine runs the calls; the code between them is re-run
+    if is_loop(calls):  # arch.calls: the engine runs the calls; the code between them is re-run
         if forwarded:
             raise InputError(
                 f"{where}: {type(owner).__name__} passes layer outputs to the next call in a loop: not supported"
@@ -264,7 +264,7 @@ def _chain(
     events: list[tuple], out, where: str, owner_name: str, boundary=None, loop: bool = False
 ) -> tuple[list[str], list[str]]:
     """Prefix and suffix modules from the event order; InputError when the stack is not chained
-    (a loop: the code between its calls is arch.loop's junctions, without trained weights)."""
+    (a loop: the code between its calls is arch.calls's junctions, without trained weights)."""
     idx = [k for k, e in enumerate(events) if e[0] == "layer"]
     a, b = idx[0], idx[-1]
     between = sorted({e[1] for e in events[a:b] if e[0] == "mod"})
@@ -319,7 +319,7 @@ def _module(events: list[tuple], path: str) -> nn.Module:
 
 
 def _calls_with(owner, layers, returns: int, names, outputs) -> list:
-    """The owner's meta forward with call k's recorder returning outputs[k] (arch.loop)."""
+    """The owner's meta forward with call k's recorder returning outputs[k] (arch.calls)."""
     log: list = []
     with torch.enable_grad(), recorders(layers, log, returns, None, outputs=outputs), _no_packing_check():
         owner(**_inputs(names))

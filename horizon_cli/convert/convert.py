@@ -19,7 +19,7 @@ from ..store.carried import write_carried
 from ..store.layout import unit_layout
 from ..store.manifest import DTYPES, QUANTS
 from ..store.writer import StoreWriter
-from .checkpoint import Checkpoint
+from .hf_files import Checkpoint
 
 # Files copied beside the weights so the store can be exported and tokenized without the source.
 HF_FILES = (

@@ -2,7 +2,7 @@
 (`horizon train`, `horizon profile`, and the forward-only commands).
 
     plan_run      the config's run planned on its model: the rung it runs on and the ladder of every
-                  rung (planning.ladder), before anything is loaded
+                  rung (ladder), before anything is loaded
     check_fit     the plan against the device and the machine; refused in one line (exit 2)
     build_engine  the engine on a store (or a checkpoint's), its buffers sized from the config
 """
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
+from ..ladder import PlannedModel, check_fits, not_applicable, plan_ladder, run_rung
 from ..lora.setup import LoraSetup
 from ..parallel.comm import Dist
 from ..parallel.topology import World
 from ..planning.fit import Machine, check_device_fit
-from ..planning.ladder import PlannedModel, check_fits, not_applicable, plan_ladder, run_rung
 from ..planning.memory import MemoryPlan
 from ..runtime.trace import Tracer
 from ..store import Store

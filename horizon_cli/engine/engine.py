@@ -81,7 +81,7 @@ class Engine:
         lora: train LoRA adapters on the frozen store (lora.setup.lora_setup).
         dist: this rank's place in a sharded run (parallel.launch); None: one process, as ever.
         objective: what the loss head computes (engine.objective; default: SFT's cross-entropy).
-        keep: the last K layers keep graph and weights from forward to backward (engine.keep); None:
+        keep: the last K layers keep graph and weights from forward to backward (engine.kept_layers); None:
         `engine.keep_activations` when it is a number, none for `auto`, which is a plan's decision
         (engine.build passes the plan's K).
         forward_only: nothing is trained (generation, evaluation): the store's units frozen, no
@@ -117,7 +117,7 @@ class Engine:
     base = property(lambda self: self.p.params.base)  # LoRA: the frozen base (None otherwise)
     units = property(lambda self: self.p.params.units)  # every unit's streaming copy
     layers = property(lambda self: self.p.layers)
-    kept_layers = property(lambda self: self.p.keep)  # K: the last K layers are kept (engine.keep)
+    kept_layers = property(lambda self: self.p.keep)  # K: the last K layers are kept (engine.kept_layers)
     lora = property(lambda self: self.p.params.lora)
     dist = property(lambda self: self.p.dist)
     optimizer = property(lambda self: self.p.optimizer)

@@ -8,7 +8,7 @@ every micro-batch in fp32 on the device and sends the sum to the unit's host gra
     head       its own fp32 buffer, once per step; with a tied (or sharded) embedding the
                embedding's too, which the LM head's gradient then goes into
     wire       in bf16-gradient runs two narrow (n_layer,) copies carry the sums over the link
-    loops      a unit a loop calls more than once (arch.loop) sums the gradients of all its calls
+    loops      a unit a loop calls more than once (arch.calls) sums the gradients of all its calls
                in an fp32 buffer of its own, sent once after its earliest call's backward
     direct     when the transport shares host memory (`device: cpu` without an emulated link)
                and gradients stay fp32, sums accumulate straight into the host buffers: no copy

@@ -27,11 +27,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ..lora.linear import LayerLora, layer_lora
 from ..lora.setup import LoraSetup
-from ..model.lora import LayerLora, layer_lora
-from ..planning.lora import adapter_kept_bytes, adapter_work_bytes
+from ..lora.sizes import adapter_kept_bytes, adapter_work_bytes
+from ..lora.state import lora_state
 from ..runtime.events import READY, Event
-from ..state.adapters import lora_state
 from ..state.frozen import FrozenState, FrozenUnit
 from ..state.host import HostState, UnitState
 from ..store import Store
@@ -182,7 +182,7 @@ class _OnFrozenBase:
         return adapter_work_bytes(self.lora.targets, self.lora.cfg.r, tokens, item)
 
     def kept_bytes(self, tokens: int, item: int) -> int:
-        """What the adapters add to a kept layer's graph for one micro-batch (planning.lora)."""
+        """What the adapters add to a kept layer's graph for one micro-batch (lora.sizes)."""
         assert self.lora is not None
         c = self.lora.cfg
         return adapter_kept_bytes(self.lora.targets, c.r, c.dropout, tokens, item)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..arch import ArchSpec
-from ..arch.loop import is_loop
+from ..arch.calls import is_loop
 from ..config.schema import EngineConfig, OptimConfig
 from ..errors import InputError
 from ..lora.setup import LoraSetup
@@ -65,7 +65,7 @@ class Parts:
     objective: LossObjective
     head: HeadGrads  # the head's and the embedding's gradients, or none (engine.headgrad)
     ranks: Ranks  # one process, or this rank of a sharded run (engine.ranks)
-    keep: int = 0  # K: the last K layers keep graph and weights from forward to backward (engine.keep)
+    keep: int = 0  # K: the last K layers keep graph and weights from forward to backward (engine.kept_layers)
     adam_step: int = 0  # optimizer steps applied (dropout masks are seeded by it)
 
     @property
@@ -122,7 +122,7 @@ def assemble(
     optimizer = OptimizerWorker(params.host, optim.kernel, tracer, t.thread_init)
     # native functional layer, or transformers' own (with LoRA hooks on its linear modules)
     tmpl: LayerTemplate = make_template(spec, t.device, lora.targets if lora else None, dtype)
-    calls = tmpl.calls  # the layer of each call (arch.loop: a loop calls some more than once)
+    calls = tmpl.calls  # the layer of each call (arch.calls: a loop calls some more than once)
     if is_loop(calls):
         name = f"{spec.family} runs its layers in a loop ({len(calls)} calls for {spec.n_layers} layers)"
         if dist is not None:

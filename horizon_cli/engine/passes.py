@@ -4,7 +4,7 @@ schedule that runs the sweep, so a new kind of layer pass is a new class here, n
     ForwardPass    forward only, dropout off: evaluation, scores, a preference run's reference
     SavePass       a training forward whose backward recomputes: the layer's input goes to the host
                    first (async, overlapping the compute), its backward load brings it back
-    KeptPass       a kept layer (engine.keep): run under autograd, graph and weights held until its
+    KeptPass       a kept layer (engine.kept_layers): run under autograd, graph and weights held until its
                    backward, which needs no second load
 
 A feature's own pass subclasses one of these in its package: generation's `DecodePass`
@@ -26,7 +26,7 @@ import torch
 
 from ..runtime.events import Event, Promise
 from ..runtime.loader import Load
-from .keep import KeptLayers
+from .kept_layers import KeptLayers
 from .parts import Parts
 from .seams import Context, LayerTemplate, Weights
 
@@ -140,7 +140,7 @@ class SavePass(ForwardPass):
 
 
 class KeptPass(ForwardPass):
-    """A kept layer: its forward's load and graph are held (engine.keep) until its backward."""
+    """A kept layer: its forward's load and graph are held (engine.kept_layers) until its backward."""
 
     kept = True
 

@@ -7,7 +7,7 @@ assembles them; every implementation is chosen once, at build time).
     Params         what is trained (engine.params: FullParams, LoraParams, FrozenParams)
     HeadGrads      whether and how the head and the embedding get gradients (engine.headgrad)
     Reduce         where gradients go (engine.reduce: LocalReduce, ShardedReduce)
-    LossObjective  what the loss head computes (engine.objective, engine.pairs)
+    LossObjective  what the loss head computes (engine.objective, engine.pref_loss)
     LayerPass      what one call of a layer does in a sweep (engine.passes, generate.decode)
 
 The template's per-micro-batch context, its generation cache and what a kept layer's forward
@@ -25,9 +25,9 @@ from typing import Protocol
 import torch
 
 from ..data.batch import DecodeBatch, MicroBatch
+from ..lora.linear import LayerLora
 from ..lora.setup import LoraSetup
 from ..model.head import LM
-from ..model.lora import LayerLora
 from ..runtime.events import Event
 from ..runtime.loader import Load
 from ..runtime.transport import Transport
@@ -47,7 +47,7 @@ Stats = dict[str, torch.Tensor]  # an objective's sums over this rank's data
 
 
 class LayerTemplate(Protocol):
-    calls: list[int]  # the layer of each call (arch.loop: a loop calls some more than once)
+    calls: list[int]  # the layer of each call (arch.calls: a loop calls some more than once)
     embed_scale: float | None
 
     def context(self, mb: MicroBatch, dtype: torch.dtype, device: torch.device) -> Context: ...

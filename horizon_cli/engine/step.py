@@ -7,7 +7,7 @@
     backward  for each layer i from the top: load W_i again with the saved x_i; recompute the layer
               under autograd (the only graph, one layer deep), backpropagate every micro-batch,
               accumulate parameter grads in fp32 and send them to the host (engine.grads,
-              engine.reduce). A kept layer (the last K, engine.keep) uses the graph its forward
+              engine.reduce). A kept layer (the last K, engine.kept_layers) uses the graph its forward
               held instead: no recompute, no second load
     embed     the input gradient into the embedding's fp32 grad (engine.embed)
     optimize  with the global grad norm known, AdamW runs on the CPU unit by unit, overlapped
@@ -15,7 +15,7 @@
 
 Each decoder layer's weights cross host -> device twice per step (a kept layer's once: 2L - K
 loads), whatever the number of micro-batches (invariant 2). A model that runs its layers in a loop
-(arch.loop) runs its C calls instead (2C loads): call j loads layer calls[j]'s unit and saves its
+(arch.calls) runs its C calls instead (2C loads): call j loads layer calls[j]'s unit and saves its
 input; the backward visits the calls from the last, each call's weight gradient accumulating into
 its unit's, which goes to the host (and the optimizer) after the unit's earliest call only. What
 is trained (engine.params, the head's share engine.headgrad) and where gradients go (engine.reduce)
@@ -34,7 +34,7 @@ from ..data.batch import MicroBatch
 from ..optim.adamw import AdamWHyper
 from ..planning.memory import head_work_bytes, kept_graph_bytes, layer_vectors, layer_work_bytes
 from ..runtime.events import Event, Promise
-from .keep import KeptLayers
+from .kept_layers import KeptLayers
 from .objective import HeadOut, Targets
 from .parts import Parts
 from .passes import KeptPass, SavePass
@@ -125,7 +125,7 @@ class TrainStep:
         self, dx: list[torch.Tensor], ctxs: list[Context], sq: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         p = self.p
-        calls = p.tmpl.calls  # call j runs layer calls[j] (arch.loop; without a loop j is i)
+        calls = p.tmpl.calls  # call j runs layer calls[j] (arch.calls; without a loop j is i)
         latest = {i: j for j, i in enumerate(calls)}  # a unit's first call in the backward
         earliest = {i: j for j, i in reversed(list(enumerate(calls)))}  # ... and its last
         for j in reversed(range(len(calls))):

@@ -2,8 +2,8 @@
 
 loads     the sequence of loads the loader streams: every layer forward, the head, then (for a
           training step) every layer again from the top with its saved inputs, except the kept
-          layers (engine.keep), whose forward load serves their backward too. A model that runs its
-          layers in a loop (arch.loop) runs its sequence of calls instead: call j loads layer
+          layers (engine.kept_layers), whose forward load serves their backward too. A model that runs its
+          layers in a loop (arch.calls) runs its sequence of calls instead: call j loads layer
           calls[j]'s unit, forward and backward (every layer once, in order, otherwise: j is i)
 start     begin the loads and send the embedded inputs
 layers    each layer once over every micro-batch (invariant 2: one transfer serves them all), each
@@ -42,7 +42,7 @@ class Sweep:
         recomputed layer's, with its saved inputs; a kept layer's forward load serves its backward)."""
         p = self.p
         ready = p.loader.ready
-        calls = p.tmpl.calls  # the layer of each call (arch.loop)
+        calls = p.tmpl.calls  # the layer of each call (arch.calls)
         seq = []
         for j, (i, run) in enumerate(zip(calls, passes, strict=True)):
             extra, deps = p.params.extras(i, ready)
@@ -75,7 +75,7 @@ class Sweep:
         self, x: list[torch.Tensor], ctxs: list[Context], passes: Sequence[LayerPass]
     ) -> list[torch.Tensor]:
         """Every layer over every micro-batch, call j as its pass runs it (engine.passes)."""
-        for j, i in enumerate(self.p.tmpl.calls):  # call j runs layer i (arch.loop; j == i without a loop)
+        for j, i in enumerate(self.p.tmpl.calls):  # call j runs layer i (arch.calls; j == i without a loop)
             x = passes[j].run(j, i, x, ctxs)
         return x
 

@@ -26,10 +26,9 @@ from ..faults import phase
 from ..fsutil import copy_tree
 from ..lora import peft
 from ..lora.setup import LoraSetup, load_init
-from ..state.adapters import AdapterState
+from ..lora.state import AdapterState
 from ..state.host import HostState
-from ..store import Store, StoreWriter
-from ..store import checkpoint as ckpt
+from ..store import Store, StoreWriter, ckpt
 from ..store.manifest import DTYPE_NAMES
 from .ranks import Placement, Ranks
 

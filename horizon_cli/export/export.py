@@ -15,15 +15,15 @@ import torch
 
 from ..errors import InputError
 from ..fsutil import atomic_dir, check_not_inside, io_failures, read_json
+from ..lora.merge import Merge, base_store, copy_adapter
 from ..progress import byte_progress
 from ..store import Store
 from ..store.carried import FILE as CARRIED
 from ..store.carried import SUM as CARRIED_SUM
 from ..store.carried import carried_names, verify_carried
-from ..store.checkpoint import SUMS, check_given, is_lora
-from ..store.checkpoint import latest as latest_checkpoint
+from ..store.ckpt import SUMS, check_given, is_lora
+from ..store.ckpt import latest as latest_checkpoint
 from ..store.manifest import MANIFEST
-from .lora import Merge, base_store, copy_adapter
 from .safetensors import write_shard
 
 SHARD_BYTES = 5 * 1024**3
@@ -39,7 +39,7 @@ def resolve_source(src: Path) -> Path:
     if not src.exists():
         raise InputError(f"{src}: not found")
     if (src / "checkpoints").is_dir():
-        found = latest_checkpoint(src)  # store.checkpoint: the one definition of an intact checkpoint
+        found = latest_checkpoint(src)  # store.ckpt: the one definition of an intact checkpoint
         if found is not None:
             return found
         raise InputError(f"{src}: run dir has no complete checkpoint yet")
@@ -55,7 +55,7 @@ def export(
     adapter: bool = False,
 ) -> dict:
     """adapter: write a LoRA run's adapter alone (PEFT files); otherwise a LoRA run exports its
-    base with the adapters merged (export/lora.py)."""
+    base with the adapters merged (lora/merge.py)."""
     src_dir = resolve_source(Path(src))
     dst = Path(dst)
     check_not_inside(src_dir, dst)

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..arch import ArchSpec
-from ..arch.loop import is_loop, spec_sequence
+from ..arch.calls import is_loop, spec_sequence
 from ..errors import InputError
-from ..planning.lora import base_bytes
+from ..lora.sizes import base_bytes
 from ..planning.memory import ITEM
 from ..store import layouts
 
@@ -61,7 +61,7 @@ class GenPlan:
 
 def weights_per_sweep(spec: ArchSpec, dtype: str, quant: str = "", adapter_numel: int = 0) -> int:
     """Bytes that cross the link in one forward sweep: every layer (a loop: every call's,
-    arch.loop), the head (tied: and the embedding, which the head reuses), a LoRA run's adapters."""
+    arch.calls), the head (tied: and the embedding, which the head reuses), a LoRA run's adapters."""
     base = base_bytes(spec, dtype, quant)
     layers = sum(base[f"layer.{i}"] for i in spec_sequence(spec))
     return layers + base["head"] + (base["embed"] if spec.tie_embeddings else 0) + adapter_numel * ITEM[dtype]

@@ -73,7 +73,7 @@ class Generation:
         kv = KVCache(p.t, [p.tmpl.new_cache() for _ in dbs], host and not p.t.shares_host, positions)
         if kv.host and p.tmpl.calls != list(
             range(len(p.layers))
-        ):  # a loop (arch.loop): cache layers per call
+        ):  # a loop (arch.calls): cache layers per call
             raise InputError(
                 "engine.kv_cache: host: the KV cache on the host is not supported for a model that runs its layers in a loop"
             )

@@ -2,7 +2,7 @@
 
     store           its weights; engine defaults (compute in the store's dtype when it is fp32,
                     else bf16)
-    run dir         its newest intact checkpoint (store.checkpoint, as `horizon export` picks it)
+    run dir         its newest intact checkpoint (store.ckpt, as `horizon export` picks it)
                     with the engine settings the run was trained with; a full fine-tuning
                     checkpoint is a store itself, a LoRA checkpoint names its frozen base (checked
                     by fingerprint) and holds the adapters, applied as in training (an NF4 base is
@@ -23,12 +23,11 @@ from ..config.schema import EngineConfig
 from ..data.prompts import model_eos_ids
 from ..errors import InputError
 from ..export.export import resolve_source
-from ..export.lora import base_store
 from ..lora import peft
+from ..lora.merge import base_store
 from ..lora.setup import LoraSetup, lora_setup
 from ..runtime.device import resolve_device
-from ..store import Store
-from ..store import checkpoint as ckpt
+from ..store import Store, ckpt
 from ..store.manifest import MANIFEST
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

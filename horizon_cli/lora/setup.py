@@ -11,6 +11,7 @@ import torch
 from ..arch import ArchSpec
 from ..config.schema import LoraConfig
 from ..errors import InputError
+from ..store import ckpt
 from . import peft
 from .targets import Target, peft_note, resolve_targets, scale
 
@@ -56,9 +57,12 @@ def load_init(setup: LoraSetup) -> None:
         setup.init = peft.read_weights(init, setup.expected())
 
 
-def lora_for(lora: LoraConfig | None, store, seed: int = 0, read_init: bool = True) -> LoraSetup | None:
+def lora_for(
+    lora: LoraConfig | None, store, seed: int = 0, read_init: bool = True, run_dir: Path | None = None
+) -> LoraSetup | None:
     """A run's lora section resolved against its store (None: full fine-tuning). A 4-bit store
-    cannot be fully fine-tuned: without a lora section it is refused."""
+    cannot be fully fine-tuned: without a lora section it is refused. run_dir: a training run's
+    dir, whose intact checkpoint (a resume) makes `lora.init` unneeded, so it is not read."""
     if lora is None:
         if store.quant:
             raise InputError(
@@ -66,4 +70,6 @@ def lora_for(lora: LoraConfig | None, store, seed: int = 0, read_init: bool = Tr
                 "fine-tuned: add a lora: section (or convert without --quantize)"
             )
         return None
+    if run_dir is not None and lora.init:
+        read_init = read_init and not ckpt.intact(run_dir)[0]
     return lora_setup(lora, store.arch, seed, read_init)

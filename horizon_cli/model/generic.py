@@ -40,6 +40,7 @@ from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..arch import ArchSpec
+from ..arch.calls import is_loop, sequence
 from ..arch.capture import (
     Stop,
     head_stub,
@@ -52,7 +53,6 @@ from ..arch.capture import (
 )
 from ..arch.generic import stored_model
 from ..arch.generic_arch import GenericArch, Moe, Stack
-from ..arch.loop import is_loop, sequence
 from ..arch.probe import probe
 from ..data.batch import DecodeBatch, MicroBatch
 from .junction import Junctions
@@ -73,7 +73,7 @@ class GenericContext:
     packed: bool = False  # rows hold several documents (positions restart at each)
     calls: dict[int, tuple[tuple, dict]] | None = None
     carry: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # layer -> its passed outputs
-    # a loop (arch.loop): the outputs of calls a later junction reads, and their gradients so far
+    # a loop (arch.calls): the outputs of calls a later junction reads, and their gradients so far
     outs: dict[int, torch.Tensor] = field(default_factory=dict)
     sinks: dict[int, torch.Tensor] = field(default_factory=dict)
     side: SideState = field(default_factory=SideState)  # tensors crossing layers with a gradient
@@ -104,7 +104,7 @@ class GenericTemplate:
         self.head = model.get_submodule(s.head)
         self.suffix = [(p, model.get_submodule(p)) for p in s.suffix]
         self.first, self.last, self.called = s.calls[0], s.calls[-1], set(s.calls)
-        # the engine runs one call after another (arch.loop): every layer once, or a loop's calls
+        # the engine runs one call after another (arch.calls): every layer once, or a loop's calls
         self.calls, self.loop = sequence(s, len(self.layers)), is_loop(s.calls)
         self.start = 0 if self.loop else self.first  # the call that runs the owner's prefix
         self.junctions = Junctions(s, self.owner, self.emb, self.layers)
@@ -127,7 +127,7 @@ class GenericTemplate:
         self._caught: dict[int, tuple] = {}
         if g.moe is not None:
             self._hook_routers(g.moe)
-        self._lora = None  # the adapters of the layer being computed (model.lora.LayerLora)
+        self._lora = None  # the adapters of the layer being computed (lora.linear.LayerLora)
         for targets in lora_targets or []:
             for t in targets:
                 self._hook_linear(t.layer, t.rel, t.weight)
@@ -204,7 +204,7 @@ class GenericTemplate:
         return {i: (args, kwargs) for i, args, kwargs in log}
 
     def add_side_grads(self, j: int, dx: list[torch.Tensor], ctxs: list) -> None:
-        """Before call j's backward: the gradients a loop's later calls sent its output (arch.loop)."""
+        """Before call j's backward: the gradients a loop's later calls sent its output (arch.calls)."""
         self.junctions.add_side_grads(j, dx, ctxs)
 
     # -- layers ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A loop's junctions (arch.loop): the owner's own code between two calls, re-run on real outputs.
+"""A loop's junctions (arch.calls): the owner's own code between two calls, re-run on real outputs.
 
 When a model runs its layers in a loop, the hidden input of some calls is not the previous call's
 output: the owner computes it (Dory: each loop starts from norm(h) + the input section's

@@ -20,7 +20,7 @@ from ..arch import ArchSpec
 from .attend import Mask, attend
 
 Weights = dict[str, torch.Tensor]
-# LoRA (model.lora.LayerLora): (weight name, linear input, linear output) -> adapted output
+# LoRA (lora.linear.LayerLora): (weight name, linear input, linear output) -> adapted output
 Lora = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None
 
 

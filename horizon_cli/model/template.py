@@ -66,7 +66,7 @@ class NativeTemplate:
         return None
 
     def add_side_grads(self, j: int, dx: list[torch.Tensor], ctxs: list) -> None:
-        pass  # no loop (arch.loop): nothing reaches a layer's output but the next layer's gradient
+        pass  # no loop (arch.calls): nothing reaches a layer's output but the next layer's gradient
 
     def side_inputs(self, i: int, ctx: AttnContext) -> list[torch.Tensor]:
         return []  # nothing crosses the native layers but the hidden state

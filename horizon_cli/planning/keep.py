@@ -2,7 +2,7 @@
 autograd graph and their weights on the device until their backward, and what that costs.
 
 A kept layer is neither recomputed nor loaded a second time (a step moves 2L - K layer loads).
-It holds, from its forward to its backward (planning.memory and planning.lora size one):
+It holds, from its forward to its backward (planning.memory and lora.sizes size one):
 
     weights   a buffer of its own (the ring's slots are reused by the next loads); LoRA: its
               adapters; NF4: its own dequantized copy too (the shared scratch is overwritten)

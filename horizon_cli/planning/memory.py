@@ -55,7 +55,7 @@ class MemoryPlan:
     # holds on the device (its own weight buffers, its graph for the whole step), and the host's
     # saved inputs of one layer, which a kept layer does not need
     layers: int = 0
-    calls: int = 0  # the calls the engine runs (arch.loop: more than `layers` in a loop; 0: as layers)
+    calls: int = 0  # the calls the engine runs (arch.calls: more than `layers` in a loop; 0: as layers)
     loop: str = ""  # a model that runs its layers in a loop: what it does (it keeps no layer)
     kept: int = 0
     kept_layer: tuple[int, int] = (0, 0)
@@ -196,7 +196,7 @@ def memory_plan(
     world: int = 1,
     per_node: int = 1,
 ) -> MemoryPlan:
-    """Full fine-tuning, memory: exact | lean (LoRA runs: planning/lora.py), one rank's."""
+    """Full fine-tuning, memory: exact | lean (LoRA runs: lora/sizes.py), one rank's."""
     item = ITEM[dtype]
     lays = {lay.name: lay for lay in layouts(spec)}
     params = sum(lay.params for lay in lays.values())
@@ -233,10 +233,10 @@ def memory_plan(
 
 
 def with_loop(p: MemoryPlan, spec: ArchSpec, acts: int, grad_sum: int) -> MemoryPlan:
-    """A model that runs its layers in a loop (arch.loop): every call's input saved on the host,
+    """A model that runs its layers in a loop (arch.calls): every call's input saved on the host,
     a unit called more than once sums its gradient in an fp32 buffer of its own (`grad_sum` bytes:
     the largest), the outputs a later junction reads held on the device; no layer kept."""
-    from ..arch.loop import spec_sequence
+    from ..arch.calls import spec_sequence
 
     calls = spec_sequence(spec)
     p.calls = len(calls)

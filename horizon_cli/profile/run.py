@@ -160,7 +160,7 @@ def _summary(store: Store, engine: Engine, link: list[dict], med, last, spans, t
     layer = {u: _nbytes(engine.units[u].stream) for u in engine.layers}
     adapters = {u: _nbytes(st.stream) for u, st in engine.host.units.items() if u.startswith("lora.")}
     per_layer = [layer[u] + adapters.get(f"lora.{i}", 0) for i, u in enumerate(engine.layers)]
-    per_layer = [per_layer[i] for i in engine.tmpl.calls]  # a loop (arch.loop): every call's load
+    per_layer = [per_layer[i] for i in engine.tmpl.calls]  # a loop (arch.calls): every call's load
     kept = engine.kept_layers
     weights = 2 * sum(per_layer) - sum(per_layer[len(per_layer) - kept :] if kept else [])
     per_token = med.compute_s / max(1, tokens)

@@ -33,7 +33,7 @@ def write_carried(
     hf_dir: Path, infos: list[tuple[str, tuple[int, ...], torch.dtype, int]], tensors: Iterator
 ) -> int:
     """infos: (name, shape, dtype, nbytes) in file order; tensors: (name, pieces) in any order, each
-    piece a 1-D run of the tensor (convert.checkpoint). Returns the bytes written."""
+    piece a 1-D run of the tensor (convert.hf_files). Returns the bytes written."""
     header: dict[str, dict] = {}
     off = 0
     for name, shape, dtype, n in infos:

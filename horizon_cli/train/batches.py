@@ -5,7 +5,7 @@ for the engine, and what each adds to a step's metrics.
                  engine's default objective (engine.objective.TokenCE)
     PairBatches  a step's train.batch_size pairs -> micro-batches of micro_batch_size whole pairs
                  (data.pairs), with their reference log-probs (train.reference) for dpo/ipo; the
-                 pair objective (engine.pairs); metrics as TRL logs them, means over the pairs
+                 pair objective (engine.pref_loss); metrics as TRL logs them, means over the pairs
 
 Both take the step's examples from the sampler (data.sampler: a pure function of seed and step),
 so a resumed run sees the batches it would have seen.
@@ -24,7 +24,7 @@ from ..data import PreparedData, batch_indices, batch_rows, collate
 from ..data.batch import IGNORE, MicroBatch
 from ..data.pairs import collate_pairs
 from ..engine.objective import Objective
-from ..engine.pairs import STATS, PairObjective
+from ..engine.pref_loss import STATS, PairObjective
 from ..errors import InputError
 
 

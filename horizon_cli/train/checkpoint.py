@@ -1,5 +1,5 @@
 """Saving and restoring the engine's training state as a checkpoint (the on-disk definition,
-checks, pruning and sweeping live beside the store, in store/checkpoint.py).
+checks, pruning and sweeping live beside the store, in store/ckpt.py).
 
     state/<unit>.<buf>.bin   raw optimizer state (state/host.py): exact `lo` (bf16 runs: the fp32
                              master's low half), `m`, `v`; lean `lo8`, `qm`, `qw`, `sm`, `sw` (and
@@ -39,8 +39,7 @@ from ..engine.ranks import Placement
 from ..errors import HorizonError, InputError
 from ..faults import phase
 from ..fsutil import fsync_tree, read_exact, replace_dir
-from ..store import Store
-from ..store import checkpoint as ckpt
+from ..store import Store, ckpt
 from ..store.writer import tensor_bytes
 from . import sharded_checkpoint
 

@@ -19,7 +19,7 @@ import psutil
 from rich.console import Console
 from rich.progress import Progress
 
-from ..arch.loop import spec_sequence
+from ..arch.calls import spec_sequence
 from ..config import Config, dump_yaml
 from ..data import PreparedData
 from ..data.batch import MicroBatch
@@ -34,14 +34,13 @@ from ..lora.setup import LoraSetup
 from ..optim.schedules import lr_at
 from ..parallel.comm import Dist
 from ..progress import byte_progress, train_columns
-from ..store import Store
-from ..store import checkpoint as ckpt
+from ..store import Store, ckpt
 from . import checkpoint
 from .batches import make_batches, unlabelled
 from .checkpoint import verify_base
 from .checks import kernel_ready
 from .inputs import load_data
-from .kept import kept_layers
+from .keep_choice import kept_layers
 from .metrics import MetricsLog, plot_loss, read_metrics
 from .rundir import RunDir
 from .samples import Samples, keep_until

@@ -19,8 +19,8 @@ from ..engine.build import Planned
 from ..errors import DryRunRefused, InputError
 from ..fmt import fmt_bytes
 from ..fsutil import write_text_atomic
+from ..ladder import HOW, PlannedModel, best_rung, fit_parts, fits, not_applicable
 from ..planning.fit import Machine
-from ..planning.ladder import HOW, PlannedModel, best_rung, fit_parts, fits, not_applicable
 from ..planning.memory import MemoryPlan
 from ..store import Store
 from .batches import make_batches

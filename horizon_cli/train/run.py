@@ -23,17 +23,16 @@ from ..engine.build import plan_run
 from ..engine.tuning import tuning_for
 from ..errors import InputError
 from ..faults import phase
+from ..ladder import open_model
 from ..lora.setup import lora_for
 from ..parallel.launch import joined, rank_device, world_from_env
 from ..parallel.shard import check_world
 from ..parallel.topology import world_for
-from ..planning.ladder import open_model
 from ..store import Store
-from ..store import checkpoint as ckpt
 from . import checks
+from .claim import claim
 from .length import resolve_length
 from .loop import Trainer
-from .ranks import claim
 from .report import dry_run_report
 from .samples import Samples
 from .signals import runtime_failures, stop_signals
@@ -66,10 +65,8 @@ def run_training(
             f"model.path: {model.root} is an HF checkpoint, not a store: convert it first "
             f"(horizon convert {model.root} STORE); --dry-run plans it as it is"
         )
-    # a resume needs no lora.init (it has its checkpoint): scan the run dir only when one is given
-    needs_init = cfg.lora is not None and bool(cfg.lora.init)
-    fresh = needs_init and not ckpt.intact(Path(cfg.output.dir))[0]
-    lora = lora_for(cfg.lora, model, cfg.train.seed, read_init=fresh)  # checked before any write
+    # checked before any write; a resume needs no lora.init (it has its checkpoint)
+    lora = lora_for(cfg.lora, model, cfg.train.seed, run_dir=Path(cfg.output.dir))
     note = tuning_for(lora).note
     if note and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False)

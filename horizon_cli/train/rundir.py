@@ -30,8 +30,7 @@ from .. import owner
 from ..config import Config, dump_yaml
 from ..errors import InputError
 from ..fsutil import write_text_atomic
-from ..store import Store
-from ..store import checkpoint as ckpt
+from ..store import Store, ckpt
 from . import compat
 
 FINISHED = "finished.json"
@@ -49,7 +48,7 @@ class RunDir:
         self.candidates: list[Path] = []  # intact checkpoints, newest first
         self.damaged: list[tuple[Path, str]] = []
         self.accepted: list[str] = []  # trajectory changes the config accepts
-        self.follower = False  # a sharded run's rank > 0: rank 0 owns the dir (train/ranks.py)
+        self.follower = False  # a sharded run's rank > 0: rank 0 owns the dir (train/claim.py)
 
     # -- claim: checks only --------------------------------------------------------------------
     @classmethod

@@ -1,6 +1,6 @@
 """Checkpoints of a sharded run: every rank writes its slices, any world size reads them.
 
-A sharded checkpoint is the same directory as a single-process one (store/checkpoint.py): whole
+A sharded checkpoint is the same directory as a single-process one (store/ckpt.py): whole
 unit files and whole state files, each a flat buffer of the unit in global element order. Every
 rank writes its slice of each buffer at its global offset (UnitState.ranges) into files rank 0
 created at full size, so the files are world-size independent and resharding on load is reading
@@ -31,8 +31,7 @@ from ..faults import phase
 from ..fsutil import copy_tree, fsync_tree, read_exact, replace_dir
 from ..parallel.comm import Dist
 from ..parallel.crc import crc32_of_pieces
-from ..store import Store
-from ..store import checkpoint as ckpt
+from ..store import Store, ckpt
 from ..store.layout import file_bytes, layouts
 from ..store.manifest import DTYPE_NAMES, MANIFEST, Manifest, TensorEntry, UnitEntry, unit_file
 from ..store.writer import tensor_bytes

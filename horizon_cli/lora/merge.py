@@ -14,10 +14,9 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
-from ..lora import peft
-from ..lora.targets import scale
-from ..store import Store
-from ..store import checkpoint as ckpt
+from ..store import Store, ckpt
+from . import peft
+from .targets import scale
 
 
 def base_store(ck: Path) -> Store:

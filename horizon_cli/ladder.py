@@ -2,7 +2,7 @@
 which of them fit a machine. `horizon train --dry-run` prints it, a start is refused with it.
 
 The model may be a store or only an HF config.json (`PlannedModel`: planned as `convert` would
-read it). Plans are one rank's of `world` (planning.memory, planning.lora).
+read it). Plans are one rank's of `world` (planning.memory, lora.sizes).
 """
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..arch import ArchSpec, read_hf_config, spec_from_hf
-from ..config import Config
-from ..config.schema import LoraConfig
-from ..errors import InputError
-from ..fmt import fmt_bytes
-from ..lora.setup import LoraSetup
-from ..lora.targets import resolve_targets
-from ..parallel.topology import World
-from ..store import Store
-from .fit import RESERVE, Machine
-from .keep import keep_plan
-from .lora import lora_memory_plan
-from .memory import RUNGS, MemoryPlan, memory_plan
+from .arch import ArchSpec, read_hf_config, spec_from_hf
+from .config import Config
+from .config.schema import LoraConfig
+from .errors import InputError
+from .fmt import fmt_bytes
+from .lora.setup import LoraSetup
+from .lora.sizes import lora_memory_plan
+from .lora.targets import resolve_targets
+from .parallel.topology import World
+from .planning.fit import RESERVE, Machine
+from .planning.keep import keep_plan
+from .planning.memory import RUNGS, MemoryPlan, memory_plan
+from .store import Store
 
 
 @dataclass

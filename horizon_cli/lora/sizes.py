@@ -15,10 +15,7 @@ all-reduced in place, and every rank applies the same AdamW step to its copy.
 from __future__ import annotations
 
 from ..arch import ArchSpec
-from ..lora.targets import Target, adapter_params
-from ..store import layouts
-from ..store.packed import packed_layout, packs
-from .memory import (
+from ..planning.memory import (
     ITEM,
     MemoryPlan,
     gather_pad,
@@ -30,6 +27,9 @@ from .memory import (
     rank_batch,
     with_loop,
 )
+from ..store import layouts
+from ..store.packed import packed_layout, packs
+from .targets import Target, adapter_params
 
 
 def base_bytes(spec: ArchSpec, dtype: str, quant: str = "", world: int = 1) -> dict[str, int]:

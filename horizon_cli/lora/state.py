@@ -17,12 +17,12 @@ from collections.abc import Callable
 
 import torch
 
-from ..lora import peft
-from ..lora.setup import LoraSetup
-from ..lora.targets import Target
+from ..state.frozen import FrozenState
+from ..state.host import HostState, UnitState, exact_state, segments
 from ..store.layout import ALIGN, Param, Slot, UnitLayout
-from .frozen import FrozenState
-from .host import HostState, UnitState, exact_state, segments
+from . import peft
+from .setup import LoraSetup
+from .targets import Target
 
 
 def unit_name(i: int) -> str:

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from ..config import Config
 from ..engine.ranks import OneProcess, Ranks
-from ..store import checkpoint as ckpt
+from ..store import ckpt
 
 
 def kept_layers(
@@ -28,7 +28,7 @@ def kept_layers(
     console: Console,
     calls: int | None = None,
 ) -> int:
-    """calls: the layer calls of a step's forward (a loop, arch.loop: more than `layers`)."""
+    """calls: the layer calls of a step's forward (a loop, arch.calls: more than `layers`)."""
     k, setting = planned, cfg.engine.keep_activations
     why = "auto: as many as fit" if setting == "auto" else f"engine.keep_activations: {setting}"
     if ck is not None and setting == "auto":

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..lora.setup import LoraSetup
-from ..lora.targets import Target
+from .setup import LoraSetup
+from .targets import Target
 
 
 class LayerLora:
