@@ -73,3 +73,14 @@ def lora_for(
     if run_dir is not None and lora.init:
         read_init = read_init and not ckpt.intact(run_dir)[0]
     return lora_setup(lora, store.arch, seed, read_init)
+
+
+def check_same_kind(lora: LoraConfig | None, trainer: dict, run: Path, ck: Path) -> None:
+    """A run dir resumes as the kind of run it holds: a LoRA checkpoint with a lora: section, a full
+    fine-tuning one without (switching starts a new run)."""
+    if bool(trainer.get("lora")) != (lora is not None):
+        kind = "a LoRA" if trainer.get("lora") else "a full fine-tuning"
+        raise InputError(
+            f"lora: {run} holds {kind} checkpoint ({ck.name}); use another output.dir "
+            "(switching between LoRA and full fine-tuning starts a new run)"
+        )

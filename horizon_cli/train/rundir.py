@@ -30,6 +30,7 @@ from .. import owner
 from ..config import Config, dump_yaml
 from ..errors import InputError
 from ..fsutil import write_text_atomic
+from ..lora.setup import check_same_kind
 from ..store import Store, ckpt
 from . import compat
 
@@ -117,12 +118,7 @@ class RunDir:
                 f"output.dir: {self.path} holds a checkpoint of a different model ({ck.name}); "
                 "use another output.dir or remove the run dir"
             )
-        if bool(trainer.get("lora")) != (self.cfg.lora is not None):
-            kind = "a LoRA" if trainer.get("lora") else "a full fine-tuning"
-            raise InputError(
-                f"lora: {self.path} holds {kind} checkpoint ({ck.name}); use another output.dir "
-                "(switching between LoRA and full fine-tuning starts a new run)"
-            )
+        check_same_kind(self.cfg.lora, trainer, self.path, ck)
         if trainer.get("dtype") != self.cfg.engine.dtype:
             raise InputError(
                 f"engine.dtype: {self.cfg.engine.dtype} differs from the checkpoint's "
