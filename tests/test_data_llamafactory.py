@@ -29,7 +29,10 @@ def lf_alpaca(ex: dict) -> list[dict]:
     for old_prompt, old_response in ex.get("history") or []:
         msgs += [{"role": "user", "content": old_prompt}, {"role": "assistant", "content": old_response}]
     query = [ex[k] for k in ("instruction", "input") if ex.get(k)]
-    return msgs + [{"role": "user", "content": "\n".join(query)}, {"role": "assistant", "content": ex["output"]}]
+    return msgs + [
+        {"role": "user", "content": "\n".join(query)},
+        {"role": "assistant", "content": ex["output"]},
+    ]
 
 
 def lf_sharegpt(ex: dict) -> list[dict]:
@@ -47,7 +50,13 @@ ALPACA = [
     {"instruction": "Add the numbers", "input": "2 and 3", "output": "5"},
     {"instruction": "Greet", "input": "", "output": "Hello!"},
     {"instruction": "", "input": "only an input", "output": "ok"},
-    {"instruction": "Sum", "input": "4 4", "output": "8", "system": "Be brief.", "history": [["hi", "hello"]]},
+    {
+        "instruction": "Sum",
+        "input": "4 4",
+        "output": "8",
+        "system": "Be brief.",
+        "history": [["hi", "hello"]],
+    },
 ]
 SHAREGPT = [
     {"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "Hello world!"}]},
