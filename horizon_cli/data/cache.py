@@ -27,7 +27,8 @@ from .templates import chat_template_of
 from .tokset import TokenSet
 
 # 2: checksums and key in meta.json; system/history/tools rendered; 3: long text split, cuts counted;
-# 4: an alpaca record's instruction and input joined by one newline (LLaMA-Factory's rule)
+# 4: an alpaca record's instruction and input joined by one newline (LLaMA-Factory's rule), a
+# .txt file's BOM dropped
 CACHE_VERSION = 4
 CRC_CHUNK = 64 << 20
 ARRAYS = ("tokens", "labels", "offsets", "doc_ids")
