@@ -1,7 +1,9 @@
 """Input text files (configs, data) must be UTF-8: find the first bad byte and name where it is.
 
 Used before parsing, because YAML and `datasets` report a bad byte as a deep decoding error that
-names neither the file nor the line.
+names neither the file nor the line. One rule for every input file (a config, a data file, a
+prompts file, a dataset_info.json): a UTF-8 byte-order mark at its start (Windows editors write
+one) is dropped, never read as text.
 """
 
 from __future__ import annotations
@@ -13,14 +15,26 @@ from .errors import InputError
 CHUNK = 4 << 20  # bytes decoded at a time when scanning a file
 
 _BOMS = {b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark
 
 
 def decode(data: bytes, name: str) -> str:
-    """`data` as text, or an InputError naming `name`, the line and the byte offset of the first bad byte."""
+    """`data` as text without a leading BOM, or an InputError naming `name`, the line and the byte
+    offset of the first bad byte."""
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise _error(name, data, e.start, line=data.count(b"\n", 0, e.start) + 1) from None
+
+
+def read_text(path: str | Path, name: str | None = None) -> str:
+    """A UTF-8 text file's content, its BOM dropped (OSError as open raises it)."""
+    return decode(Path(path).read_bytes(), name or str(path))
+
+
+def has_bom(path: str | Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(BOM)) == BOM
 
 
 def check_file(path: str | Path, name: str | None = None) -> None:

@@ -335,6 +335,39 @@ def test_utf8_scan_across_chunks(tmp_path, monkeypatch):
         utf8.check_file(path)
 
 
+def test_a_utf8_bom_is_dropped_from_every_input_file(tmp_path, tok):
+    """Issue 32: one rule for every input file: a leading BOM is dropped (a .txt line kept it as
+    text, a dataset_info.json and generate's prompts refused it)."""
+    from horizon_cli.config import load_config
+    from horizon_cli.data.prompts import read_records
+
+    bom = b"\xef\xbb\xbf"
+    files = {
+        "d.txt": b"hello there\nsecond line\n",
+        "d.jsonl": b'{"text": "hello there"}\n{"text": "second line"}\n',
+        "d.json": b'[{"text": "hello there"}, {"text": "second line"}]',
+        "d.csv": b"text\nhello there\nsecond line\n",
+    }
+    for name, body in files.items():
+        (tmp_path / name).write_bytes(body)
+        plain = prep(tmp_path / name, tok).train
+        (tmp_path / name).write_bytes(bom + body)
+        with_bom = prep(tmp_path / name, tok).train
+        assert np.array_equal(with_bom.tokens, plain.tokens), name
+        assert tok.decode(with_bom[0].input_ids) == "<s>hello there</s>", name
+    (tmp_path / "reg").mkdir()
+    (tmp_path / "reg" / "d.jsonl").write_bytes(files["d.jsonl"])
+    reg = tmp_path / "reg" / "dataset_info.json"
+    reg.write_bytes(bom + json.dumps({"d": {"file_name": "d.jsonl", "columns": {"prompt": "text"}}}).encode())
+    assert np.array_equal(prep(reg, tok).train.tokens, plain.tokens)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_bytes(bom + b"model: {path: m}\ndata: {path: d.jsonl}\noutput: {dir: o}\n")
+    assert load_config(cfg).data.path == "d.jsonl"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(bom + b'{"prompt": "hi"}\n')
+    assert read_records(prompts) == [({"prompt": "hi"}, f"{prompts} line 1")]
+
+
 # ---- the token cache verifies what it loads
 
 

@@ -154,7 +154,7 @@ def test_instruction_with_chat_template_is_a_user_turn(tmp_path, tok):
     out, _ = prep(tmp_path, [rec], tok, format="instruction")
     row = out.train[0]
     msgs = [
-        {"role": "user", "content": "Write a poem\n\nabout the sea"},
+        {"role": "user", "content": "Write a poem\nabout the sea"},
         {"role": "assistant", "content": "Waves and sky."},
     ]
     assert tok.decode(row.input_ids) == tok.apply_chat_template(msgs, tokenize=False)

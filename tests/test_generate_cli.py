@@ -79,6 +79,43 @@ def test_stop_strings_and_printing_as_they_finish(tiny_store):
     assert cut["finish_reason"] == "stop" and cut["completion"] == text[: text.find(stop)]
 
 
+def stop_rule(tok, ids: list[int], text: str, stop: str) -> tuple[str, list[int]]:
+    """--stop's documented rule on an uncut greedy run: the completion is the text before the stop's
+    first occurrence, its ids the fewest of the run's whose text holds that completion."""
+    head = text[: text.find(stop)]
+    k = next(k for k in range(len(ids) + 1) if tok.decode(ids[:k], skip_special_tokens=True).startswith(head))
+    return head, ids[:k]
+
+
+def test_stop_cuts_the_ids_where_it_cuts_the_text(tiny_store):
+    """Issue 32: with a stop string, completion_ids ran past the stop while completion stopped."""
+    tok = make_tokenizer(tiny_store / "hf")
+
+    def run(stop: list[str]) -> dict:  # sampled (greedy repeats one token here): the same draws each run
+        return api.generate(tiny_store, prompts=["Hello world"], max_new_tokens=NEW, stop=stop, temperature=1.0,
+                            seed=1, console=Console(quiet=True)).rows[0]  # fmt: skip
+
+    full = run([])
+    ids, text = full["completion_ids"], full["completion"]
+    pieces = [tok.decode(ids[:k], skip_special_tokens=True) for k in range(len(ids) + 1)]
+
+    def at_boundary(k: int) -> bool:  # a 2-character stop starting after token k, first seen there
+        rest = text[len(pieces[k]) :]
+        return text.startswith(pieces[k]) and len(rest) >= 2 and text.find(rest[:2]) == len(pieces[k])
+
+    k = next(k for k in range(1, len(ids)) if pieces[k] and at_boundary(k))
+    stop = text[len(pieces[k]) :][:2]
+    row = run([stop])
+    assert row["finish_reason"] == "stop"
+    assert (row["completion"], row["completion_ids"]) == stop_rule(tok, ids, text, stop)
+    assert tok.decode(row["completion_ids"], skip_special_tokens=True) == row["completion"] == pieces[k]
+    assert row["completion_ids"] == ids[:k] and k < len(ids)
+    for stop in (text[1:3], text[-2:]):  # wherever it falls: the ids hold the completion, no more tokens
+        row = run([stop])
+        assert (row["completion"], row["completion_ids"]) == stop_rule(tok, ids, text, stop)
+        assert tok.decode(row["completion_ids"], skip_special_tokens=True).startswith(row["completion"])
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two-step runs on the tiny store: full fine-tuning, LoRA, and QLoRA on an NF4 store."""
@@ -185,7 +222,43 @@ def test_text_prompts_need_a_tokenizer(tmp_path):
     msg = one_error_line(horizon("generate", store, "--prompt", "hello"))
     assert "--prompt 1: 'prompt' needs a tokenizer" in msg and "give input_ids" in msg
     ids = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [1, 5, 6]}])
+    # issue 32: a --stop here was silently ignored
+    msg = one_error_line(horizon("generate", store, "--prompts", ids, "--stop", "x"))
+    assert "--stop: stop strings are matched on the decoded text" in msg and "no tokenizer files" in msg
     r = horizon("generate", store, "--prompts", ids, "--max-new-tokens", 3, "--output", tmp_path / "o.jsonl")
     assert r.exit_code == 0, r.output
     row = json.loads((tmp_path / "o.jsonl").read_text())
     assert "completion" not in row and len(row["completion_ids"]) == 3
+
+
+def test_max_new_tokens_beyond_the_positions_is_said(tiny_store, tmp_path):
+    """Issue 32: capped at the model's positions without a word."""
+    import io
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hello world"}, {"input_ids": [5] * 120}])
+    said = io.StringIO()
+    rows = api.generate(
+        tiny_store, prompts_file=prompts, max_new_tokens=20, console=Console(file=said, width=400)
+    ).rows
+    note = next(line for line in said.getvalue().splitlines() if line.startswith("note:"))
+    assert (
+        "--max-new-tokens 20 is more than the model's 128 positions leave after 1 of the 2 prompt(s)" in note
+    )
+    assert f"the longest, {prompts} line 2, leaves 8" in note
+    assert len(rows[1]["completion_ids"]) <= 8 and len(rows[0]["completion_ids"]) <= 20
+    assert rows[1]["finish_reason"] in ("length", "eos")
+    said = io.StringIO()
+    api.generate(tiny_store, prompts_file=prompts, max_new_tokens=8, console=Console(file=said, width=400))
+    assert "note:" not in said.getvalue()  # 8 fit after every prompt
+
+
+def test_a_bom_is_dropped_from_a_prompts_file(tiny_store, tmp_path):
+    """Issue 32: train read a file with a UTF-8 BOM, generate --prompts refused it (one rule now)."""
+    plain = write_jsonl(tmp_path / "p.jsonl", RECORDS)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+
+    def run(f) -> list[dict]:
+        return api.generate(tiny_store, prompts_file=f, max_new_tokens=3, console=Console(quiet=True)).rows
+
+    assert run(bom) == run(plain)

@@ -111,7 +111,7 @@ def test_llama_factory_records_are_the_conversations_they_stand_for(trainer, tok
         "chosen": ["5", "hello!"], "rejected": ["six", "no"],
     }  # fmt: skip
     as_trl = {
-        "prompt": [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "add the numbers\n\n2 and 3"}],
+        "prompt": [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "add the numbers\n2 and 3"}],
                    [{"role": "user", "content": "greet"}]],
         "chosen": [[{"role": "assistant", "content": c}] for c in alpaca["chosen"]],
         "rejected": [[{"role": "assistant", "content": c}] for c in alpaca["rejected"]],

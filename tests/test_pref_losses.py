@@ -1,7 +1,8 @@
 """Preference losses on the streamed engine against TRL's own code (engine/pref_loss.py).
 
 DPO, IPO and DPO + sft_weight against DPOTrainer.compute_loss on batches its own collator made
-from its own tokenization of the same records; conservative DPO (label_smoothing), SimPO (with and
+from its own tokenization of the same records (and DPOTrainer loss_type sigmoid given a
+label_smoothing, which TRL 1.16 ignores: horizon's dpo, unsmoothed); conservative DPO (cdpo), SimPO (with and
 without cpo_alpha) and ORPO against CPOTrainer's / ORPOTrainer's get_batch_loss_metrics (their
 forward, log-prob, NLL and loss code) on the same pairs. One step: the loss, every gradient and the
 logged rewards/logps; five optimizer steps against a resident transformers + torch.optim.AdamW loop
@@ -49,11 +50,14 @@ CASES = {
     "dpo": (dict(loss="dpo", beta=0.2), ("dpo", "sigmoid", None)),
     "dpo_sft": (dict(loss="dpo", beta=0.2, sft_weight=0.3), ("dpo", ["sigmoid", "sft"], [1.0, 0.3])),
     "ipo": (dict(loss="ipo", beta=0.4), ("dpo", "ipo", None)),
-    "dpo_smoothed": (dict(loss="dpo", beta=0.2, label_smoothing=0.1), ("cdpo", "sigmoid", None)),
+    "cdpo": (dict(loss="cdpo", beta=0.2, label_smoothing=0.1), ("cdpo", "sigmoid", None)),
+    # TRL 1.16's DPOTrainer loss_type sigmoid given label_smoothing: the same objective as horizon's dpo
+    "dpo_as_trl_smoothed": (dict(loss="dpo", beta=0.2), ("dpo", "sigmoid", None)),
     "simpo": (dict(loss="simpo", beta=2.0, simpo_gamma=0.7, label_smoothing=0.05), ("cpo", "simpo", 0.0)),
     "simpo_sft": (dict(loss="simpo", beta=2.0, simpo_gamma=0.5, sft_weight=0.4), ("cpo", "simpo", 0.4)),
     "orpo": (dict(loss="orpo", beta=0.3), ("orpo", None, None)),
 }
+TRL_SMOOTHING = {"dpo_as_trl_smoothed": 0.2}  # what TRL's DPOConfig is given beyond horizon's section
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +87,7 @@ class TrlLoss:
             args = trl.DPOConfig(
                 output_dir=str(s.tmp / "trl"), report_to=[], use_cpu=True, bf16=False, max_length=64, beta=beta,
                 loss_type=self.loss_type, loss_weights=self.extra, precompute_ref_log_probs=True,
+                label_smoothing=TRL_SMOOTHING.get(case, 0.0),
             )  # fmt: skip
             self.tr = trl.DPOTrainer(
                 model=model,

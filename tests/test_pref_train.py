@@ -78,7 +78,7 @@ def test_bad_preference_input_is_one_line(make, tmp_path):
     assert "data.packing: preference pairs are not packed" in one_error_line(
         horizon("train", make(), "data.packing=true")
     )
-    assert "only dpo and simpo use it" in one_error_line(
+    assert "only cdpo and simpo use it, not orpo" in one_error_line(
         horizon("train", make(), "preference.loss=orpo", "preference.label_smoothing=0.1")
     )
     one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "a", "chosen": " b"}])
@@ -88,6 +88,36 @@ def test_bad_preference_input_is_one_line(make, tmp_path):
         [{"prompt": "a", "chosen": " b", "rejected": " c"}, {"prompt": "d", "chosen": " e"}],
     )
     assert "half.jsonl: record 2: has no 'rejected'" in one_error_line(horizon("train", make(data_path=half)))
+
+
+@pytest.mark.parametrize(
+    "over, said",
+    [
+        (["data.train_on_prompt=true"], "data.train_on_prompt: preference.loss dpo compares the pair's completions"),
+        (["preference.simpo_gamma=1.0"], "preference.simpo_gamma: only simpo uses it, not dpo"),
+        (["preference.loss=orpo", "preference.simpo_gamma=0.2"], "preference.simpo_gamma: only simpo uses it, not orpo"),
+        (["preference.label_smoothing=0.2"], "loss dpo is TRL 1.16's DPOTrainer loss_type sigmoid, which ignores"),
+        (["preference.loss=ipo", "preference.label_smoothing=0.2"], "only cdpo and simpo use it, not ipo"),
+    ],
+)  # fmt: skip
+def test_a_setting_the_run_would_not_use_is_refused(make, over, said):
+    """Issue 32: these were silently ignored (the same gradients as without them)."""
+    assert said in one_error_line(horizon("train", make(), *over))
+
+
+def test_a_dumped_config_with_every_key_at_its_default_loads(make, tmp_path):
+    """A run's config.yaml states every key (simpo_gamma 0.5, train_on_prompt false): not "set"."""
+    from horizon_cli.config import dump_yaml, load_config
+
+    for loss in ("dpo", "cdpo", "ipo", "simpo", "orpo"):
+        cfg = load_config(make(), [f"preference.loss={loss}"])
+        again = tmp_path / f"dumped-{loss}.yaml"
+        again.write_text(dump_yaml(cfg))
+        assert load_config(again) == cfg
+    assert (
+        load_config(make(), ["preference.loss=cdpo", "preference.label_smoothing=0.2"]).preference.loss
+        == "cdpo"
+    )
 
 
 def test_reference_is_kept_reused_and_never_rebuilt_from_a_checkpoint(make, tmp_path, monkeypatch):

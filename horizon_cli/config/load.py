@@ -21,6 +21,7 @@ import yaml
 
 from .. import utf8
 from ..errors import ConfigError, InputError
+from .preference import preference_problems
 from .schema import Config
 
 
@@ -299,7 +300,7 @@ def validate(cfg: Config) -> list[str]:
         p.append(
             "train.eval_every: needs data.eval_fraction, data.eval_path or data.eval_split (or train.samples)"
         )
-    p += _preference_problems(cfg)
+    p += preference_problems(cfg)
     if cfg.lora is not None:
         t = cfg.lora.targets
         if not t or (isinstance(t, list) and not all(t)):
@@ -310,44 +311,6 @@ def validate(cfg: Config) -> list[str]:
             except re.error as e:
                 p.append(f"lora.targets: {t!r} is not a valid regular expression ({e})")
     return p
-
-
-def _preference_problems(cfg: Config) -> list[str]:
-    pref = cfg.preference
-    if pref is None:
-        given = ["data.format"] * (cfg.data.format == "preference") + [
-            f"data.path[{i}].format" for i, fmt in _source_formats(cfg) if fmt == "preference"
-        ]
-        return (
-            [f"{given[0]}: preference pairs need a preference: section (e.g. preference: {{loss: dpo}})"]
-            if given
-            else []
-        )
-    p = []
-    if cfg.data.format not in ("auto", "preference"):
-        p.append(
-            f"preference.loss: {pref.loss} trains on preference pairs; data.format {cfg.data.format} "
-            "is not (use data.format: preference or auto)"
-        )
-    for i, fmt in _source_formats(cfg):
-        if fmt not in ("auto", "preference"):
-            p.append(
-                f"data.path[{i}].format: {fmt} is not preference pairs, and preference.loss {pref.loss} "
-                "trains on pairs only (use format: preference or auto)"
-            )
-    if cfg.data.packing:
-        p.append(
-            "data.packing: preference pairs are not packed (a pair's two sequences stay whole); set it false"
-        )
-    if pref.label_smoothing and pref.loss not in ("dpo", "simpo"):
-        p.append(f"preference.label_smoothing: only dpo and simpo use it, not {pref.loss}")
-    return p
-
-
-def _source_formats(cfg: Config) -> list[tuple[int, str]]:
-    """(index, format) of each source of a list `data.path` that names its own format."""
-    path = cfg.data.path
-    return [(i, s.format) for i, s in enumerate(path) if s.format] if isinstance(path, list) else []
 
 
 def run_length(cfg: Config, raw: dict) -> list[str]:

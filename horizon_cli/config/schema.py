@@ -125,13 +125,18 @@ class LoraConfig:
     init: str | None = _f(None)  # a PEFT adapter dir to start from (its r, alpha, targets must match)
 
 
+PREF_LOSSES = ("dpo", "cdpo", "ipo", "simpo", "orpo")
+REFERENCED = ("dpo", "cdpo", "ipo")  # the losses with a reference model
+
+
 @dataclass
 class PreferenceConfig:
-    """Present: preference optimisation on (prompt, chosen, rejected) pairs; each loss as TRL defines it."""
+    """Present: preference optimisation on (prompt, chosen, rejected) pairs; each loss as TRL defines it
+    (cdpo: conservative DPO, which TRL 1.16's DPOTrainer no longer has; see engine/pref_loss.py)."""
 
-    loss: str = _f("dpo", choices=("dpo", "ipo", "simpo", "orpo"))
+    loss: str = _f("dpo", choices=PREF_LOSSES)
     beta: float = _f(0.1, gt=0.0)  # DPO/IPO/SimPO's beta; ORPO's lambda
-    label_smoothing: float = _f(0.0, min=0.0, max=0.49)  # dpo, simpo: conservative loss (TRL's cDPO)
+    label_smoothing: float = _f(0.0, min=0.0, max=0.49)  # cdpo, simpo: the conservative loss's epsilon
     simpo_gamma: float = _f(0.5, min=0.0)  # simpo: the target reward margin
     sft_weight: float = _f(0.0, min=0.0)  # + this x the chosen completions' mean NLL (TRL's rpo_alpha)
 

@@ -26,9 +26,10 @@ import numpy as np
 from .templates import chat_template_of
 from .tokset import TokenSet
 
-CACHE_VERSION = (
-    3  # 2: checksums and key in meta.json; system/history/tools rendered; 3: long text split, cuts counted
-)
+# 2: checksums and key in meta.json; system/history/tools rendered; 3: long text split, cuts counted;
+# 4: an alpaca record's instruction and input joined by one newline (LLaMA-Factory's rule), a
+# .txt file's BOM dropped
+CACHE_VERSION = 4
 CRC_CHUNK = 64 << 20
 ARRAYS = ("tokens", "labels", "offsets", "doc_ids")
 

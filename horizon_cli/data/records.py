@@ -51,8 +51,9 @@ class Instruction:
     history: list[tuple[str, str]] = field(default_factory=list)  # earlier (prompt, response) turns
 
     def prompt(self) -> str:
-        """The last user turn: the instruction, a blank line, the input if any."""
-        return f"{self.instruction}\n\n{self.input}" if self.input else self.instruction
+        """The last user turn as LLaMA-Factory's alpaca converter writes it: the instruction and
+        the input, each only when non-empty, joined by one newline."""
+        return "\n".join(part for part in (self.instruction, self.input) if part)
 
     def as_chat(self) -> Chat:
         msgs = [{"role": "system", "content": self.system}] if self.system else []
@@ -116,7 +117,6 @@ def chat_record(record: dict, where: str, notes: Counter, judge: Unread | None =
     message fields no one reads are (fields.Unread)."""
     name = "messages" if record.get("messages") is not None else "conversations"
     msgs, weights = turns_of(record.get(name) or [], name, where, notes, judge)
-    system = text_of(record.get("system"), "system", where)
     system = text_of(record.get("system"), "system", where)
     if system:
         if msgs and msgs[0]["role"] == "system":

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import utf8
 from ..errors import InputError
 
 FILE = "dataset_info.json"
@@ -64,7 +65,7 @@ def is_registry(path: str) -> bool:
 def read_registry(path: str, names: list[str] | None, what: str) -> list[Entry]:
     """The entries of `path` (all, in file order, or those `names` lists), checked."""
     try:
-        info = json.loads(Path(path).read_text(encoding="utf-8"))
+        info = json.loads(utf8.read_text(path))
     except (OSError, ValueError) as e:
         raise InputError(f"{what}: {path}: unreadable as a dataset registry ({e})") from None
     if (

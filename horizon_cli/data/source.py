@@ -5,8 +5,9 @@ A path is a local file (.jsonl / .json / .parquet / .csv / .txt, where each .txt
 used), or else a hub dataset name. `Source.key` fingerprints a local source from file metadata
 alone, so a tokenization cache hit never has to import or read the dataset.
 
-Text files must be UTF-8 (checked first, so a bad byte is named by line and offset), and CSV
-cells are read as the text they hold, never as numbers.
+Text files must be UTF-8 (checked first, so a bad byte is named by line and offset; a leading
+BOM is dropped, as in every input file), and CSV cells are read as the text they hold, never as
+numbers.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def _load_file(path: str) -> Any:
     if builder != "parquet":  # `datasets` would fail deep inside a parser, naming neither line nor file
         utf8.check_file(local, path)
     options = _csv_as_text(local) if builder == "csv" else {}
+    if builder == "text" and utf8.has_bom(local):  # else the first line would start with U+FEFF
+        options["encoding"] = "utf-8-sig"  # (json and csv drop a BOM themselves)
     try:
         return datasets.load_dataset(builder, data_files=str(local), split="train", **options)
     except Exception as e:  # datasets wraps parser errors in several exception types

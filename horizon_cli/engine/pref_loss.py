@@ -5,9 +5,11 @@ A micro-batch holds whole pairs: rows 2j and 2j + 1 are pair j's prompt + chosen
 rejected, labels on the completions (data.pairs). With pi = a completion's summed log-prob, n its
 predicted tokens, ref the reference's pi (MicroBatch.extras["ref"], engine.infer's reference pass):
 
-    dpo    DPOTrainer loss_type sigmoid: x = (pi_c - ref_c) - (pi_r - ref_r);
-           -(1 - ls) log s(beta x) - ls log s(-beta x)   (ls: label_smoothing, the conservative
-           DPO TRL's DPOTrainer had and CPOTrainer has)
+    dpo    DPOTrainer loss_type sigmoid: x = (pi_c - ref_c) - (pi_r - ref_r); -log s(beta x)
+           (TRL 1.16's sigmoid ignores label_smoothing; config.preference refuses it with dpo)
+    cdpo   conservative DPO on the same x: -(1 - ls) log s(beta x) - ls log s(-beta x), ls =
+           label_smoothing (the sigmoid loss TRL's DPOTrainer had before 1.x, CPOTrainer's
+           sigmoid formula applied to the log-ratios)
     ipo    DPOTrainer loss_type ipo: ((pi_c - ref_c) / L_c - (pi_r - ref_r) / L_r - 1 / (2 beta))^2,
            L the completion's tokens (TRL's completion_mask sum)
     simpo  CPOTrainer loss_type simpo, cpo_alpha 0: x = pi_c / n_c - pi_r / n_r - gamma / beta;
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config.schema import PreferenceConfig
+from ..config.schema import REFERENCED, PreferenceConfig
 from ..data.batch import IGNORE, MicroBatch
 from .objective import SequenceObjective, Targets
 
@@ -44,7 +46,6 @@ STATS = (
     "logps_chosen",
     "logps_rejected",
 )
-REFERENCED = ("dpo", "ipo")  # losses with a reference model
 
 
 @dataclass
@@ -155,7 +156,9 @@ class PairObjective(SequenceObjective):
         pc, pr = (torch.where(valid, c[k], -1.0) for k in ("pc", "pr"))  # fillers: finite stand-ins
         if cfg.loss in REFERENCED:
             lc, lr = pc - c["rc"], pr - c["rr"]  # log-ratios against the reference
-            if cfg.loss == "dpo":
+            if cfg.loss == "dpo":  # TRL 1.16's sigmoid: no label smoothing
+                loss = -F.logsigmoid(beta * (lc - lr))
+            elif cfg.loss == "cdpo":
                 x = beta * (lc - lr)
                 loss = -F.logsigmoid(x) * (1 - ls) - F.logsigmoid(-x) * ls
             else:

@@ -37,7 +37,7 @@ def micro_batches(prompts: list[tuple[int, list[int]]]) -> list[list[tuple[int, 
 @dataclass
 class Completion:
     index: int  # the prompt's place in the input
-    ids: list[int] = field(default_factory=list)  # generated ids (an EOS id included)
+    ids: list[int] = field(default_factory=list)  # generated ids (an EOS id included; a stop: cut as text)
     text: str | None = None  # decoded (special tokens skipped), cut before a stop string
     finish: str = ""  # eos | stop | length
 
@@ -126,8 +126,9 @@ class Decoder:
             cut = self.stop.cut(c.ids) if self.stop is not None else None
             if tok in self.eos:
                 c.finish = "eos"
-            elif cut is not None:
-                c.finish, c.text = "stop", cut
+            elif cut is not None:  # the ids too end where the text does (model.sample.StopText)
+                c.finish, (c.text, keep) = "stop", cut
+                del c.ids[keep:]
             elif len(c.ids) >= lim:
                 c.finish = "length"
             if c.finish:

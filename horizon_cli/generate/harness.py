@@ -204,7 +204,7 @@ class HorizonLM(TemplateLM):
             prompts = [(i, self._context_ids(args[i][0], keep)) for i in members]
             for a in range(0, len(prompts), self.batch):
                 for c in dec.run(prompts[a : a + self.batch]):
-                    text = self.tokenizer.decode(c.ids, skip_special_tokens=True)
+                    text = c.text or ""  # decoded, cut before a stop string (its ids too)
                     out[c.index] = postprocess_generated_text(
                         generation=text, stop=until, think_end_token=None
                     )

@@ -2,7 +2,8 @@
 
 Everything that can be wrong with the input is found before a weight is loaded (exit 2, one
 line): the flags, SRC, the prompts file and every prompt (tokenizer present, length within the
-model's positions), the output file, and the plan against the device. The output is written at
+model's positions; --stop needs a tokenizer), the output file, and the plan against the device.
+A --max-new-tokens the model's positions cannot hold after a prompt is said in one note line. The output is written at
 the end, atomically; without --output each completion prints as it finishes.
 """
 
@@ -81,7 +82,15 @@ def run_generate(
     else:
         records = [({"prompt": t}, f"--prompt {i + 1}") for i, t in enumerate(prompts)]
     spec = source.store.arch
+    if settings.stop and tokenizer is None:  # stop strings are found in the decoded text
+        raise InputError(
+            f"--stop: stop strings are matched on the decoded text, and {source.store.root} has no "
+            "tokenizer files (a row still stops at an EOS id or its token limit)"
+        )
     items = encode(records, tokenizer, spec.vocab, spec.max_positions, str(source.store.root))
+    note = positions_note(items, settings.max_new_tokens, spec.max_positions)
+    if note:
+        console.print(f"note: {note}", highlight=False, markup=False)
     plan = plan_batches(source, [p.ids for p in items], settings.max_new_tokens, settings.batch_size)
     console.print(f"generate: {len(items)} prompt(s) on {source.describe()}", highlight=False)
     console.print(plan_table(plan))
@@ -94,6 +103,20 @@ def run_generate(
         write_text_atomic(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         console.print(f"[green]wrote[/] {len(rows)} completion(s) to {output}", highlight=False)
     return rows
+
+
+def positions_note(items: list[Prompt], max_new: int, positions: int) -> str:
+    """What a --max-new-tokens beyond the model's positions does ("" when every prompt has room):
+    a row stops at the model's last position, finish_reason length."""
+    short = [p for p in items if positions - len(p.ids) < max_new]
+    if not short:
+        return ""
+    longest = max(short, key=lambda p: len(p.ids))
+    return (
+        f"--max-new-tokens {max_new} is more than the model's {positions} positions leave after "
+        f"{len(short)} of the {len(items)} prompt(s) (the longest, {longest.where}, leaves "
+        f"{positions - len(longest.ids)}): those stop at the last position (finish_reason length)"
+    )
 
 
 def build(source: Source, console: Console) -> Engine:

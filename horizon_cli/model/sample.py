@@ -6,7 +6,9 @@ Sampler     greedy (temperature 0: the argmax, as transformers' greedy search), 
             Temperature, TopK and TopP logits warpers). Each prompt draws from a generator of
             its own, seeded by (--seed, its index in the input), so a prompt's sample does not
             depend on the batch it ran in.
-StopText    a row's text stop strings (--stop): the completion ends before the first of them.
+StopText    a row's text stop strings (--stop): the completion ends before the first of them,
+            and its ids end with the token that ends that text (so decode(ids) is the completion,
+            or, when that token also begins the stop string, starts with it).
 """
 
 from __future__ import annotations
@@ -66,10 +68,20 @@ class StopText:
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
 
-    def cut(self, ids: list[int]) -> str | None:
-        """The completion before the first stop string, or None when none has appeared."""
+    def cut(self, ids: list[int]) -> tuple[str, int] | None:
+        """(the completion before the first stop string, how many of `ids` it keeps: the fewest
+        whose text holds it), or None when no stop string has appeared."""
         if not self.stops:
             return None
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self._text(ids)
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        return text[: min(hits)] if hits else None
+        if not hits:
+            return None
+        head = text[: min(hits)]
+        keep = len(ids)
+        while keep > 0 and self._text(ids[: keep - 1]).startswith(head):
+            keep -= 1
+        return head, keep
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
