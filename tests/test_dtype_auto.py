@@ -58,6 +58,7 @@ def test_auto_on_the_cpu_follows_its_bf16_features(cpu_bf16, flags, want):
 def test_auto_on_cuda_follows_the_compute_capability(monkeypatch, major, want):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     seen = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: seen.append(i) or (major, 0))
     for device, index in (("cuda", 0), ("cuda:1", 1)):
@@ -66,6 +67,7 @@ def test_auto_on_cuda_follows_the_compute_capability(monkeypatch, major, want):
     note = rd.choose(EngineConfig(device="cuda", dtype="bfloat16")).note
     assert (note is None) == (major >= 8)
     assert note is None or "compute capability below 8.0" in note
+    assert rd.choose(EngineConfig(device="cuda:2")).dtype == "float32"  # no such GPU: check_device says so
 
 
 def test_the_cpu_features_come_from_torch_or_proc_cpuinfo(monkeypatch, tmp_path):

@@ -57,9 +57,15 @@ def proc_cpuinfo_flags(path: Path = Path("/proc/cpuinfo")) -> set[str]:
 
 
 def cuda_bf16(device: str) -> bool:
-    """Whether the CUDA device computes bf16 natively (compute capability 8.0 or newer)."""
+    """Whether the CUDA device computes bf16 natively (compute capability 8.0 or newer); False for
+    a device this machine lacks (runtime.device.check_device refuses it, in one line)."""
+    if not torch.cuda.is_available():
+        return False
     index = torch.device(device).index
-    major, _ = torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)
+    index = torch.cuda.current_device() if index is None else index
+    if index >= torch.cuda.device_count():
+        return False
+    major, _ = torch.cuda.get_device_capability(index)
     return major >= 8
 
 
@@ -102,7 +108,7 @@ def choose(engine: EngineConfig, memory: str = "exact") -> DtypeChoice:
     bf16 weight and computes with it: `auto` is bfloat16 there)."""
     device = resolve_device(engine)
     if device.startswith("cuda"):
-        fast = torch.cuda.is_available() and cuda_bf16(device)
+        fast = cuda_bf16(device)
         why = (
             "this GPU computes bf16 natively"
             if fast
