@@ -181,3 +181,12 @@ def test_auto_here_trains_as_the_dtype_it_resolves_to_bitwise(run_cfg, tmp_path)
     files = sorted(p.relative_to(a) for p in (a / "units").rglob("*") if p.is_file())
     files += sorted(p.relative_to(a) for p in (a / "state").glob("*.bin"))
     assert files and all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+
+
+def test_generation_resolves_a_named_auto(cpu_bf16, tiny_store):
+    from horizon_cli.generate.model_source import open_source
+
+    for flags, want in (([], "float32"), (["amx_bf16"], "bfloat16")):
+        cpu_bf16(flags)
+        assert open_source(tiny_store, {"device": "cpu", "dtype": "auto"}).engine.dtype == want
+        assert open_source(tiny_store, {"device": "cpu"}).engine.dtype == "float32"  # as before on the CPU
