@@ -22,6 +22,7 @@ from .parallel.topology import World
 from .planning.fit import RESERVE, Machine
 from .planning.keep import keep_plan
 from .planning.memory import RUNGS, MemoryPlan, memory_plan
+from .runtime.dtype import resolve as resolve_dtype
 from .store import Store
 
 
@@ -69,7 +70,7 @@ def plan_for(
 
 def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) -> MemoryPlan:
     spec = spec if isinstance(spec, ArchSpec) else spec.arch
-    e = cfg.engine
+    e = resolve_dtype(cfg.engine, cfg.optim.memory)  # resolved already by train (the dry run's plan)
     seq = min(cfg.data.max_seq_len, spec.max_positions)
     rows = cfg.rows_per_example  # a preference pair is two sequences in the same micro-batch
     if memory in ("lora", "qlora"):

@@ -27,11 +27,12 @@ GiB = 1 << 30
 
 @pytest.fixture
 def gpu(monkeypatch):
-    """One 80 GiB CUDA device with `free` bytes free."""
+    """One 80 GiB CUDA device (compute capability 9.0) with `free` bytes free."""
     state = {"free": 80 * GiB, "asked": []}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
 
     def mem_get_info(index=None):
         state["asked"].append(index)

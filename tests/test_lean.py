@@ -211,7 +211,7 @@ def test_lean_needs_bf16_weights_and_gradients(tmp_path):
         "output": {"dir": "o"},
         "optim": {"memory": "lean"},
     }
-    load_config(None, base=base)  # bf16 by default: fine
+    load_config(None, base=base)  # auto by default (lean computes in its bf16 weight): fine
     with pytest.raises(ConfigError, match="engine.dtype: bfloat16"):
         load_config(None, ["engine.dtype=float32"], base=base)
     with pytest.raises(ConfigError, match="grad_dtype: float32"):

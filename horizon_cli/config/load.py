@@ -280,9 +280,9 @@ def validate(cfg: Config) -> list[str]:
         )
     if cfg.engine.link_gbps and cfg.engine.device not in ("cpu", "auto"):
         p.append("engine.link_gbps: only emulates a link with engine.device: cpu")
-    if cfg.optim.memory == "lean" and cfg.engine.dtype != "bfloat16":
+    if cfg.optim.memory == "lean" and cfg.engine.dtype == "float32":
         p.append(
-            "optim.memory: lean keeps a bf16 weight + an 8-bit correction; it needs engine.dtype: bfloat16"
+            "optim.memory: lean keeps a bf16 weight + an 8-bit correction; it needs engine.dtype: bfloat16 (or auto)"
         )
     if cfg.optim.memory == "lean" and cfg.engine.grad_dtype == "float32":
         p.append(

@@ -93,7 +93,10 @@ class ScheduleConfig:
 @dataclass
 class EngineConfig:
     device: str = _f("auto")  # auto | cpu | cuda | cuda:N
-    dtype: str = _f("bfloat16", choices=("bfloat16", "float32"))
+    # the compute dtype; auto: bfloat16 where the device multiplies bf16 fast (CUDA compute
+    # capability >= 8.0, a CPU with AVX-512 BF16 or AMX), else float32 (runtime/dtype.py); the
+    # run records the resolved one
+    dtype: str = _f("auto", choices=("auto", "bfloat16", "float32"))
     grad_dtype: str = _f(
         "auto", choices=("auto", "bfloat16", "float32")
     )  # gradients on the link and host (auto: dtype)

@@ -29,6 +29,7 @@ from ..lora.setup import LoraSetup
 from ..model.template import make_template
 from ..parallel.comm import Dist
 from ..runtime.device import make_transport
+from ..runtime.dtype import resolve as resolve_dtype
 from ..runtime.events import Poison
 from ..runtime.loader import Loader
 from ..runtime.trace import Tracer
@@ -94,7 +95,7 @@ def assemble(
     generation, evaluation), and nothing kept."""
     assert not (forward_only and keep), "a forward-only engine keeps no graphs"
     spec = store.arch
-    dtype = DTYPES[engine.dtype]
+    dtype = DTYPES[resolve_dtype(engine, optim.memory).dtype]  # resolved already by train/profile
     grad_dtype = dtype if engine.grad_dtype == "auto" else DTYPES[engine.grad_dtype]
     tracer = tracer or Tracer(enabled=False)
     t = transport or make_transport(engine, tracer)

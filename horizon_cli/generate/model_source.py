@@ -27,6 +27,7 @@ from ..lora import peft
 from ..lora.merge import base_store
 from ..lora.setup import LoraSetup, lora_setup
 from ..runtime.device import resolve_device
+from ..runtime.dtype import resolve as resolve_dtype
 from ..store import Store, ckpt
 from ..store.manifest import MANIFEST
 
@@ -70,6 +71,7 @@ def open_source(src: str | Path, engine: dict | None = None) -> Source:
     src_ = _open(src, engine)
     if not (engine or {}).get("dtype") and resolve_device(src_.engine) == "cpu":
         src_.engine = replace(src_.engine, dtype="float32")
+    src_.engine = resolve_dtype(src_.engine)  # engine.dtype: auto named: decided for the device
     return src_
 
 

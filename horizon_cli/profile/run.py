@@ -28,6 +28,7 @@ from ..lora.setup import lora_for
 from ..parallel.topology import world_for
 from ..planning.fit import check_device_fit
 from ..runtime.device import check_device
+from ..runtime.dtype import with_dtype
 from ..runtime.trace import Tracer
 from ..store import Store
 from . import bandwidth
@@ -89,7 +90,7 @@ def run_profile(
 def _setup(config: Path | None, tmp: Path, console: Console):
     """(config, store, LoRA setup): the given config's, or a built-in tiny model's."""
     if config is not None:
-        cfg = load_config(config)
+        cfg, _ = with_dtype(load_config(config))  # engine.dtype: auto decided for this machine
         store = Store.open(cfg.model.path)
         lora = lora_for(cfg.lora, store, cfg.train.seed)
         check_device(cfg.engine)
@@ -100,7 +101,7 @@ def _setup(config: Path | None, tmp: Path, console: Console):
         train=TrainConfig(batch_size=8, micro_batch_size=4),
         optim=OptimConfig(lr=1e-5),
     )
-    return cfg, _tiny_store(tmp), None
+    return with_dtype(cfg)[0], _tiny_store(tmp), None
 
 
 def _tiny_store(tmp: Path) -> Store:

@@ -22,6 +22,7 @@ from ..fsutil import write_text_atomic
 from ..ladder import HOW, PlannedModel, best_rung, fit_parts, fits, not_applicable
 from ..planning.fit import Machine
 from ..planning.memory import MemoryPlan
+from ..runtime.dtype import DtypeChoice
 from ..store import Store
 from .batches import make_batches
 from .checks import before_claim, kernel_ready
@@ -31,12 +32,18 @@ from .rundir import RunDir
 
 
 def dry_run_report(
-    planned: Planned, where: Machine, console: Console, json_out: Path | None, local: bool = True
+    planned: Planned,
+    where: Machine,
+    console: Console,
+    json_out: Path | None,
+    local: bool = True,
+    dtype: DtypeChoice | None = None,
 ) -> dict:
     """The checks of a real start that write nothing: the data is read and tokenized (not
     cached, not even where data.cache_dir says), the run dir's resume point checked against
     this config. Then the plan of this run and the ladder of every rung on `where`.
-    local: `where` is this machine (else --host-gib/--device-gib's: this device is not checked)."""
+    local: `where` is this machine (else --host-gib/--device-gib's: this device is not checked).
+    dtype: how engine.dtype was decided, for this machine's device (shown, and in the JSON)."""
     cfg, model, rungs, chosen = planned.cfg, planned.model, planned.rungs, planned.rung
     refused, run_dir, data = None, None, None
     try:  # the start's checks, in its order (train/checks.py): the first that fails is its line
@@ -53,6 +60,8 @@ def dry_run_report(
     plan, na = rungs[chosen], not_applicable(model)
     console.print(plan_table(plan))
     console.print(ladder_table(rungs, where, chosen, na))
+    if dtype is not None:  # the printed config says the resolved one; this line says why
+        console.print(dtype.line, highlight=False, soft_wrap=True)
     ok, why = fits(plan, where)
     console.print(("[green]fits[/]: " if ok else "[red]does not fit[/]: ") + why, highlight=False)
     best = best_rung(rungs, where, na)
@@ -61,6 +70,8 @@ def dry_run_report(
     if run_dir is not None:
         console.print(f"output.dir: {run_dir}", highlight=False)
     report = plan_json(model, rungs, chosen, where)
+    if dtype is not None:
+        report["dtype"] = dtype.record()
     ref = reference_plan(cfg, data, model.arch.n_layers)  # dpo/ipo: the pass before step 1
     if ref is not None:
         console.print(ref.pop("text"), highlight=False)

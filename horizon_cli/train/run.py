@@ -28,6 +28,7 @@ from ..lora.setup import lora_for
 from ..parallel.launch import joined, rank_device, world_from_env
 from ..parallel.shard import check_world
 from ..parallel.topology import world_for
+from ..runtime.dtype import with_dtype
 from ..store import Store
 from . import checks
 from .claim import claim
@@ -53,7 +54,7 @@ def run_training(
     (--world-size, --nproc-per-node) to plan for (dry run only; else torchrun's environment)."""
     console = console or Console()
     phase("startup")
-    cfg = load_config(config_path, overrides, base=base)
+    cfg, dtype = with_dtype(load_config(config_path, overrides, base=base))  # engine.dtype: auto decided
     if not dry_run:  # the cli refuses these flags without --dry-run
         assert machine is None and ranks == (None, None)
     world = world_for(*ranks)
@@ -68,8 +69,9 @@ def run_training(
     # checked before any write; a resume needs no lora.init (it has its checkpoint)
     lora = lora_for(cfg.lora, model, cfg.train.seed, run_dir=Path(cfg.output.dir))
     note = tuning_for(lora).note
-    if note and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
-        console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
+    for line in (note, dtype.note):
+        if line and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
+            console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False)
     check_lengths(cfg.data, model.arch.max_positions)
     refuse_packing(cfg.data.packing, model.arch)
     cfg = resolve_length(cfg, model, console, dry_run)  # train.epochs -> train.steps (reads the data)
@@ -82,7 +84,7 @@ def run_training(
     if dry_run:
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
             console, json_out = Console(quiet=True), None
-        return dry_run_report(planned, where, console, json_out, local=machine is None)
+        return dry_run_report(planned, where, console, json_out, local=machine is None, dtype=dtype)
     assert isinstance(model, Store)
     checks.before_claim(planned, where)
     cfg, console = join_world(cfg, console)

@@ -122,7 +122,8 @@ class RunDir:
         if trainer.get("dtype") != self.cfg.engine.dtype:
             raise InputError(
                 f"engine.dtype: {self.cfg.engine.dtype} differs from the checkpoint's "
-                f"{trainer.get('dtype')} in {ck} (its optimizer state has another layout)"
+                f"{trainer.get('dtype')} in {ck} (its optimizer state has another layout; engine.dtype: "
+                f"auto decides per machine): set engine.dtype: {trainer.get('dtype')} to resume it"
             )
         self.accepted = compat.check_resume(ckpt.read_config_text(ck), self.cfg, str(ck), ckpt.step_of(ck))
 
