@@ -57,7 +57,10 @@ def open_model(path: str | Path, fetch: bool = True) -> Store | PlannedModel:
                 f"model.path: {repo} is a Hugging Face Hub id, not a store: convert it first "
                 f"(horizon convert {repo} STORE); --dry-run plans it from its config.json"
             )
-        root = fetch_config(repo)
+        try:
+            root = fetch_config(repo)
+        except InputError as e:
+            raise InputError(f"model.path: {e}") from None
         return PlannedModel(
             root, spec_from_hf(read_hf_config(root), where=str(root / "config.json")), hub=repo
         )

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import chat_rows, horizon, write_jsonl
 
@@ -130,6 +131,14 @@ def test_offline_without_the_files_is_one_line_naming_the_id_and_the_cache(cache
     cache_snapshot(cache, "owner/half", MAIN, only, refs=("main",))
     line = one_error(horizon("convert", "owner/half", tmp_path / "dst"))
     assert "owner/half" in line and str(cache) in line and "no weights" in line
+    sharded = tmp_path / "sharded"
+    save(make_model("llama", vocab_size=400, max_position_embeddings=128), sharded, "sharded")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()  # an interrupted download: one shard short
+    cache_snapshot(cache, "owner/cut", MAIN, sharded, refs=("main",))
+    line = one_error(horizon("convert", "owner/cut", tmp_path / "dst"))
+    assert f"the cache holds only part of it ({shards[-1].name} is missing)" in line and str(cache) in line
     assert not (tmp_path / "dst").exists() and [p.name for p in tmp_path.iterdir() if "dst" in p.name] == []
 
 
@@ -155,6 +164,9 @@ def test_safetensors_preferred_over_bin(cache, models, tmp_path):
     shutil.copytree(models["main"], both)
     save(make_model("llama", seed=5, vocab_size=400, max_position_embeddings=128), tmp_path / "bin", "bin")
     shutil.copy(tmp_path / "bin" / "pytorch_model.bin", both / "pytorch_model.bin")  # other weights
+    names = torch.load(both / "pytorch_model.bin", weights_only=True)  # with its index, which once won
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, "pytorch_model.bin")}
+    (both / "pytorch_model.bin.index.json").write_text(json.dumps(index))
     cache_snapshot(cache, "owner/both", MAIN, both, refs=("main",))
     assert horizon("convert", "owner/both", tmp_path / "hub", "--dtype", "float32").exit_code == 0
     convert(models["main"], tmp_path / "st", dtype="float32")
