@@ -54,13 +54,13 @@ def open_model(path: str | Path, fetch: bool = True) -> Store | PlannedModel:
     if repo is not None:
         if not fetch:
             raise InputError(
-                f"model.path: {repo} is a Hugging Face Hub id, not a store: convert it first "
-                f"(horizon convert {repo} STORE); --dry-run plans it from its config.json"
+                f"model.path: {repo} is no local directory, and as a Hugging Face Hub id not a store: "
+                f"convert it first (horizon convert {repo} STORE); --dry-run plans it from its config.json"
             )
         try:
             root = fetch_config(repo)
         except InputError as e:
-            raise InputError(f"model.path: {e}") from None
+            raise InputError(f"model.path: {e} (there is no local directory {repo})") from None
         return PlannedModel(
             root, spec_from_hf(read_hf_config(root), where=str(root / "config.json")), hub=repo
         )

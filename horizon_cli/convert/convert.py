@@ -49,7 +49,10 @@ def convert(
     if repo is not None:
         if os.path.lexists(dst) and not force:  # before a download, not after it
             raise InputError(f"{dst}: already exists (use --force to replace it)")
-        src, _ = fetch_checkpoint(repo, revision, show=console is None or not console.quiet)
+        try:
+            src, _ = fetch_checkpoint(repo, revision, show=console is None or not console.quiet)
+        except InputError as e:  # a mistyped local path reads as an id: say there is none
+            raise InputError(f"{e} (there is no local directory {repo})") from None
         label, source = repo, repo  # the store's source: the id (a LoRA adapter's base model)
     else:
         src = local_source(Path(src), revision)
