@@ -90,12 +90,16 @@ def convert(
     dtype: str = "bfloat16",
     quantize: str = "",
     force: bool = False,
+    revision: str | None = None,
     console: Console | None = None,
 ) -> ConvertResult:
-    """An HF checkpoint directory -> a store (`horizon convert`)."""
+    """An HF checkpoint directory, or a hub id (`owner/name`, fetched through huggingface_hub's
+    cache at `revision`) -> a store (`horizon convert`)."""
     from .convert import convert as run
 
-    info = run(src, dst, dtype=dtype, force=force, console=_console(console), quantize=quantize)
+    info = run(
+        src, dst, dtype=dtype, force=force, console=_console(console), quantize=quantize, revision=revision
+    )
     return ConvertResult(Path(dst), info["params"], info["units"], dtype, quantize)
 
 

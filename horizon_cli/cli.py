@@ -82,21 +82,26 @@ def command(fn):
 @app.command()
 @command
 def convert(
-    src: Annotated[Path, typer.Argument(help="HF checkpoint directory.")],
+    src: Annotated[
+        str, typer.Argument(help="HF checkpoint directory, or a Hugging Face Hub id (owner/name).")
+    ],
     dst: Annotated[Path, typer.Argument(help="Store directory to create.")],
     dtype: Annotated[str, typer.Option(help="Store dtype: bfloat16, float16 or float32.")] = "bfloat16",
     force: Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")] = False,
     quantize: Annotated[
         str, typer.Option(help="nf4: decoder-layer linear weights as 4-bit NF4 (a base for LoRA).")
     ] = "",
+    revision: Annotated[
+        str | None, typer.Option(help="A hub id's branch, tag or commit (default: main).")
+    ] = None,
 ) -> None:
-    """Convert an HF checkpoint into a horizon store (streams tensor by tensor)."""
+    """Convert an HF checkpoint (a directory or a hub id) into a horizon store (streams tensor by tensor)."""
     from . import api
     from .errors import InputError
 
     if dtype not in ("bfloat16", "float16", "float32"):
         raise InputError(f"--dtype: {dtype!r} is not allowed (bfloat16, float16 or float32)")
-    r = api.convert(src, dst, dtype=dtype, force=force, console=console, quantize=quantize)
+    r = api.convert(src, dst, dtype=dtype, force=force, console=console, quantize=quantize, revision=revision)
     q = f", linear weights {quantize}" if quantize else ""
     console.print(f"[green]converted[/] {r.params:,} parameters into {dst} ({dtype}{q}, {r.units} units)")
 

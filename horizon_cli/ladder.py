@@ -13,6 +13,7 @@ from pathlib import Path
 from .arch import ArchSpec, read_hf_config, spec_from_hf
 from .config import Config
 from .config.schema import LoraConfig
+from .convert.hub import fetch_config, hub_id
 from .errors import InputError
 from .fmt import fmt_bytes
 from .lora.setup import LoraSetup
@@ -28,19 +29,43 @@ from .store import Store
 
 @dataclass
 class PlannedModel:
-    """A model known only by its config.json (an HF checkpoint dir, or that file alone): enough
-    to plan and to dry-run, not to train. Its architecture is read as `convert` reads it."""
+    """A model known only by its config.json (an HF checkpoint dir, that file alone, or a hub id's
+    config.json in the Hugging Face cache): enough to plan and to dry-run, not to train. Its
+    architecture is read as `convert` reads it."""
 
     root: Path
     arch: ArchSpec
     quant: str = ""  # an HF checkpoint is planned as converted without --quantize
+    hub: str = ""  # the hub id it was fetched for (root: its cached snapshot)
 
     @property
     def hf_dir(self) -> Path:  # where its tokenizer files would be (train.loop.load_tokenizer)
         return self.root
 
+    @property
+    def name(self) -> str:
+        return self.hub or str(self.root)
 
-def open_model(path: Path) -> Store | PlannedModel:
+
+def open_model(path: str | Path, fetch: bool = True) -> Store | PlannedModel:
+    """model.path: a store, an HF checkpoint dir or its config.json's dir, or a hub id (fetch:
+    its config.json alone into the Hugging Face cache; without fetch it is refused: a start needs
+    a store)."""
+    repo = hub_id(path)
+    if repo is not None:
+        if not fetch:
+            raise InputError(
+                f"model.path: {repo} is no local directory, and as a Hugging Face Hub id not a store: "
+                f"convert it first (horizon convert {repo} STORE); --dry-run plans it from its config.json"
+            )
+        try:
+            root = fetch_config(repo)
+        except InputError as e:
+            raise InputError(f"model.path: {e} (there is no local directory {repo})") from None
+        return PlannedModel(
+            root, spec_from_hf(read_hf_config(root), where=str(root / "config.json")), hub=repo
+        )
+    path = Path(path)
     if (path / "manifest.json").is_file() or not (path / "config.json").is_file():
         return Store.open(path)  # a store, or the store's own error for what is neither
     return PlannedModel(path, spec_from_hf(read_hf_config(path), where=str(path / "config.json")))

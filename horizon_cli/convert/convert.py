@@ -1,4 +1,4 @@
-"""`horizon convert`: HF checkpoint directory -> host parameter store.
+"""`horizon convert`: HF checkpoint directory (or hub id, convert/hub.py) -> host parameter store.
 
 Stage one of the data flow. Everything is checked against config.json before a byte is written
 (names, shapes, missing and extra tensors); then tensors stream one at a time into a temp store
@@ -7,6 +7,7 @@ that is renamed into place only when complete.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -19,22 +20,8 @@ from ..store.carried import write_carried
 from ..store.layout import unit_layout
 from ..store.manifest import DTYPES, QUANTS
 from ..store.writer import StoreWriter
-from .hf_files import Checkpoint
-
-# Files copied beside the weights so the store can be exported and tokenized without the source.
-HF_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.json",
-    "chat_template.jinja",
-)
+from .hf_files import HF_FILES, Checkpoint
+from .hub import fetch_checkpoint, hub_id, looks_like_bare_id
 
 
 def convert(
@@ -45,20 +32,31 @@ def convert(
     console=None,
     path: str = "auto",
     quantize: str = "",
+    revision: str | None = None,
 ) -> dict:
-    """path: auto (native layer where there is one, else the generic path) | native | generic
+    """src: an HF checkpoint directory, or a hub id (`owner/name`, convert/hub.py: fetched into
+    the Hugging Face cache at `revision`, default main; an existing directory of that name wins).
+    path: auto (native layer where there is one, else the generic path) | native | generic
     (e.g. Llama through transformers' own layer, to compare the two).
     quantize: "" or "nf4": the decoder layers' linear weights as NF4 blocks (store/packed.py); the
     scales, norms, embedding and head stay in `dtype`."""
-    src, dst = Path(src), Path(dst)
-    if not src.exists():
-        raise InputError(f"{src}: not found")
-    if not src.is_dir():
-        raise InputError(f"{src}: not a directory (expected an HF checkpoint directory)")
+    dst = Path(dst)
     if dtype not in DTYPES:
         raise InputError(f"--dtype: {dtype!r} is not a store dtype ({', '.join(DTYPES)})")
     if quantize not in QUANTS:
         raise InputError(f"--quantize: {quantize!r} is not allowed (nf4)")
+    repo = hub_id(src)
+    if repo is not None:
+        if os.path.lexists(dst) and not force:  # before a download, not after it
+            raise InputError(f"{dst}: already exists (use --force to replace it)")
+        try:
+            src, _ = fetch_checkpoint(repo, revision, show=console is None or not console.quiet)
+        except InputError as e:  # a mistyped local path reads as an id: say there is none
+            raise InputError(f"{e} (there is no local directory {repo})") from None
+        label, source = repo, repo  # the store's source: the id (a LoRA adapter's base model)
+    else:
+        src = local_source(Path(src), revision)
+        label, source = src.name, str(src.resolve())
     check_not_inside(src, dst)
     hf_cfg = read_hf_config(src)
     where = str(src / "config.json")
@@ -73,9 +71,9 @@ def convert(
     carried = [ckpt.infos[n] for n in (spec.generic.carried if spec.generic is not None else ())]
     total = sum(ckpt.infos[n].nbytes for n in plan) + sum(i.nbytes for i in carried)
     with io_failures(dst), atomic_dir(dst, force=force) as tmp:
-        writer = StoreWriter(tmp, spec, dtype, source=str(src.resolve()), quant=quantize)
+        writer = StoreWriter(tmp, spec, dtype, source=source, quant=quantize)
         try:
-            with byte_progress(console, f"convert {src.name}", total) as advance:
+            with byte_progress(console, f"convert {label}", total) as advance:
                 for name, pieces in ckpt.tensors(set(plan)):
                     unit, tensor = plan[name]
                     writer.write_stream(unit, tensor.name, pieces, on_piece=advance, wait=False)
@@ -95,6 +93,18 @@ def convert(
         "dtype": dtype,
         "quant": quantize,
     }
+
+
+def local_source(src: Path, revision: str | None) -> Path:
+    """A local checkpoint directory, or the line saying why it is not one."""
+    if revision:
+        raise InputError(f"--revision {revision}: only for a hub id (owner/name); {src} is a local path")
+    if not src.exists():
+        hint = " (a hub id is owner/name, e.g. openai-community/gpt2)" if looks_like_bare_id(src) else ""
+        raise InputError(f"{src}: not found{hint}")
+    if not src.is_dir():
+        raise InputError(f"{src}: not a directory (expected an HF checkpoint directory)")
+    return src
 
 
 def copy_file(a: Path, b: Path) -> None:

@@ -11,13 +11,14 @@ mapped file does not accumulate in RSS.
 from __future__ import annotations
 
 import ctypes
+import fnmatch
 import itertools
 import json
 import math
 import os
 import struct
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,21 @@ MAX_HEADER = 100 << 20  # the safetensors reference implementation refuses large
 CHUNK_BYTES = 32 << 20  # one read of a large tensor: two such buffers, plus casts, bound peak memory
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# Files copied beside the weights so the store can be exported and tokenized without the source
+# (and all a hub download fetches besides the weights and their index).
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+)
 
 
 @dataclass(frozen=True)
@@ -59,26 +75,39 @@ class TensorInfo:
 
 
 def weight_files(src: Path) -> list[Path]:
-    """The checkpoint's weight files, in a stable order; InputError when there are none.
+    """The checkpoint's weight files, in a stable order (pick_weights); InputError when there are
+    none, or when an index names a file the directory lacks."""
+    names = [p.name for p in src.iterdir() if p.is_file()] if src.is_dir() else []
+    index, files = pick_weights(names, lambda name: index_files(src / name))
+    if not files:
+        raise InputError(f"{src}: no weights found (expected *.safetensors or pytorch_model*.bin)")
+    for f in files:
+        if not (src / f).is_file():
+            raise InputError(f"{src / f}: listed in {index} but missing")
+    return [src / f for f in files]
 
-    An index decides when there is one (safetensors first); otherwise `model.safetensors`, else
-    every `*.safetensors`, else `pytorch_model*.bin`."""
-    for index in INDEXES:
-        p = src / index
-        if p.is_file():
-            return _indexed_files(src, p)
-    if (src / "model.safetensors").is_file():
-        return [src / "model.safetensors"]
-    st = sorted(src.glob("*.safetensors"))
+
+def pick_weights(names: Iterable[str], listed: Callable[[str], list[str]]) -> tuple[str | None, list[str]]:
+    """(the index used or None, the weight files) among a checkpoint's top-level file names,
+    safetensors before .bin: an index, else `model.safetensors`, else every `*.safetensors`; then
+    the same for `pytorch_model*.bin`. `listed(index)` reads the files an index names. The same
+    rule picks what to download from the hub (convert/hub.py)."""
+    have = {n for n in names if "/" not in n and not n.startswith(".")}
+    st_index, bin_index = INDEXES
+    if st_index in have:
+        return st_index, listed(st_index)
+    if "model.safetensors" in have:
+        return None, ["model.safetensors"]
+    st = sorted(n for n in have if n.endswith(".safetensors"))
     if st:
-        return st
-    bins = sorted(src.glob("pytorch_model*.bin"))
-    if bins:
-        return bins
-    raise InputError(f"{src}: no weights found (expected *.safetensors or pytorch_model*.bin)")
+        return None, st
+    if bin_index in have:
+        return bin_index, listed(bin_index)
+    return None, sorted(n for n in have if fnmatch.fnmatchcase(n, "pytorch_model*.bin"))
 
 
-def _indexed_files(src: Path, index: Path) -> list[Path]:
+def index_files(index: Path) -> list[str]:
+    """The weight files an index's weight_map names (sorted); InputError for a broken index."""
     try:
         d = json.loads(index.read_text())
         wm = d.get("weight_map") if isinstance(d, dict) else None
@@ -87,10 +116,7 @@ def _indexed_files(src: Path, index: Path) -> list[Path]:
         files = sorted(set(wm.values()))
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise InputError(f"{index}: not a valid index ({e})") from None
-    for f in files:
-        if not (src / f).is_file():
-            raise InputError(f"{src / f}: listed in {index.name} but missing")
-    return [src / f for f in files]
+    return files
 
 
 def itemsize(dtype: torch.dtype) -> int:

@@ -24,6 +24,10 @@ class ModelFiles(Protocol):
     def arch(self) -> ArchSpec: ...
 
 
+class NoTokenizerFiles(InputError):
+    """The model has no tokenizer files and the data needs a tokenizer."""
+
+
 def load_tokenizer(store: ModelFiles, fmt: str):
     hf = getattr(store, "hf_dir", None) or store.root / "hf"  # a PlannedModel (dry run): the HF dir itself
     has = hf.is_dir() and any(
@@ -36,7 +40,9 @@ def load_tokenizer(store: ModelFiles, fmt: str):
             "preference",
         ):  # may be pre-tokenized: the data stage says if it needs one
             return None
-        raise InputError(f"{no_tokenizer(store)}, and data.format {fmt!r} needs a tokenizer{ONLY_TOKENS}")
+        raise NoTokenizerFiles(
+            f"{no_tokenizer(store)}, and data.format {fmt!r} needs a tokenizer{ONLY_TOKENS}"
+        )
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(hf))
@@ -45,7 +51,7 @@ def load_tokenizer(store: ModelFiles, fmt: str):
 def no_tokenizer(store: ModelFiles) -> str:
     """Where the tokenizer files were looked for: a store's hf/ dir, or a lone config.json's dir."""
     if getattr(store, "hf_dir", None) is not None:
-        return f"model.path: {store.root} holds a config.json but no tokenizer files"
+        return f"model.path: {getattr(store, 'name', store.root)} holds a config.json but no tokenizer files"
     return f"model.path: store {store.root} has no tokenizer files (in {store.root / 'hf'})"
 
 
@@ -54,7 +60,7 @@ def load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: C
     try:
         return _load_data(cfg, store, cache_dir, console)
     except NoTokenizer as e:  # data.format auto found a format that needs one
-        raise InputError(
+        raise NoTokenizerFiles(
             f"{no_tokenizer(store)}, and format {e.fmt!r} needs a tokenizer{ONLY_TOKENS}"
         ) from None
 

@@ -26,7 +26,7 @@ from ..runtime.dtype import DtypeChoice
 from ..store import Store
 from .batches import make_batches
 from .checks import before_claim, kernel_ready
-from .inputs import load_data
+from .inputs import NoTokenizerFiles, load_data
 from .reference import reference_plan
 from .rundir import RunDir
 
@@ -84,14 +84,25 @@ def dry_run_report(
 
 
 def check_data(cfg: Config, model: Store | PlannedModel, console: Console) -> PreparedData | None:
-    """The data read and tokenized as a start would (None: not tokenized, no tokenizer files)."""
+    """The data read and tokenized as a start would (None: not tokenized, no tokenizer files; a
+    hub id's dry run fetches its config.json alone, so there the data needing a tokenizer is only
+    noted: the converted store will hold the tokenizer)."""
     no_tokenizer = isinstance(model, PlannedModel) and not has_tokenizer(model.root)
+    why = f"{model.name} holds no tokenizer files" if isinstance(model, PlannedModel) else ""
+    if isinstance(model, PlannedModel) and model.hub:
+        why = f"{model.hub}: a dry run fetches its config.json alone, and the cache holds no tokenizer files of it"
     if no_tokenizer and cfg.data.format not in ("tokens", "auto", "preference"):
         if isinstance(cfg.data.path, str) and not Path(cfg.data.path).exists():
             raise InputError(f"data.path: {cfg.data.path} not found")
-        console.print(f"data: {cfg.data.path} not tokenized ({model.root} holds no tokenizer files)")
+        console.print(f"data: {cfg.data.path} not tokenized ({why})", highlight=False)
         return None
-    data = load_data(replace(cfg, data=replace(cfg.data, cache_dir=None)), model, None, console)
+    try:
+        data = load_data(replace(cfg, data=replace(cfg.data, cache_dir=None)), model, None, console)
+    except NoTokenizerFiles:
+        if not (isinstance(model, PlannedModel) and model.hub):
+            raise
+        console.print(f"data: {cfg.data.path} not tokenized ({why})", highlight=False)
+        return None
     make_batches(cfg, data)  # a preference: section and preference data go together
     return data
 
@@ -206,7 +217,7 @@ def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen:
 
     plan = rungs[chosen]
     return {
-        "model": str(model.root),
+        "model": model.name if isinstance(model, PlannedModel) else str(model.root),  # a hub id as given
         "memory": chosen,
         "world_size": plan.world,
         "nproc_per_node": plan.per_node,

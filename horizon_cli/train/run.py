@@ -60,7 +60,7 @@ def run_training(
     world = world_for(*ranks)
     check_world(cfg.train.batch_size, cfg.train.micro_batch_size, world.size)
     preflight.check_output_file(json_out, "--json")
-    model = open_model(Path(cfg.model.path))
+    model = open_model(cfg.model.path, fetch=dry_run)  # a hub id: its config.json, dry runs only
     if not dry_run and not isinstance(model, Store):
         raise InputError(
             f"model.path: {model.root} is an HF checkpoint, not a store: convert it first "
