@@ -11,6 +11,11 @@ import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# engine.dtype: auto computes in bf16 only on a CPU with AVX-512 BF16 or AMX (runtime/dtype.py);
+# the suite takes every CPU as one, so what a test that leaves the dtype to `auto` trains with does
+# not depend on the machine (an AVX2-only CPU runs those tests in bf16, slower, as before auto);
+# tests/test_dtype_auto.py takes this away to test the detection itself
+os.environ["HORIZON_CPU_BF16"] = "1"
 # rich wraps at the inherited terminal width (COLUMNS), and hard-wraps a word longer than it (a
 # long tmp path, as under pytest-xdist): one fixed width for this process and every CLI it starts,
 # so no test depends on the terminal it was started from

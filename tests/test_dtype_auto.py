@@ -18,6 +18,12 @@ from horizon_cli.store import ckpt
 SLOW = "~30x slower matrix products than fp32 on this CPU (it has no AVX-512 BF16 or AMX)"
 
 
+@pytest.fixture(autouse=True)
+def detected(monkeypatch):
+    """The CPU's answer detected, not the suite's override (tests/conftest.py)."""
+    monkeypatch.delenv(rd.FORCE, raising=False)
+
+
 @pytest.fixture
 def cpu_bf16(monkeypatch):
     """cpu_bf16(flags): the CPU reports these bf16 features ([]: an AVX2-only CPU)."""
@@ -190,3 +196,14 @@ def test_generation_resolves_a_named_auto(cpu_bf16, tiny_store):
         cpu_bf16(flags)
         assert open_source(tiny_store, {"device": "cpu", "dtype": "auto"}).engine.dtype == want
         assert open_source(tiny_store, {"device": "cpu"}).engine.dtype == "float32"  # as before on the CPU
+
+
+@pytest.mark.parametrize("forced,want", [("1", "bfloat16"), ("0", "float32")])
+def test_the_detection_can_be_overridden(monkeypatch, forced, want):
+    """HORIZON_CPU_BF16 decides for the CPU whatever it reports (the suite sets 1: tests/conftest.py)."""
+    monkeypatch.setattr(rd, "proc_cpuinfo_flags", lambda: set())
+    monkeypatch.setattr(
+        torch.cpu, "get_capabilities", lambda: {f: forced == "0" for f in rd.CPU_FLAGS}, raising=False
+    )
+    monkeypatch.setenv(rd.FORCE, forced)
+    assert rd.choose(EngineConfig(device="cpu", dtype="auto")).dtype == want
