@@ -131,9 +131,12 @@ def test_tracker_that_cannot_start_leaves_the_run_dir_as_it_was(tiny_store, tmp_
     assert horizon("train", cfg).exit_code == 0  # a run dir with a checkpoint (step 2) and its cache
     before = run_files(run)
     assert "config.yaml" in before and any(k.startswith("cache/") for k in before)
-    r = horizon("train", cfg, "train.steps=4", *away)  # its resume cannot start the tracker
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    # its resume cannot start MLflow, after W&B started (and wrote its offline run into the run dir)
+    r = horizon("train", cfg, "train.steps=4", "log.wandb=true", *away)
     assert r.exit_code == 1 and "could not start the experiment tracker" in r.output, r.output
-    assert run_files(run) == before
+    assert run_files(run) == before and not (run / "wandb").exists()
 
 
 def test_a_killed_run_resumed_logs_each_step_once(tiny_store, tmp_path, monkeypatch):
