@@ -32,15 +32,15 @@ def horizon(*args):
     return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "2000"})
 
 
-def store_with_tokenizer(root: Path, family: str = "llama", **over) -> Path:
+def store_with_tokenizer(root: Path, family: str = "llama", chat_template: bool = True, **over) -> Path:
     """A tiny `family` model (vocab 400, 128 positions; `over`: more config) saved with the tiny
-    tokenizer under root/hf and converted to fp32 at root/store."""
+    tokenizer (with its chat template, or without) under root/hf and converted to fp32 at root/store."""
     from horizon_cli.convert import convert
     from horizon_cli.testing.tiny import make_model, save
     from horizon_cli.testing.tokenizer import make_tokenizer
 
     save(make_model(family, **{"vocab_size": 400, "max_position_embeddings": 128, **over}), root / "hf")
-    make_tokenizer(root / "hf")
+    make_tokenizer(root / "hf", chat_template=chat_template)
     convert(root / "hf", root / "store", dtype="float32")
     return root / "store"
 

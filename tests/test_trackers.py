@@ -104,3 +104,68 @@ def test_missing_tracker_package_is_refused_before_anything(tiny_store, tmp_path
         msg = one_error_line(horizon("train", cfg))
         assert f"log.{key}: needs the {module} package" in msg and f"horizon-cli[{key}]" in msg
         assert not run.exists()
+
+
+def run_files(run) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_tracker_that_cannot_start_leaves_the_run_dir_as_it_was(tiny_store, tmp_path, monkeypatch):
+    """MLflow at an address nobody listens on (loopback, no retries, a short timeout): the start
+    stops in one line, before config.yaml or the cache are written; a new run dir is gone, an
+    existing one holds exactly what it held."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(8))
+    run = tmp_path / "run"
+    cfg = write_config(
+        tmp_path / "c.yaml", tiny_store, data, run, train={"steps": 2}, schedule={"kind": "constant"}
+    )
+    away = ["log.mlflow=true", "log.mlflow_uri=http://127.0.0.1:9"]
+
+    r = horizon("train", cfg, *away)
+    assert r.exit_code == 1 and "error: log: could not start the experiment tracker" in r.output, r.output
+    assert "Traceback" not in r.output and not run.exists()
+
+    assert horizon("train", cfg).exit_code == 0  # a run dir with a checkpoint (step 2) and its cache
+    before = run_files(run)
+    assert "config.yaml" in before and any(k.startswith("cache/") for k in before)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    # its resume cannot start MLflow, after W&B started (and wrote its offline run into the run dir)
+    r = horizon("train", cfg, "train.steps=4", "log.wandb=true", *away)
+    assert r.exit_code == 1 and "could not start the experiment tracker" in r.output, r.output
+    assert run_files(run) == before and not (run / "wandb").exists()
+
+
+def test_a_killed_run_resumed_logs_each_step_once(tiny_store, tmp_path, monkeypatch):
+    """SIGKILL at step 7 after a checkpoint at step 4 (steps 5 and 6 logged), then resumed: MLflow's
+    history holds each step once, with the values metrics.jsonl holds (the resume retrains 5 and 6
+    bitwise the same)."""
+    import os
+    import subprocess
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read the run's file store here (MLflow 3)
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(8))
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", tiny_store, data, run, train={"steps": 8}, log={"mlflow": True},
+                       output={"dir": str(run), "save_every": 4, "keep_last": 2, "export": False})  # fmt: skip
+    cmd = [sys.executable, "-m", "horizon_cli", "train", str(cfg)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run(
+        cmd, env={**env, "HORIZON_FAULT": "step:7"}, capture_output=True, text=True, timeout=300
+    )
+    assert killed.returncode == -9, killed.stderr
+    ids = json.loads((run / "trackers.json").read_text())
+    client = mlflow.tracking.MlflowClient((run / "mlruns").as_uri())
+    assert [m.step for m in client.get_metric_history(ids["mlflow"], "loss")] == [1, 2, 3, 4, 5, 6]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    for key in ("loss", "lr"):
+        hist = sorted((m.step, m.value) for m in client.get_metric_history(ids["mlflow"], key))
+        assert [s for s, _ in hist] == list(range(1, 9)), (key, hist)
+        assert [v for _, v in hist] == pytest.approx([r[key] for r in rows], rel=1e-12)

@@ -18,6 +18,11 @@ from Python, `import horizon_cli.generate.harness` before `lm_eval.simple_evalua
 
 from __future__ import annotations
 
+import glob
+import inspect
+from pathlib import Path
+from typing import NoReturn
+
 import torch
 from rich.console import Console
 
@@ -29,6 +34,7 @@ from .model_source import open_source
 from .run import build
 
 try:
+    import jinja2
     from lm_eval import utils as lm_utils
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
@@ -45,6 +51,18 @@ except ImportError:  # pragma: no cover - the optional extra is missing
     ) from None
 
 SAMPLING = ("do_sample", "temperature", "top_p", "top_k")
+AUTO_BATCH = 64  # batch_size "auto" (or lm-eval's "auto:N"): rows per sweep
+
+
+def batch_rows(value: int | str) -> int:
+    """`batch_size` as rows per sweep of the weights: "auto" (lm-eval's "auto:N" too) or a
+    positive integer; anything else is an InputError naming --batch_size."""
+    text = str(value).strip()
+    if text == "auto" or text.startswith("auto:"):
+        return AUTO_BATCH
+    if not text.isdigit() or int(text) < 1:
+        raise InputError(f"horizon eval: --batch_size {value!r} is not a positive integer or auto")
+    return int(text)
 
 
 @register_model("horizon")
@@ -60,11 +78,16 @@ class HorizonLM(TemplateLM):
         device: str | None = None,
         dtype: str | None = None,
         kv_cache: str | None = None,
+        chat_template_args: dict | None = None,
+        enable_thinking: bool | None = None,
         **_ignored,
     ):
         """path: a store or a run dir. batch_size: rows per sweep of the weights ("auto": 64).
-        device, dtype, kv_cache: engine settings (default: the run's, or the store's dtype)."""
+        device, dtype, kv_cache: engine settings (default: the run's, or the store's dtype).
+        chat_template_args, enable_thinking: passed to the tokenizer's chat template, as the hf
+        model passes them (--apply_chat_template)."""
         super().__init__()
+        self.batch = batch_rows(batch_size)  # checked before the engine is built
         if device and device.startswith("cuda") and not torch.cuda.is_available():
             device = None  # lm-eval's command line says cuda by default: keep engine.device (auto: the CPU)
         over = {k: v for k, v in (("device", device), ("dtype", dtype), ("kv_cache", kv_cache)) if v}
@@ -72,8 +95,11 @@ class HorizonLM(TemplateLM):
         self.tokenizer = self.source.tokenizer()
         if self.tokenizer is None:
             raise InputError(f"{path}: the evaluation harness needs a tokenizer, and the model has none")
+        self.path = path
+        self.chat_template_args = dict(chat_template_args or {})
+        if enable_thinking is not None:
+            self.chat_template_args["enable_thinking"] = enable_thinking
         self.engine = build(self.source, Console(stderr=True))
-        self.batch = 64 if str(batch_size).startswith("auto") else int(batch_size)
         self._max_length = int(max_length or self.source.store.arch.max_positions)
         self.max_gen_toks, self.add_bos_token = int(max_gen_toks), add_bos_token
         self.custom_prefix = prefix_token_id
@@ -94,6 +120,45 @@ class HorizonLM(TemplateLM):
     @property
     def max_length(self) -> int:
         return self._max_length
+
+    # -- chat templates (--apply_chat_template), as lm-eval's hf model ------------------------
+    @property
+    def tokenizer_name(self) -> str:
+        """Names the template in lm-eval's request cache: the tokenizer's path, as the hf model."""
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def _need_template(self) -> None:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InputError(
+                f"{self.path}: --apply_chat_template: the model's tokenizer has no chat template"
+            )
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if chat_template:
+            self._need_template()
+        try:
+            return super().chat_template(chat_template)
+        except ValueError as e:  # a template name the tokenizer does not have
+            raise InputError(f"{self.path}: --apply_chat_template: {e}") from None
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The conversation as the tokenizer's template renders it (the prompt left open for the
+        assistant, or its last message continued); a template that refuses a system message
+        gets the conversation without it, as in the hf model."""
+        self._need_template()
+
+        def render(history: list[dict[str, str]]) -> str:
+            return self.tokenizer.apply_chat_template(
+                history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt, **self.chat_template_args,
+            )  # fmt: skip
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            return render([m for m in chat_history if m["role"] != "system"])
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         kw = _add_special_kwargs(add_special_tokens, self.add_bos_token)
@@ -211,24 +276,86 @@ class HorizonLM(TemplateLM):
         return out
 
 
+# model_args that lm-eval itself adds (its --trust_remote_code; simple_evaluate's own settings)
+LM_EVAL_ADDS = ("trust_remote_code", "max_batch_size")
+
+
 def run_lm_eval(src: str, args: list[str]) -> None:
     """lm-eval's command line with `--model horizon --model_args path=SRC` (more model_args, e.g.
-    batch_size or kv_cache, may follow in `args`' own --model_args)."""
-    import sys
+    batch_size or kv_cache, may follow in `args`' own --model_args). The arguments are parsed by
+    lm-eval's own parser and checked here first, so a bad one is one line (exit 2), not a
+    traceback after the engine is built."""
+    from lm_eval._cli.harness import HarnessCLI
+    from lm_eval.utils import setup_logging
 
-    from lm_eval.__main__ import cli_evaluate
+    setup_logging()
+    ns = parse_args(HarnessCLI(), args)
+    ns.model, ns.model_args = "horizon", {"path": src, **ns.model_args}
+    ns.func(ns)  # lm-eval's `run` command on the checked arguments
 
-    args = list(args)
-    extra = ""
-    if "--model_args" in args:
-        k = args.index("--model_args")
-        extra = "," + args[k + 1] if k + 1 < len(args) else ""
-        del args[k : k + 2]
-    if "--model" in args:
-        raise InputError("horizon eval: the model is horizon (drop --model)")
-    argv = sys.argv
-    sys.argv = ["lm-eval", "run", "--model", "horizon", "--model_args", f"path={src}{extra}", *args]
+
+def parse_args(cli, args: list[str]):
+    """lm-eval's `run` arguments, parsed by its own parser (a parse error is one line) and checked:
+    the model is horizon, the tasks exist, batch_size is rows per sweep (given once), and every
+    model_arg is one HorizonLM takes."""
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    def refuse(message: str) -> NoReturn:
+        raise InputError(f"horizon eval: {message}")
+
+    run = cli._subparsers.choices["run"]  # lm-eval 0.4.x: the `run` subcommand's parser
+    cli._parser.error = run.error = refuse  # type: ignore[method-assign]
+    ns = cli._parser.parse_args(["run", *args])
     try:
-        cli_evaluate()
-    finally:
-        sys.argv = argv
+        cfg = EvaluatorConfig.from_cli(ns)  # lm-eval's own checks (and --config's YAML merged)
+        given = EvaluatorConfig.load_yaml_config(ns.config) if ns.config else {}
+    except (ValueError, TypeError, OSError) as e:
+        refuse(str(e))
+    if ns.model is not None or "model" in given:
+        refuse(f"the model is horizon (drop --model {ns.model or given['model']})")
+    margs = dict(cfg.model_args or {})
+    known = set(inspect.signature(HorizonLM.__init__).parameters) - {"self", "_ignored", "path"}
+    for key in margs:
+        if key == "path":
+            refuse(f"--model_args path: the model is SRC ({margs[key]!r} given besides it)")
+        if key not in known | set(LM_EVAL_ADDS):
+            refuse(
+                f"--model_args {key}: not a setting of horizon's model (one of {', '.join(sorted(known))})"
+            )
+    if "batch_size" in margs:  # lm-eval passes --batch_size itself: one of the two, once
+        if "batch_size" in vars(ns) and str(ns.batch_size) != str(margs["batch_size"]):
+            refuse(f"--model_args batch_size={margs['batch_size']} and --batch_size {ns.batch_size} disagree")
+        ns.batch_size = str(margs.pop("batch_size"))
+    batch_rows(getattr(ns, "batch_size", cfg.batch_size))
+    ns.model_args = margs
+    tasks = cfg.tasks if isinstance(cfg.tasks, list) else [t for t in str(cfg.tasks or "").split(",") if t]
+    if not tasks:
+        refuse("name the tasks to score (--tasks NAME ..., or a task YAML file)")
+    check_tasks(tasks, cfg.include_path)
+    return ns
+
+
+def check_tasks(names: list[str], include_path: str | None) -> None:
+    """Every task name is one lm-eval knows (in --include_path first, which needs no index of its
+    built-in tasks), every task file exists; InputError naming the first that is not."""
+    from lm_eval.tasks import TaskManager
+
+    if len(names) == 1 and Path(names[0]).is_dir():
+        return  # lm-eval's own form: a directory of task YAML files
+    for name in names:
+        if name.endswith(".yaml") and not glob.glob(name):
+            raise InputError(f"horizon eval: --tasks {name}: no such task file")
+    left = [n for n in names if not n.endswith(".yaml")]
+    if left and include_path:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        left = [n for n in left if not local.match_tasks([n])]
+    if left:
+        every = TaskManager(include_path=include_path)
+        left = [n for n in left if not every.match_tasks([n])]
+    if left:
+        where = (
+            f" (nor in --include_path {include_path})"
+            if include_path
+            else " (a local task: --include_path DIR)"
+        )
+        raise InputError(f"horizon eval: --tasks {left[0]}: no such task in lm-eval{where}")

@@ -88,22 +88,25 @@ class Trainer:
         kernel_ready(self.cfg.optim.kernel, self.console)  # a build is its own phase, not step 1's
         try:
             state = self._resume()
-            self.rd.begin()  # everything is checked and loaded: from here on the run dir changes
-            self.batches.prepare(lambda: self._reference(state["step"]))  # dpo/ipo: before step 1
-            self.bad = state.get("bad_steps", 0)
-            if self.samples is not None and self.main:
-                keep_until(self.run_dir, state["step"])
-            self.metrics = (
-                MetricsLog(
-                    self.run_dir,
-                    state["step"],
-                    self.cfg.log.tensorboard,
-                    self.console,
-                    trackers=Trackers(self.cfg, self.run_dir, state["step"], self.console),
-                )  # fmt: skip
-                if self.main
-                else _NoMetrics()
-            )
+            # the trackers start before the run dir changes: one that cannot start fails the start
+            trackers = Trackers(self.cfg, self.run_dir, state["step"], self.console) if self.main else None
+            try:
+                self.rd.begin()  # everything is checked and loaded: from here on the run dir changes
+                self.batches.prepare(lambda: self._reference(state["step"]))  # dpo/ipo: before step 1
+                self.bad = state.get("bad_steps", 0)
+                if self.samples is not None and self.main:
+                    keep_until(self.run_dir, state["step"])
+                self.metrics = (
+                    MetricsLog(
+                        self.run_dir, state["step"], self.cfg.log.tensorboard, self.console, trackers=trackers
+                    )
+                    if self.main
+                    else _NoMetrics()
+                )
+            except BaseException:
+                if trackers is not None:
+                    trackers.close()
+                raise
             try:
                 last = self._loop(state["step"])
             finally:
