@@ -341,6 +341,14 @@ def _preference_problems(cfg: Config) -> list[str]:
         )
     if pref.label_smoothing and pref.loss not in ("dpo", "simpo"):
         p.append(f"preference.label_smoothing: only dpo and simpo use it, not {pref.loss}")
+    for key in ("desirable_weight", "undesirable_weight"):
+        if getattr(pref, key) != 1.0 and pref.loss != "kto":
+            p.append(f"preference.{key}: only kto uses it, not {pref.loss}")
+    if pref.loss == "kto":  # engine.kto_loss and data.unpaired exist; train/ does not build their batches yet
+        p.append(
+            "preference.loss: kto (unpaired preference) is not trained by `horizon train` yet: the loss and the "
+            "data forms exist (engine/kto_loss.py, data/unpaired.py), the training loop's batches do not"
+        )
     return p
 
 

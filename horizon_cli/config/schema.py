@@ -129,11 +129,13 @@ class LoraConfig:
 class PreferenceConfig:
     """Present: preference optimisation on (prompt, chosen, rejected) pairs; each loss as TRL defines it."""
 
-    loss: str = _f("dpo", choices=("dpo", "ipo", "simpo", "orpo"))
+    loss: str = _f("dpo", choices=("dpo", "ipo", "simpo", "orpo", "kto"))
     beta: float = _f(0.1, gt=0.0)  # DPO/IPO/SimPO's beta; ORPO's lambda
     label_smoothing: float = _f(0.0, min=0.0, max=0.49)  # dpo, simpo: conservative loss (TRL's cDPO)
     simpo_gamma: float = _f(0.5, min=0.0)  # simpo: the target reward margin
     sft_weight: float = _f(0.0, min=0.0)  # + this x the chosen completions' mean NLL (TRL's rpo_alpha)
+    desirable_weight: float = _f(1.0, min=0.0)  # kto: the desirable examples' loss weight (TRL's name)
+    undesirable_weight: float = _f(1.0, min=0.0)  # kto: the undesirable examples' loss weight
 
 
 @dataclass
