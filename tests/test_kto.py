@@ -219,4 +219,4 @@ def test_negative_weights_are_one_line_exit_2(tmp_path, tiny_store, key):
                                "output": {"dir": str(tmp_path / "run")},
                                "preference": {"loss": "kto", key: -0.5}}))  # fmt: skip
     msg = one_error_line(horizon("train", cfg, "--dry-run"))
-    assert f"preference.{key}: -0.5" in msg
+    assert f"preference.{key}: -0.5 is below the minimum 0.0" in msg
