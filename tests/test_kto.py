@@ -220,3 +220,98 @@ def test_negative_weights_are_one_line_exit_2(tmp_path, tiny_store, key):
                                "preference": {"loss": "kto", key: -0.5}}))  # fmt: skip
     msg = one_error_line(horizon("train", cfg, "--dry-run"))
     assert f"preference.{key}: -0.5 is below the minimum 0.0" in msg
+
+
+def test_horizon_train_kto_equals_trls_kto_loss_with_adamw(tmp_path, tiny_store):
+    """`horizon train` with preference.loss kto on TRL's unpaired records (shuffled batches, two
+    micro-batches a step) against TRL's KTOTrainer loss + torch.optim.AdamW on the same batches of
+    its own dataset: the streamed reference equals TRL's precomputed one; every step's loss, kl and
+    rewards equal TRL's (fp32)."""
+    import transformers
+    from conftest import write_config, write_jsonl
+    from rich.console import Console
+
+    from horizon_cli.data.sampler import batch_indices
+    from horizon_cli.train import run_training
+    from horizon_cli.train.metrics import read_metrics
+
+    recs = [
+        {"prompt": p, "completion": c, "label": b}
+        for p, c, b in zip(PROMPTS, COMPLETIONS, LABELS, strict=True)
+    ]
+    data = write_jsonl(tmp_path / "kto.jsonl", recs)
+    hp = dict(lr=3e-3, eps=1e-6, weight_decay=0.01)
+    cfg = write_config(
+        tmp_path / "c.yaml", tiny_store, data, tmp_path / "run", train={"steps": 3, "seed": 1},
+        optim={"lr": hp["lr"], "eps": hp["eps"]}, preference=PREF, output={"save_every": 0},
+    )  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        run_training(cfg, [], console=Console(quiet=True))
+    finally:
+        torch.set_num_threads(threads)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    hf = tiny_store.parent / "hf"
+    tok = transformers.AutoTokenizer.from_pretrained(hf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
+    args = trl.KTOConfig(
+        output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, max_length=64,
+        per_device_train_batch_size=4, precompute_ref_log_probs=True, beta=PREF["beta"],
+        desirable_weight=PREF["desirable_weight"], undesirable_weight=PREF["undesirable_weight"],
+    )  # fmt: skip
+    policy = copy.deepcopy(model).train()
+    ds = datasets.Dataset.from_list(recs)
+    tr = trl.KTOTrainer(
+        model=policy, ref_model=copy.deepcopy(model), args=args, train_dataset=ds, processing_class=tok
+    )
+    ref = np.load(tmp_path / "run" / "reference" / "train.npy")
+    theirs = np.array([[ex["ref_logps"], ex["ref_KL_logps"]] for ex in tr.train_dataset], np.float32)
+    assert rel_err(torch.as_tensor(ref), torch.as_tensor(theirs)) < 1e-5
+    opt = torch.optim.AdamW(
+        policy.parameters(), lr=hp["lr"], betas=(0.9, 0.95), eps=hp["eps"], weight_decay=hp["weight_decay"]
+    )
+    for k, row in enumerate(rows):
+        idx = batch_indices(len(recs), k, 4, 1, True)
+        opt.zero_grad()
+        tr._metrics["train"].clear()
+        loss = tr.compute_loss(policy, tr.data_collator([tr.train_dataset[int(i)] for i in idx]))
+        metrics = {m: v[-1] for m, v in tr._metrics["train"].items()}
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        for g in opt.param_groups:
+            g["lr"] = row["lr"]
+        opt.step()
+        assert row["loss"] == pytest.approx(loss.item(), rel=1e-5), k
+        assert row["kl"] == pytest.approx(metrics["kl"], rel=1e-4, abs=1e-6), k
+        for ours, theirs_name in (
+            ("rewards_chosen", "rewards/chosen"),
+            ("rewards_rejected", "rewards/rejected"),
+        ):
+            if theirs_name in metrics:
+                assert row[ours] == pytest.approx(metrics[theirs_name], rel=1e-4, abs=1e-6), (k, ours)
+            else:
+                assert row[ours] is None
+
+
+def test_unpaired_data_without_kto_and_bad_labels_are_one_line(tmp_path, tiny_store):
+    from conftest import horizon, write_config, write_jsonl
+    from test_train_cli import one_error_line
+
+    recs = [
+        {"prompt": p, "completion": c, "label": b}
+        for p, c, b in zip(PROMPTS, COMPLETIONS, LABELS, strict=True)
+    ]
+    data = write_jsonl(tmp_path / "kto.jsonl", recs)
+    msg = one_error_line(
+        horizon("train", write_config(tmp_path / "a.yaml", tiny_store, data, tmp_path / "a"))
+    )
+    assert (
+        "kto.jsonl holds unpaired preference examples (label or kto_tag); train them with preference: {loss: kto}"
+        in msg
+    )
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{**r, "label": "yes"} for r in recs])
+    cfg = write_config(tmp_path / "b.yaml", tiny_store, bad, tmp_path / "b", preference=PREF)
+    assert "bad.jsonl: record 1: label must be true or false (desirable or not), got 'yes'" in one_error_line(
+        horizon("train", cfg)
+    )
+    assert not (tmp_path / "b" / "checkpoints").exists()

@@ -315,8 +315,8 @@ def validate(cfg: Config) -> list[str]:
 def _preference_problems(cfg: Config) -> list[str]:
     pref = cfg.preference
     if pref is None:
-        given = ["data.format"] * (cfg.data.format == "preference") + [
-            f"data.path[{i}].format" for i, fmt in _source_formats(cfg) if fmt == "preference"
+        given = ["data.format"] * (cfg.data.format in ("preference", "unpaired")) + [
+            f"data.path[{i}].format" for i, fmt in _source_formats(cfg) if fmt in ("preference", "unpaired")
         ]
         return (
             [f"{given[0]}: preference pairs need a preference: section (e.g. preference: {{loss: dpo}})"]
@@ -324,16 +324,18 @@ def _preference_problems(cfg: Config) -> list[str]:
             else []
         )
     p = []
-    if cfg.data.format not in ("auto", "preference"):
+    want = "unpaired" if pref.loss == "kto" else "preference"
+    what = "unpaired preference examples (label or kto_tag)" if pref.loss == "kto" else "preference pairs"
+    if cfg.data.format not in ("auto", want):
         p.append(
-            f"preference.loss: {pref.loss} trains on preference pairs; data.format {cfg.data.format} "
-            "is not (use data.format: preference or auto)"
+            f"preference.loss: {pref.loss} trains on {what}; data.format {cfg.data.format} "
+            f"is not (use data.format: {want} or auto)"
         )
     for i, fmt in _source_formats(cfg):
-        if fmt not in ("auto", "preference"):
+        if fmt not in ("auto", want):
             p.append(
-                f"data.path[{i}].format: {fmt} is not preference pairs, and preference.loss {pref.loss} "
-                "trains on pairs only (use format: preference or auto)"
+                f"data.path[{i}].format: {fmt} is not {what}, and preference.loss {pref.loss} "
+                f"trains on {'those' if pref.loss == 'kto' else 'pairs'} only (use format: {want} or auto)"
             )
     if cfg.data.packing:
         p.append(
@@ -344,11 +346,6 @@ def _preference_problems(cfg: Config) -> list[str]:
     for key in ("desirable_weight", "undesirable_weight"):
         if getattr(pref, key) != 1.0 and pref.loss != "kto":
             p.append(f"preference.{key}: only kto uses it, not {pref.loss}")
-    if pref.loss == "kto":  # engine.kto_loss and data.unpaired exist; train/ does not build their batches yet
-        p.append(
-            "preference.loss: kto (unpaired preference) is not trained by `horizon train` yet: the loss and the "
-            "data forms exist (engine/kto_loss.py, data/unpaired.py), the training loop's batches do not"
-        )
     return p
 
 

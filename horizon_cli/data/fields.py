@@ -42,7 +42,7 @@ MEANING_FIELDS = frozenset(
      "advantage", "advantages", "rating", "ratings", "rank", "ranking", "preference", "preferred",
      "chosen", "rejected", "train", "training")
 )  # fmt: skip
-KTO = "unpaired preference (KTO) training is not supported"
+KTO = "unpaired preference (KTO) data is trained by preference: {loss: kto} with data.format unpaired or auto"
 MEDIA_FEATURES = ("Image", "Audio", "Video", "Pdf", "Nifti")  # `datasets` features decoded on read
 
 

@@ -33,6 +33,7 @@ import torch
 from ..errors import InputError
 from . import templates
 from .batch import IGNORE, MicroBatch
+from .fields import Unread, unread_columns
 from .pairs import collate_pairs
 from .records import chat_record, instruction_record, text_of, tools_of, turns_of
 from .tokset import Row, RowBuilder, TokenSet
@@ -109,35 +110,84 @@ def encode(rec: dict, form: str, tok, where: str) -> Example | None:
     return Example(arr(p[:n]), arr(pc[n:]), bool(desirable))
 
 
-def examples_of(ds, tok, name: str) -> list[Example]:
-    """Every record of a dataset of unpaired preference records -> Examples (empty ones skipped)."""
+def examples_of(ds, tok, name: str, adapt=None, ignore: frozenset = frozenset()) -> list[Example]:
+    """Every record of a dataset of unpaired preference records -> Examples (empty ones skipped);
+    the fields no form reads judged first (fields.py); `adapt`: a registry's message tags."""
     form = unpaired_form(list(ds.column_names))
     if form is None:
         raise InputError(f"{name}: no unpaired preference records (label or kto_tag with a completion)")
     read = [c for c in ds.column_names if c in FORMS[form]]
-    out = []
-    for i, rec in enumerate(ds.select_columns(read)):
-        ex = encode(rec, form, tok, f"{name}: record {i + 1}")
-        if ex is not None:
-            out.append(ex)
+    unread_columns(ds, read, Unread("unpaired", name, ignore))
+    out, i = [], 0
+    for batch in ds.select_columns(read).iter(batch_size=1000):
+        batch = adapt(batch) if adapt else batch
+        for k in range(len(next(iter(batch.values())))):
+            i += 1
+            ex = encode({c: v[k] for c, v in batch.items()}, form, tok, f"{name}: record {i}")
+            if ex is not None:
+                out.append(ex)
     return out
 
 
 def build_unpaired(examples: list[Example], max_len: int, group: int) -> TokenSet:
-    """Examples -> TokenSet (format `unpaired`): example k is rows 2k and 2k + 1 (its completion,
-    the mismatched one), stats["desirable"] the labels; `group`: the rotation's block."""
+    """Examples -> the rows KTO trains on (kto_rows of example_rows)."""
+    return kto_rows(example_rows(examples, max_len), max_len, group)
+
+
+def example_rows(examples: list[Example], max_len: int, stats: dict | None = None) -> TokenSet:
+    """Examples -> TokenSet (format `unpaired`, what the cache keeps): one row per example, prompt +
+    completion whole (cut later, with its mismatched row), stats["desirable"] the labels; an
+    example whose prompt alone fills max_len is dropped (TRL drops it before the rotation)."""
     kept = [e for e in examples if len(e.prompt) < max_len]
     rows = RowBuilder()
-    for a in range(0, len(kept), group):
-        block = kept[a : a + group]
-        kl = [block[-1].completion] + [e.completion for e in block[:-1]]
-        for e, other in zip(block, kl, strict=True):
-            for comp in (e.completion, other):
-                ids = np.concatenate([e.prompt, comp]).astype(np.int32)[:max_len]
-                lab = np.concatenate([np.full(len(e.prompt), IGNORE, np.int32), comp]).astype(np.int32)
+    for e in kept:
+        lab = np.concatenate([np.full(len(e.prompt), IGNORE, np.int32), e.completion]).astype(np.int32)
+        rows.add(np.concatenate([e.prompt, e.completion]).astype(np.int32), lab)
+    out = {**(stats or {}), "examples": len(kept), "desirable": [bool(e.desirable) for e in kept]}
+    out["dropped"] = len(examples) - len(kept)
+    return rows.build("unpaired", out)
+
+
+def kto_rows(ts: TokenSet, max_len: int, group: int) -> TokenSet:
+    """One row per example -> two (its completion, the mismatched one: TRL's rotation by one
+    within blocks of `group` examples), each cut to max_len."""
+    n = len(ts)
+    parts = []
+    for i in range(n):
+        r = ts[i]
+        p = int(np.argmax(r.labels != IGNORE)) if (r.labels != IGNORE).any() else len(r.labels)
+        parts.append((r.input_ids[:p], r.input_ids[p:]))
+    rows = RowBuilder()
+    for a in range(0, n, max(group, 1)):
+        block = parts[a : a + max(group, 1)]
+        kl = [block[-1][1]] + [c for _, c in block[:-1]]
+        for (prompt, comp), other in zip(block, kl, strict=True):
+            for c in (comp, other):
+                ids = np.concatenate([prompt, c]).astype(np.int32)[:max_len]
+                lab = np.concatenate([np.full(len(prompt), IGNORE, np.int32), c]).astype(np.int32)
                 rows.add(ids, lab[:max_len])
-    stats = {"examples": len(kept), "desirable": [bool(e.desirable) for e in kept]}
+    stats = {k: v for k, v in ts.stats.items() if k not in ("tokens", "label_tokens", "rows")}
+    if ts.index is not None:
+        flags = np.asarray(ts.stats["desirable"], dtype=bool)[ts.index]
+        stats["desirable"] = flags.tolist()
     return rows.build("unpaired", stats)
+
+
+def build_unpaired_set(ds, tok, data_cfg, name: str, log, adapt=None) -> TokenSet:
+    """A dataset of unpaired preference records -> its example rows (the cached form), logged."""
+    max_len = data_cfg.max_seq_len
+    examples = examples_of(ds, tok, name, adapt, frozenset(data_cfg.ignore_fields))
+    ts = example_rows(examples, max_len, {"records": len(ds), "form": unpaired_form(list(ds.column_names))})
+    des = sum(ts.stats["desirable"])
+    dropped = ts.stats["dropped"]
+    log(
+        f"data: {name}: {len(ds)} records -> {len(ts)} examples ({des} desirable, {len(ts) - des} undesirable; "
+        f"{ts.stats['form']} form)"
+        + (f"; {dropped} dropped (the prompt fills max_seq_len)" if dropped else "")
+    )
+    if not len(ts):
+        raise InputError(f"{name}: no unpaired preference example to train on")
+    return ts
 
 
 def collate_unpaired(

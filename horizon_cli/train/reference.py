@@ -1,4 +1,4 @@
-"""The reference of a preference run (dpo, ipo): every pair's chosen and rejected log-prob under the
+"""The reference of a preference run (dpo, ipo; kto: each example's completion and mismatched one): every pair's chosen and rejected log-prob under the
 initial weights, computed once before step 1 by streamed forward-only sweeps (engine.Engine.sequence_logps: each layer loaded once per train.batch_size
 pairs, not once per pair), kept in the run dir and reused on resume.
 
@@ -148,7 +148,7 @@ def reference_plan(cfg, data: PreparedData | None, layers: int) -> dict | None:
     A sweep loads each layer once and runs the forward only: a training step loads it twice and
     computes about four forwards' worth (forward, recompute, backward), so a sweep costs about a
     half to a quarter of a step, whichever of the link and the compute bounds the run."""
-    if cfg.preference is None or cfg.preference.loss not in ("dpo", "ipo"):
+    if cfg.preference is None or cfg.preference.loss not in ("dpo", "ipo", "kto"):
         return None
     out: dict = {"pairs": None, "sweeps": None, "layer_loads": None, "step_equivalents": None}
     if data is not None:
