@@ -1,7 +1,7 @@
 """Fields that change what a record means are never ignored silently (horizon_cli/data/fields.py).
 
-LLaMA-Factory's KTO data (`kto_tag`) and TRL's unpaired preference data (`label: bool`) are
-refused as KTO; a number or boolean under any other name, and a field named like a weight, score
+LLaMA-Factory's KTO data (`kto_tag`) and TRL's unpaired preference data (`label: bool`) are read
+as unpaired preference (format unpaired), and refused as KTO under another named format; a number or boolean under any other name, and a field named like a weight, score
 or reward, stop the run naming the field and the record; ids and provenance stay metadata, and
 data.ignore_fields declares more of it."""
 
