@@ -1,7 +1,7 @@
 """Fields that change what a record means are never ignored silently (horizon_cli/data/fields.py).
 
-LLaMA-Factory's KTO data (`kto_tag`) and TRL's unpaired preference data (`label: bool`) are
-refused as KTO; a number or boolean under any other name, and a field named like a weight, score
+LLaMA-Factory's KTO data (`kto_tag`) and TRL's unpaired preference data (`label: bool`) are read
+as unpaired preference (format unpaired), and refused as KTO under another named format; a number or boolean under any other name, and a field named like a weight, score
 or reward, stop the run naming the field and the record; ids and provenance stay metadata, and
 data.ignore_fields declares more of it."""
 
@@ -17,7 +17,7 @@ from horizon_cli.config.schema import DataConfig
 from horizon_cli.data import prepare_data
 from horizon_cli.errors import InputError
 
-KTO = re.escape("unpaired preference (KTO) training is not supported")
+KTO = re.escape("unpaired preference (KTO) data is trained by preference: {loss: kto}")
 
 
 def prep(tmp_path, records, tokenizer, logs=None, **cfg):
@@ -32,20 +32,25 @@ def chats(n=4, **extra):
     return [{**CHAT, **{k: (v(i) if callable(v) else v) for k, v in extra.items()}} for i in range(n)]
 
 
-def test_llamafactory_kto_data_is_refused_as_kto(tmp_path, tok):
+def test_kto_data_is_read_as_unpaired_preference(tmp_path, tok):
+    """LLaMA-Factory's kto_tag (sharegpt, alpaca) and TRL's boolean label: format unpaired (the
+    KTO examples, data.unpaired), never SFT; read with another format named, refused as KTO."""
     recs = chats(kto_tag=lambda i: i % 2 == 0)  # LLaMA-Factory: messages + kto_tag true/false
+    out = prep(tmp_path, recs, tok)
+    assert out.format == "unpaired" and len(out.train) == 4 and out.unit == "examples"
+    assert out.train.desirable(range(4)).tolist() == [True, False, True, False]
+    alpaca = [
+        {"instruction": "a", "output": "b", "kto_tag": False},
+        {"instruction": "c", "output": "d", "kto_tag": True},
+    ]
+    assert prep(tmp_path, alpaca, tok).format == "unpaired"
+    trl = [{"prompt": "The sky is", "completion": " blue.", "label": True},
+           {"prompt": "The sky is", "completion": " green.", "label": False}]  # fmt: skip
+    assert prep(tmp_path, trl, tok).train.desirable([0, 1]).tolist() == [True, False]
     with pytest.raises(InputError, match=rf"d.jsonl: record 1: field 'kto_tag' \(true\) .*{KTO}"):
-        prep(tmp_path, recs, tok)
-    alpaca = [{"instruction": "a", "output": "b", "kto_tag": False}]
-    with pytest.raises(InputError, match=KTO):
-        prep(tmp_path, alpaca, tok)
-
-
-def test_trl_unpaired_preference_is_refused_as_kto(tmp_path, tok):
-    recs = [{"prompt": "The sky is", "completion": " blue.", "label": True},
-            {"prompt": "The sky is", "completion": " green.", "label": False}]  # fmt: skip
+        prep(tmp_path, recs, tok, format="chat")
     with pytest.raises(InputError, match=rf"record 1: field 'label' \(true\) .*{KTO}"):
-        prep(tmp_path, recs, tok)
+        prep(tmp_path, trl, tok, format="prompt_completion")
 
 
 @pytest.mark.parametrize(

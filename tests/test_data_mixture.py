@@ -171,9 +171,7 @@ def test_dataset_info_entries_read_as_their_canonical_twins(tmp_path, tok):
 
 @pytest.mark.parametrize(
     "entry, match",
-    [({"file_name": "d.jsonl", "columns": {"prompt": "instruction", "response": "output", "kto_tag": "tag"}},
-      r"field 'kto_tag' \(true\) .*unpaired preference \(KTO\) training is not supported"),
-     ({"file_name": "d.jsonl", "ranking": True}, "needs field.s. chosen/chosen_input_ids and rejected"),
+    [({"file_name": "d.jsonl", "ranking": True}, "needs field.s. chosen/chosen_input_ids and rejected"),
      ({"ms_hub_url": "x/y"}, "loads from ms_hub_url, which horizon does not read"),
      ({"file_name": "d.jsonl", "colums": {}}, "entry 'e': unknown key 'colums'"),
      ({"file_name": "d.jsonl", "columns": {"answer": "output"}}, "columns: 'answer' is not a alpaca column"),
@@ -228,3 +226,17 @@ def test_eval_split_takes_each_sources_split(tmp_path, tok):
         InputError, match=r"data.path\[1\] \(data.eval_split\): .*f.jsonl is a single file, without splits"
     ):
         prep(tok, path=[SourceConfig(path=str(d)), SourceConfig(path=str(f))], eval_split="test")
+
+
+def test_a_dataset_info_kto_tag_column_is_unpaired_preference(tmp_path, tok):
+    """LLaMA-Factory's KTO entry (columns: kto_tag) -> format unpaired, its tags the labels."""
+    jsonl(
+        tmp_path / "d.jsonl",
+        [{"instruction": "a", "output": "b", "tag": True}, {"instruction": "c", "output": "d", "tag": False}],
+    )
+    entry = {
+        "file_name": "d.jsonl",
+        "columns": {"prompt": "instruction", "response": "output", "kto_tag": "tag"},
+    }
+    out = prep(tok, path=str(registry(tmp_path, {"e": entry})))
+    assert out.format == "unpaired" and out.train.desirable([0, 1]).tolist() == [True, False]

@@ -12,14 +12,20 @@ import dataclasses
 
 from .schema import Config, PreferenceConfig
 
-USES = {"label_smoothing": ("cdpo", "simpo"), "simpo_gamma": ("simpo",)}
+USES = {
+    "label_smoothing": ("cdpo", "simpo"),
+    "simpo_gamma": ("simpo",),
+    "desirable_weight": ("kto",),
+    "undesirable_weight": ("kto",),
+}
+FORMATS = ("preference", "unpaired")  # pairs; kto's unpaired examples (label or kto_tag)
 
 
 def preference_problems(cfg: Config) -> list[str]:
     pref = cfg.preference
     if pref is None:
-        given = ["data.format"] * (cfg.data.format == "preference") + [
-            f"data.path[{i}].format" for i, fmt in source_formats(cfg) if fmt == "preference"
+        given = ["data.format"] * (cfg.data.format in FORMATS) + [
+            f"data.path[{i}].format" for i, fmt in source_formats(cfg) if fmt in FORMATS
         ]
         return (
             [f"{given[0]}: preference pairs need a preference: section (e.g. preference: {{loss: dpo}})"]
@@ -27,16 +33,18 @@ def preference_problems(cfg: Config) -> list[str]:
             else []
         )
     p = []
-    if cfg.data.format not in ("auto", "preference"):
+    want = "unpaired" if pref.loss == "kto" else "preference"
+    what = "unpaired preference examples (label or kto_tag)" if pref.loss == "kto" else "preference pairs"
+    if cfg.data.format not in ("auto", want):
         p.append(
-            f"preference.loss: {pref.loss} trains on preference pairs; data.format {cfg.data.format} "
-            "is not (use data.format: preference or auto)"
+            f"preference.loss: {pref.loss} trains on {what}; data.format {cfg.data.format} "
+            f"is not (use data.format: {want} or auto)"
         )
     for i, fmt in source_formats(cfg):
-        if fmt not in ("auto", "preference"):
+        if fmt not in ("auto", want):
             p.append(
-                f"data.path[{i}].format: {fmt} is not preference pairs, and preference.loss {pref.loss} "
-                "trains on pairs only (use format: preference or auto)"
+                f"data.path[{i}].format: {fmt} is not {what}, and preference.loss {pref.loss} "
+                f"trains on {'those' if pref.loss == 'kto' else 'pairs'} only (use format: {want} or auto)"
             )
     if cfg.data.packing:
         p.append(

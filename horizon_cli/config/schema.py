@@ -128,8 +128,8 @@ class LoraConfig:
     init: str | None = _f(None)  # a PEFT adapter dir to start from (its r, alpha, targets must match)
 
 
-PREF_LOSSES = ("dpo", "cdpo", "ipo", "simpo", "orpo")
-REFERENCED = ("dpo", "cdpo", "ipo")  # the losses with a reference model
+PREF_LOSSES = ("dpo", "cdpo", "ipo", "simpo", "orpo", "kto")
+REFERENCED = ("dpo", "cdpo", "ipo")  # the pair losses with a reference model (kto has one too)
 
 
 @dataclass
@@ -142,6 +142,8 @@ class PreferenceConfig:
     label_smoothing: float = _f(0.0, min=0.0, max=0.49)  # cdpo, simpo: the conservative loss's epsilon
     simpo_gamma: float = _f(0.5, min=0.0)  # simpo: the target reward margin
     sft_weight: float = _f(0.0, min=0.0)  # + this x the chosen completions' mean NLL (TRL's rpo_alpha)
+    desirable_weight: float = _f(1.0, min=0.0)  # kto: the desirable examples' loss weight (TRL's name)
+    undesirable_weight: float = _f(1.0, min=0.0)  # kto: the undesirable examples' loss weight
 
 
 @dataclass

@@ -4,7 +4,7 @@ Stages, one module each:
 
     catalog    data.path (one source, a list, LLaMA-Factory's dataset_info.json via registry) -> sources
     source     find and load raw records (local file, save_to_disk dir, hub name) via `datasets`
-    formats    text | instruction | chat | prompt_completion | tokens | preference: `auto`
+    formats    text | instruction | chat | prompt_completion | tokens | preference | unpaired: `auto`
     fields     the fields no format reads: metadata, text (a warning) or meaning (refused)
     records    a record -> its turns as text (scalars, system/history, sharegpt, tool calls)
     templates  chat-template / Alpaca rendering, checked against the record, and the loss spans
@@ -12,6 +12,8 @@ Stages, one module each:
     completion prompt/completion records as TRL's SFTTrainer tokenizes them
     preference preference records -> (prompt, chosen, rejected) ids, as TRL's DPOTrainer tokenizes them
     pairs      pairs -> two rows each (TRL's truncation); PairSet: a token set seen pair by pair
+    unpaired   KTO records -> (prompt, completion, desirable) ids as TRL's KTOTrainer; each example
+               with a mismatched completion (TRL's KL pairs), two rows seen as a PairSet
     build      one source -> its rows (long text split, the rest truncated and counted)
     pack       greedy packing with per-document doc_ids and boundary-masked labels; long-text pieces
     tokset     TokenSet: flat numpy arrays (tokens, labels, row offsets, doc_ids)

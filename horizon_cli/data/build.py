@@ -22,6 +22,7 @@ from .formats import columns_for, resolve_format
 from .pack import Packer, pieces
 from .pairs import build_pairs
 from .tokset import RowBuilder, TokenSet
+from .unpaired import build_unpaired_set
 
 RECORDS_PER_BATCH = 1000  # records tokenized per tokenizer call
 Log = Callable[[str], None]
@@ -44,12 +45,15 @@ def build_token_set(
     message tags)."""
     if len(ds) == 0:
         raise InputError(f"{name}: the dataset is empty (no records)")
-    chosen = resolve_format(fmt, list(ds.column_names), name)
+    ignored_tags = {"kto_tag", "label"} & set(data_cfg.ignore_fields)  # declared metadata: not KTO
+    chosen = resolve_format(fmt, [c for c in ds.column_names if c not in ignored_tags], name)
     log(f"data: {name}: format {chosen}" + (" (auto-detected from its fields)" if fmt == "auto" else ""))
     if chosen == "preference":  # pairs: two rows each (data.pairs)
         ts = build_pairs(ds, tokenizer, data_cfg, name, log, _vocab("tokens", tokenizer, vocab_size), adapt)
         warn_ignored(ts.stats, chosen, name, log)
         return ts
+    if chosen == "unpaired":  # KTO examples, one row each (data.unpaired)
+        return build_unpaired_set(ds, tokenizer, data_cfg, name, log, adapt)
     ignore = frozenset(data_cfg.ignore_fields)
     read = columns_for(chosen, ds.column_names)
     ignored = unread_columns(ds, read, Unread(chosen, name, ignore))  # refuses meaning before any work

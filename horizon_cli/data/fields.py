@@ -12,7 +12,8 @@ is one of three things, decided in this order:
                `kto_tag: false` and TRL's `label: false` mark a response to avoid; a `weight`
                or `score` asks for a weighted loss), so training on the record as plain SFT
                would be silently wrong. `kto_tag`, and a boolean `label` on a record with a
-               response, are unpaired preference (KTO) data and say so.
+               response, are unpaired preference (KTO) data (format unpaired, which `auto`
+               picks): read with another format named, they say so.
     text       anything else with content (a non-blank string, a non-empty list or object):
                named in one warning line per field, with the number of records that hold it
 
@@ -42,7 +43,7 @@ MEANING_FIELDS = frozenset(
      "advantage", "advantages", "rating", "ratings", "rank", "ranking", "preference", "preferred",
      "chosen", "rejected", "train", "training")
 )  # fmt: skip
-KTO = "unpaired preference (KTO) training is not supported"
+KTO = "unpaired preference (KTO) data is trained by preference: {loss: kto} with data.format unpaired or auto"
 MEDIA_FEATURES = ("Image", "Audio", "Video", "Pdf", "Nifti")  # `datasets` features decoded on read
 
 

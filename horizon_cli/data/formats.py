@@ -13,8 +13,11 @@
                        "instruction" (or an implicit prompt), or pre-tokenized {"prompt_input_ids",
                        "chosen_input_ids", "rejected_input_ids"}: pairs (data.preference, data.pairs),
                        trained by a `preference:` section
+    unpaired           {"completion", "label": bool} (TRL, with a "prompt"), or LLaMA-Factory's
+                       "kto_tag" (bool) on alpaca or sharegpt records: unpaired preference
+                       (data.unpaired), trained by `preference: {loss: kto}`
 
-`auto` picks the first format whose fields are present, in the order tokens, preference, chat,
+`auto` picks the first format whose fields are present, in the order tokens, preference, unpaired, chat,
 prompt_completion, instruction, text (the most specific first: a pre-tokenized set may also carry
 its `text`, a preference pair its `messages` or `instruction`).
 
@@ -26,13 +29,15 @@ from __future__ import annotations
 
 from ..errors import InputError
 
-FORMATS = ("text", "instruction", "chat", "prompt_completion", "tokens", "preference")
-DETECT = ("tokens", "preference", "chat", "prompt_completion", "instruction", "text")  # `auto`, in order
+FORMATS = ("text", "instruction", "chat", "prompt_completion", "tokens", "preference", "unpaired")
+# `auto`, in order
+DETECT = ("tokens", "preference", "unpaired", "chat", "prompt_completion", "instruction", "text")
 
 # format -> groups of fields; each group needs one of its alternatives
 REQUIRED: dict[str, tuple[tuple[str, ...], ...]] = {
     "tokens": (("input_ids",),),
     "preference": (("chosen", "chosen_input_ids"), ("rejected", "rejected_input_ids")),
+    "unpaired": (("kto_tag", "label"), ("completion", "output", "conversations", "messages")),
     "chat": (("messages", "conversations"),),
     "prompt_completion": (("prompt",), ("completion",)),
     "instruction": (("instruction",), ("output",)),
@@ -44,6 +49,7 @@ OPTIONAL = {
     "chat": ("system", "tools"),
     "prompt_completion": ("tools",),
     "text": (),
+    "unpaired": ("prompt", "instruction", "input", "system", "history", "tools"),
     "preference": (
         "prompt",
         "prompt_input_ids",
@@ -96,4 +102,6 @@ def columns_for(fmt: str, columns: list[str]) -> list[str]:
 
 
 def _has_fields(fmt: str, columns: list[str]) -> bool:
+    if fmt == "unpaired":  # LLaMA-Factory's kto_tag on any record, TRL's label with a completion
+        return "kto_tag" in columns or ("label" in columns and "completion" in columns)
     return all(any(f in columns for f in group) for group in REQUIRED[fmt])

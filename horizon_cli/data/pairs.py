@@ -148,7 +148,15 @@ class PairSet:
     def label_tokens(self) -> int:
         return self.ts.select(self.row_ids()).label_tokens if self.index is not None else self.ts.label_tokens
 
+    def desirable(self, pairs) -> np.ndarray:
+        """(n,) bool: KTO examples (format `unpaired`): whether each is desirable."""
+        return np.asarray(self.ts.stats["desirable"], dtype=bool)[
+            self.stored[np.asarray(pairs, dtype=np.int64)]
+        ]
+
     def summary(self) -> str:
+        if self.format == "unpaired":
+            return f"{len(self)} examples ({2 * len(self)} sequences with the mismatched ones), {self.num_tokens} tokens"
         return f"{len(self)} pairs ({2 * len(self)} sequences), {self.num_tokens} tokens, {self.label_tokens} with loss"
 
     def fingerprint(self) -> str:

@@ -25,6 +25,7 @@ from .collate import pad_id_of
 from .mixture import MixedSet
 from .pairs import PairSet, as_pairs
 from .tokset import TokenSet
+from .unpaired import kto_rows
 
 Log = Callable[[str], None]
 RowSet = TokenSet | MixedSet | PairSet  # PairSet: preference pairs, counted as pairs
@@ -71,8 +72,18 @@ def prepare_data(
     def load(spec: catalog.Spec) -> TokenSet:
         return load_token_set(spec, data_cfg, tokenizer, cache_dir=root, log=log, vocab_size=vocab_size)
 
-    parts = [as_pairs(load(s)) for s in specs]
+    def view(ts: TokenSet):  # pairs and KTO examples (two rows each) are seen pair by pair
+        if ts.format == "unpaired":
+            return PairSet(kto_rows(ts, data_cfg.max_seq_len, batch_size or len(ts)))
+        return as_pairs(ts)
+
+    parts = [view(load(s)) for s in specs]
     formats = sorted({p.format for p in parts})
+    if "unpaired" in formats and (len(parts) > 1 or specs[0].weight != 1.0 or specs[0].num_samples):
+        raise InputError(
+            "data.path: unpaired preference (KTO) data trains from one source of weight 1 (the mismatched "
+            "completions pair examples of one set)"
+        )
     if "preference" in formats and len(formats) > 1:
         other = next(s.label for s, p in zip(specs, parts, strict=True) if p.format != "preference")
         raise InputError(
@@ -80,7 +91,7 @@ def prepare_data(
             "sources hold preference pairs: a run trains on pairs or on sequences, not both"
         )
     eval_fmt = formats[0] if len(formats) == 1 else data_cfg.format
-    evals = [as_pairs(load(s)) for s in catalog.eval_specs(data_cfg, specs, eval_fmt)]
+    evals = [view(load(s)) for s in catalog.eval_specs(data_cfg, specs, eval_fmt)]
     if data_cfg.eval_fraction > 0:
         pairs = [split_eval(p, data_cfg.eval_fraction, seed, k) for k, p in enumerate(parts)]
         parts, evals = [a for a, _ in pairs], [b for _, b in pairs]
@@ -115,7 +126,9 @@ def epoch_text(rows: int, batch_size: int | None, what: str = "rows") -> str:
 
 
 def unit_of(rows) -> str:
-    return "pairs" if isinstance(rows, PairSet) else "rows"
+    if isinstance(rows, PairSet):
+        return "examples" if rows.format == "unpaired" else "pairs"
+    return "rows"
 
 
 def check_lengths(data_cfg, model_max_len: int | None) -> None:

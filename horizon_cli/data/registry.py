@@ -6,7 +6,8 @@ it maps only a prompt column, LLaMA-Factory's pre-training shape; sharegpt -> ch
 true` -> preference), its `columns` (LLaMA-Factory's names -> the dataset's) and, for sharegpt,
 its message `tags`. The columns are renamed to horizon's names (`prompt` -> instruction, `query`
 -> input, `response` -> output, `messages` -> conversations, ...); a column the entry does not
-map keeps its name and is read or judged as usual (fields.py: a `kto_tag` column stops the run).
+map keeps its name and is read or judged as usual; an entry whose `columns` name a `kto_tag` is
+unpaired preference (KTO) data (format unpaired).
 Messages with other tags are rewritten to ShareGPT's from/value with its role names (tags that
 name OpenAI's role/content keys and roles leave the messages as they are, tool calls and all).
 `num_samples` scales the source's share of the mixture (num_samples / records of its rows).
@@ -108,6 +109,8 @@ def _entry(name: str, e: dict, root: Path, where: str) -> Entry:
             "read; give file_name (a local file) or hf_hub_url"
         )
     fmt = "preference" if e.get("ranking") else "chat" if formatting == "sharegpt" else "instruction"
+    if not e.get("ranking") and any(h == "kto_tag" for _, h in rename):
+        fmt = "unpaired"  # LLaMA-Factory's KTO data: a kto_tag column (data.unpaired)
     cols = e.get("columns") or {}
     # LLaMA-Factory's pre-training entry maps only the prompt ({"columns": {"prompt": "text"}})
     text = (

@@ -1,11 +1,13 @@
-"""What a run's steps train on, decided once: rows (SFT) or pairs (preference), as micro-batches
-for the engine, and what each adds to a step's metrics.
+"""What a run's steps train on, decided once: rows (SFT), pairs (preference) or KTO examples, as
+micro-batches for the engine, and what each adds to a step's metrics.
 
     SftBatches   a step's train.batch_size rows -> micro-batches of micro_batch_size rows; the
                  engine's default objective (engine.objective.TokenCE)
     PairBatches  a step's train.batch_size pairs -> micro-batches of micro_batch_size whole pairs
                  (data.pairs), with their reference log-probs (train.reference) for dpo/ipo; the
                  pair objective (engine.pref_loss); metrics as TRL logs them, means over the pairs
+    KTOBatches   a step's train.batch_size KTO examples (each its completion and a mismatched one,
+                 data.unpaired) with their reference log-probs; engine.kto_loss; KTOTrainer's metrics
 
 Both take the step's examples from the sampler (data.sampler: a pure function of seed and step),
 so a resumed run sees the batches it would have seen.
@@ -23,9 +25,12 @@ from ..config import Config
 from ..data import PreparedData, batch_indices, batch_rows, collate
 from ..data.batch import IGNORE, MicroBatch
 from ..data.pairs import collate_pairs
+from ..data.unpaired import collate_unpaired
+from ..engine.kto_loss import KTOObjective
 from ..engine.objective import Objective
 from ..engine.pref_loss import STATS, PairObjective
 from ..errors import InputError
+from ..parallel.launch import world_from_env
 
 
 class SftBatches:
@@ -98,8 +103,69 @@ class PairBatches(SftBatches):
         return "" if acc is None else f"  acc {acc:.2f} margin {margin:.3f}"
 
 
+class KTOBatches(PairBatches):
+    """A step's train.batch_size KTO examples (data.unpaired: each its completion and a mismatched
+    one) -> micro-batches of micro_batch_size whole examples, with their reference log-probs; the
+    KTO objective (engine.kto_loss); metrics as TRL's KTOTrainer logs them."""
+
+    def __init__(self, cfg: Config, data: PreparedData):
+        SftBatches.__init__(self, cfg, data)
+        assert cfg.preference is not None
+        if (
+            world_from_env()[0] > 1
+        ):  # the KL numerator is not yet summed across ranks (engine.kto_loss all_sum)
+            raise InputError(
+                "preference.loss: kto runs on one process for now (torchrun with WORLD_SIZE > 1 is refused)"
+            )
+        self.objective = self.pairs = KTOObjective(cfg.preference)  # type: ignore[assignment]
+        self.ref = {}
+
+    def step(self, step: int) -> tuple[list[MicroBatch], int]:
+        t = self.cfg.train
+        idx = batch_indices(len(self.data.train), step, t.batch_size, t.seed, self.cfg.data.shuffle)
+        return self._collate(self.data.train, idx, "train")
+
+    def _eval(self, idx: np.ndarray) -> list[MicroBatch]:
+        return self._collate(self.data.eval, idx, "eval")[0]
+
+    def _collate(self, rows, idx: np.ndarray, name: str) -> tuple[list[MicroBatch], int]:
+        got = rows.rows(idx)
+        mbs = collate_unpaired(
+            got, rows.desirable(idx), self.cfg.train.micro_batch_size, self.data.pad_id, self.ref[name][idx]
+        )
+        return mbs, sum(len(r.input_ids) for r in got)
+
+    def metrics(self, stats: dict[str, float], n: int, prefix: str = "") -> dict:
+        """TRL's rewards/chosen, rewards/rejected, logps/* (means over each kind's examples, None
+        when the batch has none), rewards/margins (with both), kl (the batch's estimate)."""
+        out: dict = {}
+        for kind in ("chosen", "rejected"):
+            c = stats.get(f"count_{kind}", 0.0)
+            for what in ("rewards", "logps"):
+                out[f"{prefix}{what}_{kind}"] = stats[f"{what}_{kind}"] / c if c else None
+        rc, rr = out[f"{prefix}rewards_chosen"], out[f"{prefix}rewards_rejected"]
+        out[f"{prefix}rewards_margin"] = rc - rr if rc is not None and rr is not None else None
+        out[f"{prefix}kl"] = stats["kl"] / n if n else None
+        return out | ({} if prefix else {"examples": n})
+
+    def show(self, row: dict) -> str:
+        kl = row.get("kl")
+        return "" if kl is None else f"  kl {kl:.3f}"
+
+
 def make_batches(cfg: Config, data: PreparedData) -> SftBatches:
     """The strategy for this run; preference data and a preference: section go together."""
+    kto = cfg.preference is not None and cfg.preference.loss == "kto"
+    if kto or data.format == "unpaired":
+        if data.format != "unpaired" or not kto:
+            raise InputError(
+                f"data.path: {cfg.data.path} holds unpaired preference examples (label or kto_tag); train them "
+                "with preference: {loss: kto}"
+                if not kto
+                else f"preference.loss: kto trains on unpaired preference examples (label or kto_tag); "
+                f"data.path {cfg.data.path} is format {data.format}"
+            )
+        return KTOBatches(cfg, data)
     pairs = data.format == "preference"
     if cfg.preference is not None and not pairs:
         raise InputError(

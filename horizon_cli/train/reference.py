@@ -1,4 +1,4 @@
-"""The reference of a preference run (dpo, cdpo, ipo): every pair's chosen and rejected log-prob under the
+"""The reference of a preference run (dpo, cdpo, ipo; kto: each example's completion and mismatched one): every pair's chosen and rejected log-prob under the
 initial weights, computed once before step 1 by streamed forward-only sweeps (engine.Engine.sequence_logps: each layer loaded once per train.batch_size
 pairs, not once per pair), kept in the run dir and reused on resume.
 
@@ -149,21 +149,22 @@ def reference_plan(cfg, data: PreparedData | None, layers: int) -> dict | None:
     A sweep loads each layer once and runs the forward only: a training step loads it twice and
     computes about four forwards' worth (forward, recompute, backward), so a sweep costs about a
     half to a quarter of a step, whichever of the link and the compute bounds the run."""
-    if cfg.preference is None or cfg.preference.loss not in REFERENCED:
+    if cfg.preference is None or cfg.preference.loss not in (*REFERENCED, "kto"):
         return None
     out: dict = {"pairs": None, "sweeps": None, "layer_loads": None, "step_equivalents": None}
+    unit = "examples" if cfg.preference.loss == "kto" else "pairs"  # kto: two sequences each, as a pair
     if data is not None:
         pairs = len(data.train) + (len(data.eval) if data.eval is not None else 0)
         n = math.ceil(len(data.train) / cfg.train.batch_size)
         n += math.ceil(len(data.eval) / cfg.train.batch_size) if data.eval is not None else 0
         out.update(pairs=pairs, sweeps=n, layer_loads=n * layers, step_equivalents=[n / 4, n / 2])
         text = (
-            f"reference pass: {pairs:,} pairs in {n:,} forward-only sweeps of the layers (each layer loaded "
+            f"reference pass: {pairs:,} {unit} in {n:,} forward-only sweeps of the layers (each layer loaded "
             f"{n:,} times), about {n / 4:,.1f} to {n / 2:,.1f} training steps' time; kept in "
             f"{cfg.output.dir}/reference"
         )
     else:
-        text = "reference pass: one forward-only sweep per train.batch_size pairs (the data is not tokenized here)"
+        text = f"reference pass: one forward-only sweep per train.batch_size {unit} (the data is not tokenized here)"
     return out | {"text": text}
 
 
