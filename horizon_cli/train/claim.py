@@ -17,13 +17,10 @@ from typing import TypeVar
 from rich.console import Console
 
 from ..config import Config
-from ..engine.ranks import main_first
 from ..errors import HorizonError, InputError
 from ..parallel.comm import Dist
 from ..store import Store
 from .rundir import RunDir
-
-__all__ = ["claim", "main_first"]
 
 T = TypeVar("T")
 
