@@ -362,3 +362,45 @@ def test_a_resumed_kto_run_equals_an_uninterrupted_one(tmp_path, tiny_store):
     assert files
     for f in files:
         assert (ca / f).read_bytes() == (cb / f).read_bytes(), f
+
+
+@pytest.mark.slow
+def test_two_ranks_train_what_one_trains(tmp_path, tiny_store):
+    """torchrun with 2 ranks: the KL estimate is the global batch's (summed across the ranks), so
+    losses, metrics (eval included, whose second batch pads a rank) and the export equal 1 rank's."""
+    from conftest import write_config, write_jsonl
+    from safetensors.torch import load_file
+    from test_dist import torchrun
+    from test_pref_train import quiet
+
+    from horizon_cli.train.metrics import read_metrics
+
+    recs = [
+        {"prompt": p, "completion": c, "label": b}
+        for p, c, b in zip(PROMPTS * 2, COMPLETIONS[::-1] + COMPLETIONS, LABELS + LABELS[::-1], strict=True)
+    ]
+    data = write_jsonl(tmp_path / "kto.jsonl", recs)
+    sections = dict(
+        train={"steps": 3, "batch_size": 4, "micro_batch_size": 1, "eval_every": 3, "eval_batches": 2},
+        data={"eval_fraction": 0.2},
+        engine={"compute_threads": 1},
+        preference=PREF,
+        output={"save_every": 0, "export": True},
+    )
+    cfgs = {
+        n: write_config(tmp_path / f"{n}.yaml", tiny_store, data, tmp_path / n, **sections)
+        for n in ("one", "two")
+    }
+    quiet(cfgs["one"])
+    r = torchrun(2, cfgs["two"])
+    assert r.returncode == 0, r.stderr
+    a, b = (read_metrics(tmp_path / n / "metrics.jsonl") for n in ("one", "two"))
+    assert a[-1].get("eval_kl") is not None
+    for x, y in zip(a, b, strict=True):
+        for k in ("loss", "kl", "rewards_chosen", "logps_rejected", "eval_loss", "eval_kl"):
+            assert (x.get(k) is None) == (y.get(k) is None), k
+            if x.get(k) is not None:
+                assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-6), k
+    ea, eb = (load_file(str(next((tmp_path / n / "export").glob("*.safetensors")))) for n in ("one", "two"))
+    for k in ea:
+        assert torch.allclose(ea[k], eb[k], rtol=1e-5, atol=1e-6), k
