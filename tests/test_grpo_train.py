@@ -193,7 +193,9 @@ def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path, tiny
 
 def _cfg(tmp_path, tiny_store, rl: dict) -> object:
     data = write_jsonl(tmp_path / "p.jsonl", _prompts())
-    return write_config(tmp_path / "c.yaml", tiny_store, data, tmp_path / "run", rl=rl)
+    return write_config(
+        tmp_path / "c.yaml", tiny_store, data, tmp_path / "run", rl={"max_completion_length": 8, **rl}
+    )
 
 
 @pytest.mark.parametrize(

@@ -2,13 +2,12 @@
 
 Single values are checked by the schema's metadata (num_generations >= 2, beta >= 0, loss_type
 and scale_rewards among TRL 1.16's names). Here: at least one reward; a reward names a built-in,
-an existing "file.py:name" or a "module:name"; each built-in's own keys given, and only those; no
+a "file.py:name" or a "module:name"
+(whether it is there is the start's check, rl.rewards: a file is relative to the working directory); each built-in's own keys given, and only those; no
 `preference:` section beside it; prompts only, not packed.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from .schema import BUILTIN_REWARDS, Config
 
@@ -56,6 +55,4 @@ def _function_problems(key: str, fn: str) -> list[str]:
             f"{key}.function: {fn!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor "
             '"file.py:name" or "module:name"'
         ]
-    if mod.endswith(".py") and not Path(mod).is_file():
-        return [f"{key}.function: {mod} does not exist (a reward file, relative to the working directory)"]
-    return []
+    return []  # whether the file or module is there: rl.rewards, at the start (it reads the cwd)

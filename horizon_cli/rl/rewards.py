@@ -65,7 +65,9 @@ def _import(spec: str, key: str) -> Callable:
         if mod.endswith(".py"):
             path = Path(mod)
             if not path.is_file():
-                raise InputError(f"{key}.function: {mod} does not exist")
+                raise InputError(
+                    f"{key}.function: {mod} does not exist (a reward file, relative to the working directory)"
+                )
             unit = f"horizon_reward_{abs(hash(str(path.resolve())))}"
             s = importlib.util.spec_from_file_location(unit, path)
             assert s is not None and s.loader is not None
