@@ -259,3 +259,24 @@ def test_a_reward_error_after_a_checkpoint_leaves_that_checkpoint_the_newest(tmp
     run = tmp_path / "run"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]
     assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["step-1.jsonl", "step-2.jsonl"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_reference_is_the_initial_model(tmp_path, tiny_store, lora):
+    """beta > 0: at step 1 the policy is the reference (a forward-only engine on the store; fresh
+    LoRA adapters: the base, adapters off), so kl is 0 exactly; after an update it is not."""
+    from horizon_cli.train.metrics import read_metrics
+
+    extra = {"lora": {"r": 4, "alpha": 8}} if lora else {}
+    run = _run(tmp_path, tiny_store, "run", {"beta": 0.04}, ["train.steps=2", "optim.lr=0.02"], **extra)
+    rows = read_metrics(run / "metrics.jsonl")
+    assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0
+
+
+def test_the_rl_section_is_part_of_the_trajectory(tmp_path, tiny_store):
+    """Resuming with another rl value (or without rl:) is refused unless train.accept_changes names it."""
+    rl = {"num_generations": 2, "max_completion_length": 4, "rewards": [{"function": "length", "target": 2}]}
+    cfg = _cfg(tmp_path, tiny_store, rl)
+    assert horizon("train", cfg, "train.steps=2").exit_code == 0
+    line = one_error_line(horizon("train", cfg, "train.steps=3", "rl.beta=0.1"))
+    assert "rl.beta 0.0 -> 0.1" in line and "train.accept_changes=[rl.beta]" in line
