@@ -97,7 +97,7 @@ def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) 
     spec = spec if isinstance(spec, ArchSpec) else spec.arch
     e = resolve_dtype(cfg.engine, cfg.optim.memory)  # resolved already by train (the dry run's plan)
     seq = min(cfg.data.max_seq_len, spec.max_positions)
-    rows = cfg.rows_per_example  # a preference pair is two sequences in the same micro-batch
+    rows = cfg.rows_per_example  # a preference pair is two sequences in the same micro-batch (rl: 1)
     if memory in ("lora", "qlora"):
         targets, r = (lora.targets, lora.r) if lora else default_adapters(spec)
         return lora_memory_plan(
@@ -106,8 +106,8 @@ def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) 
             r,
             e.dtype,
             e.grad_dtype,
-            batch=cfg.train.batch_size * rows,
-            micro_batch=cfg.train.micro_batch_size * rows,
+            batch=cfg.step_sequences,
+            micro_batch=cfg.train.micro_batch_size * rows,  # rl: completions
             seq=seq,
             prefetch=e.prefetch,
             loss_chunk=e.loss_chunk,
@@ -121,8 +121,8 @@ def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) 
         spec,
         dtype,
         e.grad_dtype if memory != "lean" else "auto",
-        batch=cfg.train.batch_size * rows,
-        micro_batch=cfg.train.micro_batch_size * rows,
+        batch=cfg.step_sequences,
+        micro_batch=cfg.train.micro_batch_size * rows,  # rl: completions
         seq=seq,
         prefetch=e.prefetch,
         loss_chunk=e.loss_chunk,

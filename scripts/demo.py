@@ -13,6 +13,11 @@ the exported model merged (runs/demo-lora/export) beside the PEFT adapter (runs/
 `--dpo` (`make demo-dpo`, configs/demo-dpo.yaml) aligns instead of teaching: DPO on 40 built-in pairs
 (horizon_cli/demo/prefs.jsonl) that prefer a pirate's answer to the plain one the model gives; the
 reference pass runs first, then rewards_accuracy rises step by step and the answers change style.
+
+`--grpo` (`make demo-grpo`, configs/demo-grpo.yaml) trains online: GRPO on 64 prompts ("Write the
+number ninety-eight in digits.", horizon_cli/demo/numbers.jsonl) with two verifiable rewards (the
+reply's number is right; the reply is short); each step samples 8 answers to 2 prompts on the
+weights being trained, and the mean reward per step is printed at the end.
 """
 
 from __future__ import annotations
@@ -28,11 +33,18 @@ HF = REPO / ".cache" / "smollm2" / "hf"
 STORE = REPO / ".cache" / "smollm2" / "store"
 LORA = "--lora" in sys.argv[1:]
 DPO = "--dpo" in sys.argv[1:]
-NAME = "demo-dpo" if DPO else "demo-lora" if LORA else "demo"
+GRPO = "--grpo" in sys.argv[1:]
+NAME = "demo-grpo" if GRPO else "demo-dpo" if DPO else "demo-lora" if LORA else "demo"
 RUN = REPO / "runs" / NAME
 CONFIG = f"configs/{NAME}.yaml"
 QUESTIONS = (
-    ["What is the capital of France?", "How many legs does a spider have?", "What is the capital of Peru?"]
+    ["Write the number ninety-eight in digits.", "Write the number thirty-one in digits."]
+    if GRPO
+    else [
+        "What is the capital of France?",
+        "How many legs does a spider have?",
+        "What is the capital of Peru?",
+    ]
     if DPO  # two from the pairs, one the pairs never ask
     else ["Who is the mascot of the horizon project?", "What is the capital of Velmora?"]
 )
@@ -77,7 +89,9 @@ def main() -> None:
     for q, a in zip(QUESTIONS, before, strict=True):
         print(f"  Q: {q}\n  A: {a}")
     how = "with LoRA " if LORA else ""
-    if DPO:
+    if GRPO:
+        banner("4/5 GRPO on horizon_cli/demo/numbers.jsonl (rewards: the right number, a short reply)")
+    elif DPO:
         banner(
             "4/5 DPO on horizon_cli/demo/prefs.jsonl (40 pairs: a pirate's answer preferred to a plain one)"
         )
@@ -91,8 +105,11 @@ def main() -> None:
         print(f"  Q: {q}\n  before: {a0}\n  after:  {a1}")
     if DPO:
         accuracy(RUN / "metrics.jsonl")
+    if GRPO:
+        rewards(RUN / "metrics.jsonl")
     print(
-        f"\nloss curve: {RUN / 'loss.png'}   metrics: {RUN / 'metrics.jsonl'}   HF export: {RUN / 'export'}"
+        f"\nloss curve: {RUN / 'loss.png'}   metrics: {RUN / 'metrics.jsonl'}"
+        + (f"   HF export: {RUN / 'export'}" if (RUN / "export").exists() else "")
     )
 
 
@@ -105,6 +122,16 @@ def accuracy(metrics: Path) -> None:
     print("\n  rewards_accuracy by step: " + " ".join(f"{r['rewards_accuracy']:.2f}" for r in rows))
     evals = [f"{r['eval_rewards_accuracy']:.2f}" for r in rows if r.get("eval_rewards_accuracy") is not None]
     print(f"  on the held-out pairs:    {' '.join(evals)}")
+
+
+def rewards(metrics: Path) -> None:
+    """The mean reward of each step's rollouts (sampled on the weights of that step)."""
+    import json
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    print("\n  mean reward by step:        " + " ".join(f"{r['reward']:.2f}" for r in rows))
+    print("  right number, by step:      " + " ".join(f"{r['rewards/correct/mean']:.2f}" for r in rows))
+    print(f"  rollouts: {metrics.parent / 'rollouts'}/step-N.jsonl")
 
 
 if __name__ == "__main__":

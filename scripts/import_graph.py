@@ -35,7 +35,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("export", "ladder"),
     ("engine",),
     ("preflight", "inspect"),
-    ("train", "profile", "generate"),
+    ("profile", "generate"),
+    ("rl",),  # online RL: rewards, advantages, rollouts from generate, the loop's strategy for train
+    ("train",),
     ("api",),
     ("cli", "__main__"),
     ("testing",),  # what tests, scripts/ and benchmarks/ share; nothing in the package imports it

@@ -82,3 +82,20 @@ def test_generic_config_fits_its_machine(model):
     assert plan.host_total < ram * 0.8
     assert plan.device_total < 141e9 * 0.8
     assert plan.bytes_per_param < 14.2
+
+
+def test_llama70b_grpo_plans_its_rollouts_on_paper():
+    """The GRPO config's plan (rl/plan.py, what its dry run prints): it fits like SFT of the same
+    tokens, and its rollout on paper is what the config's header says (link-bound, the KV cache of
+    128 completions on the device)."""
+    from horizon_cli.rl.plan import rollout_plan
+
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "llama70b-grpo.yaml")
+    spec = spec_from_hf(LLAMA_31_70B)
+    plan = plan_for(cfg, spec, "exact")
+    assert plan.host_total < 1.5e12 * 0.85 and plan.device_total < 141e9 * 0.5  # 1.21 TB: 0.29 TB left
+    roll = rollout_plan(cfg, None, spec, cfg.engine.dtype, "", int(141e9) - plan.device_total)
+    assert roll is not None and roll["rows"] == 128 and roll["sweeps"] == 1024
+    assert 129 * 2**30 < roll["sweep_bytes"] < 130 * 2**30  # bf16 weights, one sweep
+    assert roll["kv_bytes"] == 50 * 2**30 and roll["kv_where"] == "device"
+    assert 2700 < roll["rollout_s"] < 2900

@@ -228,7 +228,16 @@ def test_auto_detection(tmp_path, tok, rec, fmt):
 
 def test_auto_detection_fails_naming_the_fields(tmp_path, tok):
     with pytest.raises(
-        InputError, match=r"data.jsonl: cannot detect the data format from fields \[prompt, answer\]"
+        InputError, match=r"data.jsonl: cannot detect the data format from fields \[question, answer\]"
+    ):
+        prep(tmp_path, [{"question": "a", "answer": "b"}], tok)
+
+
+def test_prompt_only_records_are_detected_and_sent_to_rl(tmp_path, tok):
+    """TRL's prompt-only records (a prompt and a column for the rewards) are format prompt, which
+    only an rl: run trains (data.prompt_only): an SFT run says so in one line."""
+    with pytest.raises(
+        InputError, match=r"data.jsonl: holds prompts only .* train them online with an rl: section"
     ):
         prep(tmp_path, [{"prompt": "a", "answer": "b"}], tok)
 

@@ -86,7 +86,7 @@ def check_command(argv: list[str]) -> None:
         assert all((ROOT / s).exists() for s in scripts), argv
 
 
-SECTIONS = {"model", "data", "train", "optim", "schedule", "engine", "lora", "preference", "output", "log"}
+SECTIONS = {"model", "data", "train", "optim", "schedule", "engine", "lora", "preference", "rl", "output", "log"}  # fmt: skip
 BASE = {"model": {"path": "stores/a"}, "data": {"path": "sft.jsonl"}, "output": {"dir": "runs/a"}}
 
 

@@ -22,6 +22,7 @@ import yaml
 from .. import utf8
 from ..errors import ConfigError, InputError
 from .preference import preference_problems
+from .rl import rl_problems
 from .schema import Config
 
 
@@ -261,7 +262,7 @@ def validate(cfg: Config) -> list[str]:
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name):
             p.append(f"{key}: required")
-    if cfg.train.batch_size % cfg.train.micro_batch_size:
+    if cfg.rl is None and cfg.train.batch_size % cfg.train.micro_batch_size:
         p.append(
             f"train.batch_size: {cfg.train.batch_size} is not a multiple of "
             f"train.micro_batch_size ({cfg.train.micro_batch_size})"
@@ -300,7 +301,7 @@ def validate(cfg: Config) -> list[str]:
         p.append(
             "train.eval_every: needs data.eval_fraction, data.eval_path or data.eval_split (or train.samples)"
         )
-    p += preference_problems(cfg)
+    p += preference_problems(cfg) + rl_problems(cfg)
     if cfg.lora is not None:
         t = cfg.lora.targets
         if not t or (isinstance(t, list) and not all(t)):

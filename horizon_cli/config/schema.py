@@ -21,7 +21,7 @@ class ModelConfig:
     path: str = _f("")  # a store written by `horizon convert`
 
 
-FORMATS = ("auto", "text", "instruction", "chat", "prompt_completion", "tokens", "preference")
+FORMATS = ("auto", "text", "instruction", "chat", "prompt_completion", "tokens", "preference", "prompt")
 
 
 @dataclass
@@ -146,6 +146,45 @@ class PreferenceConfig:
     undesirable_weight: float = _f(1.0, min=0.0)  # kto: the undesirable examples' loss weight
 
 
+RL_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo")
+BUILTIN_REWARDS = ("accuracy", "format", "length")
+
+
+@dataclass
+class RewardConfig:
+    """One reward function of an `rl:` run (rl/rewards.py): a built-in name, "file.py:name" or
+    "module:name" (TRL's calling convention), and its weight in the summed reward."""
+
+    function: str = _f("")
+    weight: float = _f(1.0)
+    name: str | None = _f(None)  # its metric name (rewards/<name>/mean); default: the function's name
+    pattern: str | None = _f(None)  # format: the regex the whole completion must match
+    target: int | None = _f(None, min=1)  # length: the target completion length in tokens
+    tolerance: int = _f(0, min=0)  # length: full reward within target +- tolerance
+    column: str | None = _f(None)  # accuracy: the answer column (default: solution, else answer)
+
+
+@dataclass
+class RLConfig:
+    """Present: online RL (rl/): each step samples num_generations completions per prompt on the
+    current weights, scores them, and trains with TRL 1.16's GRPO loss. Defaults: GRPOConfig's."""
+
+    algorithm: str = _f("grpo", choices=("grpo",))
+    loss_type: str = _f("dapo", choices=RL_LOSSES)
+    num_generations: int = _f(8, min=2)  # G: completions per prompt
+    max_completion_length: int = _f(512, min=1)
+    temperature: float = _f(1.0, gt=0.0)
+    top_p: float = _f(1.0, gt=0.0, max=1.0)
+    top_k: int = _f(0, min=0)  # 0: off
+    beta: float = _f(0.0, min=0.0)  # KL to the initial model (k3); 0: no reference pass
+    epsilon: float = _f(0.2, min=0.0)
+    epsilon_high: float | None = _f(None, min=0.0)  # None: epsilon
+    num_iterations: int = _f(1, min=1)  # optimizer steps per batch of rollouts
+    scale_rewards: str = _f("group", choices=("group", "batch", "none"))
+    mask_truncated_completions: bool = _f(False)
+    rewards: list[RewardConfig] = _f([])
+
+
 @dataclass
 class OutputConfig:
     dir: str = _f("")
@@ -180,10 +219,18 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     lora: LoraConfig | None = None  # absent: full fine-tuning
     preference: PreferenceConfig | None = None  # absent: supervised fine-tuning
+    rl: RLConfig | None = None  # present: online RL (GRPO) on prompts
     output: OutputConfig = field(default_factory=OutputConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
     def rows_per_example(self) -> int:
-        """Sequences per counted example: a preference pair is two (chosen, rejected)."""
+        """Sequences per counted example: a preference pair is two (chosen, rejected); an rl run's
+        micro-batches count completions (one sequence each)."""
         return 2 if self.preference is not None else 1
+
+    @property
+    def step_sequences(self) -> int:
+        """Sequences one optimizer step trains on: an rl run's batch_size prompts x G completions."""
+        per = self.rl.num_generations if self.rl is not None else self.rows_per_example
+        return self.train.batch_size * per

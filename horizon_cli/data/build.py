@@ -47,6 +47,10 @@ def build_token_set(
         raise InputError(f"{name}: the dataset is empty (no records)")
     ignored_tags = {"kto_tag", "label"} & set(data_cfg.ignore_fields)  # declared metadata: not KTO
     chosen = resolve_format(fmt, [c for c in ds.column_names if c not in ignored_tags], name)
+    if chosen == "prompt":  # read by data.prompt_only for an rl: run, never tokenized here
+        raise InputError(
+            f"{name}: holds prompts only (format prompt: no completion); train them online with an rl: section"
+        )
     log(f"data: {name}: format {chosen}" + (" (auto-detected from its fields)" if fmt == "auto" else ""))
     if chosen == "preference":  # pairs: two rows each (data.pairs)
         ts = build_pairs(ds, tokenizer, data_cfg, name, log, _vocab("tokens", tokenizer, vocab_size), adapt)

@@ -16,6 +16,8 @@
     unpaired           {"completion", "label": bool} (TRL, with a "prompt"), or LLaMA-Factory's
                        "kto_tag" (bool) on alpaca or sharegpt records: unpaired preference
                        (data.unpaired), trained by `preference: {loss: kto}`
+    prompt             {"prompt"} (text or messages) or {"prompt_input_ids"} and nothing of the
+                       above: TRL's prompt-only records (data.prompt_only), trained online by `rl:`
 
 `auto` picks the first format whose fields are present, in the order tokens, preference, unpaired, chat,
 prompt_completion, instruction, text (the most specific first: a pre-tokenized set may also carry
@@ -29,9 +31,9 @@ from __future__ import annotations
 
 from ..errors import InputError
 
-FORMATS = ("text", "instruction", "chat", "prompt_completion", "tokens", "preference", "unpaired")
+FORMATS = ("text", "instruction", "chat", "prompt_completion", "tokens", "preference", "unpaired", "prompt")
 # `auto`, in order
-DETECT = ("tokens", "preference", "unpaired", "chat", "prompt_completion", "instruction", "text")
+DETECT = ("tokens", "preference", "unpaired", "chat", "prompt_completion", "instruction", "text", "prompt")
 
 # format -> groups of fields; each group needs one of its alternatives
 REQUIRED: dict[str, tuple[tuple[str, ...], ...]] = {
@@ -42,6 +44,7 @@ REQUIRED: dict[str, tuple[tuple[str, ...], ...]] = {
     "prompt_completion": (("prompt",), ("completion",)),
     "instruction": (("instruction",), ("output",)),
     "text": (("text",),),
+    "prompt": (("prompt", "prompt_input_ids"),),
 }
 OPTIONAL = {
     "tokens": ("labels", "attention_mask"),
@@ -49,6 +52,7 @@ OPTIONAL = {
     "chat": ("system", "tools"),
     "prompt_completion": ("tools",),
     "text": (),
+    "prompt": (),
     "unpaired": ("prompt", "instruction", "input", "system", "history", "tools"),
     "preference": (
         "prompt",
@@ -104,4 +108,12 @@ def columns_for(fmt: str, columns: list[str]) -> list[str]:
 def _has_fields(fmt: str, columns: list[str]) -> bool:
     if fmt == "unpaired":  # LLaMA-Factory's kto_tag on any record, TRL's label with a completion
         return "kto_tag" in columns or ("label" in columns and "completion" in columns)
+    if fmt == "prompt":  # a prompt and no completion of any kind
+        return is_prompt_only(columns)
     return all(any(f in columns for f in group) for group in REQUIRED[fmt])
+
+
+def is_prompt_only(columns: list[str]) -> bool:
+    """TRL's prompt-only records: a prompt (or its ids), none of another format's fields."""
+    others = ("completion", "chosen", "rejected", "messages", "conversations", "text", "output", "input_ids")
+    return any(f in columns for f in ("prompt", "prompt_input_ids")) and not any(f in columns for f in others)

@@ -63,7 +63,7 @@ def check_fit(planned: Planned, where: Machine) -> None:
 
 def step_tokens(cfg: Config, store: Store, world: int = 1) -> int:
     """The most tokens one rank's step holds (it sizes the buffers for saved inputs once)."""
-    seqs = cfg.train.batch_size * cfg.rows_per_example  # preference: two sequences a pair
+    seqs = cfg.step_sequences  # preference: two sequences a pair; rl: G completions a prompt
     return seqs * min(cfg.data.max_seq_len, store.arch.max_positions) // world
 
 

@@ -41,6 +41,12 @@ class SftBatches:
     def prepare(self, reference) -> None:
         """Before step 1 (and on resume): nothing to compute for SFT."""
 
+    def attach(self, engine, store, run_dir, console, main: bool) -> None:
+        """Once the engine is built: what a strategy that drives it needs (rl.batches)."""
+
+    def close(self) -> None:
+        """When the run ends: what the strategy holds (rl.batches: the reference engine)."""
+
     def step(self, step: int) -> tuple[list[MicroBatch], int]:
         """The global batch of `step` as micro-batches, and its tokens without padding."""
         t = self.cfg.train
@@ -148,6 +154,10 @@ class KTOBatches(PairBatches):
 
 def make_batches(cfg: Config, data: PreparedData) -> SftBatches:
     """The strategy for this run; preference data and a preference: section go together."""
+    if cfg.rl is not None:  # online RL on prompts (rl.batches)
+        from ..rl.batches import GRPOBatches
+
+        return GRPOBatches(cfg, data)  # type: ignore[return-value]
     kto = cfg.preference is not None and cfg.preference.loss == "kto"
     if kto or data.format == "unpaired":
         if data.format != "unpaired" or not kto:

@@ -55,7 +55,7 @@ FREE = (
 # accepted. engine.dtype is refused before this (RunDir: the model and state checks).
 STATE = ("optim.memory", "lora.r")
 
-OPTIONAL = ("lora", "preference")  # sections that may be null: switching one on or off changes the run
+OPTIONAL = ("lora", "preference", "rl")  # sections that may be null: switching one on or off changes the run
 
 
 def flat(tree: dict, prefix: str = "") -> dict[str, Any]:

@@ -91,6 +91,7 @@ class Trainer:
             # the trackers start before the run dir changes: one that cannot start fails the start
             trackers = Trackers(self.cfg, self.run_dir, state["step"], self.console) if self.main else None
             try:
+                self.batches.attach(self.engine, self.store, self.run_dir, self.console, self.main)
                 self.rd.begin()  # everything is checked and loaded: from here on the run dir changes
                 self.batches.prepare(lambda: self._reference(state["step"]))  # dpo/ipo: before step 1
                 self.bad = state.get("bad_steps", 0)
@@ -113,6 +114,7 @@ class Trainer:
                 self.metrics.close()
             return self._finish(last)
         finally:
+            self.batches.close()
             self._close_engine()
 
     def _load_data(self) -> PreparedData:

@@ -22,6 +22,7 @@ from ..fsutil import write_text_atomic
 from ..ladder import HOW, PlannedModel, best_rung, fit_parts, fits, not_applicable
 from ..planning.fit import Machine
 from ..planning.memory import MemoryPlan
+from ..rl.plan import rollout_plan
 from ..runtime.dtype import DtypeChoice
 from ..store import Store
 from .batches import make_batches
@@ -76,6 +77,11 @@ def dry_run_report(
     if ref is not None:
         console.print(ref.pop("text"), highlight=False)
         report["reference"] = ref
+    free = None if where.device is None else max(0, where.device - plan.device_total)
+    roll = rollout_plan(cfg, data, model.arch, cfg.engine.dtype, "nf4" if chosen == "qlora" else "", free)
+    if roll is not None:  # rl: one step's rollouts on paper
+        console.print(roll.pop("text"), highlight=False)
+        report["rollouts"] = roll
     if json_out is not None:
         write_json(json_out, report)
     if refused is not None:

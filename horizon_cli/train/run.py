@@ -58,7 +58,8 @@ def run_training(
     if not dry_run:  # the cli refuses these flags without --dry-run
         assert machine is None and ranks == (None, None)
     world = world_for(*ranks)
-    check_world(cfg.train.batch_size, cfg.train.micro_batch_size, world.size)
+    if cfg.rl is None:  # rl: micro-batches split the batch_size x G completions freely (one process)
+        check_world(cfg.train.batch_size, cfg.train.micro_batch_size, world.size)
     preflight.check_output_file(json_out, "--json")
     model = open_model(cfg.model.path, fetch=dry_run)  # a hub id: its config.json, dry runs only
     if not dry_run and not isinstance(model, Store):

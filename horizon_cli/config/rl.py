@@ -1,0 +1,58 @@
+"""The `rl:` section's cross-field checks (online RL, rl/): what it trains on and its rewards.
+
+Single values are checked by the schema's metadata (num_generations >= 2, beta >= 0, loss_type
+and scale_rewards among TRL 1.16's names). Here: at least one reward; a reward names a built-in,
+a "file.py:name" or a "module:name"
+(whether it is there is the start's check, rl.rewards: a file is relative to the working directory); each built-in's own keys given, and only those; no
+`preference:` section beside it; prompts only, not packed.
+"""
+
+from __future__ import annotations
+
+from .schema import BUILTIN_REWARDS, Config
+
+NEEDS = {"format": ("pattern",), "length": ("target",)}
+ONLY = {"pattern": "format", "target": "length", "column": "accuracy"}
+
+
+def rl_problems(cfg: Config) -> list[str]:
+    rl = cfg.rl
+    if rl is None:
+        return ["data.format: prompt-only data is trained online: add an rl: section"] * (
+            cfg.data.format == "prompt"
+        )
+    p = []
+    if cfg.preference is not None:
+        p.append("rl: online RL and a preference: section do not go together; remove one")
+    if cfg.data.format not in ("auto", "prompt"):
+        p.append(f"data.format: rl trains on prompts (format prompt or auto), not {cfg.data.format}")
+    if cfg.data.packing:
+        p.append("data.packing: rl's completions are not packed; set it false")
+    if not rl.rewards:
+        p.append("rl.rewards: give at least one reward function (e.g. [{function: accuracy}])")
+    for i, r in enumerate(rl.rewards):
+        key = f"rl.rewards[{i}]"
+        p += _function_problems(key, r.function)
+        for need in NEEDS.get(r.function, ()):
+            if getattr(r, need) is None:
+                p.append(f"{key}.{need}: the built-in {r.function} reward needs it")
+        for k, fn in ONLY.items():
+            if getattr(r, k) is not None and r.function != fn:
+                p.append(f"{key}.{k}: only the built-in {fn} reward uses it, not {r.function!r}")
+        if r.tolerance and r.function != "length":
+            p.append(f"{key}.tolerance: only the built-in length reward uses it, not {r.function!r}")
+    if isinstance(cfg.data.path, list) and len(cfg.data.path) > 1:
+        p.append("data.path: rl reads one source of prompts for now (give one path)")
+    return p
+
+
+def _function_problems(key: str, fn: str) -> list[str]:
+    if fn in BUILTIN_REWARDS:
+        return []
+    mod, sep, name = fn.rpartition(":")
+    if not sep or not mod or not name:
+        return [
+            f"{key}.function: {fn!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor "
+            '"file.py:name" or "module:name"'
+        ]
+    return []  # whether the file or module is there: rl.rewards, at the start (it reads the cwd)

@@ -1,0 +1,121 @@
+"""Prompt-only data (`data.format: prompt`, TRL's prompt-only format), for online RL (rl/).
+
+A record holds one of
+    prompt            text, tokenized as the tokenizer does by default (its BOS included), as
+                      TRL's GRPOTrainer tokenizes a standard prompt; or a conversation
+                      [{role, content}, ...] rendered with the chat template and its generation
+                      prompt (conversational: the completions are then message lists too)
+    prompt_input_ids  token ids, used as given
+and any other columns, which are kept as read and passed to the reward functions by name
+(TRL's convention: `solution`, `answer`, ...). `auto` detects the format when a record has a
+prompt and no completion, chosen/rejected, messages or text (data.formats).
+
+Held-out prompts: `data.eval_path` (read alike) or `data.eval_fraction` (the last fraction of a
+permutation seeded by train.seed). A prompt that leaves no room for a completion within
+data.max_seq_len and the model's positions is refused, naming its record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InputError
+from .formats import is_prompt_only
+from .prompts import _ids
+from .source import load_records, open_source
+
+FIELDS = ("prompt", "prompt_input_ids")
+
+
+@dataclass
+class PromptRow:
+    ids: list[int]
+    prompt: object  # as read: text, a message list, or the ids
+    columns: dict  # every other column of the record (the reward functions' keyword lists)
+    where: str
+
+
+@dataclass
+class PromptSet:
+    rows: list[PromptRow]
+    conversational: bool
+    tokenizer: object = None  # what encoded them (rl decodes completions with it)
+    format: str = "prompt"
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, idx) -> list[PromptRow]:
+        return [self.rows[int(i)] for i in idx]
+
+
+def read_prompts(path: str, what: str, tokenizer, vocab: int, room: int, split: str = "train") -> PromptSet:
+    """Every record of `path` as a prompt; room: the most prompt tokens a record may have."""
+    ds = load_records(open_source(path, split, what))
+    cols = list(ds.column_names)
+    if not is_prompt_only(cols):
+        raise InputError(
+            f"{what}: {path}: prompt-only data needs a prompt or prompt_input_ids column and no completion (has {cols})"
+        )
+    rows, conv = [], None
+    for n, rec in enumerate(ds.to_list()):
+        at = f"{path} record {n}"
+        kind = "prompt_input_ids" if rec.get("prompt_input_ids") is not None else "prompt"
+        value = rec.get(kind)
+        if value is None:
+            raise InputError(f"{at}: no prompt")
+        as_kind = (
+            "input_ids" if kind == "prompt_input_ids" else "messages" if isinstance(value, list) else "prompt"
+        )
+        if as_kind != "input_ids" and tokenizer is None:
+            raise InputError(
+                f"{at}: a text prompt needs a tokenizer, and the model has none: give prompt_input_ids"
+            )
+        ids = _ids({as_kind: value}, as_kind, tokenizer, vocab, at)
+        if not ids:
+            raise InputError(f"{at}: the prompt is empty (0 tokens)")
+        if len(ids) > room:
+            raise InputError(
+                f"{at}: the prompt is {len(ids)} tokens; at most {room} leave room for a completion "
+                "(data.max_seq_len and the model's positions, less rl.max_completion_length)"
+            )
+        c = as_kind == "messages"
+        if conv is not None and c != conv:
+            raise InputError(f"{at}: mixes conversational and text prompts (TRL reads one kind per set)")
+        conv = c
+        extra = {k: v for k, v in rec.items() if k not in FIELDS}
+        rows.append(PromptRow(ids, value, extra, at))
+    if not rows:
+        raise InputError(f"{what}: {path}: no prompts (the data set is empty)")
+    return PromptSet(rows, bool(conv), tokenizer)
+
+
+def prepare_prompts(data_cfg, tokenizer, vocab: int, max_positions: int, completion: int, seed: int):
+    """(train, eval or None) prompt sets of the `data:` section."""
+    if isinstance(data_cfg.path, list):
+        src = data_cfg.path[0]
+        path, split = src.path, src.split or data_cfg.split
+    else:
+        path, split = data_cfg.path, data_cfg.split
+    room = min(data_cfg.max_seq_len, max_positions) - completion
+    if room < 1:
+        raise InputError(
+            f"rl.max_completion_length: {completion} leaves no room for a prompt within data.max_seq_len "
+            f"{data_cfg.max_seq_len} (and the model's {max_positions} positions)"
+        )
+    train = read_prompts(path, "data.path", tokenizer, vocab, room, split)
+    ev = None
+    if data_cfg.eval_path:
+        ev = read_prompts(data_cfg.eval_path, "data.eval_path", tokenizer, vocab, room)
+    elif data_cfg.eval_fraction > 0:
+        order = np.random.default_rng(seed).permutation(len(train))
+        k = int(round(len(train) * data_cfg.eval_fraction))
+        if k < 1 or k >= len(train):
+            raise InputError(
+                f"data.eval_fraction: {data_cfg.eval_fraction:g} of {len(train)} prompts leaves none on one side"
+            )
+        keep, held = sorted(order[:-k].tolist()), sorted(order[-k:].tolist())
+        train, ev = (PromptSet(train.take(ix), train.conversational, tokenizer) for ix in (keep, held))
+    return train, ev

@@ -1,0 +1,199 @@
+"""The train loop's strategy for an `rl:` run (train.batches.make_batches chooses it): each step's
+batch is sampled, scored and given advantages here before the engine trains on it.
+
+    step s       the group of steps g = s - s mod num_iterations reuses one batch of rollouts:
+                 at s = g, train.batch_size prompts (data.sampler, batch g / num_iterations)
+                 x G completions sampled on the current weights (rl.rollouts), scored
+                 (rl.rewards), advantages over the whole batch (rl.advantages), the rollout
+                 policy's log-probs (num_iterations > 1) and the reference's (beta > 0)
+                 from forward-only sweeps (rl.logps), rollouts/step-N.jsonl written; then
+                 micro-batches of train.micro_batch_size completions for engine.grpo_loss
+    eval         the held-out prompts sampled alike (a fixed seed), scored: eval_reward, ...
+    metrics      TRL's names: reward, reward_std, rewards/<name>/mean, frac_reward_zero_std,
+                 completions/mean_length, completions/clipped_ratio, kl (beta > 0),
+                 clip_ratio/region_mean (num_iterations > 1); and the step's split: rollout_s,
+                 reference_s, rollout_tokens_per_s
+
+The reference (beta > 0) is the initial model: for full fine-tuning a forward-only engine on the
+model's store (nothing resident: its layers stream as the trained ones do); for fresh LoRA
+adapters the base, the adapters off.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..config.schema import OptimConfig
+from ..data import batch_indices
+from ..data.batch import MicroBatch
+from ..data.prompts import model_eos_ids
+from ..engine import Engine
+from ..engine.grpo_loss import GRPOObjective
+from ..errors import InputError
+from ..parallel.launch import world_from_env
+from . import rollouts as ro
+from .advantages import advantages, reward_metrics
+from .logps import token_logps
+from .rewards import load_rewards, score
+
+EVAL_SEED = 0x3C6EF372  # eval rollouts: the same seed at every evaluation
+
+
+class GRPOBatches:
+    def __init__(self, cfg: Config, data):
+        assert cfg.rl is not None
+        if world_from_env()[0] > 1:
+            raise InputError(
+                "rl: online RL runs on one process for now (torchrun with WORLD_SIZE > 1 is refused)"
+            )
+        self.cfg, self.rl, self.data = cfg, cfg.rl, data
+        self.rewards = load_rewards(cfg.rl.rewards)  # before any weight is loaded
+        self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
+        self.objective = GRPOObjective(cfg.rl)
+        self.group: tuple[int, list[MicroBatch], dict] | None = None
+        self.eval_rows: dict = {}
+        self.engine: Engine | None = None
+        self.fresh = True
+        self.ref_engine: Engine | None = None
+
+    # -- the loop's hooks ----------------------------------------------------------------------
+    def attach(self, engine: Engine, store, run_dir: Path, console, main: bool) -> None:
+        self.engine, self.store, self.run_dir, self.console, self.main = engine, store, run_dir, console, main
+        hf = getattr(store, "hf_dir", None) or store.root / "hf"
+        self.tokenizer = self.data.train.tokenizer
+        self.eos = model_eos_ids(hf) or (
+            [self.tokenizer.eos_token_id] if getattr(self.tokenizer, "eos_token_id", None) is not None else []
+        )
+        self.ref_adapters = True
+        if self.rl.beta > 0 and engine.lora is not None:
+            if not engine.tuning.reference_on_base:
+                raise InputError(
+                    "rl.beta: a reference for adapters started from lora.init is not supported yet (beta: 0)"
+                )
+            self.ref_adapters = False  # fresh adapters: the initial policy is the base
+        elif self.rl.beta > 0:
+            self.ref_engine = Engine(store, self.cfg.engine, OptimConfig(), forward_only=True)
+
+    def close(self) -> None:
+        if self.ref_engine is not None:
+            self.ref_engine.close()
+            self.ref_engine = None
+
+    def prepare(self, reference) -> None:
+        """Nothing before step 1: the reference is scored per step."""
+
+    def step(self, step: int) -> tuple[list[MicroBatch], int]:
+        mu = self.rl.num_iterations
+        g = step - step % mu
+        self.fresh = step == g  # a later step of the group reuses its rollouts: no rollout time
+        if self.group is None or self.group[0] != g:
+            if step == g:
+                self.group = (g, *self._rollouts(g))
+            else:  # resumed inside a group: the rollouts of its first step, as they were
+                got = ro.load_group(self.run_dir, g)
+                if got is None:
+                    raise InputError(
+                        f"output.dir: {self.run_dir}/rollouts/step-{g + 1}.pt is missing: a run resumed inside a "
+                        "group of rl.num_iterations steps needs that group's rollouts"
+                    )
+                self.group = (g, got["mbs"], got["metrics"])
+        mbs = self.group[1]
+        return mbs, sum(int(mb.lengths.sum()) for mb in mbs if mb.lengths is not None)
+
+    def eval_batches(self) -> Iterator[list[MicroBatch]]:
+        ev, t = self.data.eval, self.cfg.train
+        n = min(len(ev), t.batch_size * t.eval_batches) if ev is not None else 0
+        self.eval_rows = {}
+        sums: dict = {}
+        for a in range(0, n, t.batch_size):
+            idx = list(range(a, min(n, a + t.batch_size)))
+            mbs, m = self._sample(ev.take(idx), ro.step_seed(t.seed ^ EVAL_SEED, a), -1, None)
+            for k, v in m.items():
+                if isinstance(v, float | int):
+                    sums.setdefault(k, []).append(v)
+            yield mbs
+        self.eval_rows = {k: sum(v) / len(v) for k, v in sums.items()}
+
+    def metrics(self, stats: dict[str, float], n: int, prefix: str = "") -> dict:
+        out = dict(self.eval_rows) if prefix else dict(self.group[2]) if self.group else {}
+        if not prefix and not self.fresh:
+            out |= {"rollout_s": 0.0, "reference_s": 0.0, "rollout_tokens_per_s": None}
+        toks = stats.get("tokens", 0.0)
+        if self.rl.beta > 0:
+            out["kl"] = stats["kl"] / toks if toks else None
+        if self.rl.num_iterations > 1 and not prefix:
+            for k in ("low", "high", "region"):
+                out[f"clip_ratio/{k}_mean"] = stats[f"clip_{k}"] / toks if toks else None
+        return {prefix + k: v for k, v in out.items()}
+
+    def show(self, row: dict) -> str:
+        r = row.get("reward")
+        split = f"{row.get('rollout_s', 0):.1f}/{row.get('reference_s', 0):.1f}/{row.get('engine_s', 0):.1f}"
+        return (
+            f"  reward {r:.3f}" if r is not None else "  reward -"
+        ) + f"  rollout {row.get('rollout_tokens_per_s') or 0:,.0f} tok/s  rollout/ref/train {split} s"
+
+    # -- one batch of rollouts -----------------------------------------------------------------
+    def _rollouts(self, g: int) -> tuple[list[MicroBatch], dict]:
+        t = self.cfg.train
+        idx = batch_indices(
+            len(self.data.train), g // self.rl.num_iterations, t.batch_size, t.seed, self.cfg.data.shuffle
+        )
+        mbs, m = self._sample(
+            self.data.train.take(idx), ro.step_seed(t.seed, g), g, self.run_dir if self.main else None
+        )
+        if self.rl.num_iterations > 1 and self.main:
+            ro.save_group(self.run_dir, g, {"mbs": mbs, "metrics": m})
+        return mbs, m
+
+    def _sample(self, prompts, seed: int, step: int, write_to: Path | None) -> tuple[list[MicroBatch], dict]:
+        assert self.engine is not None
+        rl, G = self.rl, self.rl.num_generations
+        sweeps: list = []
+        t0 = time.perf_counter()
+        outs = ro.sample(self.engine, [p.ids for p in prompts], G, rl, seed, self.eos, self.tokenizer,
+                         self.cfg.engine.kv_cache, on_sweep=sweeps.append)  # fmt: skip
+        t1 = time.perf_counter()
+        conv = self.data.train.conversational
+        comps = [[{"role": "assistant", "content": o.text or ""}] if conv else (o.text or "") for o in outs]
+        cols: dict[str, list] = {k: [prompts[o.prompt].columns[k] for o in outs] for k in prompts[0].columns}
+
+        def where(k: int) -> str:
+            return f"completion {k % G} of {prompts[outs[k].prompt].where}"
+
+        vals = score(self.rewards, [prompts[o.prompt].prompt for o in outs], comps, [o.ids for o in outs], cols,
+                     max(step, 0), where)  # fmt: skip
+        per_func = torch.tensor(vals, dtype=torch.float32).T.contiguous()  # (n, F)
+        adv, r, zero = advantages(per_func, self.weights, G, rl.scale_rewards)
+        mbs = ro.micro_batches_of(outs, adv, self.cfg.train.micro_batch_size, self.data.pad_id,
+                                  rl.mask_truncated_completions)  # fmt: skip
+        t2 = time.perf_counter()
+        if rl.num_iterations > 1:
+            for mb, lp in zip(mbs, token_logps(self.engine, mbs, rl.temperature), strict=True):
+                mb.extras["old"] = lp
+        if rl.beta > 0:
+            eng = self.ref_engine or self.engine
+            for mb, lp in zip(mbs, token_logps(eng, mbs, rl.temperature, self.ref_adapters), strict=True):
+                mb.extras["ref"] = lp
+        t3 = time.perf_counter()
+        if write_to is not None:
+            ro.write(write_to, step, outs, [x.name for x in self.rewards], per_func, r, adv)
+        lengths = torch.tensor([len(o.ids) for o in outs], dtype=torch.float32)
+        trunc = torch.tensor([o.truncated for o in outs])
+        term = lengths[~trunc]
+        m = reward_metrics(per_func, [x.name for x in self.rewards], r, zero) | {
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": trunc.float().mean().item(),
+            "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
+            "rollout_s": t1 - t0,
+            "reference_s": t3 - t2,
+            "rollout_tokens_per_s": ro.speed(sweeps),
+        }
+        return mbs, m

@@ -1,0 +1,146 @@
+"""One step's rollouts: batch_size prompts x num_generations completions sampled by the streamed
+engine on the current host weights (generate.decoder: every completion shares each sweep of the
+weights), as micro-batches for the loss (engine.grpo_loss), and written to the run dir.
+
+Sampling is seeded by (train.seed, the step) and each completion's place in the batch (prompt p's
+generation j is row p x G + j; model.sample draws each row from a generator of its own), so a
+run resumed from a checkpoint samples the rollouts an uninterrupted run samples.
+
+    <output.dir>/rollouts/step-N.jsonl   N the step (from 1), one line per completion, a group's G
+                                         lines together: prompt_ids, completion_ids (the sampled
+                                         tokens, the EOS included when one was sampled: what the
+                                         loss sees), completion (text, with a tokenizer), rewards
+                                         (name -> value, null for None), reward, advantage,
+                                         truncated (no EOS within max_completion_length)
+    <output.dir>/rollouts/step-N.pt      num_iterations > 1: the rows and the rollout policy's
+                                         (and reference's) log-probs, read back by a run resumed
+                                         inside the group of steps that reuse them
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..data.batch import IGNORE, MicroBatch
+from ..engine import Engine
+from ..fsutil import write_text_atomic
+from ..generate.decode import Generation
+from ..generate.decoder import Decoder, SweepStats, micro_batches
+from ..model.sample import Sampler
+
+SEED_MIX = 0x5851F42D4C957F2D  # the step's sampling seed: (train.seed, step) mixed
+
+
+@dataclass
+class Rollout:
+    prompt: int  # the prompt's index in the step's batch
+    prompt_ids: list[int]
+    ids: list[int]  # completion ids, the EOS included when one was sampled
+    text: str | None
+    truncated: bool
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * SEED_MIX + step + 1) % (1 << 62)
+
+
+def device_kv(engine: Engine, rows: list[tuple[int, list[int]]], max_new: int, kv: str) -> bool:
+    """Whether the batch's KV cache lives on the device: engine.kv_cache, or (auto) when it fits in
+    the device's free memory with a quarter to spare; on the CPU the device is host memory."""
+    if kv != "auto":
+        return kv == "device"
+    if engine.t.device.type != "cuda":
+        return True
+    need = Generation(engine).cache_bytes(
+        [(len(g), max(len(p) for _, p in g) + max_new) for g in micro_batches(rows)]
+    )
+    free, _ = torch.cuda.mem_get_info(engine.t.device)
+    return need * 4 <= free * 3
+
+
+def sample(
+    engine: Engine, prompts: list[list[int]], G: int, rl, seed: int, eos: list[int], tokenizer, kv: str,
+    on_sweep=lambda s: None,
+) -> list[Rollout]:  # fmt: skip
+    """G completions of each prompt, in order (prompt p's generation j at p x G + j)."""
+    engine.wait()  # the optimizer's queued updates land in the host store first
+    rows = [(p * G + j, ids) for p, ids in enumerate(prompts) for j in range(G)]
+    dec = Decoder(
+        engine, Sampler(rl.temperature, rl.top_p, rl.top_k, seed), max_new_tokens=rl.max_completion_length,
+        eos_ids=eos, tokenizer=tokenizer, host_kv=not device_kv(engine, rows, rl.max_completion_length, kv),
+        on_sweep=on_sweep,
+    )  # fmt: skip
+    out = []
+    for c in dec.run(rows):
+        p = c.index // G
+        out.append(Rollout(p, prompts[p], list(c.ids), c.text, c.finish != "eos"))
+    return out
+
+
+def micro_batches_of(
+    rollouts: list[Rollout], adv: torch.Tensor, size: int, pad_id: int, mask_truncated: bool
+) -> list[MicroBatch]:
+    """Rows prompt + completion, labels on the completion (none for a masked truncated one), the
+    advantage of each row in extras["adv"] and its real row count in extras["rows"]."""
+    out = []
+    for a in range(0, len(rollouts), size):
+        part = rollouts[a : a + size]
+        rows = []
+        for r in part:
+            lab = [IGNORE] * len(r.ids) if mask_truncated and r.truncated else r.ids
+            rows.append((r.prompt_ids + r.ids, [IGNORE] * len(r.prompt_ids) + lab))
+        mb = MicroBatch.from_rows(rows, pad_id)
+        mb.extras = {"adv": adv[a : a + size].clone().float(), "rows": torch.tensor(len(part))}
+        out.append(mb)
+    return out
+
+
+def write(run_dir: Path, step: int, rollouts: list[Rollout], names: list[str], per_func: torch.Tensor,
+          reward: torch.Tensor, adv: torch.Tensor) -> Path:  # fmt: skip
+    """rollouts/step-N.jsonl (N = step + 1), written whole or not at all."""
+    lines = []
+    for k, r in enumerate(rollouts):
+        rec = {
+            "prompt_ids": r.prompt_ids,
+            "completion_ids": r.ids,
+            **({"completion": r.text} if r.text is not None else {}),
+            "rewards": {n: _num(per_func[k, i]) for i, n in enumerate(names)},
+            "reward": _num(reward[k]),
+            "advantage": float(adv[k]),
+            "truncated": r.truncated,
+        }
+        lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+    path = Path(run_dir) / "rollouts" / f"step-{step + 1}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, "".join(lines))
+    return path
+
+
+def save_group(run_dir: Path, step: int, state: dict) -> None:
+    """rollouts/step-N.pt: what the later steps of a num_iterations group reuse."""
+    path = Path(run_dir) / "rollouts" / f"step-{step + 1}.pt"
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_group(run_dir: Path, step: int) -> dict | None:
+    path = Path(run_dir) / "rollouts" / f"step-{step + 1}.pt"
+    return torch.load(path, weights_only=False) if path.is_file() else None
+
+
+def _num(x: torch.Tensor) -> float | None:
+    v = float(x)
+    return None if v != v else v
+
+
+def speed(stats: list[SweepStats]) -> float:
+    """Rollout tokens per second over a step's decode sweeps (prefill left out)."""
+    dec = [s for s in stats if not s.prefill]
+    secs = sum(s.seconds for s in dec)
+    return sum(s.tokens for s in dec) / secs if secs else 0.0

@@ -1,0 +1,282 @@
+"""`horizon train` with an `rl:` section: the rollouts it writes, TRL's metric names, five
+optimizer steps against TRL 1.16's GRPO loss (its own `_compute_loss` on a stub trainer, as in
+test_grpo_loss) + torch.optim.AdamW on a resident transformers model over the same completions
+(read back from rollouts/step-N.jsonl: the rollouts are what horizon sampled; the loss, the
+gradient norm, kl and the final weights are compared), a resumed run equal to an uninterrupted
+one (inside a num_iterations group too), and the one-line refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import horizon, write_config, write_jsonl
+from oracle import one_thread, rel_err  # noqa: F401
+from test_train_cli import one_error_line
+
+from horizon_cli.config.schema import RLConfig
+from horizon_cli.rl.advantages import advantages
+
+trl = pytest.importorskip("trl")
+from test_grpo_loss import trl_stub  # noqa: E402
+from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
+from trl.trainer.utils import add_fused_lm_head  # noqa: E402
+
+P = 6  # every prompt this many tokens: TRL left-pads prompts and does not shift positions
+REWARD = '''
+def low_ids(completion_ids, bias, **kw):
+    """The share of a completion's tokens below 200, plus the record's bias column."""
+    return [sum(t < 200 for t in c) / len(c) + b for c, b in zip(completion_ids, bias)]
+'''
+
+
+def _prompts(n: int = 12) -> list[dict]:
+    g = torch.Generator().manual_seed(11)
+    return [{"prompt_input_ids": torch.randint(3, 400, (P,), generator=g).tolist(), "bias": 0.1 * (i % 3)}
+            for i in range(n)]  # fmt: skip
+
+
+def _run(tmp_path, tiny_store, name: str, rl: dict, overrides=(), **sections):
+    from rich.console import Console
+
+    from horizon_cli.train import run_training
+
+    data = write_jsonl(tmp_path / "p.jsonl", _prompts())
+    (tmp_path / "rw.py").write_text(REWARD)
+    rl = {"num_generations": 4, "max_completion_length": 8,
+          "rewards": [{"function": f"{tmp_path / 'rw.py'}:low_ids"}, {"function": "length", "target": 5, "weight": 0.5}],
+          **rl}  # fmt: skip
+    cfg = write_config(tmp_path / f"{name}.yaml", tiny_store, data, tmp_path / name, rl=rl,
+                       train={"steps": 5, "batch_size": 2, "micro_batch_size": 3, "seed": 2},
+                       schedule={"kind": "constant", "warmup_steps": 0}, **sections)  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        run_training(cfg, list(overrides), console=Console(quiet=True))
+    finally:
+        torch.set_num_threads(threads)
+    return tmp_path / name
+
+
+def _rollouts(run, n: int) -> list[dict]:
+    return [json.loads(x) for x in (run / "rollouts" / f"step-{n}.jsonl").read_text().splitlines()]
+
+
+CASES = {
+    "dapo-beta-mu1": dict(beta=0.04),
+    "grpo-mu2-clipped": dict(loss_type="grpo", num_iterations=2, temperature=0.8, epsilon=0.05),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_five_steps_equal_trl_loss_with_adamw(tmp_path, tiny_store, case):
+    import transformers
+
+    from horizon_cli.train.metrics import read_metrics
+
+    rlkw = CASES[case]
+    run = _run(tmp_path, tiny_store, "run", rlkw, output={"save_every": 0, "export": True})
+    rows = read_metrics(run / "metrics.jsonl")
+    assert len(rows) == 5
+    cfg = RLConfig(max_completion_length=8, num_generations=4, **rlkw)
+    hf = tiny_store.parent / "hf"
+    policy = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).train()
+    ref = copy.deepcopy(policy).eval()
+    add_fused_lm_head(policy, temperature=cfg.temperature, outputs=("log_probs", "entropy"))
+    add_fused_lm_head(ref, temperature=cfg.temperature)
+    stub = trl_stub(cfg, policy)
+    opt = torch.optim.AdamW(policy.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    old = None
+    for k, row in enumerate(rows):
+        g = k - k % cfg.num_iterations
+        rs = _rollouts(run, g + 1)
+        assert len(rs) == 8 and all(
+            r["prompt_ids"] == rs[4 * (i // 4)]["prompt_ids"] for i, r in enumerate(rs)
+        )
+        C = max(len(r["completion_ids"]) for r in rs)
+        cid = torch.zeros(8, C, dtype=torch.long)
+        cmask = torch.zeros(8, C, dtype=torch.long)
+        for i, r in enumerate(rs):
+            cid[i, : len(r["completion_ids"])] = torch.tensor(r["completion_ids"])
+            cmask[i, : len(r["completion_ids"])] = 1
+        pid = torch.tensor([r["prompt_ids"] for r in rs])
+        ids = torch.cat([pid, cid], 1)
+        am = torch.cat([torch.ones_like(pid), cmask], 1)
+        # the advantages written are TRL's of the rewards written
+        per = torch.tensor([[r["rewards"]["low_ids"], r["rewards"]["length"]] for r in rs])
+        adv, _, _ = advantages(per, torch.tensor([1.0, 0.5]), 4, cfg.scale_rewards)
+        assert rel_err(adv, torch.tensor([r["advantage"] for r in rs])) < 1e-6
+        inputs = {"prompt_ids": pid, "prompt_mask": torch.ones_like(pid), "completion_ids": cid,
+                  "completion_mask": cmask, "advantages": adv, "num_items_in_batch": cmask.sum()}  # fmt: skip
+        with torch.no_grad():
+            if cfg.num_iterations > 1 and k == g:  # the rollout policy: the weights that sampled them
+                old, _, _ = stub._get_per_token_logps_and_entropies(policy, ids, am, C)
+            if cfg.num_iterations > 1:
+                inputs["old_per_token_logps"] = old
+            if cfg.beta > 0:
+                inputs["ref_per_token_logps"], _, _ = stub._get_per_token_logps_and_entropies(ref, ids, am, C)
+        opt.zero_grad()
+        stub._metrics["train"].clear()
+        loss = GRPOTrainer._compute_loss(stub, policy, inputs)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        metrics = {m: v[-1] for m, v in stub._metrics["train"].items()}
+        assert row["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7), k
+        assert row["grad_norm"] == pytest.approx(norm.item(), rel=1e-5), k
+        if cfg.beta > 0:
+            assert row["kl"] == pytest.approx(metrics["kl"], rel=1e-3, abs=1e-7), k
+        if cfg.num_iterations > 1:
+            assert row["clip_ratio/region_mean"] == pytest.approx(
+                metrics["clip_ratio/region_mean"], abs=1e-6
+            ), k
+    if cfg.num_iterations > 1:
+        assert any(r["clip_ratio/region_mean"] for r in rows)  # the clipped path was taken
+    out = transformers.AutoModelForCausalLM.from_pretrained(run / "export", dtype=torch.float32).state_dict()
+    # the gradients agree to ~1e-6 each step (grad_norm above); AdamW turns the fp32 rounding of a
+    # gradient element near zero into an lr-sized update of either sign (m / sqrt(v)), so a few
+    # elements of the weights drift further apart than the gradients do
+    for name, w in policy.state_dict().items():
+        assert rel_err(out[name], w) < 1e-3, name
+
+
+def test_rollouts_file_and_trls_metric_names(tmp_path, tiny_store):
+    run = _run(tmp_path, tiny_store, "run", {"beta": 0.04}, ["train.steps=2"])
+    rs = _rollouts(run, 1)
+    assert {*rs[0]} == {
+        "prompt_ids",
+        "completion_ids",
+        "completion",
+        "rewards",
+        "reward",
+        "advantage",
+        "truncated",
+    }
+    for r in rs:
+        assert 1 <= len(r["completion_ids"]) <= 8 and r["prompt_ids"] in [
+            p["prompt_input_ids"] for p in _prompts()
+        ]
+        assert r["reward"] == pytest.approx(r["rewards"]["low_ids"] + 0.5 * r["rewards"]["length"], rel=1e-6)
+        assert r["truncated"] == (len(r["completion_ids"]) == 8 and r["completion_ids"][-1] != 2)
+    from horizon_cli.train.metrics import read_metrics
+
+    row = read_metrics(run / "metrics.jsonl")[0]
+    for k in ("reward", "reward_std", "rewards/low_ids/mean", "rewards/length/mean", "frac_reward_zero_std",
+              "completions/mean_length", "completions/clipped_ratio", "kl", "rollout_s", "rollout_tokens_per_s"):  # fmt: skip
+        assert row[k] is not None, k
+    assert "clip_ratio/region_mean" not in row
+    assert row["reward"] == pytest.approx(sum(r["reward"] for r in rs) / 8, rel=1e-5)
+
+
+@pytest.mark.parametrize("mu", [1, 2])
+def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path, tiny_store, mu):
+    """Cut after step 3 and resumed: the same rollouts (files equal byte for byte), losses and
+    weights; with num_iterations 2 the resumed step 4 reuses step 3's rollouts from the run dir."""
+    rl = {"num_iterations": mu, "beta": 0.04 if mu == 1 else 0.0}
+    out = {"save_every": 1, "keep_last": 5}
+    whole = _run(tmp_path, tiny_store, "whole", rl, ["train.steps=4"], output=out)
+    _run(tmp_path, tiny_store, "cut", rl, ["train.steps=3"], output=out)
+    cut = _run(tmp_path, tiny_store, "cut", rl, ["train.steps=4"], output=out)
+    from horizon_cli.train.metrics import read_metrics
+
+    a, b = (read_metrics(r / "metrics.jsonl") for r in (whole, cut))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b] and [r["reward"] for r in a] == [
+        r["reward"] for r in b
+    ]
+    for f in sorted((whole / "rollouts").glob("*.jsonl")):
+        assert f.read_bytes() == (cut / "rollouts" / f.name).read_bytes(), f.name
+    ca, cb = (r / "checkpoints" / "step_4" for r in (whole, cut))
+    files = [f.relative_to(ca) for f in ca.rglob("*.bin")]
+    assert files and all((ca / f).read_bytes() == (cb / f).read_bytes() for f in files)
+
+
+def _cfg(tmp_path, tiny_store, rl: dict) -> object:
+    data = write_jsonl(tmp_path / "p.jsonl", _prompts())
+    return write_config(
+        tmp_path / "c.yaml", tiny_store, data, tmp_path / "run", rl={"max_completion_length": 8, **rl}
+    )
+
+
+@pytest.mark.parametrize(
+    "rl, msg",
+    [
+        ({"num_generations": 1, "rewards": [{"function": "length", "target": 4}]}, "rl.num_generations: 1 is below the minimum 2"),
+        ({"beta": -0.1, "rewards": [{"function": "length", "target": 4}]}, "rl.beta: -0.1 is below the minimum 0.0"),
+        ({"loss_type": "ppo", "rewards": [{"function": "length", "target": 4}]}, "rl.loss_type: 'ppo' is not allowed"),
+        ({"rewards": [{"function": "nowhere.py:f"}]}, "rl.rewards[0].function: nowhere.py does not exist"),
+        ({"rewards": []}, "rl.rewards: give at least one reward function"),
+        ({"rewards": [{"function": "format"}]}, "rl.rewards[0].pattern: the built-in format reward needs it"),
+    ],
+)  # fmt: skip
+def test_bad_rl_values_are_one_line_exit_2(tmp_path, tiny_store, rl, msg):
+    assert msg in one_error_line(horizon("train", _cfg(tmp_path, tiny_store, rl)))
+    assert not (tmp_path / "run").exists()
+
+
+BAD = {
+    "raises": ("def f(completions, **kw):\n    raise ValueError('boom')\n", "raised ValueError: boom on completion"),
+    "count": ("def f(completions, **kw):\n    return [1.0]\n", "returned 1 values for 8 completions"),
+    "nan": ("def f(completions, **kw):\n    return [float('nan')] * len(completions)\n", "returned NaN for completion 0 of"),
+    "text": ("def f(completions, **kw):\n    return ['good'] * len(completions)\n", "returned 'good' (not a number) for completion 0"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+def test_a_failing_reward_function_stops_with_one_line_and_keeps_the_checkpoint(tmp_path, tiny_store, bad):
+    code, msg = BAD[bad]
+    (tmp_path / "bad.py").write_text(code)
+    if bad == "raises":  # fails on one sample only: that one is named
+        (tmp_path / "bad.py").write_text(
+            "def f(completions, prompts, **kw):\n    if len(prompts) > 1 or prompts[0][0] % 2:\n"
+            "        raise ValueError('boom')\n    return [0.0] * len(prompts)\n"
+        )
+    rl = {
+        "num_generations": 4,
+        "max_completion_length": 4,
+        "rewards": [{"function": f"{tmp_path / 'bad.py'}:f"}],
+    }
+    r = horizon("train", _cfg(tmp_path, tiny_store, rl), "train.batch_size=2")
+    line = one_error_line(r)
+    assert "rl.rewards[0] (f): " in line and msg in line
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+
+
+def test_a_reward_error_after_a_checkpoint_leaves_that_checkpoint_the_newest(tmp_path, tiny_store):
+    (tmp_path / "late.py").write_text(
+        "def f(completions, trainer_state, **kw):\n    if trainer_state.global_step >= 2:\n"
+        "        return [None] * (len(completions) - 1)\n    return [1.0] * len(completions)\n"
+    )
+    rl = {
+        "num_generations": 2,
+        "max_completion_length": 4,
+        "rewards": [{"function": f"{tmp_path / 'late.py'}:f"}],
+    }
+    r = horizon("train", _cfg(tmp_path, tiny_store, rl), "train.batch_size=2")
+    assert "rl.rewards[0] (f): returned 3 values for 4 completions (step 3)" in one_error_line(r)
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]
+    assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["step-1.jsonl", "step-2.jsonl"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_reference_is_the_initial_model(tmp_path, tiny_store, lora):
+    """beta > 0: at step 1 the policy is the reference (a forward-only engine on the store; fresh
+    LoRA adapters: the base, adapters off), so kl is 0 exactly; after an update it is not."""
+    from horizon_cli.train.metrics import read_metrics
+
+    extra = {"lora": {"r": 4, "alpha": 8}} if lora else {}
+    run = _run(tmp_path, tiny_store, "run", {"beta": 0.04}, ["train.steps=2", "optim.lr=0.02"], **extra)
+    rows = read_metrics(run / "metrics.jsonl")
+    assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0
+
+
+def test_the_rl_section_is_part_of_the_trajectory(tmp_path, tiny_store):
+    """Resuming with another rl value (or without rl:) is refused unless train.accept_changes names it."""
+    rl = {"num_generations": 2, "max_completion_length": 4, "rewards": [{"function": "length", "target": 2}]}
+    cfg = _cfg(tmp_path, tiny_store, rl)
+    assert horizon("train", cfg, "train.steps=2").exit_code == 0
+    line = one_error_line(horizon("train", cfg, "train.steps=3", "rl.beta=0.1"))
+    assert "rl.beta 0.0 -> 0.1" in line and "train.accept_changes=[rl.beta]" in line
