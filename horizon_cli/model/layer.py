@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..arch import ArchSpec
 from .attend import Mask, attend
+from .tiling import tiled_native
 
 Weights = dict[str, torch.Tensor]
 # LoRA (lora.linear.LayerLora): (weight name, linear input, linear output) -> adapted output
@@ -133,8 +134,14 @@ def layer_forward(
     window: int | None,
     lora: Lora = None,
     layer: int = 0,
+    tile: int = 0,
 ) -> torch.Tensor:
     """One pre-norm decoder layer: x (b, T, H) -> (b, T, H). lora: adapters on its linear layers;
-    layer: its index (in a generation's KV cache)."""
+    layer: its index (in a generation's KV cache); tile: tokens per tile of its token-local block
+    (the MLP's norm, SwiGLU and residual; model.tiling), 0: untiled."""
     h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window, lora, layer)
-    return h + mlp(w, rms_norm(h, w["mlp_norm"], spec.rms_eps), lora)
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        return h + mlp(w, rms_norm(h, w["mlp_norm"], spec.rms_eps), lora)
+
+    return tiled_native(block, h, tile, lora) if tile else block(h)
