@@ -18,7 +18,7 @@ from .convert.hub import fetch_config, hub_id
 from .errors import InputError
 from .fmt import fmt_bytes
 from .lora.setup import LoraSetup
-from .lora.sizes import lora_memory_plan
+from .lora.sizes import adapter_work_bytes, lora_memory_plan
 from .lora.targets import resolve_targets
 from .parallel.topology import World
 from .planning.fit import RESERVE, Machine
@@ -107,7 +107,11 @@ def tile_plan(
     seq = min(cfg.data.max_seq_len, arch.max_positions)
     e = resolve_dtype(cfg.engine, cfg.optim.memory)
     item = ITEM["bfloat16" if memory == "lean" else e.dtype]
-    at = partial(with_tile, plan, arch, tokens=rows * seq, rows=rows, T=seq, item=item)
+    adapters = None
+    if memory in ("lora", "qlora"):
+        targets, r = (lora.targets, lora.r) if lora else default_adapters(arch)
+        adapters = partial(adapter_work_bytes, targets, r, rows * seq, item, spec=arch)
+    at = partial(with_tile, plan, arch, tokens=rows * seq, rows=rows, T=seq, item=item, adapters=adapters)
     return resolve_tile(setting, at, rows * seq, where)
 
 

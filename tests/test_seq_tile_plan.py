@@ -35,7 +35,7 @@ def test_the_plan_covers_the_measured_peak_and_tiles_lower_it():
     process of its own (horizon_cli.testing.layer_peak): each run's peak resident memory is within
     the plan's layer working set plus the weight gradients (a plan row of their own), and falls
     with the tile."""
-    args = dict(hidden=128, intermediate=2048, tokens=2048, tiles=[0, 1024, 256])
+    args = dict(hidden=128, intermediate=2048, tokens=2048, tiles=[0, 1024, 256], warm_tokens=512)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-m", "horizon_cli.testing.layer_peak", json.dumps(args)],
@@ -123,3 +123,24 @@ def test_dry_run_shows_tiles_and_the_longest_sequence(tmp_path):
     assert plan["longest_seq"]["lean"] >= plan["longest_seq"]["exact"] > 131072
     assert "longest trainable sequence on" in r.output
     assert "sequence tiles: every layer's MLP block" in r.output
+
+
+def test_horizon_train_tiles_and_records_the_tile(tiny_store, tmp_path):
+    """`horizon train` with engine.seq_tile: 8 trains the losses of an untiled run (within fp32
+    rounding) and records the tile in config.yaml; auto records the plan's tile (0: it fits)."""
+    import yaml
+    from conftest import chat_rows
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
+    losses = {}
+    for tile in (0, 8, "auto"):
+        run = tmp_path / f"run{tile}"
+        cfg = write_config(tmp_path / f"c{tile}.yaml", tiny_store, data, run, engine={"device": "cpu",
+                           "dtype": "float32", "seq_tile": tile, "keep_activations": 0})  # fmt: skip
+        r = horizon("train", cfg, "train.steps=3")
+        assert r.exit_code == 0, r.output
+        assert yaml.safe_load((run / "config.yaml").read_text())["engine"]["seq_tile"] == (
+            0 if tile == "auto" else tile
+        )
+        losses[tile] = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert losses[8] == pytest.approx(losses[0], rel=1e-6) and losses["auto"] == losses[0]

@@ -91,3 +91,10 @@ def note(spec) -> str:
         for p, k in by.items()
     ]
     return "; ".join(parts)
+
+
+def block_prefixes(spec, i: int) -> tuple[str, ...]:
+    """Module paths (with a trailing dot) of layer i's token-local blocks: natively its MLP."""
+    if spec.generic is None:
+        return ("mlp.",)
+    return tuple(f"{b}." for b in blocks(spec.generic).get(spec.generic.layer_kinds[i], ()))

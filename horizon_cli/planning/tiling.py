@@ -30,14 +30,18 @@ STEP = 1024
 
 
 def with_tile(
-    plan: MemoryPlan, spec: ArchSpec, tile: int, tokens: int, rows: int, T: int, item: int
-) -> MemoryPlan:
-    """The plan (planned untiled) with its layer working set for `tile` tokens per tile."""
-    untiled = layer_work_bytes(spec, tokens, rows, T, item)
+    plan: MemoryPlan, spec: ArchSpec, tile: int, tokens: int, rows: int, T: int, item: int,
+    adapters: Callable[[int], int] | None = None,
+) -> MemoryPlan:  # fmt: skip
+    """The plan (planned untiled) with its layer working set for `tile` tokens per tile.
+    adapters: tile -> the LoRA adapters' share of it (lora.sizes.adapter_work_bytes)."""
+    untiled = plan.device[WORK]
     if tile <= 0 or tile >= tokens:
         return replace(plan, seq_tile=0 if tile <= 0 else tile, untiled_work=untiled)
-    cut = untiled - layer_work_bytes(spec, tokens, rows, T, item, tile)
-    device = {**plan.device, WORK: plan.device[WORK] - cut}
+    cut = layer_work_bytes(spec, tokens, rows, T, item) - layer_work_bytes(spec, tokens, rows, T, item, tile)
+    if adapters is not None:
+        cut += adapters(0) - adapters(tile)
+    device = {**plan.device, WORK: untiled - cut}
     return replace(plan, device=device, seq_tile=tile, untiled_work=untiled)
 
 

@@ -39,8 +39,10 @@ def _status(key: str) -> int:
 
 
 def measure(
-    hidden: int, intermediate: int, tokens: int, tiles: list[int], heads: int = 2, kv_heads: int = 1
-) -> dict:
+    hidden: int, intermediate: int, tokens: int, tiles: list[int], heads: int = 2, kv_heads: int = 1,
+    warm_tokens: int = 0,
+) -> dict:  # fmt: skip
+    """warm_tokens: the length of the first run of each path (0: `tokens`)."""
     from ..arch import spec_from_hf
     from ..model.layer import AttnContext, inv_freq, layer_forward, rope_tables
     from ..planning.memory import layer_work_bytes
@@ -59,29 +61,35 @@ def measure(
                   attn_norm=(H,), mlp_norm=(H,))  # fmt: skip
     w = {k: (torch.randn(s, generator=g) * 0.02).requires_grad_(True) for k, s in shapes.items()}
     leaves = list(w.values())
-    x, dy = torch.randn(1, tokens, H, generator=g), torch.randn(1, tokens, H, generator=g)
-    cos, sin = rope_tables(inv_freq(spec), torch.arange(tokens)[None], torch.float32)
-    ctx = AttnContext(cos, sin, {None: None})
 
-    def step(tile: int) -> None:
+    def inputs(n: int):
+        cos, sin = rope_tables(inv_freq(spec), torch.arange(n)[None], torch.float32)
+        return (
+            torch.randn(1, n, H, generator=g),
+            torch.randn(1, n, H, generator=g),
+            AttnContext(cos, sin, {None: None}),
+        )
+
+    def step(tile: int, x, dy, ctx) -> None:
         with torch.no_grad():
-            del_y = layer_forward(w, x, ctx, spec, None, tile=tile)
-        del del_y
+            y = layer_forward(w, x, ctx, spec, None, tile=tile)
+        del y
         xi = x.detach().requires_grad_(True)
         with torch.enable_grad():
             y = layer_forward(w, xi, ctx, spec, None, tile=tile)
             grads = torch.autograd.grad([y], [xi, *leaves], [dy])
         del y, grads, xi
 
-    warm = sorted({0, *[t for t in tiles if t]}, reverse=True)[:2]
-    for t in warm:  # one-time allocations of each path (tiled, untiled)
-        step(t)
+    small = inputs(warm_tokens) if warm_tokens else None
+    big = inputs(tokens)
+    for t in sorted({0, *[t for t in tiles if t]}, reverse=True)[:2]:  # one-time allocations of each path
+        step(min(t, warm_tokens // 2) if small and t else t, *(small or big))
     out = []
     for tile in tiles:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak resident set
         base, t0 = _status("VmRSS"), time.perf_counter()
-        step(tile)
+        step(tile, *big)
         out.append({
             "tile": tile,
             "peak_bytes": _status("VmHWM") - base,
