@@ -28,7 +28,7 @@ from horizon_cli.store import Store
 TOL = 1e-6
 
 
-_COUNT = [0]  # tiles run under checkpointing (the recompute's), counted by `tiled_runs`
+_COUNT = [0]  # tilings of a block (model.tiling.tiles), counted by `tiled_runs`
 
 
 def tiled_count() -> int:
@@ -44,9 +44,11 @@ QWEN3_NEXT = dict(
 )  # fmt: skip
 
 
-def engine(store, tile: int, objective=None, lr: float = 1e-4) -> Engine:
+def engine(store, tile: int, objective=None, lr: float = 1e-4, keep: int = 0) -> Engine:
     ecfg = EngineConfig(device="cpu", dtype="float32", loss_chunk=16, seq_tile=tile)
-    return Engine(store, ecfg, OptimConfig(kernel="torch", lr=lr), objective=objective)
+    return Engine(
+        store, ecfg, OptimConfig(kernel="torch", lr=lr), objective=objective, keep=keep if tile else 0
+    )
 
 
 def batches(steps: int = 3) -> list[list[MicroBatch]]:
@@ -73,26 +75,26 @@ def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str, rel
 
 @pytest.fixture(autouse=True)
 def tiled_runs(monkeypatch):
-    """Counts the tiles the recompute ran under checkpointing (so a test cannot pass untiled)."""
+    """Counts the blocks run tile by tile (so a test cannot pass untiled)."""
     from horizon_cli.model import tiling
 
-    real = tiling.checkpoint
+    real = tiling.tiles
 
     def counted(*a, **k):
         _COUNT[0] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(tiling, "checkpoint", counted)
+    monkeypatch.setattr(tiling, "tiles", counted)
 
 
-def compare(store, tile: int, steps=None, objective=None) -> None:
+def compare(store, tile: int, steps=None, objective=None, keep: int = 0) -> None:
     """The first step's gradients, its outputs (loss, norm, aux loss) and the weights after three
-    AdamW steps (lr 1e-4: Adam's first steps move each weight by about lr whatever its gradient's
+    AdamW steps (keep: the tiled run keeps that many layers' graphs, engine.keep_activations) (lr 1e-4: Adam's first steps move each weight by about lr whatever its gradient's
     size, so a gradient at the rounding floor moves it by up to 2 lr either way)."""
     steps = steps or batches()
     runs, count = [], tiled_count()
     for t in (0, tile):
-        eng = engine(store, t, objective() if objective else None)
+        eng = engine(store, t, objective() if objective else None, keep=keep)
         try:
             div = eng.objective.divisor
             res = [eng.step(mbs, 1e-4, div(mbs)) for mbs in steps[:1]]
@@ -216,3 +218,11 @@ def test_lora_tiled_equals_untiled(tmp_path, family):
             eng.close()
     close(out[0], out[1], "adapters after three AdamW steps", relative=False)
     assert any(v.abs().max() > 0 for k, v in out[1].items() if "lora_B" in k)
+
+
+@pytest.mark.parametrize("family,over", [("llama", {}), ("mixtral", dict(output_router_logits=True))])
+def test_kept_layers_tiled_equal_untiled(tmp_path, family, over):
+    """Every layer kept (its forward under autograd, each tile checkpointed: the graph holds the
+    tiles' inputs, the backward recomputes them) against the untiled recompute."""
+    _, store = make_store(tmp_path, family, **over)
+    compare(store, 7, keep=store.arch.n_layers)

@@ -56,7 +56,9 @@ class NativeTemplate:
     def objective(
         self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None
     ) -> tuple[torch.Tensor, None]:
-        return self.forward(i, w, x, ctx, lora), None
+        """The backward's recompute (its output is only differentiated: a tiled block is deferred)."""
+        spec = self.spec
+        return layer_forward(w, x, ctx, spec, spec.windows[i], lora, i, self.seq_tile, deferred=True), None
 
     def forward_held(
         self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None

@@ -74,10 +74,64 @@ def run_tiled(block: Block, x: torch.Tensor, tile: int, lora: Any = None) -> tup
 
 
 def tiled_native(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int, lora: Any
-) -> torch.Tensor:
-    """The native layer's token-local block fn (h -> h + mlp(norm(h))) over x (b, T, H), tiled."""
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int, lora: Any,
+    leaves: list[torch.Tensor] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The native layer's token-local block fn (h -> h + mlp(norm(h))) over x (b, T, H), tiled.
+    leaves given (the backward's recompute: the block's weights and adapters): the block is not
+    run now but in the backward, tile by tile (_Deferred)."""
+    if leaves is not None and torch.is_grad_enabled() and 0 < tile < x.numel() // x.shape[-1]:
+        return _Deferred.apply(x, (fn, tile, lora), *leaves)
     return run_tiled(lambda h: (fn(h), ()), x, tile, lora)[0]
+
+
+class _Deferred(torch.autograd.Function):
+    """The recompute's block, run only by its backward. The recompute exists for its graph: the
+    layer's output values are never read there (autograd.grad is seeded with the gradient coming
+    from the layer above; the native block ends the layer, so nothing after it saves them), so
+    the forward returns an output of the right shape without computing it, and the backward runs
+    each tile under autograd — its forward, then its backward seeded with the tile's slice of the
+    output gradient — adding the weights' gradients over the tiles. The block's arithmetic runs
+    as often as untiled (forward sweep, recompute's forward, backward); with checkpointing it
+    would run once more."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, job: tuple, *leaves: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.job, ctx.leaves = job, leaves  # the tensors the block computes with, as it holds them
+        return torch.empty_like(x)  # never read (class doc)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        fn, tile, lora = ctx.job
+        leaves: tuple[torch.Tensor, ...] = ctx.leaves
+        H = x.shape[-1]
+        n = x.numel() // H
+        flat, dflat = x.detach().reshape(1, n, H), dy.reshape(1, n, H)
+        need = [i for i, t in enumerate(leaves) if t.requires_grad]
+        dx = torch.empty_like(flat)
+        acc: list[torch.Tensor | None] = [None] * len(leaves)
+        base = lora.mb if lora is not None else None
+        for s, e in tiles(n, tile):
+            xt = flat[:, s:e].detach().requires_grad_(True)
+            if lora is not None:
+                lora.mb = (base, "tile", s)  # the mask the forward sweep's tile drew
+            try:
+                with torch.enable_grad():
+                    yt = fn(xt)
+                    grads = torch.autograd.grad(
+                        yt, [xt, *(leaves[i] for i in need)], dflat[:, s:e], allow_unused=True
+                    )
+            finally:
+                if lora is not None:
+                    lora.mb = base
+            dx[:, s:e] = grads[0]
+            for i, g in zip(need, grads[1:], strict=True):
+                if g is not None:
+                    prev = acc[i]
+                    acc[i] = g if prev is None else prev + g
+        return (dx.view(x.shape), None, *acc)
 
 
 def set_tile(tmpl: Any, tile: int) -> None:
