@@ -9,6 +9,7 @@ from rich.table import Table
 
 from .arch.calls import spec_sequence
 from .arch.names import param_split
+from .arch.tiling import note as tiling_note
 from .fmt import fmt_bytes
 from .planning.memory import memory_plan
 from .progress import byte_progress
@@ -65,7 +66,7 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
             ),
             ("training", "LoRA only (a 4-bit base cannot be fully fine-tuned)"),
         ]
-    rows += [("source", m.source or "-")]
+    rows += [("source", m.source or "-"), ("sequence tiles", tiling_note(a))]
     for k, v in rows:
         info.add_row(k, v)
     console.print(info)

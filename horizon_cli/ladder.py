@@ -7,7 +7,8 @@ read it). Plans are one rank's of `world` (planning.memory, lora.sizes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from .arch import ArchSpec, read_hf_config, spec_from_hf
@@ -17,12 +18,14 @@ from .convert.hub import fetch_config, hub_id
 from .errors import InputError
 from .fmt import fmt_bytes
 from .lora.setup import LoraSetup
-from .lora.sizes import lora_memory_plan
+from .lora.sizes import adapter_work_bytes, lora_memory_plan
 from .lora.targets import resolve_targets
 from .parallel.topology import World
 from .planning.fit import RESERVE, Machine
 from .planning.keep import keep_plan
-from .planning.memory import RUNGS, MemoryPlan, memory_plan
+from .planning.memory import ITEM, RUNGS, MemoryPlan, memory_plan
+from .planning.tiling import STEP, longest, slack, with_tile
+from .planning.tiling import resolve as resolve_tile
 from .runtime.dtype import resolve as resolve_dtype
 from .store import Store
 
@@ -90,7 +93,40 @@ def plan_for(
     its kept layers (engine.keep_activations; `auto` fits them to `where`, none without it). The
     lora rungs are planned with the run's own adapters (`lora`), or, for a full fine-tuning
     config, lora:'s defaults."""
-    return keep_plan(_plan(cfg, spec, memory, lora, world), cfg.engine.keep_activations, where)
+    tiled = tile_plan(cfg, spec, memory, lora, world, where, cfg.engine.seq_tile)
+    return keep_plan(tiled, cfg.engine.keep_activations, where)
+
+
+def tile_plan(
+    cfg: Config, spec, memory: str, lora, world: World, where: Machine | None, setting
+) -> MemoryPlan:
+    """The rung's plan (no kept layers) with its sequence tile (engine.seq_tile, planning.tiling)."""
+    arch = spec if isinstance(spec, ArchSpec) else spec.arch
+    plan = _plan(cfg, spec, memory, lora, world)
+    rows = cfg.train.micro_batch_size * cfg.rows_per_example
+    seq = min(cfg.data.max_seq_len, arch.max_positions)
+    e = resolve_dtype(cfg.engine, cfg.optim.memory)
+    item = ITEM["bfloat16" if memory == "lean" else e.dtype]
+    adapters = None
+    if memory in ("lora", "qlora"):
+        targets, r = (lora.targets, lora.r) if lora else default_adapters(arch)
+        adapters = partial(adapter_work_bytes, targets, r, rows * seq, item, spec=arch)
+    at = partial(with_tile, plan, arch, tokens=rows * seq, rows=rows, T=seq, item=item, adapters=adapters)
+    return resolve_tile(setting, at, rows * seq, where)
+
+
+def longest_seq(
+    cfg: Config, spec: ArchSpec, memory: str, lora: LoraSetup | None, world: World, where: Machine, hi: int
+) -> int:
+    """The longest data.max_seq_len (a multiple of planning.tiling.STEP, at most hi) whose plan on
+    this rung fits `where`, tiles chosen as engine.seq_tile: auto does, no layer kept."""
+    big = replace(spec, max_positions=max(hi, spec.max_positions))
+
+    def fits_at(seq: int) -> bool:
+        c = replace(cfg, data=replace(cfg.data, max_seq_len=seq))
+        return slack(tile_plan(c, big, memory, lora, world, where, "auto"), where) >= 0
+
+    return longest(fits_at, STEP, hi)
 
 
 def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) -> MemoryPlan:
@@ -231,3 +267,14 @@ def check_fits(
         f"memory plan does not fit this machine: {why}. Ladder: {ladder}. {hint} "
         "(see `horizon train CONFIG --dry-run`)"
     )
+
+
+REACH = 1 << 24  # the longest sequence the dry run looks for (16,777,216 tokens)
+
+
+def longest_by_rung(
+    cfg: Config, model: Store | PlannedModel, lora: LoraSetup | None, world: World, where: Machine
+) -> dict[str, int]:
+    """Per rung of the ladder: the longest sequence its plan fits on `where` (longest_seq), the
+    model's positions aside (the dry run says which bound binds)."""
+    return {r: longest_seq(cfg, model.arch, r, lora, world, where, REACH) for r in RUNGS}

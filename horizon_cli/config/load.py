@@ -279,6 +279,15 @@ def validate(cfg: Config) -> list[str]:
         p.append(
             f"engine.keep_activations: {keep!r} is not allowed (auto, or a number of layers >= 0; 0 recomputes every layer)"
         )
+    tile = cfg.engine.seq_tile
+    if (
+        isinstance(tile, bool)
+        or isinstance(tile, str)
+        and tile != "auto"
+        or isinstance(tile, int)
+        and tile < 0
+    ):
+        p.append(f"engine.seq_tile: {tile!r} is not allowed (auto, or tokens per tile >= 0; 0: untiled)")
     if cfg.engine.link_gbps and cfg.engine.device not in ("cpu", "auto"):
         p.append("engine.link_gbps: only emulates a link with engine.device: cpu")
     if cfg.optim.memory == "lean" and cfg.engine.dtype == "float32":

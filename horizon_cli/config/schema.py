@@ -107,6 +107,10 @@ class EngineConfig:
     # the last K layers keep their autograd graph and weights on the device from forward to backward
     # (no recompute, no second load); auto: as many as the plan's free memory holds; 0: recompute all
     keep_activations: int | str = _f("auto")
+    # tokens per tile of each layer's token-local parts (MLP/MoE: model.tiling), run tile by tile in
+    # the forward and the recompute; auto: untiled when the plan fits, else the largest tile that
+    # fits what the plan leaves free (planning.tiling); 0: untiled
+    seq_tile: int | str = _f("auto")
     # generation's KV cache (horizon generate, eval samples): auto (the device when the plan says
     # it fits there, else host memory) | device | host
     kv_cache: str = _f("auto", choices=("auto", "device", "host"))

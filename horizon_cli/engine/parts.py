@@ -27,6 +27,7 @@ from ..config.schema import EngineConfig, OptimConfig
 from ..errors import InputError
 from ..lora.setup import LoraSetup
 from ..model.template import make_template
+from ..model.tiling import set_tile
 from ..parallel.comm import Dist
 from ..runtime.device import make_transport
 from ..runtime.dtype import resolve as resolve_dtype
@@ -123,6 +124,7 @@ def assemble(
     optimizer = OptimizerWorker(params.host, optim.kernel, tracer, t.thread_init)
     # native functional layer, or transformers' own (with LoRA hooks on its linear modules)
     tmpl: LayerTemplate = make_template(spec, t.device, lora.targets if lora else None, dtype)
+    set_tile(tmpl, engine.seq_tile if isinstance(engine.seq_tile, int) else 0)  # auto: the plan's (train)
     calls = tmpl.calls  # the layer of each call (arch.calls: a loop calls some more than once)
     if is_loop(calls):
         name = f"{spec.family} runs its layers in a loop ({len(calls)} calls for {spec.n_layers} layers)"

@@ -15,6 +15,7 @@ all-reduced in place, and every rank applies the same AdamW step to its copy.
 from __future__ import annotations
 
 from ..arch import ArchSpec
+from ..arch.tiling import block_prefixes
 from ..planning.memory import (
     ITEM,
     MemoryPlan,
@@ -47,11 +48,19 @@ def base_bytes(spec: ArchSpec, dtype: str, quant: str = "", world: int = 1) -> d
     return out
 
 
-def adapter_work_bytes(targets: list[list[Target]], r: int, tokens: int, item: int) -> int:
+def adapter_work_bytes(
+    targets: list[list[Target]], r: int, tokens: int, item: int, tile: int = 0, spec: ArchSpec | None = None
+) -> int:
     """What the adapters add to one layer's working set for one micro-batch: per token and adapted
-    linear, A's output (r) and B's (out features), held for the add and the backward."""
-    widest = max((sum(r + t.out_features for t in layer) for layer in targets), default=0)
-    return tokens * widest * item
+    linear, A's output (r) and B's (out features), held for the add and the backward. tile
+    (engine.seq_tile; spec given): those inside the layer's token-local block for `tile` tokens."""
+
+    def one(i: int, layer: list[Target]) -> int:
+        inside = block_prefixes(spec, i) if tile > 0 and spec is not None else ()
+        blk = sum(r + t.out_features for t in layer if t.rel.startswith(inside))
+        return tokens * sum(r + t.out_features for t in layer) - (tokens - min(tile, tokens)) * blk
+
+    return max((one(i, layer) for i, layer in enumerate(targets)), default=0) * item
 
 
 def adapter_kept_bytes(targets: list[list[Target]], r: int, dropout: float, tokens: int, item: int) -> int:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..arch import ArchSpec
 from .attend import Mask, attend
+from .tiling import tiled_native
 
 Weights = dict[str, torch.Tensor]
 # LoRA (lora.linear.LayerLora): (weight name, linear input, linear output) -> adapted output
@@ -133,8 +134,25 @@ def layer_forward(
     window: int | None,
     lora: Lora = None,
     layer: int = 0,
+    tile: int = 0,
+    deferred: bool = False,
 ) -> torch.Tensor:
     """One pre-norm decoder layer: x (b, T, H) -> (b, T, H). lora: adapters on its linear layers;
-    layer: its index (in a generation's KV cache)."""
+    layer: its index (in a generation's KV cache); tile: tokens per tile of its token-local block
+    (the MLP's norm, SwiGLU and residual; model.tiling), 0: untiled; deferred: the backward's
+    recompute, whose output values are not read (the tiled block then runs in the backward)."""
     h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window, lora, layer)
-    return h + mlp(w, rms_norm(h, w["mlp_norm"], spec.rms_eps), lora)
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        return h + mlp(w, rms_norm(h, w["mlp_norm"], spec.rms_eps), lora)
+
+    if not tile:
+        return block(h)
+    leaves = None
+    if deferred:  # what the block computes with: its weights, and its linear layers' adapters
+        leaves = [w[k] for k in BLOCK if k in w]
+        leaves += [t for k in BLOCK if lora is not None and k in getattr(lora, "ab", {}) for t in lora.ab[k]]  # type: ignore[attr-defined]
+    return tiled_native(block, h, tile, lora, leaves)
+
+
+BLOCK = ("mlp_norm", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")  # the tiled block's tensors

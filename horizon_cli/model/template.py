@@ -30,12 +30,13 @@ class NativeTemplate:
         self.spec = spec
         self.inv = inv_freq(spec).to(device)
         self.calls = list(range(spec.n_layers))  # the layer of each call: every layer once, in order
+        self.seq_tile = 0  # tokens per tile of each layer's MLP block (engine.seq_tile; 0: untiled)
 
     def context(self, mb: MicroBatch, dtype: torch.dtype, device) -> AttnContext:
         return attn_context(mb, self.spec, self.inv, dtype, device)
 
     def forward(self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None) -> torch.Tensor:
-        return layer_forward(w, x, ctx, self.spec, self.spec.windows[i], lora, i)
+        return layer_forward(w, x, ctx, self.spec, self.spec.windows[i], lora, i, self.seq_tile)
 
     # -- generation --------------------------------------------------------------------------
     def new_cache(self):
@@ -55,7 +56,9 @@ class NativeTemplate:
     def objective(
         self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None
     ) -> tuple[torch.Tensor, None]:
-        return self.forward(i, w, x, ctx, lora), None
+        """The backward's recompute (its output is only differentiated: a tiled block is deferred)."""
+        spec = self.spec
+        return layer_forward(w, x, ctx, spec, spec.windows[i], lora, i, self.seq_tile, deferred=True), None
 
     def forward_held(
         self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None

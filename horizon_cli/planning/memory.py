@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..arch import ArchSpec
+from ..arch.tiling import blocks
 from ..parallel.shard import SHARD_ALIGN, padded_numel, shard_range, shard_size
 from ..state.host import kind_numel, segments
 from ..store import UnitLayout, layouts
@@ -60,6 +61,10 @@ class MemoryPlan:
     kept: int = 0
     kept_layer: tuple[int, int] = (0, 0)
     saved_layer: int = 0
+    # sequence tiles (engine.seq_tile, planning.tiling): tokens per tile (0: untiled), and the
+    # layer working set untiled, for comparison
+    seq_tile: int = 0
+    untiled_work: int = 0
 
     @property
     def kept_bytes(self) -> int:
@@ -101,40 +106,50 @@ class MemoryPlan:
         return self.state_bytes * self.world / max(1, self.params)
 
 
-def layer_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int) -> int:
-    """One layer's forward+backward working set for one micro-batch (tokens = rows * T)."""
+def layer_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int, tile: int = 0) -> int:
+    """One layer's forward+backward working set for one micro-batch (tokens = rows * T). tile:
+    engine.seq_tile (model.tiling), the tokens the token-local block's intermediates exist for
+    at a time (0: all of them) — natively the MLP's gate, up and product (3 I per token)."""
     if spec.generic is not None:
-        return generic_work_bytes(spec, tokens, rows, T, item)
-    per_tok = 4 * spec.hidden + spec.q_dim + 2 * spec.kv_dim + 3 * spec.intermediate
+        return generic_work_bytes(spec, tokens, rows, T, item, tile)
+    block = min(tile, tokens) if tile > 0 else tokens
+    per_tok = 4 * spec.hidden + spec.q_dim + 2 * spec.kv_dim
     masked = any(w is not None and w < T for w in spec.windows)
     attn = rows * T * T if masked else 0  # the CPU's dense bool mask (CUDA: a flex block mask, far smaller)
-    return 2 * tokens * per_tok * item + attn
+    return 2 * (tokens * per_tok + block * 3 * spec.intermediate) * item + attn
 
 
-def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int) -> int:
+def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int, tile: int = 0) -> int:
     """The same estimate for a generic layer, read off its tensor table: every projection's output
     per token (a matrix (out, in): out; a routed expert tensor (E, a, b): top-k times the side that
     is not the hidden size), plus the residual stream and norms, held for the backward; attention
     scores where they are materialised (eager attention, or explicit masks: sliding windows). A
     recurrent mixer counts what it was measured to save instead of its projections (arch.workset:
-    its chunked scan's states and decay matrices, rows * (fixed + per_token * T) bytes), twice."""
+    its chunked scan's states and decay matrices, rows * (fixed + per_token * T) bytes), twice.
+    tile: what the kind's token-local blocks (arch.tiling) count is for `tile` tokens only."""
     g = spec.generic
     assert g is not None
     moe, H = g.moe, spec.hidden
+    found = blocks(g) if tile > 0 else {}
     worst = 0
     for kind in set(g.layer_kinds):
-        n = 4 * spec.boundary_width  # the residual stream (several: hyper-connections)
+        n, nb = 4 * spec.boundary_width, 0  # the residual stream (several: hyper-connections); the blocks'
         mixer = g.workset.get(kind)
         inside = mixer.module + "." if mixer else None
+        tiled = tuple(f"{b}." for b in found.get(kind, ()))
         for e in g.kinds[kind]:
-            shape = e.shape
+            shape, k = e.shape, 0
             if inside and e.name.startswith(inside):
                 continue
             if moe and len(shape) == 3 and shape[0] == moe.n_experts:
-                n += moe.top_k * (shape[1] if shape[2] == H else shape[2]) + H  # + gathered inputs
+                k = moe.top_k * (shape[1] if shape[2] == H else shape[2]) + H  # + gathered inputs
             elif len(shape) == 2:
-                n += shape[0]
-        b = 2 * tokens * n * item
+                k = shape[0]
+            if tiled and e.name.startswith(tiled):
+                nb += k
+            else:
+                n += k
+        b = 2 * (tokens * n + min(tile, tokens) * nb) * item
         if mixer:
             fixed, per_token = mixer.saved["float32" if item >= 4 else "bfloat16"]
             b += 2 * int(rows * fixed + tokens * per_token)

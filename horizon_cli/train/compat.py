@@ -44,6 +44,7 @@ FREE = (
     "engine.loss_chunk",
     "engine.keep_activations",  # kept or recomputed, the same arithmetic (the graph recompute would build)
     "engine.kv_cache",
+    "engine.seq_tile",  # tiled or not, the same arithmetic per token (weight gradients summed by tile)
     "optim.kernel",
     "output",
     "log",

@@ -13,13 +13,14 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
+from ..arch.tiling import note as tiling_note
 from ..config import Config, dump_yaml
 from ..data import PreparedData
 from ..engine.build import Planned
 from ..errors import DryRunRefused, InputError
 from ..fmt import fmt_bytes
 from ..fsutil import write_text_atomic
-from ..ladder import HOW, PlannedModel, best_rung, fit_parts, fits, not_applicable
+from ..ladder import HOW, REACH, PlannedModel, best_rung, fit_parts, fits, longest_by_rung, not_applicable
 from ..planning.fit import Machine
 from ..planning.memory import MemoryPlan
 from ..rl.plan import rollout_plan
@@ -61,6 +62,9 @@ def dry_run_report(
     plan, na = rungs[chosen], not_applicable(model)
     console.print(plan_table(plan))
     console.print(ladder_table(rungs, where, chosen, na))
+    reach = longest_by_rung(cfg, model, planned.lora, planned.world, where)
+    console.print(reach_line(reach, model.arch.max_positions, where, na), highlight=False, soft_wrap=True)
+    console.print(f"sequence tiles: {tiling_note(model.arch)}", highlight=False, soft_wrap=True)
     if dtype is not None:  # the printed config says the resolved one; this line says why
         console.print(dtype.line, highlight=False, soft_wrap=True)
     ok, why = fits(plan, where)
@@ -71,6 +75,8 @@ def dry_run_report(
     if run_dir is not None:
         console.print(f"output.dir: {run_dir}", highlight=False)
     report = plan_json(model, rungs, chosen, where)
+    report["longest_seq"] = reach  # tokens per rung (tiles as auto picks them, no layer kept)
+    report["max_positions"] = model.arch.max_positions
     if dtype is not None:
         report["dtype"] = dtype.record()
     ref = reference_plan(cfg, data, model.arch.n_layers)  # dpo/ipo: the pass before step 1
@@ -154,6 +160,9 @@ def plan_table(plan: MemoryPlan) -> Table:
     t.add_row("host", f"state bytes per parameter{all_ranks}", f"{plan.bytes_per_param:.2f}")
     for k, v in plan.device.items():
         t.add_row("device", k, fmt_bytes(v))
+        if k == "layer working set" and plan.untiled_work:
+            tile = f"tiles of {plan.seq_tile:,} tokens" if plan.seq_tile else "untiled"
+            t.add_row("device", f"  ({tile}; untiled it would be)", fmt_bytes(plan.untiled_work))
     t.add_row("device", "[bold]peak", f"[bold]{fmt_bytes(plan.device_total)}")
     t.add_row(
         "device",
@@ -164,6 +173,24 @@ def plan_table(plan: MemoryPlan) -> Table:
     if plan.world > 1:
         t.add_row("device", f"per node ({plan.per_node} devices)", fmt_bytes(plan.node_device_total))
     return t
+
+
+def reach_line(
+    reach: dict[str, int], positions: int, where: Machine, na: dict[str, str] | None = None
+) -> str:
+    """The longest sequence each rung trains on `where` (ladder.longest_by_rung), in one line."""
+
+    def one(rung: str, n: int) -> str:
+        if rung in (na or {}):
+            return f"{rung} n/a"
+        tokens = "none fits" if not n else f"{n:,}" + ("+" if n >= REACH else "") + " tokens"
+        return f"{rung} {tokens}" + (f" (positions: {positions:,})" if n > positions else "")
+
+    return (
+        f"longest trainable sequence on {where.what} (engine.seq_tile: auto, no layer kept): "
+        + ", ".join(one(r, n) for r, n in reach.items())
+        + f"; the model's positions: {positions:,}"
+    )
 
 
 def ranks_text(plan: MemoryPlan) -> str:
@@ -219,7 +246,8 @@ def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen:
                 "host_bytes_per_rank": p.host_total, "device_bytes_per_rank": p.device_total,
                 "host_bytes_per_node": p.node_host_total, "device_bytes_per_node": p.node_device_total,
                 "host_bytes_all_nodes": p.all_host_total,
-                "kept_layers": p.kept, "kept_bytes": p.kept_bytes}  # fmt: skip
+                "kept_layers": p.kept, "kept_bytes": p.kept_bytes, "seq_tile": p.seq_tile,
+                "layer_work_untiled_bytes": p.untiled_work}  # fmt: skip
 
     plan = rungs[chosen]
     return {

@@ -89,6 +89,8 @@ def run_training(
     assert isinstance(model, Store)
     checks.before_claim(planned, where)
     cfg, console = join_world(cfg, console)
+    # engine.seq_tile as the plan resolved it (auto: on this machine), recorded in config.yaml
+    cfg = replace(cfg, engine=replace(cfg.engine, seq_tile=planned.plan.seq_tile))
     with stop_signals(), joined(cfg.engine.device) as d, claim(cfg, model, console, d) as rd:
         phase("locked")
         if rd.finished():

@@ -1,0 +1,104 @@
+"""The measured peak memory of one native layer's forward + backward on the CPU, tiled or not
+(engine.seq_tile), against the plan's layer working set (planning.memory.layer_work_bytes).
+
+    python -m horizon_cli.testing.layer_peak '{"hidden": 128, "intermediate": 2048, "tokens": 2048,
+        "tiles": [0, 512], "heads": 2, "kv_heads": 1}'
+
+prints one JSON object: per tile the measured peak, the plan's working set, the weight gradients'
+bytes (a plan row of their own: the gradient accumulators) and the seconds it took. What the
+engine does per layer: a forward without autograd, then the recompute under autograd and
+`autograd.grad` seeded with the output gradient. The weights, the input and the output gradient
+exist before the measurement starts (the plan's weight buffers and boundary activations).
+
+How: in a process of its own, glibc's malloc is told to serve every block over 64 KiB by mmap and
+to return freed memory at once (so the resident set follows the live tensors; its default adapts
+the threshold and keeps freed blocks), the kernel's peak resident set (VmHWM) is reset
+(/proc/self/clear_refs) before each measurement, and the peak less the resident set at the start
+is what one layer's forward + backward needed. Each path runs once first (thread pools, kernel
+scratch space: one-time allocations that are no working set).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import re
+import sys
+import time
+
+import torch
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        m = re.search(rf"{key}:\s+(\d+) kB", f.read())
+    assert m is not None, key
+    return int(m.group(1)) * 1024
+
+
+def measure(
+    hidden: int, intermediate: int, tokens: int, tiles: list[int], heads: int = 2, kv_heads: int = 1,
+    warm_tokens: int = 0,
+) -> dict:  # fmt: skip
+    """warm_tokens: the length of the first run of each path (0: `tokens`)."""
+    from ..arch import spec_from_hf
+    from ..model.layer import AttnContext, inv_freq, layer_forward, rope_tables
+    from ..planning.memory import layer_work_bytes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, 65536)
+    libc.mallopt(M_TRIM_THRESHOLD, 0)
+    torch.set_num_threads(1)
+    hf = dict(model_type="llama", hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
+              num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=64,
+              max_position_embeddings=max(tokens, 2048))  # fmt: skip
+    spec = spec_from_hf(hf)
+    H, inter, q, kv = spec.hidden, spec.intermediate, spec.q_dim, spec.kv_dim
+    g = torch.Generator().manual_seed(0)
+    shapes = dict(wq=(q, H), wk=(kv, H), wv=(kv, H), wo=(H, q), w_gate=(inter, H), w_up=(inter, H), w_down=(H, inter),
+                  attn_norm=(H,), mlp_norm=(H,))  # fmt: skip
+    w = {k: (torch.randn(s, generator=g) * 0.02).requires_grad_(True) for k, s in shapes.items()}
+    leaves = list(w.values())
+
+    def inputs(n: int):
+        cos, sin = rope_tables(inv_freq(spec), torch.arange(n)[None], torch.float32)
+        return (
+            torch.randn(1, n, H, generator=g),
+            torch.randn(1, n, H, generator=g),
+            AttnContext(cos, sin, {None: None}),
+        )
+
+    def step(tile: int, x, dy, ctx) -> None:
+        with torch.no_grad():
+            y = layer_forward(w, x, ctx, spec, None, tile=tile)
+        del y
+        xi = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = layer_forward(w, xi, ctx, spec, None, tile=tile)
+            grads = torch.autograd.grad([y], [xi, *leaves], [dy])
+        del y, grads, xi
+
+    small = inputs(warm_tokens) if warm_tokens else None
+    big = inputs(tokens)
+    for t in sorted({0, *[t for t in tiles if t]}, reverse=True)[:2]:  # one-time allocations of each path
+        step(min(t, warm_tokens // 2) if small and t else t, *(small or big))
+    out = []
+    for tile in tiles:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak resident set
+        base, t0 = _status("VmRSS"), time.perf_counter()
+        step(tile, *big)
+        out.append({
+            "tile": tile,
+            "peak_bytes": _status("VmHWM") - base,
+            "plan_bytes": layer_work_bytes(spec, tokens, 1, tokens, 4, tile),
+            "seconds": time.perf_counter() - t0,
+        })  # fmt: skip
+    grads = sum(p.numel() for p in leaves) * 4
+    return {"hidden": H, "intermediate": inter, "tokens": tokens, "weight_grad_bytes": grads, "runs": out}
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(**json.loads(sys.argv[1]))))
