@@ -85,5 +85,11 @@ def build_engine(
     world = dist.world if dist is not None else 1
     return Engine(
         store, cfg.engine, cfg.optim, tracer=tracer, progress=progress, max_tokens=step_tokens(cfg, store, world),
-        lora=lora, dist=dist, objective=objective, keep=keep,
+        lora=lora, dist=dist, objective=objective, keep=keep, dropout_seed=dropout_seed(cfg),
     )  # fmt: skip
+
+
+def dropout_seed(cfg: Config) -> int | None:
+    """The seed of the run's dropout masks (engine.dropout): train.seed, or None when
+    `model.dropout: 0` turns the model's dropout and router noise off."""
+    return None if cfg.model.dropout == 0 else cfg.train.seed

@@ -101,8 +101,10 @@ def attention(
     window: int | None,
     lora: Lora = None,
     layer: int = 0,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
-    """x (b, T, H) normed -> (b, T, H). layer: this layer's index in ctx.cache."""
+    """x (b, T, H) normed -> (b, T, H). layer: this layer's index in ctx.cache; dropout: on the
+    attention probabilities (training only, as transformers' `attention_dropout`)."""
     b, T, _ = x.shape
     hd = spec.head_dim
     q = _linear(x, w, "wq", "bq", lora).view(b, T, spec.n_heads, hd)
@@ -114,7 +116,7 @@ def attention(
     q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
     if ctx.cache is not None:  # generation: the cached positions' K/V, then these T (b, kv, S, hd)
         k, v = ctx.cache.update(k, v, layer)
-    out = attend(q, k, v, ctx.masks.get(window), hd**-0.5)  # grouped-query K/V shared, not copied
+    out = attend(q, k, v, ctx.masks.get(window), hd**-0.5, dropout)  # grouped-query K/V shared, not copied
     out = out.transpose(1, 2).reshape(b, T, spec.q_dim)
     return _linear(out, w, "wo", "bo", lora)
 
@@ -133,8 +135,9 @@ def layer_forward(
     window: int | None,
     lora: Lora = None,
     layer: int = 0,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
     """One pre-norm decoder layer: x (b, T, H) -> (b, T, H). lora: adapters on its linear layers;
-    layer: its index (in a generation's KV cache)."""
-    h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window, lora, layer)
+    layer: its index (in a generation's KV cache); dropout: the attention's (training only)."""
+    h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window, lora, layer, dropout)
     return h + mlp(w, rms_norm(h, w["mlp_norm"], spec.rms_eps), lora)
