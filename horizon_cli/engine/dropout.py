@@ -27,6 +27,9 @@ from collections.abc import Iterator
 
 import torch
 
+from ..arch import ArchSpec
+from ..arch.exceptions import stochastic_keys
+
 TAG = 0x44524F50  # "DROP": the layers' stream, apart from LoRA's (lora.linear seeds without it)
 
 
@@ -70,6 +73,14 @@ class SeededDropout:
             self.tmpl.train_mode(False)
             for g, st in zip(self.gens, saved, strict=True):
                 g.set_state(st)
+
+
+def model_dropout(arch: ArchSpec) -> list[tuple[str, float]]:
+    """The model's positive dropout / noise settings by config key (the native layer's: its
+    attention's; the generic path's: every such key of its config)."""
+    if arch.generic is not None:
+        return stochastic_keys(dict(arch.generic.config))
+    return [("attention_dropout", arch.attn_dropout)] if arch.attn_dropout else []
 
 
 def dropout_for(tmpl, seed: int | None, device: torch.device) -> NoDropout | SeededDropout:
