@@ -100,11 +100,12 @@ def seeded_hooks(model, seed: int, step: int, mb: list[int]):
     return hooks
 
 
-def hf_backward(model, mbs, seed=SEED, step=0) -> float:
-    """Summed CE over the batch's label tokens / their count, in train mode under horizon's masks."""
+def hf_backward(model, mbs, seed=SEED, step=0, inner=None) -> float:
+    """Summed CE over the batch's label tokens / their count, in train mode under horizon's masks
+    (inner: the transformers model inside `model`, a PEFT model)."""
     n = sum(mb.label_tokens for mb in mbs)
     mb_index = [0]
-    hooks = seeded_hooks(model, seed, step, mb_index)
+    hooks = seeded_hooks(inner or model, seed, step, mb_index)
     model.train()
     total = 0.0
     try:
@@ -161,6 +162,40 @@ def hf_eval(model, mbs, backward=False) -> float:
             (loss / n).backward()
         total += loss.item()
     return total / n
+
+
+def test_lora_on_a_dropping_base_equals_peft_under_the_same_masks(tmp_path):
+    """LoRA adapters on Phi with its dropout on: the adapters' gradients equal PEFT's (its model in
+    train mode, seeded the same way); the base's dropout and LoRA's own draw apart."""
+    peft = pytest.importorskip("peft")
+    from horizon_cli.config.schema import LoraConfig
+    from horizon_cli.lora.setup import lora_setup
+
+    model = phi()
+    store = store_of(model, tmp_path)
+    targets = ["q_proj", "dense", "fc1"]
+    torch.manual_seed(1)
+    pm = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    )
+    pm.save_pretrained(tmp_path / "init")
+    cfg = LoraConfig(r=4, alpha=8, targets=targets, init=str(tmp_path / "init"))
+    eng = Engine(
+        store, EngineConfig(device=DEVICE, dtype="float32", loss_chunk=16), OptimConfig(kernel="torch"),
+        lora=lora_setup(cfg, store.arch, seed=SEED), dropout_seed=SEED,
+    )  # fmt: skip
+    try:
+        mbs = batch(model)
+        loss_sum, tokens, _ = eng.forward_backward(mbs)
+        ref = hf_backward(pm, mbs, inner=pm.get_base_model())
+        assert abs(loss_sum / tokens - ref) / ref < 1e-5
+        ours = engine_grads(eng)
+        theirs = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
+        assert set(ours) == set(theirs)
+        for k, g in theirs.items():
+            assert rel_err(ours[k], g) < 1e-5, k
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-native"])
@@ -251,3 +286,22 @@ def test_forward_only_passes_run_without_dropout(tmp_path):
     finally:
         on.close()
         off.close()
+
+
+@pytest.mark.parametrize(
+    "over,seed",
+    [([], 3), (["model.dropout=0"], None), (["preference.loss=dpo"], None), (["preference.loss=kto"], None)],
+)
+def test_which_runs_train_with_dropout(over, seed):
+    """train.seed seeds the masks, but with model.dropout: 0 and in preference runs (TRL's DPO,
+    KTO, CPO and ORPO trainers default to disable_dropout)."""
+    from horizon_cli.config import load_config
+    from horizon_cli.engine.build import dropout_seed
+
+    base = {
+        "model": {"path": "store"},
+        "data": {"path": "d.jsonl"},
+        "train": {"seed": 3},
+        "output": {"dir": "run"},
+    }
+    assert dropout_seed(load_config(None, over, base=base)) == seed

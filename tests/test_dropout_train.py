@@ -65,7 +65,9 @@ def test_stopped_run_resumes_bitwise_identical(stores, tmp_path):
 
 def run(tmp_path, name, store, data, **model):
     out = tmp_path / name
-    cfg = write_config(tmp_path / f"{name}.yaml", store, data, out, output={"export": True})
+    cfg = write_config(
+        tmp_path / f"{name}.yaml", store, data, out, output={"export": True}, train={"steps": 3}
+    )
     if model:
         raw = yaml.safe_load(cfg.read_text())
         raw["model"].update(model)
@@ -85,6 +87,7 @@ def test_dropout_zero_trains_the_store_converted_without_dropout(stores, tmp_pat
     assert losses == ref_losses and on_losses != losses
     assert weights.keys() == ref_weights.keys()
     assert all(weights[k].equal(ref_weights[k]) for k in weights)
+    assert len(losses) == 3
     assert yaml.safe_load((out / "config.yaml").read_text())["model"]["dropout"] == 0  # the run's
     assert (drop / "manifest.json").read_bytes() == manifest  # not the store's
     assert json.loads((out / "export" / "config.json").read_text())["resid_pdrop"] == 0.1
