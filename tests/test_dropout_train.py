@@ -95,6 +95,9 @@ def test_dropout_zero_trains_the_store_converted_without_dropout(stores, tmp_pat
 
 def test_dry_run_says_what_it_does_with_dropout(stores, tmp_path):
     drop, zero, data = stores
+    said = " ".join(horizon("inspect", drop).output.split())
+    assert "attn_pdrop 0.1, embd_pdrop 0.1, resid_pdrop 0.1, summary_first_dropout 0.1 (trained;" in said
+    assert "dropout" not in horizon("inspect", zero).output
     cfg = write_config(tmp_path / "cfg.yaml", drop, data, tmp_path / "run")
     said = " ".join(horizon("train", cfg, "--dry-run").output.split())
     assert (
