@@ -10,6 +10,7 @@ from rich.table import Table
 from .arch.calls import spec_sequence
 from .arch.names import param_split
 from .arch.tiling import note as tiling_note
+from .engine.dropout import model_dropout
 from .fmt import fmt_bytes
 from .planning.memory import memory_plan
 from .progress import byte_progress
@@ -55,6 +56,9 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
                 else "off (config.json: output_router_logits)",
             ),
         ]
+    if drop := model_dropout(a):  # engine.dropout
+        said = ", ".join(f"{k} {v:g}" for k, v in drop)
+        rows.append(("dropout", f"{said} (trained; model.dropout: 0 turns it off)"))
     rows += [("dtype", m.dtype)]
     if m.quant:
         n_q = sum(1 for p in store.packed.values() for s in p.slots if s.quant)

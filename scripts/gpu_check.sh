@@ -4,7 +4,8 @@
 #   1. parity: the engine oracles on the GPU (logits, loss, gradients against transformers; 20-step
 #      AdamW parity; micro-batch invariance; event ordering on the timeline) and the CUDA-only
 #      checks (tests/test_cuda_gpu.py: a failed registration leaves no error, pinned fallback,
-#      flex block masks against dense masks forward and backward, the device fit check)
+#      flex block masks against dense masks forward and backward, the device fit check) and
+#      dropout's masks on the CUDA generator (tests/test_dropout.py: recompute bit for bit, seeds)
 #   1b. lora: LoRA against peft on the GPU (dense and NF4 bases; tests/test_lora_engine.py)
 #   2. throughput: tokens/s and MFU at Llama-3.1-8B's layer shape (4 layers, vocab 128256, seq
 #      4096), peak device memory against the plan
@@ -44,7 +45,7 @@ run parity 180 env HORIZON_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider
   tests/test_engine_parity.py tests/test_engine_training.py "tests/test_pipeline.py::test_schedule_ordering" \
   tests/test_cuda_gpu.py tests/test_generic_parity.py tests/test_generic_training.py \
   tests/test_keep.py::test_kept_equals_recomputed_bitwise tests/test_keep.py::test_moe_and_qlora_kept_equal_recomputed \
-  tests/test_keep.py::test_a_sequence_objective_kept_equals_recomputed
+  tests/test_keep.py::test_a_sequence_objective_kept_equals_recomputed tests/test_dropout.py
 run lora 30 env HORIZON_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/test_lora_engine.py \
   -k "steps_match or nf4"
 run throughput 210 $PY benchmarks/gpu_throughput.py --store "$WORK/store" --profile-config "$WORK/profile.yaml" \

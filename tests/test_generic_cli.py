@@ -61,7 +61,7 @@ def edit_config(src: Path, **kv) -> None:
     "change,needles",
     [
         (dict(quantization_config={"quant_method": "mxfp4"}), ["quantized checkpoint", "'mxfp4'"]),
-        (dict(attention_dropout=0.1), ["attention_dropout = 0.1", "dropout"]),
+        (dict(layerdrop=0.1), ["layerdrop = 0.1", "layer drop"]),
         (dict(auto_map={"AutoModelForCausalLM": "x.Y"}), ["custom code", "auto_map"]),
         (
             dict(model_type="xlnet", architectures=["XLNetLMHeadModel"]),
@@ -72,7 +72,7 @@ def edit_config(src: Path, **kv) -> None:
     ],
     ids=[
         "quantized",
-        "dropout",
+        "layerdrop",
         "custom-code",
         "not-causal",
         "bidirectional",

@@ -6,9 +6,10 @@ with one line naming the feature. Most refusals come from what the probe observe
 the layers, a tensor crossing layers, arithmetic between layers); this module holds those that
 cannot be observed on the meta device:
 
-  config keys   whose value turns on something the engine does not do: dropout and noise (the
-                backward recompute would draw other masks), bidirectional attention, custom code,
-                keys and values later layers reuse (Gemma 3n / 4's KV sharing)
+  config keys   whose value turns on something the engine does not do: layer drop (the owner
+                skipping whole layers at random), bidirectional attention, custom code, keys and
+                values later layers reuse (Gemma 3n / 4's KV sharing). Dropout and router noise
+                inside the layers and the embedding train (engine.dropout, model.train_mode)
   model types   that transformers maps as causal LMs but are not decoders the engine can stream
                 (encoders used as decoders, permutation or n-gram objectives)
   layers        cross-attention to an encoder in a layer the text forward calls (the decoders of
@@ -22,8 +23,10 @@ import re
 
 from ..errors import InputError
 
-# any config attribute whose name says dropout, jitter or noise, when positive
+# any config attribute whose name says dropout, jitter or noise, when positive: trained as
+# transformers' modules draw it in train mode (engine.dropout), but layer drop
 STOCHASTIC = re.compile(r"drop|jitter|noise")
+LAYERDROP = re.compile(r"layer_?drop")
 # config keys that turn a decoder into something else; value -> the feature named. Gemma 4's
 # `use_bidirectional_attention: "vision"` is bidirectional over image tokens only: causal on text.
 FEATURES = {
@@ -73,11 +76,22 @@ def refuse_config(cfg: dict, where: str) -> None:
         for key, feature in FEATURES.items():
             if c.get(key) and c.get(key) != "vision":
                 raise InputError(f"{where}: {key} is set: {feature} is not supported by the generic path")
+    for key, v in stochastic_keys(cfg):
+        if LAYERDROP.search(key):
+            raise InputError(
+                f"{where}: {key} = {v}: layer drop (skipping whole layers at random in training) is not "
+                "supported (set it to 0)"
+            )
+
+
+def stochastic_keys(cfg: dict) -> list[tuple[str, float]]:
+    """The config's (and its language model's) positive dropout / noise settings, by key."""
+    out = []
+    for c in _configs(cfg):
         for key, v in c.items():
             if STOCHASTIC.search(key) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-                raise InputError(
-                    f"{where}: {key} = {v}: dropout and router noise are not supported (set it to 0)"
-                )
+                out.append((key, float(v)))
+    return out
 
 
 def _configs(cfg: dict) -> list[dict]:

@@ -75,6 +75,9 @@ class ArchSpec:
     generic: GenericArch | None = None  # path generic: arch.generic.generic_spec's description
     # native: checkpoint names that differ from the Llama layout (`model.layers.{i}....` -> disk name)
     hf_names: dict[str, str] | None = None
+    # native: the attention probabilities' dropout in training (config attention_dropout; 0: none,
+    # as every store converted before it, whose manifest has no such key)
+    attn_dropout: float = 0.0
 
     @property
     def q_dim(self) -> int:
@@ -125,6 +128,8 @@ class ArchSpec:
             del d["padding_idx"]
         if self.hf_names is None:
             del d["hf_names"]
+        if not self.attn_dropout:  # stores without dropout keep their manifest and fingerprint
+            del d["attn_dropout"]
         return d
 
     @staticmethod
@@ -217,6 +222,7 @@ def _native_spec(cfg: dict, family: str, where: str) -> ArchSpec:
         windows=_windows(cfg, family, n_layers),
         hidden_act=act,
         padding_idx=_padding_idx(cfg),
+        attn_dropout=float(cfg.get("attention_dropout") or 0.0),
     )
     if spec.n_heads % spec.n_kv_heads:
         raise InputError(f"{where}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads")

@@ -19,6 +19,9 @@ def _f(default, **meta):
 @dataclass
 class ModelConfig:
     path: str = _f("")  # a store written by `horizon convert`
+    # the model's dropout and router noise (its config.json's attn/resid/embd_pdrop, ...): null:
+    # trained as the config sets them (engine/dropout.py); 0: off (the store is not changed)
+    dropout: float | None = _f(None, min=0.0, max=0.0)
 
 
 FORMATS = ("auto", "text", "instruction", "chat", "prompt_completion", "tokens", "preference", "prompt")

@@ -23,6 +23,7 @@ from ..planning.fit import Machine, check_device_fit
 from ..planning.memory import MemoryPlan
 from ..runtime.trace import Tracer
 from ..store import Store
+from .dropout import model_dropout
 from .engine import Engine
 from .seams import LossObjective
 
@@ -85,5 +86,28 @@ def build_engine(
     world = dist.world if dist is not None else 1
     return Engine(
         store, cfg.engine, cfg.optim, tracer=tracer, progress=progress, max_tokens=step_tokens(cfg, store, world),
-        lora=lora, dist=dist, objective=objective, keep=keep,
+        lora=lora, dist=dist, objective=objective, keep=keep, dropout_seed=dropout_seed(cfg),
     )  # fmt: skip
+
+
+def dropout_seed(cfg: Config) -> int | None:
+    """The seed of the run's dropout masks (engine.dropout): train.seed, or None (off) when
+    `model.dropout: 0` turns the model's dropout and router noise off, and in a preference run:
+    TRL's DPO, KTO, CPO (SimPO) and ORPO trainers disable the model's dropout by default
+    (`disable_dropout: true`), and horizon's preference losses are TRL's."""
+    return None if cfg.model.dropout == 0 or cfg.preference is not None else cfg.train.seed
+
+
+def dropout_line(cfg: Config, arch) -> str | None:
+    """What the run does with its model's dropout (the dry run's line), None: the model has none."""
+    keys = model_dropout(arch)
+    if not keys:
+        return None
+    said = ", ".join(f"{k} {v:g}" for k, v in keys)
+    if cfg.model.dropout == 0:
+        return f"dropout: off (model.dropout: 0; the model's config sets {said})"
+    if cfg.preference is not None:
+        return (
+            f"dropout: off in a preference run, as TRL's trainers (disable_dropout); the config sets {said}"
+        )
+    return f"dropout: on as the model's config sets it ({said}), masks seeded by train.seed; model.dropout: 0 turns it off"

@@ -44,8 +44,11 @@ class KeptLayers:
     def __contains__(self, i: int) -> bool:
         return i >= self.first
 
-    def forward(self, i: int, w, extras, x: list[torch.Tensor], ctxs, mb_base: int) -> list[torch.Tensor]:
-        """Layer i over every micro-batch under autograd; the graphs are held, the outputs detached."""
+    def forward(
+        self, i: int, w, extras, x: list[torch.Tensor], ctxs, mb_base: int, dropout
+    ) -> list[torch.Tensor]:
+        """Layer i over every micro-batch under autograd, each in its dropout scope (engine.dropout:
+        the masks its held graph keeps); the graphs are held, the outputs detached."""
         p = self.p
         w, lora, leaves, names = p.params.leaves(i, p.params.weights(i, w), extras, p.adam_step)
         want_dx = p.params.wants_dx(i)
@@ -55,7 +58,8 @@ class KeptLayers:
                 xi = xm.detach().requires_grad_(want_dx)
                 if lora is not None:
                     lora.mb = mb_base + m  # the global micro-batch: dropout masks as on one rank
-                y, held = p.tmpl.forward_held(i, w, xi, c, lora)
+                with dropout.scope(p.adam_step, i, mb_base + m):
+                    y, held = p.tmpl.forward_held(i, w, xi, c, lora)
                 graphs.append((xi, y, held))
                 out.append(y.detach())
         self.held[i] = Held(graphs, leaves, names, want_dx)

@@ -10,6 +10,7 @@
     embedding   the embedding stage: on the host, or gathered on the device (engine.embed)
     objective   what the loss head computes (engine.objective)
     head        the head's and the embedding's gradients, or none (engine.headgrad)
+    dropout     the training passes' dropout: seeded per call and micro-batch, or off (engine.dropout)
 
 Each difference decided here (full or LoRA, one process or sharded, the objective) is one object
 chosen once; the passes that use them (engine.step, engine.infer) never branch on it.
@@ -17,7 +18,7 @@ chosen once; the passes that use them (engine.step, engine.infer) never branch o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +37,7 @@ from ..runtime.loader import Loader
 from ..runtime.trace import Tracer
 from ..state.optimizer import OptimizerWorker
 from ..store import DTYPES, Store
+from .dropout import NoDropout, SeededDropout, dropout_for
 from .embed import Embedding, HostEmbedding, ShardedEmbedding
 from .grads import GradSums
 from .objective import TokenCE
@@ -69,6 +71,7 @@ class Parts:
     ranks: Ranks  # one process, or this rank of a sharded run (engine.ranks)
     keep: int = 0  # K: the last K layers keep graph and weights from forward to backward (engine.kept_layers)
     adam_step: int = 0  # optimizer steps applied (dropout masks are seeded by it)
+    dropout: NoDropout | SeededDropout = field(default_factory=NoDropout)
 
     @property
     def layers(self) -> list[str]:
@@ -89,11 +92,13 @@ def assemble(
     step_numel: int = 0,
     keep: int = 0,
     forward_only: bool = False,
+    dropout_seed: int | None = None,
 ) -> Parts:
     """step_numel: one layer's inputs of the largest step (0: unknown), which sizes the loader's
     buffers for the saved inputs once. keep: K, the kept layers (the last K): each gets weight
     buffers of its own. forward_only: every unit frozen, nothing trained (engine.params.FrozenParams:
-    generation, evaluation), and nothing kept."""
+    generation, evaluation), and nothing kept. dropout_seed: the run's seed when it trains with the
+    model's dropout (engine.dropout), None: dropout off."""
     assert not (forward_only and keep), "a forward-only engine keeps no graphs"
     spec = store.arch
     dtype = DTYPES[resolve_dtype(engine, optim.memory).dtype]  # resolved already by train/profile
@@ -161,5 +166,5 @@ def assemble(
     return Parts(
         spec, engine, optim, dtype, grad_dtype, t, tracer, Poison(), dist, params, loader, optimizer, tmpl,
         grads, reduce, embedding, objective or TokenCE(), params.head_grads(grads, tmpl, reduce, embedding, tied),
-        ranks_for(dist), keep,
+        ranks_for(dist), keep, 0, dropout_for(tmpl, None if forward_only else dropout_seed, t.device),
     )  # fmt: skip

@@ -2,6 +2,7 @@
 schedule that runs the sweep, so a new kind of layer pass is a new class here, not a branch there.
 
     ForwardPass    forward only, dropout off: evaluation, scores, a preference run's reference
+                   (its template in eval mode: engine.dropout)
     SavePass       a training forward whose backward recomputes: the layer's input goes to the host
                    first (async, overlapping the compute), its backward load brings it back
     KeptPass       a kept layer (engine.kept_layers): run under autograd, graph and weights held until its
@@ -14,11 +15,14 @@ Each answers `extras(i)` (what its forward load carries beyond the params' extra
 `backward_load(j)` (its backward's load, or None), `run(j, i, x, ctxs)` (call j of layer i over
 every micro-batch) and, for a training pass, `backward(j, dx, ctxs, gv)` (call j's input gradient
 into dx, its leaves' gradients added into gv). mb_base: the global index of this rank's first micro-batch, so dropout masks
-are those of one rank.
+are those of one rank. A training pass runs each call over each micro-batch in its dropout scope
+(engine.dropout: the generators seeded by step, call and global micro-batch), its recompute in the
+same scope, so the backward sees the forward's masks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -65,6 +69,12 @@ class ForwardPass:
     def after(self, i: int) -> None:
         pass
 
+    def scope(self, j: int, mb: int):
+        """Call j's dropout scope over global micro-batch mb: a training pass's (engine.dropout),
+        nothing for a forward-only one (dropout off)."""
+        p = self.p
+        return p.dropout.scope(p.adam_step, j, mb) if self.train else contextlib.nullcontext()
+
     def compute(
         self, j: int, i: int, w: dict[str, torch.Tensor], extras: list[torch.Tensor],
         x: list[torch.Tensor], ctxs: list[Context],
@@ -77,7 +87,8 @@ class ForwardPass:
             for m, (xm, c) in enumerate(zip(x, ctxs, strict=True)):
                 if lora is not None:  # a loop's later calls: dropout masks of their own
                     lora.mb = self.mb_base + m if j == i else (self.mb_base + m, j)
-                out.append(p.tmpl.forward(j, w, xm, c, lora))
+                with self.scope(j, self.mb_base + m):
+                    out.append(p.tmpl.forward(j, w, xm, c, lora))
         return out
 
 
@@ -131,7 +142,8 @@ class SavePass(ForwardPass):
                 xi = saved[offs[m] : offs[m + 1]].view(ins[m]).detach().requires_grad_(want_dx)
                 if lora is not None:  # the global micro-batch: dropout masks as on one rank (and per call)
                     lora.mb = self.mb_base + m if j == i else (self.mb_base + m, j)
-                y, extra = p.tmpl.objective(j, w, xi, ctxs[m], lora)
+                with self.scope(j, self.mb_base + m):  # the forward's masks (engine.dropout)
+                    y, extra = p.tmpl.objective(j, w, xi, ctxs[m], lora)
                 return xi, y, extra
 
             if want_dx or leaves:
@@ -152,7 +164,7 @@ class KeptPass(ForwardPass):
         p = self.p
         w, extras = p.loader.acquire(f"f{j}")
         with p.t.compute_span(f"fwd {j} kept", kept=True):
-            return self.keep.forward(j, w, extras, x, ctxs, self.mb_base)
+            return self.keep.forward(j, w, extras, x, ctxs, self.mb_base, self.p.dropout)
 
     def backward(self, j: int, dx: list[torch.Tensor], ctxs: list[Context], gv: Weights) -> None:
         """The graph the forward held, then the forward's load is released (held until now)."""

@@ -50,6 +50,10 @@ Stats = dict[str, torch.Tensor]  # an objective's sums over this rank's data
 class LayerTemplate(Protocol):
     calls: list[int]  # the layer of each call (arch.calls: a loop calls some more than once)
     embed_scale: float | None
+    stochastic: bool  # its model drops (or adds router noise) in train mode (engine.dropout)
+    dropout_on: bool  # this run trains with it: set once by engine.dropout
+
+    def train_mode(self, on: bool) -> None: ...  # inside a training call's dropout scope
 
     def context(self, mb: MicroBatch, dtype: torch.dtype, device: torch.device) -> Context: ...
     def gen_context(

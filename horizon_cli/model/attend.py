@@ -30,12 +30,17 @@ def _flex():
     return _compiled
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float, dropout: float = 0.0
+) -> torch.Tensor:
     """q (b, heads, T, hd), k/v (b, kv_heads, S, hd) -> (b, heads, T, hd). S > T: q are the last T
     positions of a cached sequence (generation); mask None then means every key is visible
-    (SDPA's is_causal aligns top-left, which is causal only for S == T)."""
+    (SDPA's is_causal aligns top-left, which is causal only for S == T). dropout: on the attention
+    probabilities, as transformers' SDPA attention in train mode (flex has none: a template that
+    drops builds dense masks, model.masks)."""
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, BlockMask):
+        assert not dropout, "flex_attention has no dropout"
         fn = _flex() if q.is_cuda else flex_attention
         return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(
@@ -44,6 +49,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale:
         v,
         attn_mask=mask,
         is_causal=mask is None and q.shape[-2] == k.shape[-2],
+        dropout_p=dropout,
         scale=scale,
         enable_gqa=gqa,
     )

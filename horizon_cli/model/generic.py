@@ -1,10 +1,9 @@
 """The generic layer template: transformers' own model code, bound to streamed weights.
 
-The model is built once on the meta device (no memory): its decoder layers are the templates.
-At each load `torch.func.functional_call` runs layer i with the unit's device views in place of
-its parameters (and frozen buffers), so the arithmetic is transformers' own, op for op, while the
-weights live in the streamed buffer (invariants 1-3 unchanged: each unit loads twice per step and
-the backward recomputes one layer under autograd).
+The model is built once on the meta device (no memory): its decoder layers are the templates. At each
+load `torch.func.functional_call` runs layer i with the unit's device views in place of its parameters
+(and frozen buffers): transformers' arithmetic, op for op, on weights in the streamed buffer (invariants
+1-3 unchanged: each unit loads twice per step, the backward recomputes one layer under autograd).
 
 Around the layers runs transformers' own code too (arch.capture, structure from arch.probe):
 
@@ -58,6 +57,7 @@ from ..data.batch import DecodeBatch, MicroBatch
 from .junction import Junctions
 from .moe import RouterStats, experts_fallback
 from .side import SideState, plus
+from .train_mode import ModuleTrainMode
 
 
 @dataclass
@@ -87,7 +87,7 @@ def structure(g: GenericArch) -> Stack:
     return probe(stored_model(g), "the store's config.json")
 
 
-class GenericTemplate:
+class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.train_mode)
     embed_scale: float | None = None  # the owner's own code scales its embedding (first layer)
 
     def __init__(self, spec: ArchSpec, device: torch.device, lora_targets=None, dtype=torch.float32):

@@ -102,8 +102,10 @@ def attention(
     window: int | None,
     lora: Lora = None,
     layer: int = 0,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
-    """x (b, T, H) normed -> (b, T, H). layer: this layer's index in ctx.cache."""
+    """x (b, T, H) normed -> (b, T, H). layer: this layer's index in ctx.cache; dropout: on the
+    attention probabilities (training only, as transformers' `attention_dropout`)."""
     b, T, _ = x.shape
     hd = spec.head_dim
     q = _linear(x, w, "wq", "bq", lora).view(b, T, spec.n_heads, hd)
@@ -115,7 +117,7 @@ def attention(
     q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
     if ctx.cache is not None:  # generation: the cached positions' K/V, then these T (b, kv, S, hd)
         k, v = ctx.cache.update(k, v, layer)
-    out = attend(q, k, v, ctx.masks.get(window), hd**-0.5)  # grouped-query K/V shared, not copied
+    out = attend(q, k, v, ctx.masks.get(window), hd**-0.5, dropout)  # grouped-query K/V shared, not copied
     out = out.transpose(1, 2).reshape(b, T, spec.q_dim)
     return _linear(out, w, "wo", "bo", lora)
 
@@ -136,12 +138,14 @@ def layer_forward(
     layer: int = 0,
     tile: int = 0,
     deferred: bool = False,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
     """One pre-norm decoder layer: x (b, T, H) -> (b, T, H). lora: adapters on its linear layers;
     layer: its index (in a generation's KV cache); tile: tokens per tile of its token-local block
     (the MLP's norm, SwiGLU and residual; model.tiling), 0: untiled; deferred: the backward's
-    recompute, whose output values are not read (the tiled block then runs in the backward)."""
-    h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window, lora, layer)
+    recompute, whose output values are not read (the tiled block then runs in the backward);
+    dropout: the attention's (training only)."""
+    h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window, lora, layer, dropout)
 
     def block(h: torch.Tensor) -> torch.Tensor:
         return h + mlp(w, rms_norm(h, w["mlp_norm"], spec.rms_eps), lora)

@@ -25,18 +25,28 @@ from .masks import attn_context, cached_context
 
 class NativeTemplate:
     embed_scale: float | None = None
+    dropout_on = False  # a run trains with the attention's dropout (engine.dropout sets it)
 
     def __init__(self, spec: ArchSpec, device: torch.device):
         self.spec = spec
         self.inv = inv_freq(spec).to(device)
         self.calls = list(range(spec.n_layers))  # the layer of each call: every layer once, in order
         self.seq_tile = 0  # tokens per tile of each layer's MLP block (engine.seq_tile; 0: untiled)
+        self.stochastic = spec.attn_dropout > 0  # the only dropout of the native layer
+        self._drop = 0.0  # the attention dropout of the call being computed (train mode only)
+
+    def train_mode(self, on: bool) -> None:
+        """Inside a training call's dropout scope (engine.dropout): the attention drops."""
+        self._drop = self.spec.attn_dropout if on else 0.0
 
     def context(self, mb: MicroBatch, dtype: torch.dtype, device) -> AttnContext:
-        return attn_context(mb, self.spec, self.inv, dtype, device)
+        # flex_attention has no dropout: a dropping run's masks are dense ones
+        return attn_context(mb, self.spec, self.inv, dtype, device, False if self.dropout_on else None)
 
     def forward(self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None) -> torch.Tensor:
-        return layer_forward(w, x, ctx, self.spec, self.spec.windows[i], lora, i, self.seq_tile)
+        return layer_forward(
+            w, x, ctx, self.spec, self.spec.windows[i], lora, i, self.seq_tile, dropout=self._drop
+        )
 
     # -- generation --------------------------------------------------------------------------
     def new_cache(self):
@@ -58,7 +68,7 @@ class NativeTemplate:
     ) -> tuple[torch.Tensor, None]:
         """The backward's recompute (its output is only differentiated: a tiled block is deferred)."""
         spec = self.spec
-        return layer_forward(w, x, ctx, spec, spec.windows[i], lora, i, self.seq_tile, deferred=True), None
+        return layer_forward(w, x, ctx, spec, spec.windows[i], lora, i, self.seq_tile, True, self._drop), None
 
     def forward_held(
         self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None

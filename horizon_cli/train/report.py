@@ -16,7 +16,7 @@ from rich.table import Table
 from ..arch.tiling import note as tiling_note
 from ..config import Config, dump_yaml
 from ..data import PreparedData
-from ..engine.build import Planned
+from ..engine.build import Planned, dropout_line
 from ..errors import DryRunRefused, InputError
 from ..fmt import fmt_bytes
 from ..fsutil import write_text_atomic
@@ -67,6 +67,8 @@ def dry_run_report(
     console.print(f"sequence tiles: {tiling_note(model.arch)}", highlight=False, soft_wrap=True)
     if dtype is not None:  # the printed config says the resolved one; this line says why
         console.print(dtype.line, highlight=False, soft_wrap=True)
+    if drop := dropout_line(cfg, model.arch):
+        console.print(drop, highlight=False, soft_wrap=True)
     ok, why = fits(plan, where)
     console.print(("[green]fits[/]: " if ok else "[red]does not fit[/]: ") + why, highlight=False)
     best = best_rung(rungs, where, na)
@@ -79,6 +81,8 @@ def dry_run_report(
     report["max_positions"] = model.arch.max_positions
     if dtype is not None:
         report["dtype"] = dtype.record()
+    if drop:
+        report["dropout"] = drop
     ref = reference_plan(cfg, data, model.arch.n_layers)  # dpo/ipo: the pass before step 1
     if ref is not None:
         console.print(ref.pop("text"), highlight=False)
