@@ -23,6 +23,7 @@ from .parallel.topology import World
 from .planning.fit import RESERVE, Machine
 from .planning.keep import keep_plan
 from .planning.memory import RUNGS, MemoryPlan, memory_plan
+from .runtime.device import has_link
 from .runtime.dtype import resolve as resolve_dtype
 from .store import Store
 
@@ -93,7 +94,20 @@ def plan_for(
     return keep_plan(_plan(cfg, spec, memory, lora, world), cfg.engine.keep_activations, where)
 
 
+def base_stream(cfg: Config, model, dtype: str) -> str:
+    """A frozen base's streaming dtype (state.frozen): a store narrower than the compute dtype is
+    held and moved as stored where there is a link, upcast on the device; else the compute dtype.
+    A model known by its config.json alone is planned as `convert` writes it (bfloat16)."""
+    if isinstance(model, Store):
+        stored = str(model.dtype).replace("torch.", "")
+    else:
+        stored = "bfloat16" if isinstance(model, PlannedModel) else dtype
+    narrower = stored == "bfloat16" and dtype == "float32"
+    return stored if narrower and has_link(cfg.engine) else dtype
+
+
 def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) -> MemoryPlan:
+    model = spec
     spec = spec if isinstance(spec, ArchSpec) else spec.arch
     e = resolve_dtype(cfg.engine, cfg.optim.memory)  # resolved already by train (the dry run's plan)
     seq = min(cfg.data.max_seq_len, spec.max_positions)
@@ -115,11 +129,11 @@ def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) 
             world=world.size,
             per_node=world.per_node,
             dropout=lora.cfg.dropout if lora else 0.0,
+            stream=base_stream(cfg, model, e.dtype),
         )
-    dtype = "bfloat16" if memory == "lean" else e.dtype  # lean keeps a bf16 weight
-    return memory_plan(
+    return memory_plan(  # lean keeps a bf16 weight whatever it computes in (upcast per layer)
         spec,
-        dtype,
+        e.dtype,
         e.grad_dtype if memory != "lean" else "auto",
         batch=cfg.train.batch_size * rows,
         micro_batch=cfg.train.micro_batch_size * rows,
