@@ -22,7 +22,7 @@ from .lora.targets import resolve_targets
 from .parallel.topology import World
 from .planning.fit import RESERVE, Machine
 from .planning.keep import keep_plan
-from .planning.memory import RUNGS, MemoryPlan, memory_plan
+from .planning.memory import RUNGS, MemoryPlan, frozen_stream, memory_plan
 from .runtime.device import has_link
 from .runtime.dtype import resolve as resolve_dtype
 from .store import Store
@@ -102,8 +102,7 @@ def base_stream(cfg: Config, model, dtype: str) -> str:
         stored = str(model.dtype).replace("torch.", "")
     else:
         stored = "bfloat16" if isinstance(model, PlannedModel) else dtype
-    narrower = stored == "bfloat16" and dtype == "float32"
-    return stored if narrower and has_link(cfg.engine) else dtype
+    return frozen_stream(stored, dtype, has_link(cfg.engine))
 
 
 def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) -> MemoryPlan:

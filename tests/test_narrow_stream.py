@@ -135,3 +135,46 @@ def test_the_plan_counts_bf16_buffers_and_fp32_upcast_buffers(tmp_path, tie):
     wide = lora_memory_plan(spec, setup.targets, 4, "float32", **shape)  # no link: the host's fp32 copy
     assert wide.host["base weights (frozen)"] == 2 * base.host["base weights (frozen)"]
     assert "upcast buffers (layer, head)" not in wide.device
+
+
+def test_a_forward_only_engine_upcasts_on_the_device_as_the_host_did(tmp_path):
+    """Generation, evaluation, a preference run's reference: the bf16 base crosses as stored and
+    the logits are bitwise those of the host's fp32 copy."""
+    model, store = make_store(tmp_path, "llama", True, dtype="bfloat16", **SHAPE)
+    mb = micro_batches(random_rows(2, model.config.vocab_size, seed=4), 2)[0]
+    out = []
+    for link in (0.0, LINK):
+        t = Counting(link)
+        e = Engine(
+            store,
+            EngineConfig(device="cpu", dtype="float32", link_gbps=link),
+            OptimConfig(kernel="torch"),
+            transport=t,
+            forward_only=True,
+        )
+        try:
+            out.append((e.logits(mb), t.loads, e.base.units["layer.0"].stream.dtype))
+        finally:
+            e.close()
+    (want, none, wide), (got, loads, narrow) = out
+    assert torch.equal(got, want) and got.dtype == torch.float32
+    assert (wide, narrow, none) == (torch.float32, torch.bfloat16, [])
+    assert loads and all(n == store.unit_bytes(unit_of(k)) for k, n in loads)
+
+
+def test_the_generation_plan_counts_a_sweep_in_the_stored_bytes(tmp_path):
+    """generate.budget: a narrow base's sweep moves its bf16 bytes, as the forward-only engine
+    above does, and its upcast buffers are on the device."""
+    from horizon_cli.generate.budget import plan_generation
+
+    _, store = make_store(tmp_path, "llama", dtype="bfloat16", **SHAPE)
+    wide = plan_generation(store.arch, "float32", [(2, 4, 12)], 0)
+    narrow = plan_generation(store.arch, "float32", [(2, 4, 12)], 0, stream="bfloat16")
+    stored = sum(store.unit_bytes(f"layer.{i}") for i in range(store.arch.n_layers)) + store.unit_bytes(
+        "head"
+    )
+    assert narrow.sweep_bytes == stored and wide.sweep_bytes == 2 * stored
+    assert narrow.host["base weights"] * 2 == wide.host["base weights"]
+    assert (
+        "upcast buffers (layer, head)" in narrow.device and "upcast buffers (layer, head)" not in wide.device
+    )

@@ -31,6 +31,12 @@ from ..store import UnitLayout, layouts
 ITEM = {"bfloat16": 2, "float32": 4}
 
 
+def frozen_stream(stored: str, dtype: str, link: bool) -> str:
+    """A frozen base's streaming dtype (state.frozen): a store narrower than the compute dtype is
+    held and moved as stored where there is a link (upcast on the device), else the compute dtype."""
+    return stored if link and stored in ITEM and ITEM[stored] < ITEM[dtype] else dtype
+
+
 def piece(numel: int, world: int) -> int:
     """Elements of the largest piece of a flat buffer that one of `world` ranks holds."""
     return min(numel, shard_size(numel, world, SHARD_ALIGN))
