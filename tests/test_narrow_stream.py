@@ -178,3 +178,41 @@ def test_the_generation_plan_counts_a_sweep_in_the_stored_bytes(tmp_path):
     assert (
         "upcast buffers (layer, head)" in narrow.device and "upcast buffers (layer, head)" not in wide.device
     )
+
+
+def test_sharded_runs_gather_the_stored_bytes_and_upcast_after(tmp_path):
+    """Two ranks under torchrun (tests/dist_peak.py): a bf16 LoRA base and lean's bf16 weight,
+    computing in fp32, all-gathered in bf16 over an emulated link and upcast after the gather,
+    step as the same sharded run without a link (the host's fp32 copy; lean: its upcast from the
+    host) to the bit, and the plan's device total is each rank's peak."""
+    import json
+
+    from test_dist import torchrun
+
+    _, store = make_store(tmp_path, "llama", dtype="bfloat16", **SHAPE)
+    lora = {"r": 4, "alpha": 8}
+    cases = []
+    for link in (0.0, 1e6):
+        engine = {"device": "cpu", "dtype": "float32", "prefetch": 2, "loss_chunk": 16, "link_gbps": link}
+        cases += [
+            {"name": f"lora-{link}", "engine": engine, "lora": lora, "memory": "exact"},
+            {"name": f"lean-{link}", "engine": engine, "lora": None, "memory": "lean"},
+        ]
+    for c in cases:
+        c.update(store=str(tmp_path / "store"), batch=4, micro=1, seq=64)
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    r = torchrun(2, tmp_path / "cases.json", tmp_path, cli=False, script="dist_peak.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    spec = store.arch
+    setup = lora_setup(LoraConfig(**lora), spec)
+    shape = dict(batch=4, micro_batch=1, seq=64, prefetch=2, loss_chunk=16, world=2)
+    plans = {
+        "lora": lora_memory_plan(spec, setup.targets, 4, "float32", stream="bfloat16", **shape),
+        "lean": memory_plan(spec, "float32", memory="lean", **shape),
+    }
+    for rank in range(2):
+        losses = json.loads((tmp_path / f"rank{rank}.loss.json").read_text())
+        peaks = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for kind, plan in plans.items():
+            assert losses[f"{kind}-0.0"] == losses[f"{kind}-1000000.0"], kind
+            assert plan.device_total == peaks[f"{kind}-1000000.0"], (kind, plan.device)
