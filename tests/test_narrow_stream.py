@@ -65,7 +65,7 @@ def run(store, rows, link=0.0, keep=0, lora=True, memory="exact", transport=None
         e.close()
 
 
-@pytest.mark.parametrize("tie,keep", [(False, 0), (True, 0), (False, 1)])
+@pytest.mark.parametrize("tie,keep", [(False, 0), (True, 0), (False, 2)])  # 2 kept: buffers of their own
 def test_a_bf16_base_crosses_the_link_as_stored_and_trains_as_before(tmp_path, tie, keep):
     model, store = make_store(tmp_path, "llama", tie, dtype="bfloat16", **SHAPE)
     rows = random_rows(8, model.config.vocab_size, seed=2)
