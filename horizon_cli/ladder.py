@@ -23,9 +23,10 @@ from .lora.targets import resolve_targets
 from .parallel.topology import World
 from .planning.fit import RESERVE, Machine
 from .planning.keep import keep_plan
-from .planning.memory import ITEM, RUNGS, MemoryPlan, memory_plan
+from .planning.memory import ITEM, RUNGS, MemoryPlan, frozen_stream, memory_plan
 from .planning.tiling import STEP, longest, slack, with_tile
 from .planning.tiling import resolve as resolve_tile
+from .runtime.device import has_link
 from .runtime.dtype import resolve as resolve_dtype
 from .store import Store
 
@@ -106,7 +107,7 @@ def tile_plan(
     rows = cfg.train.micro_batch_size * cfg.rows_per_example
     seq = min(cfg.data.max_seq_len, arch.max_positions)
     e = resolve_dtype(cfg.engine, cfg.optim.memory)
-    item = ITEM["bfloat16" if memory == "lean" else e.dtype]
+    item = ITEM[e.dtype]  # activations: the compute dtype (lean's bf16 weight is upcast per layer)
     adapters = None
     if memory in ("lora", "qlora"):
         targets, r = (lora.targets, lora.r) if lora else default_adapters(arch)
@@ -129,7 +130,19 @@ def longest_seq(
     return longest(fits_at, STEP, hi)
 
 
+def base_stream(cfg: Config, model, dtype: str) -> str:
+    """A frozen base's streaming dtype (state.frozen): a store narrower than the compute dtype is
+    held and moved as stored where there is a link, upcast on the device; else the compute dtype.
+    A model known by its config.json alone is planned as `convert` writes it (bfloat16)."""
+    if isinstance(model, Store):
+        stored = str(model.dtype).replace("torch.", "")
+    else:
+        stored = "bfloat16" if isinstance(model, PlannedModel) else dtype
+    return frozen_stream(stored, dtype, has_link(cfg.engine))
+
+
 def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) -> MemoryPlan:
+    model = spec
     spec = spec if isinstance(spec, ArchSpec) else spec.arch
     e = resolve_dtype(cfg.engine, cfg.optim.memory)  # resolved already by train (the dry run's plan)
     seq = min(cfg.data.max_seq_len, spec.max_positions)
@@ -151,11 +164,11 @@ def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) 
             world=world.size,
             per_node=world.per_node,
             dropout=lora.cfg.dropout if lora else 0.0,
+            stream=base_stream(cfg, model, e.dtype),
         )
-    dtype = "bfloat16" if memory == "lean" else e.dtype  # lean keeps a bf16 weight
-    return memory_plan(
+    return memory_plan(  # lean keeps a bf16 weight whatever it computes in (upcast per layer)
         spec,
-        dtype,
+        e.dtype,
         e.grad_dtype if memory != "lean" else "auto",
         batch=cfg.step_sequences,
         micro_batch=cfg.train.micro_batch_size * rows,  # rl: completions

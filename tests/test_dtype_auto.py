@@ -11,7 +11,6 @@ from conftest import chat_rows, horizon, write_config, write_jsonl
 
 from horizon_cli.config import load_config
 from horizon_cli.config.schema import EngineConfig
-from horizon_cli.errors import ConfigError
 from horizon_cli.runtime import dtype as rd
 from horizon_cli.store import ckpt
 
@@ -92,12 +91,29 @@ def test_the_cpu_features_come_from_torch_or_proc_cpuinfo(monkeypatch, tmp_path)
         assert rd.cpu_bf16_flags() == want
 
 
-def test_lean_takes_auto_as_bf16_and_refuses_float32(cpu_bf16, run_cfg):
-    cpu_bf16([])
-    assert rd.choose(EngineConfig(device="cpu"), "lean").dtype == "bfloat16"
-    with pytest.raises(ConfigError, match="lean keeps a bf16 weight"):
-        load_config(run_cfg(), ["optim.memory=lean", "engine.dtype=float32"])
-    assert load_config(run_cfg(), ["optim.memory=lean"]).engine.dtype == "auto"
+@pytest.mark.parametrize("flags,want", [([], "float32"), (["amx_bf16"], "bfloat16")])
+def test_lean_follows_the_cpu_and_keeps_its_bf16_weight(cpu_bf16, run_cfg, tmp_path, flags, want):
+    """lean decides as exact does (its bf16 weight is a storage format, upcast per layer when
+    computing in fp32): the capability mocked both ways, the dry run says so and plans a bf16
+    weight with bf16 gradients either way, the activations in the compute dtype."""
+    cpu_bf16(flags)
+    c = rd.choose(EngineConfig(device="cpu"), "lean")
+    assert c.dtype == want and ("upcast per layer" in c.why) == (want == "float32")
+    assert rd.grad_dtype_for("auto", c.dtype, "lean") == "bfloat16"
+    assert rd.grad_dtype_for("auto", c.dtype, "exact") == c.dtype
+    assert load_config(run_cfg(), ["optim.memory=lean", "engine.dtype=float32"]).engine.dtype == "float32"
+    out = dry_run(run_cfg(), "optim.memory=lean", "--json", tmp_path / "p.json")
+    assert f"engine.dtype: {want} (auto: " in out
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert plan["dtype"]["dtype"] == want
+    dry_run(run_cfg(), "--json", tmp_path / "e.json")
+    exact = json.loads((tmp_path / "e.json").read_text())
+    item = 2 if want == "bfloat16" else 4
+    weights = exact["host"]["weights (streaming copy)"]  # exact streams the compute dtype
+    assert plan["host"]["weights (streaming copy)"] * item == weights * 2  # lean: bf16 either way
+    assert "gradients (bf16)" in plan["host"]
+    assert plan["host"]["saved activations"] == exact["host"]["saved activations"]  # compute dtype's
+    assert ("upcast buffers (layer, head)" in plan["device"]) == (want == "float32")
 
 
 def dry_run(cfg: Path, *args):

@@ -290,10 +290,6 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"engine.seq_tile: {tile!r} is not allowed (auto, or tokens per tile >= 0; 0: untiled)")
     if cfg.engine.link_gbps and cfg.engine.device not in ("cpu", "auto"):
         p.append("engine.link_gbps: only emulates a link with engine.device: cpu")
-    if cfg.optim.memory == "lean" and cfg.engine.dtype == "float32":
-        p.append(
-            "optim.memory: lean keeps a bf16 weight + an 8-bit correction; it needs engine.dtype: bfloat16 (or auto)"
-        )
     if cfg.optim.memory == "lean" and cfg.engine.grad_dtype == "float32":
         p.append(
             "optim.memory: lean holds bf16 gradients (<= 8 B/param); engine.grad_dtype: float32 is not allowed with it"

@@ -3,7 +3,9 @@
 Two kinds, chosen once (engine.parts):
 
     HostEmbedding     one rank. forward: rows gathered on the host from the streaming copy (the
-                      table never crosses the link) and sent as the step's first activations;
+                      table never crosses the link) and sent as the step's first activations
+                      (in the copy's dtype: a narrower one, lean's bf16 or a bf16 base computing
+                      in fp32, is upcast on the device, state.widen);
                       backward: the input gradient (n, H) comes back to the host and is
                       scatter-added into the fp32 (V, H) grad there
     ShardedEmbedding  several ranks: the host holds a slice of the table, so it is all-gathered
@@ -92,16 +94,17 @@ class HostEmbedding(Embedding):
         self.staging: dict[str, torch.Tensor] = {}
 
     def reserve(self, numel: int, grad: bool) -> None:
-        self._stage("embed_rows", numel)
+        self._stage("embed_rows", numel, self.units["embed"].stream.dtype)
         if grad:
             self._stage("embed_dx", numel)
 
-    def _stage(self, name: str, numel: int) -> torch.Tensor:
+    def _stage(self, name: str, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
         buf = self.staging.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != self.dtype:
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
             if buf is not None:
                 self.t.host_release(buf)
-            buf = self.staging[name] = self.t.host_empty(numel, self.dtype)
+            buf = self.staging[name] = self.t.host_empty(numel, dtype)
         return buf[:numel]
 
     def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
@@ -111,11 +114,11 @@ class HostEmbedding(Embedding):
         embed = self.units["embed"]
         table = embed.views(embed.stream)["embed"]  # (V, H)
         ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
-        rows = self._stage("embed_rows", ids.numel() * self.spec.hidden)
+        rows = self._stage("embed_rows", ids.numel() * self.spec.hidden, table.dtype)
         torch.index_select(table, 0, ids, out=rows.view(-1, self.spec.hidden))
-        dev = self.t.device_empty(rows.numel(), self.dtype)
+        dev = self.t.device_empty(rows.numel(), table.dtype)
         self.t.wait(self.t.h2d([(dev, rows)], label="embed"))
-        return self._split(dev, mbs)
+        return self._split(dev if dev.dtype == self.dtype else dev.to(self.dtype), mbs)  # exact upcast
 
     def backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float:
         """Scatter-add the input gradient into the embedding's fp32 grad, on the host (after a tied
@@ -160,7 +163,7 @@ class ShardedEmbedding(Embedding):
         """Pick the input rows from the embedding table all-gathered on the device."""
         w, _ = self.loader.acquire("embed-in")
         ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
-        rows = embed_rows(w["embed"], ids)  # (n, H)
+        rows = embed_rows(w["embed"], ids).to(self.dtype)  # (n, H); a narrow table's: upcast
         self.loader.release("embed-in")
         return self._split(rows, mbs)
 

@@ -8,7 +8,9 @@ The step (engine.step) asks its strategy, never `if lora`:
     trained      per decoder layer, the unit whose gradient its backward produces (None: none)
     extras(i)    host tensors that travel with layer i's weights (LoRA: its adapters), and the
                  updates they wait for
-    weights(i)   a loaded layer's tensors by name (NF4 layers dequantized on the device first)
+    weights(i)   a loaded layer's tensors by name (NF4 layers dequantized on the device first,
+                 narrow ones upcast: state.widen); unit_weights(name) the same for the head and a
+                 tied embedding
     layer_lora   the adapters a layer computes with (None in full fine-tuning)
     adapters(on) a forward with the adapters on or off (LoRA: off is the base alone, a preference
                  run's reference; full fine-tuning has none to switch)
@@ -34,6 +36,7 @@ from ..lora.state import lora_state
 from ..runtime.events import READY, Event
 from ..state.frozen import FrozenState, FrozenUnit
 from ..state.host import HostState, UnitState
+from ..state.widen import Widen
 from ..store import Store
 from .embed import Embedding
 from .grads import GradSums
@@ -52,6 +55,7 @@ class FullParams:
 
     def __init__(self, store: Store, dtype, grad_dtype, alloc: Alloc, progress, memory: str, shard):
         self.host = HostState(store, dtype, alloc, progress, grad_dtype, memory, shard)
+        self.widen = Widen(self.host.units, dtype)  # lean computing in fp32: its bf16 weight upcast
         self.layers = [f"layer.{i}" for i in range(store.arch.n_layers)]
         self.trained: list[str | None] = list(self.layers)
         self.units: dict[str, UnitState | FrozenUnit] = dict(self.host.units)
@@ -67,7 +71,10 @@ class FullParams:
         return 0
 
     def weights(self, i: int, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return w
+        return self.widen(self.layers[i], w)
+
+    def unit_weights(self, unit: str, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.widen(unit, w)
 
     def layer_lora(self, i: int, extras: list[torch.Tensor], step: int, train: bool) -> LayerLora | None:
         return None
@@ -97,8 +104,9 @@ class FullParams:
     def kept_bytes(self, tokens: int, item: int) -> int:
         return 0
 
-    def attach(self, device_empty: Alloc, dtype: torch.dtype, kept: list[str]) -> int:
-        return 0
+    def attach(self, device_empty: Alloc, dtype: torch.dtype, kept: list[str], own: list[str]) -> int:
+        """lean computing in fp32: the buffers its bf16 weights are upcast into (state.widen)."""
+        return self.widen.attach(device_empty, self.layers, [*kept, *own])
 
     def head_grads(
         self, grads: GradSums, tmpl: LayerTemplate, reduce: Reduce, embedding: Embedding, tied: bool
@@ -114,11 +122,12 @@ class _OnFrozenBase:
     trains_head = False
 
     def __init__(
-        self, store: Store, setup: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, shard
-    ):
+        self, store: Store, setup: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, shard,
+        narrow: bool = False,
+    ):  # fmt: skip
         self.lora = setup
         self.base, self.host, self.trained = lora_state(
-            store, setup, dtype, grad_dtype, alloc, progress, shard
+            store, setup, dtype, grad_dtype, alloc, progress, shard, narrow
         )
         self.layers = [f"layer.{i}" for i in range(store.arch.n_layers)]
         self.units: dict[str, UnitState | FrozenUnit] = {**self.base.units, **self.host.units}
@@ -141,6 +150,11 @@ class _OnFrozenBase:
         """A layer's weights by name: an NF4 layer is dequantized on the device first."""
         assert self.base is not None
         return self.base.weights(self.layers[i], w)
+
+    def unit_weights(self, unit: str, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The head's (a tied embedding's) tensors: upcast first where the base is narrow."""
+        assert self.base is not None
+        return self.base.weights(unit, w)
 
     def _lora(self, i: int, extras: list[torch.Tensor], step: int, train: bool, grad: bool):
         u = self.trained[i]
@@ -187,11 +201,12 @@ class _OnFrozenBase:
         c = self.lora.cfg
         return adapter_kept_bytes(self.lora.targets, c.r, c.dropout, tokens, item)
 
-    def attach(self, device_empty: Alloc, dtype: torch.dtype, kept: list[str]) -> int:
+    def attach(self, device_empty: Alloc, dtype: torch.dtype, kept: list[str], own: list[str]) -> int:
         """NF4: the device buffer one layer is dequantized into, and one of its own for each kept
-        layer (their bytes; 0: nothing is packed)."""
+        layer; a narrow base's upcast buffers likewise, and the head's (`own`); their bytes (0:
+        nothing is packed or narrow)."""
         assert self.base is not None
-        return self.base.attach(device_empty, dtype, kept)
+        return self.base.attach(device_empty, dtype, kept, own)
 
     def head_grads(
         self, grads: GradSums, tmpl: LayerTemplate, reduce: Reduce, embedding: Embedding, tied: bool
@@ -204,8 +219,10 @@ class LoraParams(_OnFrozenBase):
     """LoRA: a frozen base and the adapters, units of their own (lora.{i}) that travel with their
     layer and alone get gradients."""
 
-    def __init__(self, store: Store, setup: LoraSetup, dtype, grad_dtype, alloc: Alloc, progress, shard):
-        super().__init__(store, setup, dtype, grad_dtype, alloc, progress, shard)
+    def __init__(
+        self, store: Store, setup: LoraSetup, dtype, grad_dtype, alloc: Alloc, progress, shard, narrow=False
+    ):
+        super().__init__(store, setup, dtype, grad_dtype, alloc, progress, shard, narrow)
 
 
 class FrozenParams(_OnFrozenBase):
@@ -218,10 +235,12 @@ class FrozenParams(_OnFrozenBase):
 
 def make_params(
     store: Store, lora: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, memory, shard,
-    forward_only: bool = False,
+    forward_only: bool = False, narrow: bool = False,
 ) -> Params:  # fmt: skip
+    """narrow: a frozen base read from a store narrower than `dtype` stays as stored on the host
+    and is upcast on the device (state.frozen: where there is a link to cross)."""
     if forward_only:
-        return FrozenParams(store, lora, dtype, grad_dtype, alloc, progress, shard)
+        return FrozenParams(store, lora, dtype, grad_dtype, alloc, progress, shard, narrow)
     if lora is None:
         return FullParams(store, dtype, grad_dtype, alloc, progress, memory, shard)
-    return LoraParams(store, lora, dtype, grad_dtype, alloc, progress, shard)
+    return LoraParams(store, lora, dtype, grad_dtype, alloc, progress, shard, narrow)

@@ -31,12 +31,14 @@ from ..model.template import make_template
 from ..model.tiling import set_tile
 from ..parallel.comm import Dist
 from ..runtime.device import make_transport
+from ..runtime.dtype import grad_dtype_for
 from ..runtime.dtype import resolve as resolve_dtype
 from ..runtime.events import Poison
 from ..runtime.loader import Loader
 from ..runtime.trace import Tracer
 from ..state.optimizer import OptimizerWorker
 from ..store import DTYPES, Store
+from ..store.manifest import DTYPE_NAMES
 from .dropout import NoDropout, SeededDropout, dropout_for
 from .embed import Embedding, HostEmbedding, ShardedEmbedding
 from .grads import GradSums
@@ -102,16 +104,18 @@ def assemble(
     assert not (forward_only and keep), "a forward-only engine keeps no graphs"
     spec = store.arch
     dtype = DTYPES[resolve_dtype(engine, optim.memory).dtype]  # resolved already by train/profile
-    grad_dtype = dtype if engine.grad_dtype == "auto" else DTYPES[engine.grad_dtype]
+    grad_dtype = DTYPES[grad_dtype_for(engine.grad_dtype, DTYPE_NAMES[dtype], optim.memory)]
     tracer = tracer or Tracer(enabled=False)
     t = transport or make_transport(engine, tracer)
     dist = dist if dist is not None and dist.world > 1 else None
     if dist is not None:  # the collective thread on this rank's device (CUDA)
         dist.start(t.thread_init)
     shard = (dist.world, dist.rank) if dist else (1, 0)
+    # with a link to cross, a frozen base narrower than the compute dtype crosses it as stored
     params = make_params(
-        store, lora, dtype, grad_dtype, t.host_empty, progress, optim.memory, shard, forward_only
-    )
+        store, lora, dtype, grad_dtype, t.host_empty, progress, optim.memory, shard, forward_only,
+        narrow=not t.shares_host,
+    )  # fmt: skip
     tied = spec.tie_embeddings
     extra = params.extra_numel()
     loader = Loader(
@@ -161,8 +165,10 @@ def assemble(
         if objective is not None:  # a statistic of the global batch (KTO's KL estimate)
             objective.across_ranks(sharded.all_sum_tensor)
     kept = params.layers[len(params.layers) - keep :] if keep else []
-    if n := params.attach(t.device_empty, dtype, kept):
-        t.memory.set("dequantized layer", n)  # NF4: one layer, dequantized on the device (+ each kept one)
+    own = ["head"] + (["embed"] if tied else [])  # the head's units, upcast where narrow
+    if n := params.attach(t.device_empty, dtype, kept, own):
+        # NF4: one layer dequantized on the device (+ each kept one); narrow units: their upcast
+        t.memory.set("dequantized layer", n)
     return Parts(
         spec, engine, optim, dtype, grad_dtype, t, tracer, Poison(), dist, params, loader, optimizer, tmpl,
         grads, reduce, embedding, objective or TokenCE(), params.head_grads(grads, tmpl, reduce, embedding, tied),

@@ -83,8 +83,10 @@ class Sweep:
         """The head's weights on the device (the final norm's by name; the LM head, the
         embedding's when tied), as an objective computes with them; `release_head` after."""
         p = self.p
-        w, _ = p.loader.acquire("head")
-        embed = p.loader.acquire("embed")[0]["embed"] if p.spec.tie_embeddings else None
+        w = p.params.unit_weights("head", p.loader.acquire("head")[0])  # upcast where narrow
+        embed = None
+        if p.spec.tie_embeddings:
+            embed = p.params.unit_weights("embed", p.loader.acquire("embed")[0])["embed"]
         norm_w, lm = p.tmpl.head_tensors(w, embed)
         return Head(p.tmpl.final_norm, norm_w, lm, p.tmpl.logits, p.cfg.loss_chunk)
 

@@ -59,10 +59,13 @@ class GenPlan:
         return self.rows / s if s else None
 
 
-def weights_per_sweep(spec: ArchSpec, dtype: str, quant: str = "", adapter_numel: int = 0) -> int:
+def weights_per_sweep(
+    spec: ArchSpec, dtype: str, quant: str = "", adapter_numel: int = 0, stream: str = ""
+) -> int:
     """Bytes that cross the link in one forward sweep: every layer (a loop: every call's,
-    arch.calls), the head (tied: and the embedding, which the head reuses), a LoRA run's adapters."""
-    base = base_bytes(spec, dtype, quant)
+    arch.calls), the head (tied: and the embedding, which the head reuses), a LoRA run's adapters.
+    stream: the base's streaming dtype ("": dtype; planning.memory.frozen_stream)."""
+    base = base_bytes(spec, stream or dtype, quant)
     layers = sum(base[f"layer.{i}"] for i in spec_sequence(spec))
     return layers + base["head"] + (base["embed"] if spec.tie_embeddings else 0) + adapter_numel * ITEM[dtype]
 
@@ -80,16 +83,19 @@ def plan_generation(
     device_free: int | None = None,
     kv: str = "auto",
     reserve: int = 1 << 30,
+    stream: str = "",
 ) -> GenPlan:
     """batches: per micro-batch (rows, prompt length, positions reached); kv_bytes: their whole
     cache (generate.kvcache.kv_bytes); device_free: a CUDA device's free bytes (None: the CPU,
-    whose "device" is host memory: the cache stays there). kv: auto | device | host."""
+    whose "device" is host memory: the cache stays there). kv: auto | device | host. stream: the
+    base's streaming dtype ("": dtype; narrower: upcast on the device, state.widen)."""
     item = ITEM[dtype]
-    base = base_bytes(spec, dtype, quant)
+    stream = stream or dtype
+    base = base_bytes(spec, stream, quant)
     lays = {lay.name: lay for lay in layouts(spec)}
     layer_max = max(v for k, v in base.items() if k.startswith("layer."))
     rows = sum(b for b, _, _ in batches)
-    p = GenPlan(rows, weights_per_sweep(spec, dtype, quant, adapter_numel), kv_bytes, "device",
+    p = GenPlan(rows, weights_per_sweep(spec, dtype, quant, adapter_numel, stream), kv_bytes, "device",
                 link_gbps=link_gbps, device_free=device_free)  # fmt: skip
     p.host[f"base weights{' (NF4 layers)' if quant else ''}"] = sum(base.values())
     p.device["weight buffers"] = (
@@ -97,6 +103,10 @@ def plan_generation(
     )
     if quant:
         p.device["dequantized layer"] = max(lays[k].numel for k in base if k.startswith("layer.")) * item
+    if ITEM[stream] < item:  # the buffers a narrow base is upcast into: one layer's, the head's
+        head = lays["head"].numel + (lays["embed"].numel if spec.tie_embeddings else 0)
+        layer = 0 if quant else max(lays[k].numel for k in base if k.startswith("layer."))
+        p.device["upcast buffers (layer, head)"] = (layer + head) * item
     prefill = sum(b * t for b, t, _ in batches)
     p.device["activations (prefill)"] = 2 * prefill * spec.boundary_width * item
     widest = max(b * t for b, t, _ in batches)

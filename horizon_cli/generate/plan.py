@@ -17,7 +17,8 @@ from ..fmt import fmt_bytes
 from ..lora.targets import adapter_params
 from ..model.template import make_template
 from ..planning.fit import RESERVE
-from ..runtime.device import cuda_index, resolve_device
+from ..planning.memory import frozen_stream
+from ..runtime.device import cuda_index, has_link, resolve_device
 from .budget import GenPlan, plan_generation
 from .decoder import micro_batches
 from .kvcache import kv_bytes
@@ -46,9 +47,11 @@ def plan_batches(source: Source, prompts: list[list[int]], max_new: int, batch_s
         free = torch.cuda.mem_get_info(cuda_index(device))[0]
         link = measure_h2d(device)
     adapters = adapter_params(source.lora.targets, source.lora.r) if source.lora else 0
+    stored = str(source.store.dtype).replace("torch.", "")
     plan = plan_generation(
         spec, ecfg.dtype, best[1], best[0], quant=source.store.quant, prefetch=ecfg.prefetch,
         adapter_numel=adapters, link_gbps=link, device_free=free, kv=ecfg.kv_cache,
+        stream=frozen_stream(stored, ecfg.dtype, has_link(ecfg)),
     )  # fmt: skip
     check_plan(plan)
     return plan

@@ -87,11 +87,15 @@ def lora_memory_plan(
     world: int = 1,
     per_node: int = 1,
     dropout: float = 0.0,
+    stream: str = "",
 ) -> MemoryPlan:
+    """stream: the frozen base's streaming dtype ("": dtype; a bf16 store computing in fp32 across
+    a link: bfloat16, upcast on the device, state.widen)."""
     item = ITEM[dtype]
+    stream = stream or dtype
     gitem = ITEM[dtype if grad_dtype == "auto" else grad_dtype]
     lays = {lay.name: lay for lay in layouts(spec)}
-    base = base_bytes(spec, dtype, quant)
+    base = base_bytes(spec, stream, quant)
     n_adapt = adapter_params(targets, r)
     per_layer = max(
         (sum(r * (t.in_features + t.out_features) for t in layer) for layer in targets), default=0
@@ -114,8 +118,13 @@ def lora_memory_plan(
     layer_max = max(v for k, v in base.items() if k.startswith("layer."))
     head = base["head"] + (base["embed"] if spec.tie_embeddings else 0)
     p.device["weight buffers"] = prefetch * layer_max + head
+    dense_layer = max(lays[k].numel for k in base if k.startswith("layer.")) * item
     if quant:
-        p.device["dequantized layer"] = max(lays[k].numel for k in base if k.startswith("layer.")) * item
+        p.device["dequantized layer"] = dense_layer
+    upcast = dense_layer if ITEM[stream] < item and not quant else 0  # state.widen: one layer's
+    if ITEM[stream] < item:
+        head_numel = lays["head"].numel + (lays["embed"].numel if spec.tie_embeddings else 0)
+        p.device["upcast buffers (layer, head)"] = upcast + head_numel * item
     p.device["adapters in flight"] = prefetch * per_layer * item
     narrow = gitem if gitem != 4 else 0  # the narrow copies that cross the link
     # sharded: the all-reduce's own narrow copies instead of these (below)
@@ -128,7 +137,7 @@ def lora_memory_plan(
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
     if world > 1:  # engine/sharded.py: the frozen embedding gathered on the device (the host holds a
         # slice); the adapters' gradients all-reduced whole into four fp32 outputs (and narrow copies)
-        gathered = base_bytes(spec, dtype, quant, world)  # the device's whole units, padded
+        gathered = base_bytes(spec, stream, quant, world)  # the device's whole units, padded
         layer_pad = max(v for k, v in gathered.items() if k.startswith("layer.")) - layer_max
         ends = sum(gathered[k] - base[k] for k in ("head", "embed"))  # each its own buffer
         p.device["padding of gathered units"] = prefetch * layer_pad + ends
@@ -138,11 +147,11 @@ def lora_memory_plan(
     # one kept layer: its own weight buffer (packed for NF4, padded as a gathered unit), its adapters,
     # its own dequantized copy (NF4: the shared scratch buffer is overwritten by the next layer), the
     # graphs of this rank's micro-batches
-    slot = max(v for k, v in base_bytes(spec, dtype, quant, world).items() if k.startswith("layer."))
+    slot = max(v for k, v in base_bytes(spec, stream, quant, world).items() if k.startswith("layer."))
     dense = p.device.get("dequantized layer", 0)
     mbs = max(1, rank_batch(batch, world) // micro_batch)
     graph = kept_graph_bytes(spec, tok, micro_batch, seq, item, layer_vectors(lays.values()))
     graph += adapter_kept_bytes(targets, r, dropout, tok, item)
     p.layers, p.saved_layer = spec.n_layers, acts
-    p.kept_layer = (slot + per_layer * item + dense, mbs * graph)
+    p.kept_layer = (slot + per_layer * item + dense + upcast, mbs * graph)
     return with_loop(p, spec, acts, per_layer * 4)

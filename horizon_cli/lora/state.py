@@ -109,12 +109,20 @@ class NoAdapters(AdapterState):
 
 
 def lora_state(
-    store, setup: LoraSetup | None, dtype, grad_dtype, alloc, progress, shard: tuple[int, int] = (1, 0)
+    store,
+    setup: LoraSetup | None,
+    dtype,
+    grad_dtype,
+    alloc,
+    progress,
+    shard: tuple[int, int] = (1, 0),
+    narrow: bool = False,
 ) -> tuple[FrozenState, AdapterState, list[str | None]]:
     """A LoRA run's host state: the frozen base, the adapters, and per decoder layer its adapter
     unit (None where no linear layer is adapted). Sharded runs (shard): the base is sharded, the
-    adapters (under 1 % of the parameters) are whole on every rank. setup None: the base alone."""
-    base = FrozenState(store, dtype, alloc, progress, shard)
+    adapters (under 1 % of the parameters) are whole on every rank. setup None: the base alone.
+    narrow: the base stays in a narrower store dtype, upcast on the device (state.frozen)."""
+    base = FrozenState(store, dtype, alloc, progress, shard, narrow)
     host = NoAdapters(dtype, grad_dtype) if setup is None else AdapterState(setup, dtype, alloc, grad_dtype)
     trained = [u if u in host.units else None for u in map(unit_name, range(store.arch.n_layers))]
     return base, host, trained

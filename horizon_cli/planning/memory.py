@@ -11,6 +11,11 @@ all-gathered there; each rank's piece lands in place in the whole-layer buffer) 
 sharded step adds (`sharded_device`: the gathered embedding and its dense gradient, the
 reduce-scatter outputs, padding).
 Node and all-node figures multiply by the ranks per node and the world size.
+
+A streaming copy narrower than the compute dtype (`stream`: lean's bf16 weight computing in fp32,
+a bf16 LoRA base computing in fp32 across a link) is held and moved in its own bytes: the host's
+copy and the device's weight buffers in `stream`, plus the buffers it is upcast into on the device
+(state.widen: one layer's, the head's, and each kept layer's own) in the compute dtype.
 """
 
 from __future__ import annotations
@@ -20,10 +25,17 @@ from dataclasses import dataclass, field
 from ..arch import ArchSpec
 from ..arch.tiling import blocks
 from ..parallel.shard import SHARD_ALIGN, padded_numel, shard_range, shard_size
+from ..runtime.dtype import grad_dtype_for
 from ..state.host import kind_numel, segments
 from ..store import UnitLayout, layouts
 
 ITEM = {"bfloat16": 2, "float32": 4}
+
+
+def frozen_stream(stored: str, dtype: str, link: bool) -> str:
+    """A frozen base's streaming dtype (state.frozen): a store narrower than the compute dtype is
+    held and moved as stored where there is a link (upcast on the device), else the compute dtype."""
+    return stored if link and stored in ITEM and ITEM[stored] < ITEM[dtype] else dtype
 
 
 def piece(numel: int, world: int) -> int:
@@ -210,20 +222,27 @@ def memory_plan(
     memory: str = "exact",
     world: int = 1,
     per_node: int = 1,
+    stream: str = "",
 ) -> MemoryPlan:
-    """Full fine-tuning, memory: exact | lean (LoRA runs: lora/sizes.py), one rank's."""
+    """Full fine-tuning, memory: exact | lean (LoRA runs: lora/sizes.py), one rank's. dtype: the
+    compute dtype; stream: the streaming copy's ("": dtype; lean: bfloat16 whatever it computes in)."""
     item = ITEM[dtype]
+    stream = stream or ("bfloat16" if memory == "lean" else dtype)
+    sitem = ITEM[stream]
     lays = {lay.name: lay for lay in layouts(spec)}
     params = sum(lay.params for lay in lays.values())
     layer_max = max(lay.numel for n, lay in lays.items() if n.startswith("layer."))
     head = lays["head"].numel + (lays["embed"].numel if spec.tie_embeddings else 0)
     acts = rank_batch(batch, world) * seq * spec.boundary_width * item  # one layer's boundary activations
     p = MemoryPlan(params, trainable=params, world=world, per_node=per_node)
-    gitem = ITEM[dtype if grad_dtype == "auto" else grad_dtype]
-    p.host = trained_host(lays, dtype, gitem, memory, world)
+    gitem = ITEM[grad_dtype_for(grad_dtype, dtype, memory)]
+    p.host = trained_host(lays, stream, gitem, memory, world)
     p.host["saved activations"] = spec.n_layers * acts
     p.host["staging"] = 2 * acts
-    p.device["weight buffers"] = (prefetch * layer_max + head) * item
+    p.device["weight buffers"] = (prefetch * layer_max + head) * sitem
+    upcast = layer_max * item if sitem < item else 0  # state.widen: one layer's, and each kept one's
+    if upcast:
+        p.device["upcast buffers (layer, head)"] = upcast + head * item
     # narrow wire copies of the layer sums; sharded: the reduce-scatter's own (sharded_device)
     wire = 2 * layer_max * gitem if gitem != 4 and world == 1 else 0
     p.device["gradient accumulators"] = (2 * layer_max + head) * 4 + wire
@@ -237,13 +256,13 @@ def memory_plan(
     if side:  # tensors crossing layers (model.side): recorded per micro-batch, with their gradients
         p.device["side inputs"] = 2 * rank_batch(batch, world) * seq * side * item
     if world > 1:
-        p.device.update(sharded_device(lays, spec, world, prefetch, item, gitem))
+        p.device.update(sharded_device(lays, spec, world, prefetch, sitem, gitem))
     # one kept layer: its own weight buffer (whole, padded as a gathered unit), the graphs of this
     # rank's micro-batches
     mbs = max(1, rank_batch(batch, world) // micro_batch)
     graph = kept_graph_bytes(spec, tok, micro_batch, seq, item, layer_vectors(lays.values()))
     p.layers, p.saved_layer = spec.n_layers, acts
-    p.kept_layer = ((layer_max + gather_pad(layer_max, world)) * item, mbs * graph)
+    p.kept_layer = ((layer_max + gather_pad(layer_max, world)) * sitem + upcast, mbs * graph)
     return with_loop(p, spec, acts, layer_max * 4)
 
 

@@ -21,6 +21,13 @@ def resolve_device(cfg: EngineConfig) -> str:
     return "cuda" if torch.cuda.is_available() and not cfg.link_gbps else "cpu"
 
 
+def has_link(cfg: EngineConfig) -> bool:
+    """Whether host and device are apart (CUDA, or an emulated link): a load then copies bytes
+    across, and a narrow streaming copy crosses as held (state.widen); on the CPU without an
+    emulated link the loader lends the host's buffers instead."""
+    return resolve_device(cfg).startswith("cuda") or cfg.link_gbps > 0
+
+
 def check_device(cfg: EngineConfig) -> str:
     """engine.device resolved (auto decided); InputError when it names a GPU this machine lacks."""
     dev = resolve_device(cfg)

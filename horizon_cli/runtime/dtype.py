@@ -7,7 +7,9 @@
          bf16 matrix product falls back to a scalar kernel: on an AVX2-only CPU a 512x576 @ 576x1536
          product takes 1,427 ms in bf16 against 50 ms in fp32 (torch 2.13, issue 32)
 
-What the store holds is not changed (a bf16 store computing in fp32 is upcast). The choice is made
+What the store holds is not changed (a bf16 store computing in fp32 is upcast: where there is a
+link, on the device, so that the stored bytes are what crosses it; state.widen). `optim.memory:
+lean` decides alike: its bf16 weight is a storage format, upcast per layer when computing in fp32. The choice is made
 once, at the start, and the run records the concrete dtype (its config.yaml, trainer.json), so a
 resume compares what was computed with, not the word `auto`. An explicit `bfloat16` where it is
 slow runs as asked, after one warning line (`note`).
@@ -112,7 +114,7 @@ class DtypeChoice:
 
 def choose(engine: EngineConfig, memory: str = "exact") -> DtypeChoice:
     """engine.dtype decided for engine.device on this machine. memory: optim.memory (lean keeps a
-    bf16 weight and computes with it: `auto` is bfloat16 there)."""
+    bf16 weight whatever it computes in: the same rule; the reason says what it streams)."""
     device = resolve_device(engine)
     if device.startswith("cuda"):
         fast = cuda_bf16(device)
@@ -127,11 +129,18 @@ def choose(engine: EngineConfig, memory: str = "exact") -> DtypeChoice:
         why = f"this CPU has {'/'.join(flags)}" if fast else "this CPU has no AVX-512 BF16 or AMX"
     dtype = engine.dtype
     if dtype == "auto":
-        if memory == "lean":
-            dtype, why = "bfloat16", why + "; optim.memory: lean computes with its bf16 weight"
-        else:
-            dtype = "bfloat16" if fast else "float32"
+        dtype = "bfloat16" if fast else "float32"
+    if memory == "lean" and dtype == "float32":
+        why += "; optim.memory: lean keeps its bf16 weight, upcast per layer"
     return DtypeChoice(engine.dtype, dtype, device, fast, why)
+
+
+def grad_dtype_for(given: str, dtype: str, memory: str = "exact") -> str:
+    """engine.grad_dtype resolved: `auto` is the compute dtype, and bf16 under lean (it holds
+    bf16 gradients whatever it computes in: <= 8 B/param)."""
+    if given != "auto":
+        return given
+    return "bfloat16" if memory == "lean" else dtype
 
 
 def resolve(engine: EngineConfig, memory: str = "exact") -> EngineConfig:

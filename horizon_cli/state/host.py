@@ -5,6 +5,8 @@ element for element, in anonymous memory (pinned on CUDA) that the kernel never 
 file on its own (invariant 7):
 
   stream  (numel,) compute dtype   what the device streams; in fp32 exact runs it *is* the master
+                                   (lean: always bf16, its storage format; a run computing in
+                                   fp32 upcasts it on the device, state.widen)
   grad    (numel,) grad dtype      gradients of the step, kept whole until the clip norm is known:
                                    accumulated in fp32 on the device, sent in `engine.grad_dtype`
                                    (bf16 runs: bf16, half the device->host traffic); the embedding's
@@ -212,6 +214,12 @@ def lean_state(n_exact: int, n_lean: int, kinds: tuple[bool, bool] | None = None
     return out
 
 
+def stream_dtype(dtype: torch.dtype, memory: str) -> torch.dtype:
+    """The streaming copy's dtype for a compute dtype: lean keeps a bf16 weight whatever it
+    computes in; exact streams the compute dtype (in fp32, the master itself)."""
+    return torch.bfloat16 if memory == "lean" else dtype
+
+
 class HostState:
     def __init__(
         self,
@@ -223,9 +231,9 @@ class HostState:
         memory: str = "exact",
         shard: tuple[int, int] = (1, 0),
     ):
-        """shard: (world, rank) of a sharded run: this rank's part of every unit (module doc)."""
-        if memory == "lean" and dtype != torch.bfloat16:
-            raise ValueError("lean optimizer state needs a bf16 streaming copy")
+        """dtype: the compute dtype; the streaming copy's is `stream_dtype(dtype, memory)`.
+        shard: (world, rank) of a sharded run: this rank's part of every unit (module doc)."""
+        dtype = stream_dtype(dtype, memory)  # self.dtype: the streaming copy's
         self.dtype, self.grad_dtype, self.memory = dtype, grad_dtype, memory
         self.world, self.rank = shard
         self.units: dict[str, UnitState] = {}

@@ -108,7 +108,9 @@ def _save(
 
 def _write(engine, tmp: Path, trainer: dict, config_yaml: str, model_store: Store) -> None:
     tuning = engine.tuning  # the weights (a store, or a LoRA run's adapter), then the optimizer state
-    tuning.write(engine.host, engine.spec, engine.dtype, tmp, model_store, trainer["step"])
+    tuning.write(
+        engine.host, engine.spec, engine.host.dtype, tmp, model_store, trainer["step"]
+    )  # the streams
     _write_state(engine, tmp, trainer, config_yaml, tuning.state_buffers)
 
 

@@ -161,8 +161,8 @@ def _finish(engine, tmp, final, trainer, crcs: dict, model_store, write_meta) ->
 
 def _manifest(engine, tmp: Path, step: int, model_store: Store, crcs: dict) -> None:
     """The store's manifest, its per-tensor checksums combined from the ranks' parts."""
-    dtype = DTYPE_NAMES[engine.dtype]
-    item = engine.dtype.itemsize
+    dtype = DTYPE_NAMES[engine.host.dtype]  # the streaming copies' (lean: bf16 whatever it computes in)
+    item = engine.host.dtype.itemsize
     units = []
     for lay in layouts(engine.spec):
         tensors = []
