@@ -22,6 +22,7 @@ from ..errors import InputError
 from . import cache, catalog, mixture, registry, source
 from .build import build_token_set, check_token_set, warn_ignored
 from .collate import pad_id_of
+from .images import ImageData, first_with_images, refuse_images
 from .mixture import MixedSet
 from .pairs import PairSet, as_pairs
 from .tokset import TokenSet
@@ -58,19 +59,24 @@ def prepare_data(
     cache_dir: str | Path | None = None,
     log: Log = print,
     batch_size: int | None = None,
+    images: ImageData | None = None,
 ) -> PreparedData:
     """Load, tokenize (or hit the cache), pack, split and mix the `data:` section's sources.
 
     vocab_size: the model's; every token id is checked against it. tokenizer may be None for
     format `tokens`. cache_dir is used when `data.cache_dir` is unset; with neither, nothing
     is cached. batch_size (the global batch): the summary says how many steps an epoch is.
+    images: a multimodal model's image data (vision.imageset); None: records that name images
+    are refused.
     """
     check_lengths(data_cfg, model_max_len)
     root = data_cfg.cache_dir or cache_dir
     specs = catalog.train_specs(data_cfg)
 
     def load(spec: catalog.Spec) -> TokenSet:
-        return load_token_set(spec, data_cfg, tokenizer, cache_dir=root, log=log, vocab_size=vocab_size)
+        return load_token_set(
+            spec, data_cfg, tokenizer, cache_dir=root, log=log, vocab_size=vocab_size, images=images
+        )
 
     def view(ts: TokenSet):  # pairs and KTO examples (two rows each) are seen pair by pair
         if ts.format == "unpaired":
@@ -152,11 +158,23 @@ def load_token_set(
     cache_dir=None,
     log: Log = print,
     vocab_size: int | None = None,
+    images: ImageData | None = None,
 ) -> TokenSet:
-    """One source -> a checked TokenSet, through the cache when `cache_dir` is set."""
+    """One source -> a checked TokenSet, through the cache when `cache_dir` is set. `images`:
+    a multimodal model's image data, which builds a source whose records name images."""
     path = spec.path
     src = source.open_source(path, spec.split, spec.what, spec.hub_options)
     ds = None
+    if images is not None:  # records with images: built by the model's processor (vision.imageset)
+        ds = source.load_records(src)
+        if first_with_images(ds) is not None:
+            if spec.rename or spec.tags:
+                ds = _as_horizon(ds, spec, path)[0]
+            ts = images.build(
+                ds, data_cfg, path, log, Path(src.path).parent if src.kind == "file" else Path(src.path)
+            )
+            check_token_set(ts, path)
+            return ts
     if src.key is None:  # hub: fingerprinted once loaded
         ds = source.load_records(src)
         src = source.Source(src.path, src.kind, src.split, source.hub_key(src, ds), src.what, src.options)
@@ -170,6 +188,8 @@ def load_token_set(
         check_token_set(ts, path)
         return ts
     records = ds if ds is not None else source.load_records(src)
+    if images is None:
+        refuse_images(records, path, "the model")
     records, fmt, adapt = _as_horizon(records, spec, path)
     ts = build_token_set(records, fmt, tokenizer, data_cfg, path, log, vocab_size, adapt)
     check_token_set(ts, path)

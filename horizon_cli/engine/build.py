@@ -24,6 +24,7 @@ from ..planning.memory import MemoryPlan
 from ..runtime.trace import Tracer
 from ..store import Store
 from .engine import Engine
+from .parts import Stage
 from .seams import LossObjective
 
 
@@ -77,6 +78,7 @@ def build_engine(
     progress: Callable[[int], None] = lambda n: None,
     objective: LossObjective | None = None,
     keep: int = 0,
+    stage: Stage | None = None,
 ) -> Engine:
     """The engine for `cfg` on `store` (a resumed full fine-tuning run: its checkpoint's store).
     keep: the kept layers K (the plan's decision: `Planned.plan.kept`)."""
@@ -85,5 +87,5 @@ def build_engine(
     world = dist.world if dist is not None else 1
     return Engine(
         store, cfg.engine, cfg.optim, tracer=tracer, progress=progress, max_tokens=step_tokens(cfg, store, world),
-        lora=lora, dist=dist, objective=objective, keep=keep,
+        lora=lora, dist=dist, objective=objective, keep=keep, stage=stage,
     )  # fmt: skip

@@ -17,6 +17,7 @@ chosen once; the passes that use them (engine.step, engine.infer) never branch o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,8 @@ from .ranks import Ranks, ranks_for
 from .reduce import LocalReduce, ShardedReduce
 from .seams import HeadGrads, LayerTemplate, LossObjective, Params, Reduce, Transport
 from .sharded import ShardedGrads
+
+Stage = Callable[[Embedding, Transport, torch.dtype], Embedding]  # the embedding, wrapped
 
 
 @dataclass
@@ -88,11 +91,13 @@ def assemble(
     step_numel: int = 0,
     keep: int = 0,
     forward_only: bool = False,
+    stage: Stage | None = None,
 ) -> Parts:
     """step_numel: one layer's inputs of the largest step (0: unknown), which sizes the loader's
     buffers for the saved inputs once. keep: K, the kept layers (the last K): each gets weight
     buffers of its own. forward_only: every unit frozen, nothing trained (engine.params.FrozenParams:
-    generation, evaluation), and nothing kept."""
+    generation, evaluation), and nothing kept. stage: what wraps the embedding stage (vision.embed:
+    the image merge before layer 0; one process only)."""
     assert not (forward_only and keep), "a forward-only engine keeps no graphs"
     spec = store.arch
     dtype = DTYPES[resolve_dtype(engine, optim.memory).dtype]  # resolved already by train/profile
@@ -151,6 +156,10 @@ def assemble(
         moe = getattr(tmpl, "moe", None)  # MoE router statistics: the global batch's
         if moe is not None:
             moe.reduce = sharded.all_sum_tensor
+    if stage is not None:
+        if dist is not None:
+            raise InputError("images: sharded runs (torchrun) with a vision tower are not supported yet")
+        embedding = stage(embedding, t, dtype)
     kept = params.layers[len(params.layers) - keep :] if keep else []
     if n := params.attach(t.device_empty, dtype, kept):
         t.memory.set("dequantized layer", n)  # NF4: one layer, dequantized on the device (+ each kept one)

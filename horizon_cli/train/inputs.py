@@ -66,6 +66,8 @@ def load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: C
 
 
 def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: Console) -> PreparedData:
+    from ..vision.run import image_data
+
     return prepare_data(
         cfg.data,
         load_tokenizer(store, cfg.data.format),
@@ -75,4 +77,5 @@ def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: 
         cache_dir=cache_dir,
         log=lambda s: console.print(s, highlight=False),
         batch_size=cfg.train.batch_size,
+        images=image_data(store),  # a multimodal store's processor; None: image records refused
     )

@@ -1,0 +1,61 @@
+"""What a training run asks of the vision package: the image data of a store (data.images'
+ImageData seam) and the engine's embedding stage for it (engine.parts' Stage seam)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import InputError
+from .imageset import ImageSet, build_image_set
+from .support import image_owner, is_multimodal
+
+
+class VisionData:
+    """data.images.ImageData for a multimodal store: its processor, loaded on first use."""
+
+    def __init__(self, store, where: str):
+        self.store, self.where = store, where
+        self._proc = None
+
+    def processor(self):
+        from .encode import load_processor
+
+        if self._proc is None:
+            image_owner(self.store.arch, self.where)  # a model that cannot take images: refused first
+            self._proc = load_processor(Path(self.store.root) / "hf", self.where)
+        return self._proc
+
+    def build(self, ds, data_cfg, name: str, log, base: Path) -> ImageSet:
+        return build_image_set(ds, self.processor(), data_cfg, name, log, base)
+
+
+def image_data(store) -> VisionData | None:
+    """The store's image data, or None for a text-only model (image records then refused)."""
+    if getattr(store, "hf_dir", None) is not None or not is_multimodal(store.arch):
+        return None  # a dry run's config-only plan reads no images
+    return VisionData(store, f"model.path: {store.root}")
+
+
+def has_images(rows) -> bool:
+    """Training rows with image tensors (an ImageSet, or a mixture holding one)."""
+    parts = getattr(rows, "parts", None)
+    return any(has_images(p) for p in parts) if parts is not None else isinstance(rows, ImageSet)
+
+
+def vision_stage(store, vision: str):
+    """The engine's Stage: the run's embedding wrapped with the tower's image merge."""
+    if vision != "frozen":
+        raise InputError(
+            f"train.vision: {vision}: training the tower or projector is not built yet (frozen is; the "
+            "language model trains with the images' features)"
+        )
+
+    def stage(inner, t, dtype):
+        from .embed import VisionEmbedding
+        from .tower import VisionTower
+
+        tower = VisionTower(store, t.device, dtype)
+        t.memory.set("vision tower", tower.nbytes())
+        return VisionEmbedding(inner, tower)
+
+    return stage

@@ -1,0 +1,235 @@
+"""Vision-language fine-tuning (horizon_cli/vision): a tiny random LLaVA with its processor and 4
+small images made here. The processor's token ids equal horizon's for each data form; the loss,
+every gradient and 3 AdamW steps of the streamed language model with the frozen tower's features
+merged equal transformers' own LlavaForConditionalGeneration called with the processor's outputs
++ torch AdamW (fp32, 1e-5); bad image input is one line, exit 2, nothing trained."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import horizon, write_config
+from oracle import engine_grads, engine_weights, one_thread, rel_err  # noqa: F401 (autouse fixture)
+from PIL import Image
+
+from horizon_cli.config.schema import DataConfig, EngineConfig, OptimConfig
+from horizon_cli.convert import convert
+from horizon_cli.data import IGNORE, collate, prepare_data
+from horizon_cli.engine import Engine
+from horizon_cli.store import Store
+from horizon_cli.testing.vision import make_images, tiny_llava
+from horizon_cli.vision.run import image_data, vision_stage
+
+HP = dict(lr=2e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.1, grad_clip=0.5)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm")
+    model = tiny_llava(root / "hf")
+    convert(root / "hf", root / "store", dtype="float32")
+    return root, model
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def chat_parts(i: int, img: str) -> dict:  # transformers' / TRL's chat form with a path in the part
+    return {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": img}, {"type": "text", "text": f"what is {i}?"}],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": f"colour {i} here"}]},
+        ]
+    }
+
+
+def forms(imgs: list[str]) -> dict[str, list[dict]]:
+    """The same 4 examples in each data form horizon reads."""
+    return {
+        "chat_parts": [chat_parts(i, imgs[i]) for i in range(4)],
+        "image_url": [
+            {"messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": imgs[i]}},
+                                             {"type": "text", "text": f"what is {i}?"}]},
+                {"role": "assistant", "content": f"colour {i} here"}]}
+            for i in range(4)
+        ],
+        "trl_images": [
+            {"images": [imgs[i]], "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"what is {i}?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": f"colour {i} here"}]}]}
+            for i in range(4)
+        ],
+        "sharegpt": [
+            {"images": [imgs[i]], "conversations": [
+                {"from": "human", "value": f"<image>what is {i}?"}, {"from": "gpt", "value": f"colour {i} here"}]}
+            for i in range(4)
+        ],
+        "alpaca": [
+            {"images": [imgs[i]], "instruction": f"<image>what is {i}?", "input": "", "output": f"colour {i} here"}
+            for i in range(4)
+        ],
+    }  # fmt: skip
+
+
+def prepared(store, path: Path, **data):
+    cfg = DataConfig(path=str(path), max_seq_len=128, **data)
+    return prepare_data(cfg, None, vocab_size=store.arch.vocab, log=lambda s: None, images=image_data(store))
+
+
+def processor_rows(proc, imgs: list[Path]) -> list[list[int]]:
+    """What the processor itself gives for the 4 examples (chat template, then processor call)."""
+    out = []
+    for i in range(4):
+        msgs = chat_parts(i, "")["messages"]
+        msgs[0]["content"][0] = {"type": "image"}
+        text = proc.apply_chat_template(msgs, tokenize=False)
+        ids = proc(text=[text], images=[Image.open(imgs[i]).convert("RGB")], add_special_tokens=False)
+        out.append(list(ids["input_ids"][0]))
+    return out
+
+
+@pytest.mark.parametrize("form", ["chat_parts", "image_url", "trl_images", "sharegpt", "alpaca"])
+def test_processor_ids_equal_horizons_per_form(vlm, tmp_path, form):
+    from transformers import AutoProcessor
+
+    root, _ = vlm
+    store = Store.open(root / "store")
+    imgs = make_images(tmp_path / "data" / "imgs")
+    data = write(tmp_path / "data" / "d.jsonl", forms([f"imgs/{p.name}" for p in imgs])[form])
+    ts = prepared(store, data).train
+    proc = AutoProcessor.from_pretrained(root / "hf")
+    want = processor_rows(proc, imgs)
+    assert [list(ts[i].input_ids) for i in range(4)] == want
+    assert ts.stats["images"] == 4 and ts.stats["image_tokens"] == 4 * 16
+    for i in range(4):
+        pv = proc(text=["<image>"], images=[Image.open(imgs[i]).convert("RGB")])["pixel_values"]
+        assert torch.equal(torch.as_tensor(ts[i].media["pixel_values"]), torch.as_tensor(pv))
+        lab = ts[i].labels
+        said = proc.tokenizer.decode([int(t) for t in lab if t != IGNORE])
+        assert said.startswith(f"colour {i} here")
+
+
+def hf_step_loss(model, mbs) -> float:
+    """Summed CE over the global batch's label tokens / their count, backward; with pixel_values."""
+    n = sum(mb.label_tokens for mb in mbs)
+    total = 0.0
+    for mb in mbs:
+        out = model(input_ids=mb.input_ids, pixel_values=mb.media["pixel_values"])
+        logits = out.logits.float()
+        loss = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), mb.labels[:, 1:].reshape(-1),
+            ignore_index=IGNORE, reduction="sum",
+        )  # fmt: skip
+        (loss / n).backward()
+        total += loss.item()
+    return total / n
+
+
+def test_frozen_tower_loss_grads_adamw_match_transformers(vlm, tmp_path):
+    root, model0 = vlm
+    store = Store.open(root / "store")
+    imgs = make_images(tmp_path / "data" / "imgs")
+    rows = forms([f"imgs/{p.name}" for p in imgs])["chat_parts"]
+    rows = rows + [chat_parts(i, f"imgs/img{(i + 1) % 4}.png") for i in range(4)]
+    rows.append(
+        {"messages": [{"role": "user", "content": "plain text"}, {"role": "assistant", "content": "ok"}]}
+    )
+    ts = prepared(store, write(tmp_path / "data" / "d.jsonl", rows)).train
+    steps = [collate(ts.rows(r), 2, 0) for r in ([0, 1, 2, 8], [3, 4, 5, 6], [7, 8, 0, 5])]
+    model = type(model0).from_pretrained(root / "hf").float()
+    model.train(False)
+    vision = [
+        p for n, p in model.named_parameters() if not n.startswith(("model.language_model.", "lm_head."))
+    ]
+    for p in vision:
+        p.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        params, lr=HP["lr"], betas=tuple(HP["betas"]), eps=HP["eps"], weight_decay=HP["weight_decay"]
+    )
+    eng = Engine(
+        store, EngineConfig(device="cpu", dtype="float32", loss_chunk=16), OptimConfig(kernel="torch", **HP),
+        stage=vision_stage(store, "frozen"),
+    )  # fmt: skip
+    try:
+        for s, mbs in enumerate(steps):
+            assert sum(int(mb.media["pixel_values"].shape[0]) for mb in mbs) >= 3
+            opt.zero_grad(set_to_none=True)
+            ref = hf_step_loss(model, mbs)
+            if s == 0:  # every gradient of the first step, before the update
+                loss_sum, tokens, _ = eng.forward_backward(mbs)
+                eng.t.synchronize()
+                assert abs(loss_sum / tokens - ref) / ref < 1e-5
+                named = dict(model.named_parameters())
+                grads = engine_grads(eng)
+                assert set(grads) == {n for n, p in named.items() if p.requires_grad}
+                for name, g in grads.items():
+                    assert rel_err(g, named[name].grad) < 1e-5, name
+                assert any(n.startswith("model.language_model.embed_tokens") for n in grads)
+            res = eng.step(mbs, HP["lr"])
+            torch.nn.utils.clip_grad_norm_(params, HP["grad_clip"])
+            opt.step()
+            assert abs(res.loss - ref) / ref < 1e-5, (s, res.loss, ref)
+        eng.wait()
+        ours = engine_weights(eng)
+        theirs = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        assert set(ours) == set(theirs)
+        for name, p in theirs.items():
+            assert rel_err(ours[name], p) < 1e-5, name
+    finally:
+        eng.close()
+
+
+def test_image_records_train_and_bad_input_refused(vlm, tmp_path):
+    root, _ = vlm
+    imgs = make_images(tmp_path / "data" / "imgs")
+    good = forms([f"imgs/{p.name}" for p in imgs])["sharegpt"]
+
+    def run(rows, name, store=root / "store", **train):
+        data = write(tmp_path / "data" / f"{name}.jsonl", rows)
+        cfg = write_config(
+            tmp_path / f"{name}.yaml", store, data, tmp_path / f"run-{name}",
+            train={"steps": 1, "batch_size": 2, "micro_batch_size": 2, **train},
+        )  # fmt: skip
+        return horizon("train", cfg)
+
+    r = run(good, "good")
+    assert r.exit_code == 0, r.output
+    assert "4 images, 64 image tokens" in r.output
+    (tmp_path / "data" / "imgs" / "broken.png").write_bytes(b"not a png")
+    two = [
+        {
+            **good[0],
+            "conversations": [{"from": "human", "value": "<image><image>hi"}, good[0]["conversations"][1]],
+        }
+    ]
+    cases = {
+        "missing": ([{**good[0], "images": ["imgs/nope.png"]}], "does not exist"),
+        "unreadable": ([{**good[0], "images": ["imgs/broken.png"]}], "is unreadable"),
+        "more_placeholders": (two, "more image placeholders than images"),
+        "fewer_placeholders": ([{**good[0], "images": ["imgs/img0.png", "imgs/img1.png"]}], "fewer image placeholders"),
+        "remote": ([chat_parts(0, "https://example.com/a.png")], "only local image files"),
+        "trained_tower": (good, "train.vision: all"),
+    }  # fmt: skip
+    for name, (rows, says) in cases.items():
+        r = run(rows, name, **({"vision": "all"} if name == "trained_tower" else {}))
+        lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+        assert r.exit_code == 2 and len(lines) == 1 and says in lines[0], (name, r.output)
+        assert not (tmp_path / f"run-{name}" / "checkpoints").exists()
+
+
+def test_image_record_for_a_text_only_model_refused(tiny_store, tmp_path):
+    imgs = make_images(tmp_path / "data" / "imgs")
+    data = write(tmp_path / "data" / "d.jsonl", forms([f"imgs/{p.name}" for p in imgs])["alpaca"])
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_store, data, tmp_path / "run", train={"steps": 1})
+    r = horizon("train", cfg)
+    assert r.exit_code == 2 and "record 1 names images" in r.output and "text only" in r.output, r.output
