@@ -233,3 +233,33 @@ def test_image_record_for_a_text_only_model_refused(tiny_store, tmp_path):
     cfg = write_config(tmp_path / "cfg.yaml", tiny_store, data, tmp_path / "run", train={"steps": 1})
     r = horizon("train", cfg)
     assert r.exit_code == 2 and "record 1 names images" in r.output and "text only" in r.output, r.output
+
+
+CLASSES = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
+           "mllama": "MllamaForConditionalGeneration"}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(CLASSES))
+def test_image_path_not_built_refused_naming_what_is_missing(tmp_path, family):
+    import transformers
+
+    from horizon_cli.testing.census_config import tiny_config
+    from horizon_cli.testing.tokenizer import make_tokenizer
+
+    cfg = tiny_config(family, 2)
+    model = getattr(transformers, CLASSES[family])(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    make_tokenizer(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    imgs = make_images(tmp_path / "data" / "imgs", n=1)
+    data = write(tmp_path / "data" / "d.jsonl", [chat_parts(0, f"imgs/{imgs[0].name}")])
+    cfg_path = write_config(
+        tmp_path / "cfg.yaml", tmp_path / "store", data, tmp_path / "run", train={"steps": 1}
+    )
+    r = horizon("train", cfg_path)
+    says = {
+        "gemma3": "token type ids",
+        "idefics3": "no get_image_features",
+        "mllama": "no get_image_features",
+    }
+    assert r.exit_code == 2 and says[family] in r.output and "trains on text only" in r.output, r.output
