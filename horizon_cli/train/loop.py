@@ -164,7 +164,7 @@ class Trainer:
             obj = self.batches.objective  # None: SFT's TokenCE; preference: the pair objective
             engine = build_engine(
                 self.cfg, src, lora=self.lora, dist=self.dist, progress=advance, objective=obj, keep=keep,
-                stage=vision_stage(src, self.cfg.train.vision) if has_images(self.data.train) else None,
+                stage=vision_stage(src, self.cfg.train.vision, self.lora is not None) if has_images(self.data.train) else None,
             )  # fmt: skip
         try:
             verify_base(engine, ck, src)  # sharded: the model's checksums, split over the ranks

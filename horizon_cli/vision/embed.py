@@ -17,19 +17,25 @@ whether a batch holds images:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..data.batch import MicroBatch
 from ..engine.embed import Embedding
+from ..optim.adamw import AdamWHyper
 from ..runtime.events import Event
 from .tower import VisionTower
+from .trained import TowerState
 
 
-class VisionEmbedding:
+class VisionEmbedding(Embedding):
     """An Embedding (engine.embed) with the image merge in front of layer 0."""
 
-    def __init__(self, inner: Embedding, tower: VisionTower):
-        self.inner, self.tower = inner, tower
+    def __init__(self, inner: Embedding, tower: VisionTower, trained: TowerState | None = None):
+        """trained: the tower's trained part (train.vision projector | all), or None (frozen).
+        (Embedding's own __init__ is not run: everything else is the wrapped embedding's.)"""
+        self.inner, self.tower, self.trained = inner, tower, trained
         self.ahead = inner.ahead
         self.saved: list[tuple[torch.Tensor, torch.Tensor] | None] = []
 
@@ -61,13 +67,34 @@ class VisionEmbedding:
         return x
 
     def backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float:
+        """The rows' gradient through the merge (and the trained tower's, summed in fp32);
+        returns what the embedding's and the tower's gradients add to the squared norm."""
         back: list[torch.Tensor] = []
+        tr = self.trained
+        params = list(tr.params.values()) if tr is not None else []
+        if tr is not None:
+            tr.begin()
         for d, saved in zip(dx, self.saved, strict=True):
             if saved is None:
                 back.append(d)
                 continue
             rows, merged = saved
-            (g,) = torch.autograd.grad(merged, rows, d)
+            g, *pg = torch.autograd.grad(merged, [rows, *params], d, allow_unused=True)
+            if tr is not None:
+                tr.add(pg)
             back.append(g)
         self.saved = []
-        return self.inner.backward(self.inner.scale(back), mbs, ready)
+        sq = tr.finish() if tr is not None else 0.0
+        return self.inner.backward(self.inner.scale(back), mbs, ready) + sq
+
+    def update(self, h: AdamWHyper) -> None:
+        """The trained tower's AdamW step, with the units' hyper-parameters (clip scale included)."""
+        if self.trained is not None:
+            self.trained.update(h)
+
+    def save_state(self, ck: Path) -> dict[str, int]:
+        return self.trained.save(ck) if self.trained is not None else {}
+
+    def load_state(self, ck: Path, sums: dict) -> None:
+        if self.trained is not None:
+            self.trained.load(ck, sums)

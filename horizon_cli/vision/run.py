@@ -42,20 +42,31 @@ def has_images(rows) -> bool:
     return any(has_images(p) for p in parts) if parts is not None else isinstance(rows, ImageSet)
 
 
-def vision_stage(store, vision: str):
-    """The engine's Stage: the run's embedding wrapped with the tower's image merge."""
-    if vision != "frozen":
+def vision_stage(store, vision: str, lora: bool = False):
+    """The engine's Stage: the run's embedding wrapped with the tower's image merge; `vision`:
+    train.vision (projector | all: the tower's trained part, vision.trained)."""
+    if vision != "frozen" and lora:
         raise InputError(
-            f"train.vision: {vision}: training the tower or projector is not built yet (frozen is; the "
-            "language model trains with the images' features)"
+            f"train.vision: {vision}: with lora the tower stays frozen (adapters on the projector are not built "
+            "yet); set train.vision: frozen"
         )
 
     def stage(inner, t, dtype):
         from .embed import VisionEmbedding
         from .tower import VisionTower
+        from .trained import TowerState, trained_names
 
         tower = VisionTower(store, t.device, dtype)
         t.memory.set("vision tower", tower.nbytes())
-        return VisionEmbedding(inner, tower)
+        if vision == "frozen":
+            return VisionEmbedding(inner, tower)
+        base = tower.spec.owner + "." if tower.spec.owner else ""
+        names = trained_names(tower.spec.towers, tower.params, base, vision)
+        split = [n for n in names if n not in tower.disk]
+        if split:
+            raise InputError(
+                f"train.vision: {vision}: {split[0]} is not one tensor on disk; training it is not built"
+            )
+        return VisionEmbedding(inner, tower, TowerState(tower.params, names, tower.disk))
 
     return stage

@@ -42,7 +42,7 @@ class VisionTower:
         for mod in mods:  # buffers: real, to the device (the parameters come from the store below)
             for sub in mod.modules():
                 sub._buffers.update({k: b.to(device) for k, b in sub._buffers.items() if b is not None})
-        self.params = _load(model, self.spec, mods, Path(store.root) / "hf", device, dtype, where)
+        self.params, self.disk = _load(model, self.spec, mods, Path(store.root) / "hf", device, dtype, where)
         for p in self.params.values():
             p.requires_grad_(trained)
         self.device, self.dtype = device, dtype
@@ -98,8 +98,9 @@ def build_model(g, dtype: torch.dtype):
     return model.eval()
 
 
-def _load(model, spec, mods, hf: Path, device, dtype, where: str) -> dict[str, torch.nn.Parameter]:
-    """The towers' parameters from the carried file, in place of their meta tensors."""
+def _load(model, spec, mods, hf: Path, device, dtype, where: str):
+    """The towers' parameters from the carried file, in place of their meta tensors; and each
+    one's carried tensor (memory name -> disk name) when it is one whole tensor."""
     from safetensors import safe_open
 
     verify_carried(hf)
@@ -116,8 +117,10 @@ def _load(model, spec, mods, hf: Path, device, dtype, where: str) -> dict[str, t
         parts, follows = place(model, mem, lm, where)
         if follows:
             raise InputError(f"{where}: the vision tower's tensors are split on load; not supported yet")
-        out = {}
+        out, names = {}, {}
         for name, ps in parts.items():
+            if len(ps) == 1 and ps[0].at == 0:
+                names[name] = ps[0].hf
             flat = torch.empty(math.prod(mem[name]), dtype=dtype)
             for part in ps:
                 t = f.get_tensor(part.hf).reshape(-1)
@@ -130,7 +133,7 @@ def _load(model, spec, mods, hf: Path, device, dtype, where: str) -> dict[str, t
             param = torch.nn.Parameter(flat.view(mem[name]).to(device), requires_grad=False)
             holder._parameters[leaf] = param
             out[name] = param
-    return out
+    return out, names
 
 
 def _placed(model, disk_name: str, mem: dict) -> bool:
