@@ -316,3 +316,34 @@ def test_trained_projector_checkpoint_resume_and_export(vlm, tmp_path):
     proj = [k for k in orig if k.startswith(TOWER[1])]
     assert proj and all(not torch.equal(orig[k], whole[k]) for k in proj)
     assert all(torch.equal(orig[k], whole[k]) for k in orig if k.startswith(TOWER[0]))
+
+
+def test_dry_run_counts_the_tower(vlm, tmp_path):
+    root, _ = vlm
+    imgs = make_images(tmp_path / "data" / "imgs")
+    data = write(tmp_path / "data" / "d.jsonl", forms([f"imgs/{p.name}" for p in imgs])["alpaca"])
+    sizes = {}
+    for vision in ("frozen", "all"):
+        cfg = write_config(
+            tmp_path / "cfg.yaml",
+            root / "store",
+            data,
+            tmp_path / "run",
+            train={"steps": 1, "vision": vision},
+        )
+        r = horizon("train", cfg, "--dry-run", "--json", tmp_path / f"{vision}.json")
+        assert r.exit_code == 0, r.output
+        plan = json.loads((tmp_path / f"{vision}.json").read_text())
+        sizes[vision] = plan["device"]
+        tower = sum(p.numel() * 4 for n, p in tiny_llava_params(root).items())
+        assert plan["device"]["vision tower"] == tower
+        assert "16 image tokens an image" in r.output
+        assert ("vision state" in plan["host"]) == (vision == "all")
+    assert sizes["all"]["vision activations"] > sizes["frozen"]["vision activations"] > 0
+
+
+def tiny_llava_params(root: Path) -> dict:
+    import transformers
+
+    m = transformers.LlavaForConditionalGeneration.from_pretrained(root / "hf")
+    return {n: p for n, p in m.named_parameters() if n.startswith(TOWER)}
