@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-lora demo-dpo test test-slow audit lint format bench bench-convert smollm2 clean
+.PHONY: install demo demo-lora demo-dpo demo-vision test test-slow audit lint format bench bench-convert smollm2 clean
 
 install: $(STAMP)
 
@@ -25,6 +25,9 @@ demo-lora: install
 
 demo-dpo: install
 	$(BIN)/python scripts/demo.py --dpo
+
+demo-vision: install
+	$(BIN)/python scripts/demo_vision.py
 
 test: install
 	$(BIN)/python -m pytest -n auto --dist loadfile
