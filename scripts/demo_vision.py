@@ -54,7 +54,7 @@ def images(folder: Path) -> dict[str, Path]:
 
 def data(path: Path, imgs: dict[str, Path]) -> None:
     rows = []
-    for k in range(10):
+    for _ in range(10):
         for name, img in imgs.items():
             rows.append({
                 "messages": [
