@@ -347,3 +347,29 @@ def tiny_llava_params(root: Path) -> dict:
 
     m = transformers.LlavaForConditionalGeneration.from_pretrained(root / "hf")
     return {n: p for n, p in m.named_parameters() if n.startswith(TOWER)}
+
+
+def test_cache_keys_on_image_content(vlm, tmp_path):
+    root, _ = vlm
+    store = Store.open(root / "store")
+    imgs = make_images(tmp_path / "data" / "imgs")
+    data = write(tmp_path / "data" / "d.jsonl", forms([f"imgs/{p.name}" for p in imgs])["chat_parts"])
+
+    def load():
+        lines: list[str] = []
+        cfg = DataConfig(path=str(data), max_seq_len=128, cache_dir=str(tmp_path / "cache"))
+        ts = prepare_data(
+            cfg, None, vocab_size=store.arch.vocab, log=lines.append, images=image_data(store)
+        ).train
+        return ts, any("cache hit" in ln for ln in lines)
+
+    first, hit0 = load()
+    again, hit1 = load()
+    assert not hit0 and hit1
+    for i in range(4):
+        assert list(first[i].input_ids) == list(again[i].input_ids)
+        assert (first[i].media["pixel_values"] == again[i].media["pixel_values"]).all()
+    Image.new("RGB", Image.open(imgs[2]).size, (9, 9, 9)).save(imgs[2])  # same name, other pixels
+    changed, hit2 = load()
+    assert not hit2
+    assert not (changed[2].media["pixel_values"] == first[2].media["pixel_values"]).all()

@@ -23,6 +23,13 @@ class ImageData(Protocol):
 
     def build(self, ds, data_cfg, name: str, log, base: Path): ...
 
+    def key(self, ds, data_cfg, base: Path) -> str | None:
+        """What the tokens depend on beyond the file and the tokenizer: the processor, the pixel
+        budget and every image's content (None: an image cannot be read; no cache then)."""
+        ...
+
+    def wrap(self, ts, media: dict, offsets: dict): ...
+
 
 def names_images(record: dict) -> bool:
     """The record lists images, or a message content holds an image part."""

@@ -11,6 +11,7 @@ The training loop then calls `sampler.batch_rows` and `collate.collate` per step
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -168,13 +169,7 @@ def load_token_set(
     if images is not None:  # records with images: built by the model's processor (vision.imageset)
         ds = source.load_records(src)
         if first_with_images(ds) is not None:
-            if spec.rename or spec.tags:
-                ds = _as_horizon(ds, spec, path)[0]
-            ts = images.build(
-                ds, data_cfg, path, log, Path(src.path).parent if src.kind == "file" else Path(src.path)
-            )
-            check_token_set(ts, path)
-            return ts
+            return _image_set(ds, src, spec, data_cfg, tokenizer, images, cache_dir, log, vocab_size)
     if src.key is None:  # hub: fingerprinted once loaded
         ds = source.load_records(src)
         src = source.Source(src.path, src.kind, src.split, source.hub_key(src, ds), src.what, src.options)
@@ -196,6 +191,32 @@ def load_token_set(
     if entry:
         cache.save(entry, ts, key)
         ts = cache.load(entry, key)[0] or ts  # the memory-mapped copy: identical to what a hit returns
+    return ts
+
+
+def _image_set(ds, src, spec, data_cfg, tokenizer, images: ImageData, cache_dir, log: Log, vocab_size):
+    """A source whose records name images: through the cache, keyed on the images' content too."""
+    path = spec.path
+    if spec.rename or spec.tags:
+        ds = _as_horizon(ds, spec, path)[0]
+    base = Path(src.path).parent if src.kind == "file" else Path(src.path)
+    entry, key = _entry(cache_dir, src, spec, data_cfg, tokenizer, vocab_size) if src.key else (None, "")
+    more = images.key(ds, data_cfg, base) if entry else None
+    if entry is not None and more is not None:
+        key = hashlib.sha256(f"{key}:{more}".encode()).hexdigest()[:20]
+        entry = entry.with_name(entry.name + "-img")
+        ts, problem = cache.load(entry, key, images.wrap)
+        if problem:
+            log(f"data: {path}: note: the cached tokens {entry} {problem}; rebuilding them")
+        if ts is not None:
+            log(f"data: {path}: format {ts.format} with images; cache hit {entry}")
+            check_token_set(ts, path)
+            return ts
+    ts = images.build(ds, data_cfg, path, log, base)
+    check_token_set(ts, path)
+    if entry is not None and more is not None:
+        cache.save(entry, ts, key)
+        ts = cache.load(entry, key, images.wrap)[0] or ts
     return ts
 
 

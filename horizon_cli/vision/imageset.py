@@ -13,6 +13,8 @@ example whose image tokens do not fit is dropped and counted.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import numpy as np
 from ..data.batch import IGNORE
 from ..data.tokset import Row, RowBuilder, TokenSet
 from ..errors import InputError
-from .encode import ImageEncoder
+from .encode import ImageEncoder, file_digest
 from .records import image_example
 
 RECORDS_PER_BATCH = 256
@@ -133,3 +135,26 @@ def describe(s: dict, data_cfg) -> str:
             f"max_seq_len {data_cfg.max_seq_len}, {s['no_labels']} without loss tokens)"
         )
     return text
+
+
+def images_key(ds, proc, data_cfg, base: Path) -> str | None:
+    """sha256 of what an ImageSet depends on beyond the data file and the tokenizer: the
+    processor's settings and chat template, the pixel budget, train_on_prompt, max_seq_len and
+    the content of every image the records name (None when one cannot be read: no cache)."""
+    h = hashlib.sha256(json.dumps(proc.to_dict(), sort_keys=True, default=str).encode())
+    h.update(
+        f"{data_cfg.max_pixels}:{data_cfg.min_pixels}:{data_cfg.train_on_prompt}:{data_cfg.max_seq_len}".encode()
+    )
+    seen: dict[Path, str] = {}
+    for k, rec in enumerate(ds):
+        try:
+            ex = image_example(rec, f"record {k + 1}", base)
+        except InputError:
+            return None  # the build says what is wrong
+        for p in ex.images:
+            if p not in seen:
+                if not p.is_file():
+                    return None
+                seen[p] = file_digest(p)
+            h.update(f"{p}:{seen[p]}".encode())
+    return h.hexdigest()

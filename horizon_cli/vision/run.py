@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import InputError
-from .imageset import ImageSet, build_image_set
+from .imageset import ImageSet, build_image_set, images_key
 from .support import image_owner, is_multimodal
 
 
@@ -27,6 +27,14 @@ class VisionData:
 
     def build(self, ds, data_cfg, name: str, log, base: Path) -> ImageSet:
         return build_image_set(ds, self.processor(), data_cfg, name, log, base)
+
+    def key(self, ds, data_cfg, base: Path) -> str | None:
+        return images_key(ds, self.processor(), data_cfg, base)
+
+    def wrap(self, ts, media: dict, offsets: dict) -> ImageSet:
+        return ImageSet(
+            ts.tokens, ts.labels, ts.offsets, ts.doc_ids, ts.format, ts.stats, None, media, offsets
+        )
 
 
 def image_data(store) -> VisionData | None:
