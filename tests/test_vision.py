@@ -373,3 +373,39 @@ def test_cache_keys_on_image_content(vlm, tmp_path):
     changed, hit2 = load()
     assert not hit2
     assert not (changed[2].media["pixel_values"] == first[2].media["pixel_values"]).all()
+
+
+def test_generate_with_images_equals_transformers_greedy(vlm, tmp_path):
+    """`horizon generate` with image prompts (and a text one) in one left-padded batch: each
+    completion equals transformers' own greedy generate on the processor's outputs."""
+    from transformers import AutoProcessor
+
+    root, _ = vlm
+    imgs = make_images(tmp_path / "imgs")
+    prompts = [
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": f"imgs/{imgs[i].name}"},
+                                                   {"type": "text", "text": f"what is {i}?"}]}]}
+        for i in (0, 3)
+    ] + [{"messages": [{"role": "user", "content": "hello there"}]}]  # fmt: skip
+    pf = write(tmp_path / "prompts.jsonl", prompts)
+    r = horizon(
+        "generate", root / "store", "--prompts", pf, "--max-new-tokens", "6", "--output", tmp_path / "o.jsonl"
+    )
+    assert r.exit_code == 0, r.output
+    got = [json.loads(line)["completion_ids"] for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    proc = AutoProcessor.from_pretrained(root / "hf")
+    model = type(vlm[1]).from_pretrained(root / "hf").float().eval()
+    for k, want in enumerate(got):
+        msgs, pics = prompts[2]["messages"], None
+        if k < 2:  # the processor's own form: a bare image part, the image given to the call
+            i = (0, 3)[k]
+            msgs = [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"what is {i}?"}]}
+            ]
+            pics = [Image.open(imgs[i]).convert("RGB")]
+        text = proc.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        inputs = proc(text=[text], images=pics, add_special_tokens=False, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+        ref = out[0, inputs["input_ids"].shape[1] :].tolist()
+        assert want == ref[: len(want)] and len(want) >= 1, (k, want, ref)

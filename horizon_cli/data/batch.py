@@ -70,6 +70,9 @@ class DecodeBatch:
     input_ids: torch.Tensor
     pad: torch.Tensor
     past: int = 0
+    media: dict[str, torch.Tensor] | None = (
+        None  # the prefill's image tensors (vision.prompts), rows in order
+    )
 
     @property
     def position_ids(self) -> torch.Tensor:

@@ -45,17 +45,18 @@ class VisionEmbedding(Embedding):
     def reserve(self, numel: int, grad: bool) -> None:
         self.inner.reserve(numel, grad)
 
-    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:  # or DecodeBatches
         x = self.inner.scale(self.inner.forward(mbs))
         out: list[torch.Tensor] = []
         self.saved = []
         for xm, mb in zip(x, mbs, strict=True):
-            if not mb.media or not any(v.numel() for v in mb.media.values()):
+            media = getattr(mb, "media", None)  # a generation's DecodeBatch carries them at its prefill
+            if not media or not any(v.numel() for v in media.values()):
                 out.append(xm)
                 self.saved.append(None)
                 continue
             with torch.enable_grad():
-                feats = self.tower.features(mb.media)  # (n, H)
+                feats = self.tower.features(media)  # (n, H)
                 rows = xm.detach().requires_grad_(True)
                 merged = self.tower.merge(mb.input_ids.to(xm.device), rows, feats)
             out.append(merged.detach())
