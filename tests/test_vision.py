@@ -225,6 +225,8 @@ def test_image_records_train_and_bad_input_refused(vlm, tmp_path):
     r = run(good, "good")
     assert r.exit_code == 0, r.output
     assert "4 images, 64 image tokens" in r.output
+    r = run(good, "lora_frozen_tower")  # adapters on the language model, the tower frozen
+    assert r.exit_code == 0 and "done: 1 steps" in r.output, r.output
     (tmp_path / "data" / "imgs" / "broken.png").write_bytes(b"not a png")
     two = [
         {
