@@ -411,3 +411,85 @@ def test_generate_with_images_equals_transformers_greedy(vlm, tmp_path):
             out = model.generate(**inputs, max_new_tokens=6, do_sample=False)
         ref = out[0, inputs["input_ids"].shape[1] :].tolist()
         assert want == ref[: len(want)] and len(want) >= 1, (k, want, ref)
+
+
+def test_mistral3_compute_matches_transformers(tmp_path):
+    """Mistral 3 (Pixtral tower, patch merger, image_sizes) takes the same image path, chosen by
+    its class: loss, every gradient and 3 AdamW steps with the projector trained against
+    Mistral3ForConditionalGeneration given the same tensors. Its processor (PixtralProcessor)
+    needs torchvision, so the pixels here are made directly, not by the processor."""
+    import transformers
+
+    from horizon_cli.data import MicroBatch
+    from horizon_cli.testing.census_config import tiny_config
+
+    cfg = tiny_config("mistral3", 2)
+    cfg.text_config.vocab_size, cfg.image_token_index, cfg.vision_config.image_size = 400, 399, 64
+    torch.manual_seed(0)
+    model = transformers.Mistral3ForConditionalGeneration(cfg).eval()
+    model.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    store = Store.open(tmp_path / "store")
+    g = torch.Generator().manual_seed(1)
+
+    def row(n_img: int, n: int) -> tuple[list[int], list[int]]:
+        ids = [1, 7] + [399] * n_img + torch.randint(3, 390, (n,), generator=g).tolist()
+        return ids, [IGNORE] * (2 + n_img) + ids[2 + n_img :]
+
+    def micro(rows, sizes):  # sizes: (h, w) of each image of the rows, in order
+        mb = MicroBatch.from_rows(rows, 0)
+        pv = torch.randn(len(sizes), 3, 64, 64, generator=g)
+        mb.media = {"pixel_values": pv, "image_sizes": torch.tensor(sizes)} if sizes else None
+        return mb
+
+    steps = [
+        [micro([row(4, 9), row(2, 6)], [(64, 64), (48, 64)]), micro([row(0, 8), row(4, 5)], [(64, 64)])],
+        [micro([row(2, 7), row(4, 9)], [(48, 64), (64, 64)]), micro([row(4, 6), row(0, 4)], [(64, 64)])],
+        [micro([row(4, 5), row(2, 8)], [(64, 64), (64, 48)]), micro([row(2, 9), row(4, 7)], [(64, 48), (64, 64)])],
+    ]  # fmt: skip
+    for n, p in model.named_parameters():
+        p.requires_grad_(not n.startswith("model.vision_tower."))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        params, lr=HP["lr"], betas=tuple(HP["betas"]), eps=HP["eps"], weight_decay=HP["weight_decay"]
+    )
+    eng = Engine(
+        store, EngineConfig(device="cpu", dtype="float32", loss_chunk=16), OptimConfig(kernel="torch", **HP),
+        stage=vision_stage(store, "projector"),
+    )  # fmt: skip
+    named = dict(model.named_parameters())
+
+    def hf_loss(mbs) -> float:
+        n = sum(mb.label_tokens for mb in mbs)
+        total = 0.0
+        for mb in mbs:
+            kw = mb.media or {}
+            logits = model(input_ids=mb.input_ids, **kw).logits.float()
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), mb.labels[:, 1:].reshape(-1),
+                                   ignore_index=IGNORE, reduction="sum")  # fmt: skip
+            (loss / n).backward()
+            total += loss.item()
+        return total / n
+
+    try:
+        for s, mbs in enumerate(steps):
+            opt.zero_grad(set_to_none=True)
+            ref = hf_loss(mbs)
+            if s == 0:
+                loss_sum, tokens, _ = eng.forward_backward(mbs)
+                assert abs(loss_sum / tokens - ref) / ref < 1e-5
+                grads = {**engine_grads(eng), **eng.p.embedding.trained.grad}
+                assert set(grads) == {n for n, p in named.items() if p.requires_grad}
+                for name, gr in grads.items():
+                    assert rel_err(gr, named[name].grad) < 1e-5, name
+            res = eng.step(mbs, HP["lr"])
+            torch.nn.utils.clip_grad_norm_(params, HP["grad_clip"])
+            opt.step()
+            assert abs(res.loss - ref) / ref < 1e-5, (s, res.loss, ref)
+        eng.wait()
+        ours = {**engine_weights(eng), **eng.p.embedding.trained.master}
+        for name, p in named.items():
+            if p.requires_grad:
+                assert rel_err(ours[name], p.detach()) < 1e-5, name
+    finally:
+        eng.close()
