@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("lora",),  # LoRA/QLoRA in one place: targets, layer arithmetic, adapter state, plan, PEFT, export
     ("export", "ladder"),
     ("engine",),
+    ("vision",),  # images: the processor's data, the tower on the device, the merge before layer 0
     ("preflight", "inspect"),
     ("profile", "generate"),
     ("rl",),  # online RL: rewards, advantages, rollouts from generate, the loop's strategy for train

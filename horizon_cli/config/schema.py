@@ -53,6 +53,10 @@ class DataConfig:
     eval_split: str | None = _f(None)  # eval rows from this split of each source (a DatasetDict)
     cache_dir: str | None = _f(None)  # tokenization cache (default: <output.dir>/cache)
     ignore_fields: list[str] = _f([])  # fields no format reads that are metadata (fields.py)
+    # images (vision.encode): one factor on both sides into [min_pixels, max_pixels] before the
+    # processor, as LLaMA-Factory's image_max_pixels / image_min_pixels (its defaults)
+    max_pixels: int = _f(768 * 768, min=1)
+    min_pixels: int = _f(32 * 32, min=1)
 
 
 @dataclass
@@ -70,6 +74,9 @@ class TrainConfig:
     # each eval into <output.dir>/samples.jsonl; sample_tokens: new tokens per answer at most
     samples: str | None = _f(None)
     sample_tokens: int = _f(64, min=1)
+    # a multimodal model's vision tower and projector (vision/): frozen (LLaMA-Factory's default:
+    # freeze_vision_tower and freeze_multi_modal_projector are true), projector, or all
+    vision: str = _f("frozen", choices=("frozen", "projector", "all"))
 
 
 @dataclass

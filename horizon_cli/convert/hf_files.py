@@ -61,6 +61,8 @@ HF_FILES = (
     "merges.txt",
     "chat_template.json",
     "chat_template.jinja",
+    "processor_config.json",  # a multimodal checkpoint's processor (vision.encode): image processor, template
+    "preprocessor_config.json",
 )
 
 

@@ -22,6 +22,8 @@ class MicroBatch:
                  stays inside a document; None when every row holds one sequence
     lengths      (b,) int64 real (unpadded) tokens per row, for what must skip padding even on
                  the right (MoE router statistics); None when no row is padded
+    media        the rows' image tensors by name (the processor's pixel_values, image sizes or grids),
+                 the rows' concatenated along dim 0 as the processor batches them; None: no images
     extras       what an objective reads beside the tokens, by name (engine.objective): per row
                  (b,) or per global batch (0-d). Preference pairs (data.pairs): rows 2j and
                  2j + 1 are pair j's chosen and rejected; `ref` (b,) fp32 their reference log-probs
@@ -33,6 +35,7 @@ class MicroBatch:
     doc_ids: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    media: dict[str, torch.Tensor] | None = None
 
     @property
     def label_tokens(self) -> int:
@@ -67,6 +70,9 @@ class DecodeBatch:
     input_ids: torch.Tensor
     pad: torch.Tensor
     past: int = 0
+    media: dict[str, torch.Tensor] | None = (
+        None  # the prefill's image tensors (vision.prompts), rows in order
+    )
 
     @property
     def position_ids(self) -> torch.Tensor:

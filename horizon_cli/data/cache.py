@@ -19,6 +19,7 @@ import os
 import shutil
 import uuid
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ from .tokset import TokenSet
 CACHE_VERSION = 4
 CRC_CHUNK = 64 << 20
 ARRAYS = ("tokens", "labels", "offsets", "doc_ids")
+Wrap = Callable[[TokenSet, dict, dict], TokenSet]  # a TokenSet and its media -> the set with them
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -80,11 +82,13 @@ def entry_dir(cache_dir: str | Path, stem: str, key: str) -> Path:
     return Path(cache_dir) / f"{safe}-{key}"
 
 
-def load(entry: Path, key: str) -> tuple[TokenSet | None, str | None]:
+def load(entry: Path, key: str, wrap: Wrap | None = None) -> tuple[TokenSet | None, str | None]:
     """(the stored TokenSet, None), or (None, why the entry cannot be used), or (None, None) on a miss.
 
     The entry must carry `key` (its fingerprint) and every array its stored shape, dtype and
     CRC32: a corrupt or mismatched entry is never used. Arrays are memory-mapped read-only.
+    An entry with media (image tensors: `media.<name>`, `media_offsets.<name>`) is given back
+    through `wrap` (vision.imageset); without one it is a miss.
     """
     if not entry.exists():
         return None, None
@@ -106,6 +110,12 @@ def load(entry: Path, key: str) -> tuple[TokenSet | None, str | None]:
         return None, "is incomplete"
     ts = TokenSet(arrays["tokens"], arrays["labels"], arrays["offsets"], arrays.get("doc_ids"))
     ts.format, ts.stats = meta["format"], meta["stats"]
+    names = meta.get("media", [])
+    if names:
+        if wrap is None:
+            return None, None
+        media = {n: arrays[f"media.{n}"] for n in names}
+        ts = wrap(ts, media, {n: arrays[f"media_offsets.{n}"] for n in names})
     return ts, None
 
 
@@ -117,8 +127,11 @@ def save(entry: Path, ts: TokenSet, key: str) -> None:
     tmp.mkdir()
     try:
         stored = {}
-        for name in ARRAYS:
-            arr = getattr(ts, name)
+        media = getattr(ts, "media", None) or {}
+        extra = {f"media.{n}": a for n, a in media.items()}
+        extra.update({f"media_offsets.{n}": a for n, a in getattr(ts, "media_offsets", {}).items()})
+        for name in (*ARRAYS, *extra):
+            arr = extra[name] if name in extra else getattr(ts, name)
             if arr is not None:
                 arr = np.ascontiguousarray(arr)
                 np.save(tmp / f"{name}.npy", arr)
@@ -129,6 +142,7 @@ def save(entry: Path, ts: TokenSet, key: str) -> None:
             "format": ts.format,
             "stats": ts.stats,
             "arrays": stored,
+            "media": sorted(media),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         if entry.exists():  # stale or broken entry (load() refused it): replace it

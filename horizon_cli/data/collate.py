@@ -46,6 +46,9 @@ def _micro(rows: list[Row], pad_id: int) -> MicroBatch:
         docs = np.stack([_padded_docs(r, T) for r in rows])  # (b, T) int32
         pos = np.stack([positions(d, T) for d in docs])  # (b, T) int64
         mb.doc_ids, mb.position_ids = torch.from_numpy(docs), torch.from_numpy(pos)
+    if any(r.media for r in rows):  # images: the rows' tensors back to back, as the processor batches them
+        names = next(r.media for r in rows if r.media)
+        mb.media = {k: torch.from_numpy(np.concatenate([r.media[k] for r in rows if r.media])) for k in names}
     return mb
 
 

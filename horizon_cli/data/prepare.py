@@ -11,6 +11,7 @@ The training loop then calls `sampler.batch_rows` and `collate.collate` per step
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from ..errors import InputError
 from . import cache, catalog, mixture, registry, source
 from .build import build_token_set, check_token_set, warn_ignored
 from .collate import pad_id_of
+from .images import ImageData, first_with_images, refuse_images
 from .mixture import MixedSet
 from .pairs import PairSet, as_pairs
 from .tokset import TokenSet
@@ -58,19 +60,24 @@ def prepare_data(
     cache_dir: str | Path | None = None,
     log: Log = print,
     batch_size: int | None = None,
+    images: ImageData | None = None,
 ) -> PreparedData:
     """Load, tokenize (or hit the cache), pack, split and mix the `data:` section's sources.
 
     vocab_size: the model's; every token id is checked against it. tokenizer may be None for
     format `tokens`. cache_dir is used when `data.cache_dir` is unset; with neither, nothing
     is cached. batch_size (the global batch): the summary says how many steps an epoch is.
+    images: a multimodal model's image data (vision.imageset); None: records that name images
+    are refused.
     """
     check_lengths(data_cfg, model_max_len)
     root = data_cfg.cache_dir or cache_dir
     specs = catalog.train_specs(data_cfg)
 
     def load(spec: catalog.Spec) -> TokenSet:
-        return load_token_set(spec, data_cfg, tokenizer, cache_dir=root, log=log, vocab_size=vocab_size)
+        return load_token_set(
+            spec, data_cfg, tokenizer, cache_dir=root, log=log, vocab_size=vocab_size, images=images
+        )
 
     def view(ts: TokenSet):  # pairs and KTO examples (two rows each) are seen pair by pair
         if ts.format == "unpaired":
@@ -152,11 +159,17 @@ def load_token_set(
     cache_dir=None,
     log: Log = print,
     vocab_size: int | None = None,
+    images: ImageData | None = None,
 ) -> TokenSet:
-    """One source -> a checked TokenSet, through the cache when `cache_dir` is set."""
+    """One source -> a checked TokenSet, through the cache when `cache_dir` is set. `images`:
+    a multimodal model's image data, which builds a source whose records name images."""
     path = spec.path
     src = source.open_source(path, spec.split, spec.what, spec.hub_options)
     ds = None
+    if images is not None:  # records with images: built by the model's processor (vision.imageset)
+        ds = source.load_records(src)
+        if first_with_images(ds) is not None:
+            return _image_set(ds, src, spec, data_cfg, tokenizer, images, cache_dir, log, vocab_size)
     if src.key is None:  # hub: fingerprinted once loaded
         ds = source.load_records(src)
         src = source.Source(src.path, src.kind, src.split, source.hub_key(src, ds), src.what, src.options)
@@ -170,12 +183,40 @@ def load_token_set(
         check_token_set(ts, path)
         return ts
     records = ds if ds is not None else source.load_records(src)
+    if images is None:
+        refuse_images(records, path, "the model")
     records, fmt, adapt = _as_horizon(records, spec, path)
     ts = build_token_set(records, fmt, tokenizer, data_cfg, path, log, vocab_size, adapt)
     check_token_set(ts, path)
     if entry:
         cache.save(entry, ts, key)
         ts = cache.load(entry, key)[0] or ts  # the memory-mapped copy: identical to what a hit returns
+    return ts
+
+
+def _image_set(ds, src, spec, data_cfg, tokenizer, images: ImageData, cache_dir, log: Log, vocab_size):
+    """A source whose records name images: through the cache, keyed on the images' content too."""
+    path = spec.path
+    if spec.rename or spec.tags:
+        ds = _as_horizon(ds, spec, path)[0]
+    base = Path(src.path).parent if src.kind == "file" else Path(src.path)
+    entry, key = _entry(cache_dir, src, spec, data_cfg, tokenizer, vocab_size) if src.key else (None, "")
+    more = images.key(ds, data_cfg, base) if entry else None
+    if entry is not None and more is not None:
+        key = hashlib.sha256(f"{key}:{more}".encode()).hexdigest()[:20]
+        entry = entry.with_name(entry.name + "-img")
+        ts, problem = cache.load(entry, key, images.wrap)
+        if problem:
+            log(f"data: {path}: note: the cached tokens {entry} {problem}; rebuilding them")
+        if ts is not None:
+            log(f"data: {path}: format {ts.format} with images; cache hit {entry}")
+            check_token_set(ts, path)
+            return ts
+    ts = images.build(ds, data_cfg, path, log, base)
+    check_token_set(ts, path)
+    if entry is not None and more is not None:
+        cache.save(entry, ts, key)
+        ts = cache.load(entry, key, images.wrap)[0] or ts
     return ts
 
 

@@ -22,11 +22,13 @@ from .batch import IGNORE
 
 @dataclass
 class Row:
-    """One training row. input_ids, labels: (L,) int32; doc_ids: (L,) int32 or None."""
+    """One training row. input_ids, labels: (L,) int32; doc_ids: (L,) int32 or None; media: the
+    processor's image tensors of the row by name, dim 0 per image or patch (vision.imageset)."""
 
     input_ids: np.ndarray
     labels: np.ndarray
     doc_ids: np.ndarray | None = None
+    media: dict[str, np.ndarray] | None = None
 
     @property
     def position_ids(self) -> np.ndarray:

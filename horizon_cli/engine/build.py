@@ -25,6 +25,7 @@ from ..runtime.trace import Tracer
 from ..store import Store
 from .dropout import model_dropout
 from .engine import Engine
+from .parts import Stage
 from .seams import LossObjective
 
 
@@ -78,6 +79,7 @@ def build_engine(
     progress: Callable[[int], None] = lambda n: None,
     objective: LossObjective | None = None,
     keep: int = 0,
+    stage: Stage | None = None,
 ) -> Engine:
     """The engine for `cfg` on `store` (a resumed full fine-tuning run: its checkpoint's store).
     keep: the kept layers K (the plan's decision: `Planned.plan.kept`)."""
@@ -87,6 +89,7 @@ def build_engine(
     return Engine(
         store, cfg.engine, cfg.optim, tracer=tracer, progress=progress, max_tokens=step_tokens(cfg, store, world),
         lora=lora, dist=dist, objective=objective, keep=keep, dropout_seed=dropout_seed(cfg),
+        stage=stage,
     )  # fmt: skip
 
 

@@ -17,10 +17,13 @@ Families that scale the embedding output (Gemma: by sqrt(hidden)) scale both dir
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..arch import ArchSpec
 from ..data.batch import MicroBatch
+from ..optim.adamw import AdamWHyper
 from ..runtime.events import READY, Event
 from ..runtime.loader import Load, Loader
 from ..runtime.transport import Transport
@@ -66,6 +69,17 @@ class Embedding:
         """The input gradient into the embedding's gradient; returns what its squared norm adds
         on the host; `ready["embed"]` is set to the gradient having landed there."""
         raise NotImplementedError
+
+    def update(self, h: AdamWHyper) -> None:
+        """The update of what the stage trains besides the units (a vision tower's: vision.embed);
+        the embedding table itself is a unit, updated by the optimizer worker."""
+
+    def save_state(self, ck: Path) -> dict[str, int]:
+        """Such trained state into checkpoint dir `ck` (-> the CRC32s of the files written)."""
+        return {}
+
+    def load_state(self, ck: Path, sums: dict) -> None:
+        """Such trained state from checkpoint `ck`."""
 
     def scale(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
         """Families that scale the embedding output (Gemma: by sqrt(hidden), in the compute dtype)

@@ -32,7 +32,7 @@ from ..parallel.comm import Dist
 from ..runtime.trace import Tracer
 from ..store import Store
 from .infer import Inference
-from .parts import assemble
+from .parts import Stage, assemble
 from .ranks import Placement
 from .seams import LossObjective, Transport
 from .step import TrainStep
@@ -75,6 +75,7 @@ class Engine:
         keep: int | None = None,
         forward_only: bool = False,
         dropout_seed: int | None = None,
+        stage: Stage | None = None,
     ):
         """max_tokens: the most tokens a step will hold (train.batch_size x data.max_seq_len); the
         buffers for saved inputs are then sized once (0: they grow with the longest step seen).
@@ -89,7 +90,8 @@ class Engine:
         optimizer state (engine.params.FrozenParams); `lora` then names adapters to apply. Such an
         engine keeps nothing (K applies to training steps only).
         dropout_seed: train with the model's dropout and router noise, masks seeded from it
-        (engine.dropout; engine.build passes train.seed unless model.dropout is 0); None: off."""
+        (engine.dropout; engine.build passes train.seed unless model.dropout is 0); None: off.
+        stage: what wraps the embedding stage (vision.embed: a vision tower's image merge)."""
         step_numel = 0 if forward_only else max_tokens * store.arch.boundary_width  # one layer's inputs
         if forward_only:
             keep = 0
@@ -98,7 +100,7 @@ class Engine:
         p = assemble(
             store, engine, optim, tracer=tracer, progress=progress, transport=transport, lora=lora,
             dist=dist, objective=objective, step_numel=step_numel, keep=min(keep, store.arch.n_layers),
-            forward_only=forward_only, dropout_seed=dropout_seed,
+            forward_only=forward_only, dropout_seed=dropout_seed, stage=stage,
         )  # fmt: skip
         self.p = p
         self.tuning = tuning_for(lora)  # what train/ asks of a run's training (engine.tuning)

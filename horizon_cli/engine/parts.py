@@ -18,6 +18,7 @@ chosen once; the passes that use them (engine.step, engine.infer) never branch o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,8 @@ from .ranks import Ranks, ranks_for
 from .reduce import LocalReduce, ShardedReduce
 from .seams import HeadGrads, LayerTemplate, LossObjective, Params, Reduce, Transport
 from .sharded import ShardedGrads
+
+Stage = Callable[[Embedding, Transport, torch.dtype], Embedding]  # the embedding, wrapped
 
 
 @dataclass
@@ -95,12 +98,14 @@ def assemble(
     keep: int = 0,
     forward_only: bool = False,
     dropout_seed: int | None = None,
+    stage: Stage | None = None,
 ) -> Parts:
     """step_numel: one layer's inputs of the largest step (0: unknown), which sizes the loader's
     buffers for the saved inputs once. keep: K, the kept layers (the last K): each gets weight
     buffers of its own. forward_only: every unit frozen, nothing trained (engine.params.FrozenParams:
     generation, evaluation), and nothing kept. dropout_seed: the run's seed when it trains with the
-    model's dropout (engine.dropout), None: dropout off."""
+    model's dropout (engine.dropout), None: dropout off. stage: what wraps the embedding stage (vision.embed:
+    the image merge before layer 0; one process only)."""
     assert not (forward_only and keep), "a forward-only engine keeps no graphs"
     spec = store.arch
     dtype = DTYPES[resolve_dtype(engine, optim.memory).dtype]  # resolved already by train/profile
@@ -164,6 +169,10 @@ def assemble(
             moe.reduce = sharded.all_sum_tensor
         if objective is not None:  # a statistic of the global batch (KTO's KL estimate)
             objective.across_ranks(sharded.all_sum_tensor)
+    if stage is not None:
+        if dist is not None:
+            raise InputError("images: sharded runs (torchrun) with a vision tower are not supported yet")
+        embedding = stage(embedding, t, dtype)
     kept = params.layers[len(params.layers) - keep :] if keep else []
     own = ["head"] + (["embed"] if tied else [])  # the head's units, upcast where narrow
     if n := params.attach(t.device_empty, dtype, kept, own):

@@ -98,6 +98,7 @@ class TrainStep:
         scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # torch.nn.utils.clip_grad_norm_
         p.adam_step += 1
         h = AdamWHyper(lr, o.betas[0], o.betas[1], o.eps, o.weight_decay, p.adam_step, scale)
+        p.embedding.update(h)  # what the embedding stage trains besides the units (a vision tower)
         # the order the next forward needs them (layer 0 first)
         p.loader.ready.update(p.optimizer.submit(p.params.order(), h, self.grad_ready))
 

@@ -66,19 +66,26 @@ class Decoder:
         pad_id: int = 0,
         on_done: Callable[[Completion], None] = lambda c: None,
         on_sweep: Callable[[SweepStats], None] = lambda s: None,
+        media: dict[int, dict[str, torch.Tensor]] | None = None,
     ):
+        """media: prompt index -> its image tensors (vision.prompts), merged at the prefill."""
         self.engine, self.sampler = engine, sampler
         self.gen = Generation(engine)  # the engine's sweep and parts, driven for generation
         self.max_new, self.eos = max_new_tokens, set(eos_ids)
         self.tokenizer, self.stop = tokenizer, StopText(tokenizer, list(stops)) if tokenizer else None
         self.host_kv, self.pad_id = host_kv, pad_id
         self.on_done, self.on_sweep = on_done, on_sweep
+        self.media = media or {}
         self.positions = engine.spec.max_positions
 
     def run(self, prompts: list[tuple[int, list[int]]]) -> list[Completion]:
         """(index, prompt ids) of one batch -> their completions, in the order given."""
         groups = micro_batches(prompts)
         dbs = [DecodeBatch.left_padded([ids for _, ids in g], self.pad_id) for g in groups]
+        for db, g in zip(dbs, groups, strict=True):  # images: each row's tensors, in the rows' order
+            got = [self.media[i] for i, _ in g if i in self.media]
+            if got:
+                db.media = {n: torch.cat([m[n] for m in got]) for n in got[0]}
         limits = [[min(self.max_new, self.positions - len(ids)) for _, ids in g] for g in groups]
         kv = self.gen.open(dbs, max(max(lim) for lim in limits), self.host_kv)
         out = {i: Completion(i) for i, _ in prompts}

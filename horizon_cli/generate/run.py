@@ -27,6 +27,8 @@ from ..fsutil import write_text_atomic
 from ..model.sample import Sampler
 from ..progress import byte_progress
 from ..runtime.device import check_device
+from ..vision.prompts import image_prompts
+from ..vision.run import vision_stage
 from .budget import GenPlan
 from .decoder import Completion, Decoder, SweepStats
 from .model_source import Source, open_source
@@ -87,16 +89,22 @@ def run_generate(
             f"--stop: stop strings are matched on the decoded text, and {source.store.root} has no "
             "tokenizer files (a row still stops at an EOS id or its token limit)"
         )
-    items = encode(records, tokenizer, spec.vocab, spec.max_positions, str(source.store.root))
+    base = Path(prompts_file).parent if prompts_file is not None else Path.cwd()
+    pics = image_prompts(source.store, records, base, 768 * 768, 32 * 32)  # with images: the processor's
+    plain = [({"input_ids": pics[k][0]}, at) if k in pics else (r, at) for k, (r, at) in enumerate(records)]
+    items = encode(plain, tokenizer, spec.vocab, spec.max_positions, str(source.store.root))
+    for k in pics:
+        items[k] = Prompt(records[k][0], items[k].ids, records[k][1])
     note = positions_note(items, settings.max_new_tokens, spec.max_positions)
     if note:
         console.print(f"note: {note}", highlight=False, markup=False)
     plan = plan_batches(source, [p.ids for p in items], settings.max_new_tokens, settings.batch_size)
     console.print(f"generate: {len(items)} prompt(s) on {source.describe()}", highlight=False)
     console.print(plan_table(plan))
-    eng = build(source, console)
+    eng = build(source, console, bool(pics))
     try:
-        rows = generate_all(eng, source, items, settings, plan, tokenizer, console, output, echo)
+        media = {k: m for k, (_, m) in pics.items()}
+        rows = generate_all(eng, source, items, settings, plan, tokenizer, console, output, echo, media)
     finally:
         eng.close()
     if output is not None:
@@ -119,17 +127,18 @@ def positions_note(items: list[Prompt], max_new: int, positions: int) -> str:
     )
 
 
-def build(source: Source, console: Console) -> Engine:
-    """The forward-only engine on the source (a LoRA run's adapters applied)."""
+def build(source: Source, console: Console, images: bool = False) -> Engine:
+    """The forward-only engine on the source (a LoRA run's adapters applied; images: the vision
+    tower's merge in front of layer 0, vision.embed)."""
     if source.engine.compute_threads:
         torch.set_num_threads(source.engine.compute_threads)
     with byte_progress(console, "load weights", source.store.nbytes()) as advance:
         return Engine(source.store, source.engine, OptimConfig(), progress=advance, lora=source.lora,
-                      forward_only=True)  # fmt: skip
+                      forward_only=True, stage=vision_stage(source.store, "frozen") if images else None)  # fmt: skip
 
 
 def generate_all(eng, source, items: list[Prompt], settings: Settings, plan: GenPlan, tokenizer, console,
-                 output, echo) -> list[dict]:  # fmt: skip
+                 output, echo, media=None) -> list[dict]:  # fmt: skip
     """Every batch of prompts through the decoder, with progress; the output records."""
     say = echo or (lambda line: console.print(line, highlight=False, markup=False))
     done: list[Completion] = []
@@ -149,6 +158,7 @@ def generate_all(eng, source, items: list[Prompt], settings: Settings, plan: Gen
         eng, Sampler(settings.temperature, settings.top_p, settings.top_k, settings.seed),
         max_new_tokens=settings.max_new_tokens, eos_ids=source.eos_ids(), tokenizer=tokenizer,
         stops=list(settings.stop), host_kv=plan.kv_where == "host", on_done=finished, on_sweep=swept,
+        media=media,
     )  # fmt: skip
     results: list[Completion] = []
     with console.status("generate: prefill") as status:

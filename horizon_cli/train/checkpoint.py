@@ -114,6 +114,11 @@ def _write(engine, tmp: Path, trainer: dict, config_yaml: str, model_store: Stor
     _write_state(engine, tmp, trainer, config_yaml, tuning.state_buffers)
 
 
+def _stage_state(engine, tmp: Path) -> dict[str, int]:
+    """What the embedding stage trains besides the units (a vision tower: vision.trained)."""
+    return engine.p.embedding.save_state(tmp)
+
+
 def _write_state(engine, tmp: Path, trainer: dict, config_yaml: str, keys: tuple[str, ...]) -> None:
     state = tmp / "state"
     state.mkdir()
@@ -124,6 +129,7 @@ def _write_state(engine, tmp: Path, trainer: dict, config_yaml: str, keys: tuple
             if key in bufs:
                 fname = f"{name}.{key}.bin"
                 sums[f"state/{fname}"] = _write_raw(state / fname, bufs[key])
+    sums.update(_stage_state(engine, tmp))
     _write_meta(tmp, trainer, config_yaml, sums)
 
 
@@ -165,6 +171,7 @@ def load(engine, ck: Path) -> dict:
             if rel not in sums or not (ck / rel).is_file():
                 raise ckpt.CheckpointDamaged(f"{ck}: checkpoint lacks {rel}")
             _read_raw(ck / rel, bufs[key], sums[rel][1])
+    engine.p.embedding.load_state(ck, sums)
     engine.adam_step = trainer["adam_step"]
     _set_rng_state(trainer["rng"])
     return trainer

@@ -66,6 +66,8 @@ def load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: C
 
 
 def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: Console) -> PreparedData:
+    from ..vision.run import image_data
+
     if cfg.rl is not None:  # prompts only (data.prompt_only), read whole: nothing to cache
         from ..data.collate import pad_id_of
         from ..data.prompt_only import prepare_prompts
@@ -89,4 +91,5 @@ def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: 
         cache_dir=cache_dir,
         log=lambda s: console.print(s, highlight=False),
         batch_size=cfg.train.batch_size,
+        images=image_data(store),  # a multimodal store's processor; None: image records refused
     )

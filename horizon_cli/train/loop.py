@@ -35,6 +35,7 @@ from ..optim.schedules import lr_at
 from ..parallel.comm import Dist
 from ..progress import byte_progress, train_columns
 from ..store import Store, ckpt
+from ..vision.run import has_images, vision_stage
 from . import checkpoint
 from .batches import make_batches, unlabelled
 from .checkpoint import verify_base
@@ -164,8 +165,9 @@ class Trainer:
         with byte_progress(self.console, "load weights", src.nbytes()) as advance:
             obj = self.batches.objective  # None: SFT's TokenCE; preference: the pair objective
             engine = build_engine(
-                self.cfg, src, lora=self.lora, dist=self.dist, progress=advance, objective=obj, keep=keep
-            )
+                self.cfg, src, lora=self.lora, dist=self.dist, progress=advance, objective=obj, keep=keep,
+                stage=vision_stage(src, self.cfg.train.vision, self.lora is not None) if has_images(self.data.train) else None,
+            )  # fmt: skip
         try:
             verify_base(engine, ck, src)  # sharded: the model's checksums, split over the ranks
         except BaseException:

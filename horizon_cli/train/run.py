@@ -12,6 +12,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 
@@ -29,7 +30,8 @@ from ..parallel.launch import joined, rank_device, world_from_env
 from ..parallel.shard import check_world
 from ..parallel.topology import world_for
 from ..runtime.dtype import with_dtype
-from ..store import Store
+from ..store import DTYPES, Store
+from ..vision.plan import add_to_plan, describe
 from . import checks
 from .claim import claim
 from .length import resolve_length
@@ -82,6 +84,11 @@ def run_training(
     else:  # a real start under torchrun: this rank's own device (a dry run reports rank 0's)
         where = preflight.local_machine(cfg if dry_run else rank_cfg(cfg))
     planned = plan_run(cfg, model, lora, world, where)  # with the kept layers auto fits to `where`
+    tower = add_to_plan(
+        planned, model, DTYPES.get(cfg.engine.dtype, torch.bfloat16)
+    )  # a vision tower's bytes
+    if tower is not None and os.environ.get("RANK", "0") == "0":
+        console.print(describe(tower, cfg), highlight=False)
     if dry_run:
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
             console, json_out = Console(quiet=True), None

@@ -1,0 +1,78 @@
+"""Tiny vision-language checkpoints for offline tests and the vision demo: a random LLaVA (a CLIP
+tower, a 2-layer projector, a Llama) saved with its processor (the tiny BPE tokenizer plus an
+`<image>` token, CLIP's image processor at 64 px), and small images made with PIL.
+
+    <s><|user|>\\n<image>what is this?</s>\\n<|assistant|>\\na red square</s>\\n
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .tokenizer import CHAT_TEMPLATE, make_tokenizer
+
+IMAGE_PX = 64  # the tower's input size
+PATCH = 16  # -> (64 / 16)^2 = 16 image tokens per image
+# the tiny template, with a content that is a list of parts (text, image) as transformers' processors take it
+VISION_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{ m['content'] }}",
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}",
+)
+
+
+def tiny_processor(root: Path | None = None):
+    """The tiny tokenizer with `<image>` (id 400) and a CLIP image processor at IMAGE_PX, as a
+    LlavaProcessor (saved under root when given)."""
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    tok = make_tokenizer(chat_template=VISION_TEMPLATE)
+    tok.add_tokens(["<image>"], special_tokens=True)
+    images = CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_PX}, crop_size={"height": IMAGE_PX, "width": IMAGE_PX}
+    )
+    proc = LlavaProcessor(
+        image_processor=images, tokenizer=tok, patch_size=PATCH, vision_feature_select_strategy="default",
+        chat_template=VISION_TEMPLATE, image_token="<image>", num_additional_image_tokens=1,
+    )  # fmt: skip
+    if root is not None:
+        proc.save_pretrained(root)
+    return proc
+
+
+def tiny_llava(root: Path, seed: int = 0, layers: int = 2):
+    """A random LlavaForConditionalGeneration (fp32) with the tiny processor, saved under root."""
+    import transformers
+
+    from .census_config import tiny_config
+
+    cfg = tiny_config("llava", layers)
+    proc = tiny_processor()
+    cfg.text_config.vocab_size = len(proc.tokenizer)  # 401
+    cfg.image_token_index = proc.tokenizer.convert_tokens_to_ids("<image>")
+    cfg.vision_config.image_size, cfg.vision_config.patch_size = IMAGE_PX, PATCH
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(cfg).eval()  # type: ignore[arg-type]
+    model.save_pretrained(root)
+    proc.save_pretrained(root)
+    return model
+
+
+def make_images(folder: Path, n: int = 4, seed: int = 0) -> list[Path]:
+    """n small RGB PNGs of different sizes and colours (seeded noise over a colour)."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        h, w = 40 + 12 * i, 72 - 8 * i
+        base = np.array([(60 * i) % 256, (200 - 40 * i) % 256, (90 + 50 * i) % 256], np.int16)
+        px = np.clip(base + rng.integers(-40, 40, size=(h, w, 3)), 0, 255).astype(np.uint8)
+        path = folder / f"img{i}.png"
+        Image.fromarray(px).save(path)
+        out.append(path)
+    return out

@@ -1,0 +1,101 @@
+"""The image stage of the embedding: the rows of a micro-batch with images get the tower's
+features in the placeholders' places before layer 0, and give the gradient back through the same
+merge.
+
+`VisionEmbedding` wraps the run's embedding (engine.embed.HostEmbedding) as one more strategy of
+the engine's parts (engine.parts: `stage`), so the sweep, the step and the passes never ask
+whether a batch holds images:
+
+    forward   the text rows (scaled as the family scales them: transformers scales the token
+              embeddings before it merges the images) -> per micro-batch with media, the tower's
+              features (vision.tower) merged by transformers' masked_scatter; the merge's graph
+              is kept until the backward
+    backward  the rows' gradient through that graph: masked_scatter's own backward zeroes the
+              image positions for the embedding table (the placeholder token's row gets nothing
+              from them, as in transformers); then the wrapped embedding's backward as ever
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..data.batch import MicroBatch
+from ..engine.embed import Embedding
+from ..optim.adamw import AdamWHyper
+from ..runtime.events import Event
+from .tower import VisionTower
+from .trained import TowerState
+
+
+class VisionEmbedding(Embedding):
+    """An Embedding (engine.embed) with the image merge in front of layer 0."""
+
+    def __init__(self, inner: Embedding, tower: VisionTower, trained: TowerState | None = None):
+        """trained: the tower's trained part (train.vision projector | all), or None (frozen).
+        (Embedding's own __init__ is not run: everything else is the wrapped embedding's.)"""
+        self.inner, self.tower, self.trained = inner, tower, trained
+        self.ahead = inner.ahead
+        self.saved: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+
+    def loads(self):
+        return self.inner.loads()
+
+    def reserve(self, numel: int, grad: bool) -> None:
+        self.inner.reserve(numel, grad)
+
+    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:  # or DecodeBatches
+        x = self.inner.scale(self.inner.forward(mbs))
+        out: list[torch.Tensor] = []
+        self.saved = []
+        for xm, mb in zip(x, mbs, strict=True):
+            media = getattr(mb, "media", None)  # a generation's DecodeBatch carries them at its prefill
+            if not media or not any(v.numel() for v in media.values()):
+                out.append(xm)
+                self.saved.append(None)
+                continue
+            with torch.enable_grad():
+                feats = self.tower.features(media)  # (n, H)
+                rows = xm.detach().requires_grad_(True)
+                merged = self.tower.merge(mb.input_ids.to(xm.device), rows, feats)
+            out.append(merged.detach())
+            self.saved.append((rows, merged))
+        return out
+
+    def scale(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Identity: the text rows were scaled before the merge (their gradient is, in backward)."""
+        return x
+
+    def backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float:
+        """The rows' gradient through the merge (and the trained tower's, summed in fp32);
+        returns what the embedding's and the tower's gradients add to the squared norm."""
+        back: list[torch.Tensor] = []
+        tr = self.trained
+        params = list(tr.params.values()) if tr is not None else []
+        if tr is not None:
+            tr.begin()
+        for d, saved in zip(dx, self.saved, strict=True):
+            if saved is None:
+                back.append(d)
+                continue
+            rows, merged = saved
+            g, *pg = torch.autograd.grad(merged, [rows, *params], d, allow_unused=True)
+            if tr is not None:
+                tr.add(pg)
+            back.append(g)
+        self.saved = []
+        sq = tr.finish() if tr is not None else 0.0
+        return self.inner.backward(self.inner.scale(back), mbs, ready) + sq
+
+    def update(self, h: AdamWHyper) -> None:
+        """The trained tower's AdamW step, with the units' hyper-parameters (clip scale included)."""
+        if self.trained is not None:
+            self.trained.update(h)
+
+    def save_state(self, ck: Path) -> dict[str, int]:
+        return self.trained.save(ck) if self.trained is not None else {}
+
+    def load_state(self, ck: Path, sums: dict) -> None:
+        if self.trained is not None:
+            self.trained.load(ck, sums)

@@ -1,0 +1,49 @@
+"""`horizon generate` with images: prompts whose messages hold image parts (the same forms as the
+training data: vision.records), rendered with the processor's chat template and its generation
+prompt, tokenized with their images by the processor; the image tensors go with the prompt to
+the prefill (generate.decoder), where the embedding stage merges the tower's features
+(vision.embed) exactly as in training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data.images import names_images
+from ..errors import InputError
+from .encode import SKIP, load_processor, open_image
+from .records import image_example
+from .support import image_owner, is_multimodal
+
+
+def image_prompts(store, records: list[tuple[dict, str]], base: Path, max_pixels: int, min_pixels: int):
+    """{index: (ids, media)} for the records that name images (an InputError for a text-only
+    model, or a model whose image path is not built)."""
+    which = [k for k, (rec, _) in enumerate(records) if names_images(rec)]
+    if not which:
+        return {}
+    first = records[which[0]][1]
+    if not is_multimodal(store.arch):
+        raise InputError(
+            f"{first}: the prompt names images, and {store.root} takes text only (no vision tower)"
+        )
+    where = f"model.path: {store.root}"
+    image_owner(store.arch, where)
+    proc = load_processor(Path(store.root) / "hf", where)
+    out = {}
+    for k in which:
+        rec, at = records[k]
+        ex = image_example(rec, at, base)
+        if ex.messages and ex.messages[-1]["role"] == "assistant":
+            raise InputError(f"{at}: a prompt ends with a user turn (the model answers it)")
+        text = proc.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True)
+        images = [open_image(p, at, max_pixels, min_pixels) for p in ex.images]
+        got = proc(text=[text], images=images, add_special_tokens=False, return_tensors="np")
+        ids = [int(t) for t in np.asarray(got["input_ids"][0])]
+        media = {
+            n: torch.from_numpy(np.asarray(v)) for n, v in got.items() if n not in SKIP and v is not None
+        }
+        out[k] = (ids, media)
+    return out

@@ -1,0 +1,80 @@
+"""What a training run asks of the vision package: the image data of a store (data.images'
+ImageData seam) and the engine's embedding stage for it (engine.parts' Stage seam)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import InputError
+from .imageset import ImageSet, build_image_set, images_key
+from .support import image_owner, is_multimodal
+
+
+class VisionData:
+    """data.images.ImageData for a multimodal store: its processor, loaded on first use."""
+
+    def __init__(self, store, where: str):
+        self.store, self.where = store, where
+        self._proc = None
+
+    def processor(self):
+        from .encode import load_processor
+
+        if self._proc is None:
+            image_owner(self.store.arch, self.where)  # a model that cannot take images: refused first
+            self._proc = load_processor(Path(self.store.root) / "hf", self.where)
+        return self._proc
+
+    def build(self, ds, data_cfg, name: str, log, base: Path) -> ImageSet:
+        return build_image_set(ds, self.processor(), data_cfg, name, log, base)
+
+    def key(self, ds, data_cfg, base: Path) -> str | None:
+        return images_key(ds, self.processor(), data_cfg, base)
+
+    def wrap(self, ts, media: dict, offsets: dict) -> ImageSet:
+        return ImageSet(
+            ts.tokens, ts.labels, ts.offsets, ts.doc_ids, ts.format, ts.stats, None, media, offsets
+        )
+
+
+def image_data(store) -> VisionData | None:
+    """The store's image data, or None for a text-only model (image records then refused)."""
+    if getattr(store, "hf_dir", None) is not None or not is_multimodal(store.arch):
+        return None  # a dry run's config-only plan reads no images
+    return VisionData(store, f"model.path: {store.root}")
+
+
+def has_images(rows) -> bool:
+    """Training rows with image tensors (an ImageSet, or a mixture holding one)."""
+    parts = getattr(rows, "parts", None)
+    return any(has_images(p) for p in parts) if parts is not None else isinstance(rows, ImageSet)
+
+
+def vision_stage(store, vision: str, lora: bool = False):
+    """The engine's Stage: the run's embedding wrapped with the tower's image merge; `vision`:
+    train.vision (projector | all: the tower's trained part, vision.trained)."""
+    if vision != "frozen" and lora:
+        raise InputError(
+            f"train.vision: {vision}: with lora the tower stays frozen (adapters on the projector are not built "
+            "yet); set train.vision: frozen"
+        )
+
+    def stage(inner, t, dtype):
+        from .embed import VisionEmbedding
+        from .tower import VisionTower
+        from .trained import TowerState, trained_names
+
+        tower = VisionTower(store, t.device, dtype)
+        t.memory.set("vision tower", tower.nbytes())
+        if vision == "frozen":
+            return VisionEmbedding(inner, tower)
+        base = tower.spec.owner + "." if tower.spec.owner else ""
+        names = trained_names(tower.spec.towers, tower.params, base, vision)
+        split = [n for n in names if n not in tower.disk]
+        if split:
+            raise InputError(
+                f"train.vision: {vision}: {split[0]} is not one tensor on disk; training it is not built"
+            )
+        return VisionEmbedding(inner, tower, TowerState(tower.params, names, tower.disk))
+
+    return stage

@@ -1,0 +1,148 @@
+"""The vision tower and projector on the device: transformers' own modules, weights from the store.
+
+The checkpoint's class is built with every parameter on the meta device as it is registered (so
+no initialiser runs on real memory) and its buffers real, as its own constructor makes them (CLIP's
+position ids); the image owner's children other than its language model (vision.support: the tower,
+the projector) get their parameters from the store's carried file (store.carried: the checkpoint's
+tensors, placed by transformers' own renamings, arch.disk), in the compute dtype, resident on the
+device. The language model's parameters stay on the meta device: nothing of them is built here.
+
+Per micro-batch:
+
+    features  owner.get_image_features(pixel_values, ...) with the processor's tensors that it takes
+              (by its signature), the pooled output concatenated as the owner's forward does: (n, H)
+    merge     owner.get_placeholder_mask(input_ids, inputs_embeds, image_features) and
+              inputs_embeds.masked_scatter(mask, features), transformers' own code
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ..arch.disk import place
+from ..errors import InputError
+from ..store.carried import FILE, verify_carried
+from .support import image_owner
+
+
+class VisionTower:
+    def __init__(self, store, device, dtype: torch.dtype, trained: bool = False):
+        g = store.arch.generic
+        where = f"model.path: {store.root}"
+        model = build_model(g, dtype)
+        self.spec = image_owner(store.arch, where, model)
+        self.owner = model.get_submodule(self.spec.owner) if self.spec.owner else model
+        mods = [self.owner.get_submodule(c) for c in self.spec.towers]
+        for mod in mods:  # buffers: real, to the device (the parameters come from the store below)
+            for sub in mod.modules():
+                sub._buffers.update({k: b.to(device) for k, b in sub._buffers.items() if b is not None})
+        self.params, self.disk = _load(model, self.spec, mods, Path(store.root) / "hf", device, dtype, where)
+        for p in self.params.values():
+            p.requires_grad_(trained)
+        self.device, self.dtype = device, dtype
+        self.takes = set(inspect.signature(self.owner.get_image_features).parameters)
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    def features(self, media: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(n, H) image features of a micro-batch's images, in the compute dtype."""
+        kw = {k: v.to(self.device) for k, v in media.items() if k in self.takes}
+        if "pixel_values" in kw and kw["pixel_values"].is_floating_point():
+            kw["pixel_values"] = kw["pixel_values"].to(self.dtype)
+        out = self.owner.get_image_features(**kw, return_dict=True)
+        feats = getattr(out, "pooler_output", out)
+        if isinstance(feats, list | tuple):
+            feats = torch.cat(list(feats), dim=0)
+        return feats.to(self.dtype)
+
+    def merge(self, input_ids: torch.Tensor, rows: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """The rows with the image features in the placeholders' places (transformers' merge)."""
+        mask = self.owner.get_placeholder_mask(input_ids, inputs_embeds=rows, image_features=feats)
+        return rows.masked_scatter(mask, feats)
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Inside: every parameter a module registers moves to the meta device at once (its
+    initialiser then runs on nothing); buffers are made as the constructor makes them."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        register(self, name, param)
+        if param is not None and param.device.type != "meta":
+            self._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def build_model(g, dtype: torch.dtype):
+    """The checkpoint's class, parameters on the meta device, buffers real (module doc)."""
+    import transformers
+
+    from ..arch.generic import hf_config
+
+    cls = getattr(transformers, g.cls)
+    with _params_on_meta():
+        model = cls._from_config(hf_config(dict(g.config)), attn_implementation=g.attn, dtype=dtype)
+    return model.eval()
+
+
+def _load(model, spec, mods, hf: Path, device, dtype, where: str):
+    """The towers' parameters from the carried file, in place of their meta tensors; and each
+    one's carried tensor (memory name -> disk name) when it is one whole tensor."""
+    from safetensors import safe_open
+
+    verify_carried(hf)
+    if not (hf / FILE).is_file():
+        raise InputError(f"{where}: the store carries no vision tower ({hf / FILE} is missing)")
+    base = spec.owner + "." if spec.owner else ""
+    mem = {}
+    for c, mod in zip(spec.towers, mods, strict=True):
+        for n, p in mod.state_dict(keep_vars=True).items():  # parameters and persistent buffers
+            mem[f"{base}{c}.{n}"] = tuple(p.shape)
+    with safe_open(str(hf / FILE), framework="pt") as f:
+        disk = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+        lm = {k: s for k, s in disk.items() if _placed(model, k, mem)}
+        parts, follows = place(model, mem, lm, where)
+        if follows:
+            raise InputError(f"{where}: the vision tower's tensors are split on load; not supported yet")
+        out, names = {}, {}
+        for name, ps in parts.items():
+            if len(ps) == 1 and ps[0].at == 0:
+                names[name] = ps[0].hf
+            flat = torch.empty(math.prod(mem[name]), dtype=dtype)
+            for part in ps:
+                t = f.get_tensor(part.hf).reshape(-1)
+                flat[part.at : part.at + t.numel()] = t.to(dtype)
+            mod_path, _, leaf = name.rpartition(".")
+            holder = model.get_submodule(mod_path)
+            if leaf in holder._buffers:
+                holder._buffers[leaf] = flat.view(mem[name]).to(device)
+                continue
+            param = torch.nn.Parameter(flat.view(mem[name]).to(device), requires_grad=False)
+            holder._parameters[leaf] = param
+            out[name] = param
+    return out, names
+
+
+def _placed(model, disk_name: str, mem: dict) -> bool:
+    """A carried tensor that fills one of the towers' parameters (not another carried module's)."""
+    from transformers.core_model_loading import rename_source_key
+
+    from ..arch.disk import transforms
+
+    if disk_name in mem:
+        return True
+    renamings, converters = transforms(model)
+    return rename_source_key(disk_name, renamings, converters)[0] in mem
