@@ -338,3 +338,21 @@ def test_conversational_prompts_give_message_completions(tmp_path, tiny_store):
                add_special_tokens=False)["input_ids"]  # fmt: skip
     got = [x["prompt_ids"] for x in _rollouts(tmp_path / "run", 1)]
     assert want in got
+
+
+def test_eval_samples_the_held_out_prompts_and_reports_trls_metrics(tmp_path, tiny_store):
+    from horizon_cli.train.metrics import read_metrics
+
+    run = _run(
+        tmp_path, tiny_store, "run", {}, ["train.steps=2", "train.eval_every=2", "data.eval_fraction=0.25"]
+    )
+    row = read_metrics(run / "metrics.jsonl")[-1]
+    assert row["eval_loss"] is not None and row["eval_reward"] is not None
+    assert (
+        row["eval_completions/min_length"]
+        <= row["eval_completions/mean_length"]
+        <= row["eval_completions/max_length"]
+    )
+    assert not any(
+        f.name.startswith("step-0") for f in (run / "rollouts").iterdir()
+    )  # eval writes no rollouts
