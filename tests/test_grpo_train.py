@@ -280,3 +280,79 @@ def test_the_rl_section_is_part_of_the_trajectory(tmp_path, tiny_store):
     assert horizon("train", cfg, "train.steps=2").exit_code == 0
     line = one_error_line(horizon("train", cfg, "train.steps=3", "rl.beta=0.1"))
     assert "rl.beta 0.0 -> 0.1" in line and "train.accept_changes=[rl.beta]" in line
+
+
+def test_builtin_rewards_and_the_accuracy_extra():
+    from horizon_cli.config.schema import RewardConfig
+    from horizon_cli.errors import InputError
+    from horizon_cli.rl.rewards import load_rewards
+
+    fmt, length = load_rewards(
+        [
+            RewardConfig(function="format", pattern=r"\s*\d+"),
+            RewardConfig(function="length", target=4, tolerance=1),
+        ]
+    )
+    assert fmt.fn(completions=[" 42", "42 is it", [{"role": "assistant", "content": "7"}]]) == [1.0, 0.0, 1.0]
+    assert length.fn(completion_ids=[[1] * 4, [1] * 5, [1] * 7, [1] * 12]) == [1.0, 1.0, 0.5, 0.0]
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        with pytest.raises(
+            InputError, match=r"rl.rewards\[0\].function: the accuracy reward needs math-verify"
+        ):
+            load_rewards([RewardConfig(function="accuracy")])
+    else:
+        (acc,) = load_rewards([RewardConfig(function="accuracy")])
+        assert acc.fn(completions=[r"so \boxed{3}", r"\boxed{4}"], solution=["$3$", "$3$"]) == [1.0, 0.0]
+
+
+def test_conversational_prompts_give_message_completions(tmp_path, tiny_store):
+    """`prompt` as messages: rendered with the chat template's generation prompt; the reward
+    functions get message-list completions and the records' other columns, one per completion."""
+    from horizon_cli.train.metrics import read_metrics
+
+    recs = [{"prompt": [{"role": "user", "content": f"say {w}"}], "word": w} for w in ("a", "b", "c", "d")]
+    data = write_jsonl(tmp_path / "chat.jsonl", recs)
+    (tmp_path / "rw.py").write_text(
+        "def f(prompts, completions, word, **kw):\n"
+        "    assert all(isinstance(c, list) and c[0]['role'] == 'assistant' for c in completions)\n"
+        "    assert all(p[0]['content'] == 'say ' + w for p, w in zip(prompts, word))\n"
+        "    return [float(len(c[0]['content']) % 3) for c in completions]\n"
+    )
+    rl = {
+        "num_generations": 2,
+        "max_completion_length": 4,
+        "rewards": [{"function": f"{tmp_path / 'rw.py'}:f"}],
+    }
+    cfg = write_config(
+        tmp_path / "c.yaml", tiny_store, data, tmp_path / "run", rl=rl, train={"steps": 1, "batch_size": 2}
+    )
+    r = horizon("train", cfg)
+    assert r.exit_code == 0, r.output
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl")[0]["rewards/f/mean"] is not None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_store.parent / "hf")
+    want = tok(tok.apply_chat_template(recs[0]["prompt"], tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]  # fmt: skip
+    got = [x["prompt_ids"] for x in _rollouts(tmp_path / "run", 1)]
+    assert want in got
+
+
+def test_eval_samples_the_held_out_prompts_and_reports_trls_metrics(tmp_path, tiny_store):
+    from horizon_cli.train.metrics import read_metrics
+
+    run = _run(
+        tmp_path, tiny_store, "run", {}, ["train.steps=2", "train.eval_every=2", "data.eval_fraction=0.25"]
+    )
+    row = read_metrics(run / "metrics.jsonl")[-1]
+    assert row["eval_loss"] is not None and row["eval_reward"] is not None
+    assert (
+        row["eval_completions/min_length"]
+        <= row["eval_completions/mean_length"]
+        <= row["eval_completions/max_length"]
+    )
+    assert not any(
+        f.name.startswith("step-0") for f in (run / "rollouts").iterdir()
+    )  # eval writes no rollouts

@@ -117,7 +117,11 @@ class GRPOBatches:
                 if isinstance(v, float | int):
                     sums.setdefault(k, []).append(v)
             yield mbs
-        self.eval_rows = {k: sum(v) / len(v) for k, v in sums.items()}
+        pick = {"min": min, "max": max}  # completions/min_length: the least over the batches
+        self.eval_rows = {
+            k: pick.get(k.rpartition("/")[2].split("_")[0], lambda v: sum(v) / len(v))(v)
+            for k, v in sums.items()
+        }
 
     def metrics(self, stats: dict[str, float], n: int, prefix: str = "") -> dict:
         out = dict(self.eval_rows) if prefix else dict(self.group[2]) if self.group else {}
