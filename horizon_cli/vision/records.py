@@ -136,6 +136,10 @@ def image_example(record: dict, where: str, base: Path) -> ImageExample:
     """One record -> its canonical example; relative files are taken from `base`."""
     if record.get("videos") or record.get("audios"):
         raise InputError(f"{where}: videos and audio are not supported (images are)")
+    if "chosen" in record or "rejected" in record:
+        raise InputError(
+            f"{where}: preference pairs with images are not supported yet (supervised records are)"
+        )
     files = _Files(record.get("images") or record.get("image"), where)  # TRL's vision sets: images (or image)
     messages: list[dict] = []
     if record.get("system"):
