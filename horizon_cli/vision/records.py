@@ -7,8 +7,8 @@ is a list of text and image parts, and the image files in the order they appear)
              transformers' chat templates and TRL take them; a bare {"type": "image"} takes the
              next file of the record's `images` column (TRL's vision datasets)
     alpaca   LLaMA-Factory's instruction / input / output (+ system)
-    either   LLaMA-Factory's `images: [PATH, ...]` with one `<image>` placeholder in the text per
-             image, in order
+    either   LLaMA-Factory's `images: [PATH, ...]` (also a single `image`) with one `<image>`
+             placeholder in the text per image, in order
 
 Local files only (PNG, JPEG, WebP, ...), a relative path taken from the data file's folder. Every
 problem is one InputError naming the data file and the record: a remote URL, placeholders and
@@ -136,7 +136,11 @@ def image_example(record: dict, where: str, base: Path) -> ImageExample:
     """One record -> its canonical example; relative files are taken from `base`."""
     if record.get("videos") or record.get("audios"):
         raise InputError(f"{where}: videos and audio are not supported (images are)")
-    files = _Files(record.get("images"), where)
+    if "chosen" in record or "rejected" in record:
+        raise InputError(
+            f"{where}: preference pairs with images are not supported yet (supervised records are)"
+        )
+    files = _Files(record.get("images") or record.get("image"), where)  # TRL's vision sets: images (or image)
     messages: list[dict] = []
     if record.get("system"):
         messages.append({"role": "system", "content": _content(record["system"], files, where)})
