@@ -110,3 +110,26 @@ def test_dry_run_says_what_it_does_with_dropout(stores, tmp_path):
     cfg = write_config(tmp_path / "zero.yaml", zero, data, tmp_path / "run")
     said = horizon("train", cfg, "--dry-run").output
     assert "dropout: on" not in said and "dropout: off" not in said
+
+
+@pytest.mark.slow  # torchrun's two ranks: over a minute on a 2-core machine
+def test_two_ranks_draw_the_masks_of_one(stores, tmp_path):
+    """Under torchrun each rank draws the masks of its global micro-batches: 2 ranks train what
+    one process trains, the losses to 1e-5 (rank-local masks: rank 1 would draw micro-batch 0's).
+    The weights to 1e-3 only: GPT-2's q/k biases get gradients of rounding size, which 3 AdamW
+    steps amplify in the sharded sum's order (7e-5 with model.dropout: 0 as well)."""
+    from test_dist import config, losses, one_rank, torchrun, weights
+
+    drop, _, _ = stores
+    sections = {"train": {"steps": 3, "batch_size": 4, "micro_batch_size": 2}, "output": {"export": True}}
+    sections["engine"] = {"keep_activations": 0}  # every layer recomputed (SavePass)
+    one = config(tmp_path, drop, "one", **sections)
+    one_rank(one)
+    two = config(tmp_path, drop, "two", **sections)
+    r = torchrun(2, two)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(a) == len(b) == 3 and max(abs(x - y) / x for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+    wa, wb = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for k in wa:
+        assert float((wa[k] - wb[k]).norm() / wa[k].norm()) < 1e-3, k

@@ -66,11 +66,11 @@ class SeededDropout:
         s = call_seed(self.seed, step, call, mb)
         for g in self.gens:
             g.manual_seed(s)
-        self.tmpl.train_mode(True)
+        self.tmpl.train_mode(True, call)
         try:
             yield
         finally:
-            self.tmpl.train_mode(False)
+            self.tmpl.train_mode(False, call)
             for g, st in zip(self.gens, saved, strict=True):
                 g.set_state(st)
 

@@ -53,7 +53,7 @@ class LayerTemplate(Protocol):
     stochastic: bool  # its model drops (or adds router noise) in train mode (engine.dropout)
     dropout_on: bool  # this run trains with it: set once by engine.dropout
 
-    def train_mode(self, on: bool) -> None: ...  # inside a training call's dropout scope
+    def train_mode(self, on: bool, call: int) -> None: ...  # inside a training call's dropout scope
 
     def context(self, mb: MicroBatch, dtype: torch.dtype, device: torch.device) -> Context: ...
     def gen_context(

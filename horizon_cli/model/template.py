@@ -35,7 +35,7 @@ class NativeTemplate:
         self.stochastic = spec.attn_dropout > 0  # the only dropout of the native layer
         self._drop = 0.0  # the attention dropout of the call being computed (train mode only)
 
-    def train_mode(self, on: bool) -> None:
+    def train_mode(self, on: bool, call: int) -> None:
         """Inside a training call's dropout scope (engine.dropout): the attention drops."""
         self._drop = self.spec.attn_dropout if on else 0.0
 

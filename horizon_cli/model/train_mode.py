@@ -20,10 +20,13 @@ from ..arch.exceptions import stochastic_keys
 
 
 class ModuleTrainMode:
-    """Mixed into model.generic.GenericTemplate (its `model`, transformers' meta-device model, and
-    `g`, the store's generic description)."""
+    """Mixed into model.generic.GenericTemplate (its `model`, transformers' meta-device model,
+    `layers`, its decoder layers, `calls`, the layer of each call, and `g`, the store's generic
+    description)."""
 
     model: Any
+    layers: list
+    calls: list[int]
     g: Any
     dropout_on = False  # a run trains with the model's dropout (engine.dropout sets it)
 
@@ -33,9 +36,18 @@ class ModuleTrainMode:
         return bool(stochastic_keys(dict(self.g.config)))
 
     @cached_property
-    def _train_modules(self) -> list[nn.Module]:
-        return list(self.model.modules())
+    def _outside(self) -> list[nn.Module]:
+        """The modules in no decoder layer: the owner's own (its embedding's dropout), the head's."""
+        inside = {id(m) for la in self.layers for m in la.modules()}
+        return [m for m in self.model.modules() if id(m) not in inside]
 
-    def train_mode(self, on: bool) -> None:
-        for m in self._train_modules:
-            m.training = on
+    @cached_property
+    def _inside(self) -> list[list[nn.Module]]:
+        return [list(la.modules()) for la in self.layers]
+
+    def train_mode(self, on: bool, call: int) -> None:
+        """Call `call`'s modules (its layer's, and those outside the layers, which its capture of
+        the owner's prefix or a loop's junction may run) in train mode or back in eval mode: what
+        `model.train(on)` sets, without nn.Module.__setattr__'s checks (a plain attribute)."""
+        for m in (*self._outside, *self._inside[self.calls[call]]):
+            object.__setattr__(m, "training", on)
