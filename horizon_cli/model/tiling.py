@@ -166,15 +166,23 @@ def _wrap(tmpl: Any, i: int, mod: torch.nn.Module) -> None:
         hidden_states = given[0]
         bound = {**dict(mod.named_parameters()), **dict(mod.named_buffers())}
         lora, caught = tmpl._lora, tmpl._caught
+        # train or eval mode as at this call (engine.dropout's scope): a tile's checkpointed
+        # recompute runs in the backward, after the scope has put the modules back in eval mode
+        modes = [(m, m.training) for m in mod.modules()]
 
         def block(xt: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
             prev, outer = caught.pop(i, None), tmpl._lora
+            was = [m.training for m, _ in modes]
             tmpl._lora = lora
+            for m, on in modes:
+                m.training = on
             try:
                 with _reparametrize_module(mod, bound, strict=False):
                     y = orig(xt)
                 got = caught.pop(i, ())
             finally:
+                for (m, _), on in zip(modes, was, strict=True):
+                    m.training = on
                 tmpl._lora = outer
                 if prev is not None:
                     caught[i] = prev
