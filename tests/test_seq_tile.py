@@ -226,3 +226,12 @@ def test_kept_layers_tiled_equal_untiled(tmp_path, family, over):
     tiles' inputs, the backward recomputes them) against the untiled recompute."""
     _, store = make_store(tmp_path, family, **over)
     compare(store, 7, keep=store.arch.n_layers)
+
+
+def test_inspect_says_what_is_tiled(tmp_path):
+    from conftest import horizon
+
+    _, store = make_store(tmp_path, "qwen2_moe")
+    r = horizon("inspect", store.root)
+    assert r.exit_code == 0, r.output
+    assert "sequence tiles" in r.output and "mlp of layer kind(s)" in r.output, r.output
