@@ -226,3 +226,29 @@ def test_kept_layers_tiled_equal_untiled(tmp_path, family, over):
     tiles' inputs, the backward recomputes them) against the untiled recompute."""
     _, store = make_store(tmp_path, family, **over)
     compare(store, 7, keep=store.arch.n_layers)
+
+
+def test_inspect_says_what_is_tiled(tmp_path):
+    from conftest import horizon
+
+    _, store = make_store(tmp_path, "qwen2_moe")
+    r = horizon("inspect", store.root)
+    assert r.exit_code == 0, r.output
+    assert "sequence tiles" in r.output and "mlp of layer kind(s)" in r.output, r.output
+
+
+@pytest.mark.parametrize("family,over", [("llama", {}), ("mixtral", dict(output_router_logits=True))])
+def test_tiled_runs_are_bitwise_repeatable(tmp_path, family, over):
+    """Two tiled runs give the same model bit for bit (what a bitwise resume rests on)."""
+    _, store = make_store(tmp_path, family, **over)
+    out = []
+    for _ in range(2):
+        eng = engine(store, 7)
+        try:
+            for mbs in batches(2):
+                eng.step(mbs, 1e-4)
+            eng.wait()
+            out.append({k: v.clone() for k, v in engine_weights(eng).items()})
+        finally:
+            eng.close()
+    assert all(torch.equal(out[0][k], out[1][k]) for k in out[0])

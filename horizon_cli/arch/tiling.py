@@ -22,7 +22,8 @@ from torch import nn
 
 from .generic_arch import GenericArch
 
-_found: dict[int, dict[str, tuple[str, ...]]] = {}  # id(GenericArch) -> per kind its blocks
+# id(GenericArch) -> (it, per kind its blocks): the description held, so its id is never reused
+_found: dict[int, tuple[GenericArch, dict[str, tuple[str, ...]]]] = {}
 
 
 def _one_argument(mod: nn.Module) -> bool:
@@ -55,18 +56,27 @@ def blocks(g: GenericArch) -> dict[str, tuple[str, ...]]:
     the meta device from the store's config (no memory), once per description."""
     key = id(g)
     if key not in _found:
-        from .generic import stored_model
-        from .probe import probe
+        _found[key] = (g, _read(g))
+    return _found[key][1]
 
+
+def _read(g: GenericArch) -> dict[str, tuple[str, ...]]:
+    from .generic import stored_model
+    from .probe import probe
+
+    out: dict[str, tuple[str, ...]] = {k: () for k in g.layer_kinds}
+    try:
         model = stored_model(g)
         s = g.model if g.model is not None else probe(model, "the store's config.json")
         layers = list(model.get_submodule(s.stack))
-        out: dict[str, tuple[str, ...]] = {}
-        for i, kind in enumerate(g.layer_kinds):
-            if kind not in out and i < len(layers):
-                out[kind] = token_local(layers[i])
-        _found[key] = out
-    return _found[key]
+    except Exception:  # noqa: BLE001 (a model the meta device cannot build: every kind untiled, said so)
+        return out
+    seen: set[str] = set()
+    for i, kind in enumerate(g.layer_kinds):
+        if kind not in seen and i < len(layers):
+            out[kind] = token_local(layers[i])
+            seen.add(kind)
+    return out
 
 
 def untiled_kinds(g: GenericArch) -> list[str]:
