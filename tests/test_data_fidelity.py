@@ -233,15 +233,15 @@ def test_unread_fields_with_content_are_named_once_each(tmp_path, tok):
     msgs = [dict(m) for m in CHAT["messages"]]
     msgs[2]["reasoning_content"] = "think first"
     recs = [
-        {**CHAT, "images": ["cat.png"], "id": 1, "source": "web", "token_count": 45, "notes": ""},
-        {"messages": msgs, "images": [], "id": 2, "source": "web", "token_count": 30, "notes": " "},
-        {**CHAT, "images": ["dog.png"], "id": 3, "source": "web", "token_count": 10, "notes": ""},
+        {**CHAT, "caption": "a cat", "id": 1, "source": "web", "token_count": 45, "notes": ""},
+        {"messages": msgs, "caption": "", "id": 2, "source": "web", "token_count": 30, "notes": " "},
+        {**CHAT, "caption": "a dog", "id": 3, "source": "web", "token_count": 10, "notes": ""},
     ]
     path, cache, logs = write(tmp_path, recs), tmp_path / "cache", []
     prep(path, tok, logs, cache=cache)
     warnings = [line.replace(str(tmp_path), "") for line in logs if line.startswith("warning:")]
     assert warnings == [
-        "warning: /data.jsonl: field 'images' is not read by format chat and is ignored (content in 2 records)",
+        "warning: /data.jsonl: field 'caption' is not read by format chat and is ignored (content in 2 records)",
         "warning: /data.jsonl: field 'messages[].reasoning_content' is not read by format chat and is ignored "
         "(content in 1 record)",
     ]
