@@ -9,9 +9,9 @@
 
 What the store holds is not changed (a bf16 store computing in fp32 is upcast: where there is a
 link, on the device, so that the stored bytes are what crosses it; state.widen). `optim.memory:
-lean` decides alike: its bf16 weight is a storage format, upcast per layer when computing in fp32. The choice is made
-once, at the start, and the run records the concrete dtype (its config.yaml, trainer.json), so a
-resume compares what was computed with, not the word `auto`. An explicit `bfloat16` where it is
+lean` decides alike: its bf16 weight is a storage format, upcast per layer when computing in
+fp32. The choice is made once, at the start, and the run records the concrete dtype (its
+config.yaml, trainer.json), so a resume compares what was computed with, not the word `auto`. An explicit `bfloat16` where it is
 slow runs as asked, after one warning line (`note`).
 
 What the CPU can do is read from torch's cpuinfo (`torch.cpu.get_capabilities()`), else from

@@ -3,10 +3,10 @@
 Dense units (the embedding, the head, and every layer of an unquantized store) hold their flat
 buffer in the compute dtype, as full fine-tuning's streaming copy; with `narrow` (a link to cross:
 CUDA, or an emulated one) a store narrower than the compute dtype (bf16 under fp32) is held as
-stored, crosses the link in its own bytes and is upcast on the device (state.widen). Packed units (decoder layers of
-an NF4 store, store/packed.py) hold the unit file's bytes as they are: they cross the link in 4
-bits and `dequantize` expands them on the device, into one layer-sized scratch buffer in the dense
-layout, just before the layer's compute. Nothing here is ever written after loading.
+stored, crosses the link in its own bytes and is upcast on the device (state.widen). Packed
+units (decoder layers of an NF4 store, store/packed.py) hold the unit file's bytes as they are:
+they cross the link in 4 bits and `dequantize` expands them on the device, into one layer-sized
+scratch buffer in the dense layout, just before the layer's compute. Nothing here is ever written after loading.
 
 Sharded runs (`shard=(world, rank)`): a unit holds this rank's slice of its flat buffer (elements,
 or a packed unit's bytes: parallel.shard.shard_range, align SHARD_ALIGN); the loader all-gathers it.

@@ -81,7 +81,3 @@ class Widen:
         for name, dst in out.items():
             dst.copy_(w[name])
         return out
-
-    def nbytes(self) -> int:
-        bufs = ([self.scratch] if self.scratch is not None else []) + list(self.own.values())
-        return sum(b.numel() * b.element_size() for b in bufs)
