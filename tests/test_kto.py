@@ -362,3 +362,107 @@ def test_a_resumed_kto_run_equals_an_uninterrupted_one(tmp_path, tiny_store):
     assert files
     for f in files:
         assert (ca / f).read_bytes() == (cb / f).read_bytes(), f
+
+
+@pytest.mark.slow
+def test_two_ranks_train_what_one_trains(tmp_path, tiny_store):
+    """torchrun with 2 ranks: the KL estimate is the global batch's (summed across the ranks), so
+    losses, metrics (eval included, whose second batch pads a rank) and the export equal 1 rank's."""
+    from conftest import write_config, write_jsonl
+    from safetensors.torch import load_file
+    from test_dist import torchrun
+    from test_pref_train import quiet
+
+    from horizon_cli.train.metrics import read_metrics
+
+    recs = [
+        {"prompt": p, "completion": c, "label": b}
+        for p, c, b in zip(PROMPTS * 2, COMPLETIONS[::-1] + COMPLETIONS, LABELS + LABELS[::-1], strict=True)
+    ]
+    data = write_jsonl(tmp_path / "kto.jsonl", recs)
+    sections = dict(
+        train={"steps": 3, "batch_size": 4, "micro_batch_size": 1, "eval_every": 3, "eval_batches": 2},
+        data={"eval_fraction": 0.2},
+        engine={"compute_threads": 1},
+        preference=PREF,
+        output={"save_every": 0, "export": True},
+    )
+    cfgs = {
+        n: write_config(tmp_path / f"{n}.yaml", tiny_store, data, tmp_path / n, **sections)
+        for n in ("one", "two")
+    }
+    quiet(cfgs["one"])
+    r = torchrun(2, cfgs["two"])
+    assert r.returncode == 0, r.stderr
+    a, b = (read_metrics(tmp_path / n / "metrics.jsonl") for n in ("one", "two"))
+    assert a[-1].get("eval_kl") is not None
+    for x, y in zip(a, b, strict=True):
+        for k in ("loss", "kl", "rewards_chosen", "logps_rejected", "eval_loss", "eval_kl"):
+            assert (x.get(k) is None) == (y.get(k) is None), k
+            if x.get(k) is not None:
+                assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-6), k
+    ea, eb = (load_file(str(next((tmp_path / n / "export").glob("*.safetensors")))) for n in ("one", "two"))
+    for k in ea:
+        assert torch.allclose(ea[k], eb[k], rtol=1e-5, atol=1e-6), k
+
+
+def test_lora_kto_equals_trl_on_a_peft_model(tmp_path, tok_plain):
+    """LoRA KTO: adapters from lora.init (random A and B), the reference the initial policy (TRL's
+    "ref" copy of a given adapter, computed by TRL itself here: no precomputed values), three steps of
+    two micro-batches against KTOTrainer's loss on the peft model + torch AdamW: every loss, the KL
+    estimate, and the adapters after the steps (fp32, 1e-5)."""
+    from horizon_cli.config.schema import LoraConfig
+    from horizon_cli.lora.setup import lora_setup
+
+    peft = pytest.importorskip("peft")
+    model, store = make_store(tmp_path, "llama", vocab_size=400)
+    torch.manual_seed(1)
+    targets = ["q_proj", "v_proj", "down_proj"]
+    pm = peft.get_peft_model(
+        copy.deepcopy(model),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False),
+    )
+    pm.save_pretrained(tmp_path / "init")
+    setup = lora_setup(LoraConfig(r=4, alpha=8, targets=targets, init=str(tmp_path / "init")), store.arch)
+    lr = 1e-3
+    eng = Engine(
+        store, EngineConfig(device="cpu", dtype="float32", loss_chunk=7), OptimConfig(kernel="torch", lr=lr),
+        lora=setup, objective=KTOObjective(PreferenceConfig(**PREF)),
+    )  # fmt: skip
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS, "completion": COMPLETIONS, "label": LABELS})
+    ts = build_unpaired(examples_of(ds, tok_plain, "kto.jsonl"), 64, GROUP)
+    s = types.SimpleNamespace(ts=ts)
+    steps = [[0, 1, 2, 3], [4, 5, 6, 7], [6, 2, 3, 5]]
+    try:
+        every = collate_unpaired(rows_of(s, range(8)), LABELS, 2, 0)
+        ref = torch.cat(eng.sequence_logps(every, adapters=True)).reshape(-1, 2).numpy()
+        res = []
+        for idx in steps:
+            mbs = collate_unpaired(rows_of(s, idx), [LABELS[i] for i in idx], 2, 0, ref[idx])
+            res.append(eng.step(mbs, lr, eng.objective.divisor(mbs)))
+        eng.wait()
+        args = trl.KTOConfig(
+            output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, max_length=64,
+            per_device_train_batch_size=GROUP, beta=PREF["beta"],
+            desirable_weight=PREF["desirable_weight"], undesirable_weight=PREF["undesirable_weight"],
+        )  # fmt: skip
+        tr = trl.KTOTrainer(model=pm, args=args, train_dataset=ds, processing_class=tok_plain)
+        pm.train()
+        params = [p for n, p in pm.named_parameters() if p.requires_grad and ".default." in n]
+        opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        for r, idx in zip(res, steps, strict=True):
+            opt.zero_grad()
+            tr._metrics["train"].clear()
+            loss = tr.compute_loss(pm, tr.data_collator([tr.train_dataset[i] for i in idx]))
+            kl = tr._metrics["train"]["kl"][-1]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            assert r.loss == pytest.approx(loss.item(), rel=1e-5)
+            assert r.stats["kl"] / len(idx) == pytest.approx(kl, rel=1e-5, abs=1e-7)
+        ours, theirs = eng.host.tensors(), peft.get_peft_model_state_dict(pm, adapter_name="default")
+        assert set(ours) == set(theirs)
+        for k in theirs:
+            assert rel_err(ours[k], theirs[k]) < 1e-5, k
+    finally:
+        eng.close()

@@ -139,18 +139,30 @@ def test_tracker_that_cannot_start_leaves_the_run_dir_as_it_was(tiny_store, tmp_
     assert run_files(run) == before and not (run / "wandb").exists()
 
 
+def tensorboard_scalars(logdir, key: str) -> list[tuple[int, float]]:
+    """(step, value) of a scalar as TensorBoard shows it: its reader drops the events a restarted
+    writer purged (SessionLog START at the purge step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), purge_orphaned_data=True)
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(key)]
+
+
 def test_a_killed_run_resumed_logs_each_step_once(tiny_store, tmp_path, monkeypatch):
     """SIGKILL at step 7 after a checkpoint at step 4 (steps 5 and 6 logged), then resumed: MLflow's
-    history holds each step once, with the values metrics.jsonl holds (the resume retrains 5 and 6
-    bitwise the same)."""
+    history and TensorBoard's scalars hold each step once, with the values metrics.jsonl holds (the
+    resume retrains 5 and 6 bitwise the same)."""
     import os
     import subprocess
+
+    pytest.importorskip("tensorboard")
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read the run's file store here (MLflow 3)
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(8))
     run = tmp_path / "run"
-    cfg = write_config(tmp_path / "c.yaml", tiny_store, data, run, train={"steps": 8}, log={"mlflow": True},
+    cfg = write_config(tmp_path / "c.yaml", tiny_store, data, run, train={"steps": 8}, log={"mlflow": True, "tensorboard": True},
                        output={"dir": str(run), "save_every": 4, "keep_last": 2, "export": False})  # fmt: skip
     cmd = [sys.executable, "-m", "horizon_cli", "train", str(cfg)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -161,6 +173,7 @@ def test_a_killed_run_resumed_logs_each_step_once(tiny_store, tmp_path, monkeypa
     ids = json.loads((run / "trackers.json").read_text())
     client = mlflow.tracking.MlflowClient((run / "mlruns").as_uri())
     assert [m.step for m in client.get_metric_history(ids["mlflow"], "loss")] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in tensorboard_scalars(run / "tensorboard", "loss")] == [1, 2, 3, 4, 5, 6]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     rows = read_metrics(run / "metrics.jsonl")
@@ -169,3 +182,6 @@ def test_a_killed_run_resumed_logs_each_step_once(tiny_store, tmp_path, monkeypa
         hist = sorted((m.step, m.value) for m in client.get_metric_history(ids["mlflow"], key))
         assert [s for s, _ in hist] == list(range(1, 9)), (key, hist)
         assert [v for _, v in hist] == pytest.approx([r[key] for r in rows], rel=1e-12)
+        tb = tensorboard_scalars(run / "tensorboard", key)  # float32 scalars
+        assert [s for s, _ in tb] == list(range(1, 9)), (key, tb)
+        assert [v for _, v in tb] == pytest.approx([r[key] for r in rows], rel=1e-6)

@@ -14,8 +14,9 @@ summed log-prob and ref the reference's (MicroBatch.extras["ref"], the streamed 
 
 The step loss is the mean over the global batch's examples (TRL: losses.nanmean() of a batch). The
 mismatched rows get no gradient (their coefficients are zero). `all_sum`, when set, sums the KL
-numerator over the ranks (a collective every rank calls in the head step); unset, this rank's
-micro-batches are the global batch.
+numerator over the ranks in place (a collective every rank calls in the head step and in an eval
+batch, whose ranks are padded to the same micro-batches; engine.parts sets it through
+`across_ranks` on more than one rank); unset, this rank's micro-batches are the global batch.
 
 Stats (sums over this rank's examples; TRL logs each over its count): rewards_chosen / _rejected
 (beta r of the desirable / undesirable examples), logps_chosen / _rejected (pi), count_chosen /
@@ -61,8 +62,11 @@ class KTOObjective(SequenceObjective):
     name = "preference"
     needs_reference = True
 
-    def __init__(self, cfg: PreferenceConfig, all_sum: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, cfg: PreferenceConfig, all_sum: Callable[[torch.Tensor], None] | None = None):
         self.cfg, self.all_sum = cfg, all_sum
+
+    def across_ranks(self, all_sum: Callable[[torch.Tensor], None]) -> None:
+        self.all_sum = all_sum
 
     def divisor(self, mbs: list[MicroBatch]) -> int:
         """The global batch's examples (those whose completion row has a label)."""
@@ -106,7 +110,8 @@ class KTOObjective(SequenceObjective):
         und = ~des & valid
         kl_sum = torch.where(valid, pi_kl - ref_kl, 0.0).sum()
         if self.all_sum is not None:
-            kl_sum = self.all_sum(kl_sum)
+            kl_sum = kl_sum.detach().clone()
+            self.all_sum(kl_sum)
         kl = (kl_sum / max(ts[0].examples, 1.0)).clamp(min=0).detach()
         beta, cfg = self.cfg.beta, self.cfg
         r = torch.where(valid, pi, ref) - ref  # fillers: finite stand-ins

@@ -23,6 +23,7 @@ compute is queued (no device sync on data-dependent shapes); `stats` are sums th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -129,6 +130,12 @@ class Objective(ABC):
     def divisor(self, mbs: list[MicroBatch]) -> int:
         """What the step's loss sum is divided by (computed from the global batch)."""
         return sum(mb.label_tokens for mb in mbs)
+
+    def across_ranks(self, all_sum: Callable[[torch.Tensor], None]) -> None:
+        """Told once at assembly, on more than one rank: `all_sum(t)` sums t over the ranks in place
+        (a collective each rank calls in the same order). An objective whose loss needs a statistic of
+        the global batch (KTO's KL estimate) keeps it; the others need nothing across ranks."""
+        return None
 
     @abstractmethod
     def train(self, head: Head, xs: list[torch.Tensor], targets: list[Targets], inv: float) -> HeadOut:

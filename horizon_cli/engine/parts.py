@@ -151,6 +151,8 @@ def assemble(
         moe = getattr(tmpl, "moe", None)  # MoE router statistics: the global batch's
         if moe is not None:
             moe.reduce = sharded.all_sum_tensor
+        if objective is not None:  # a statistic of the global batch (KTO's KL estimate)
+            objective.across_ranks(sharded.all_sum_tensor)
     kept = params.layers[len(params.layers) - keep :] if keep else []
     if n := params.attach(t.device_empty, dtype, kept):
         t.memory.set("dequantized layer", n)  # NF4: one layer, dequantized on the device (+ each kept one)

@@ -20,6 +20,7 @@ reports; the engine never builds or reads one, so only the template's own method
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -147,6 +148,7 @@ class LossObjective(Protocol):
 
     def targets(self, mbs: list[MicroBatch], device: torch.device) -> list[Targets]: ...
     def divisor(self, mbs: list[MicroBatch]) -> int: ...
+    def across_ranks(self, all_sum: Callable[[torch.Tensor], None]) -> None: ...
     def train(self, head: Head, xs: list[torch.Tensor], targets: list[Targets], inv: float) -> HeadOut: ...
     def evaluate(
         self, head: Head, xs: list[torch.Tensor], targets: list[Targets]

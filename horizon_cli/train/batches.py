@@ -30,7 +30,6 @@ from ..engine.kto_loss import KTOObjective
 from ..engine.objective import Objective
 from ..engine.pref_loss import STATS, PairObjective
 from ..errors import InputError
-from ..parallel.launch import world_from_env
 
 
 class SftBatches:
@@ -117,12 +116,6 @@ class KTOBatches(PairBatches):
     def __init__(self, cfg: Config, data: PreparedData):
         SftBatches.__init__(self, cfg, data)
         assert cfg.preference is not None
-        if (
-            world_from_env()[0] > 1
-        ):  # the KL numerator is not yet summed across ranks (engine.kto_loss all_sum)
-            raise InputError(
-                "preference.loss: kto runs on one process for now (torchrun with WORLD_SIZE > 1 is refused)"
-            )
         self.objective = self.pairs = KTOObjective(cfg.preference)  # type: ignore[assignment]
         self.ref = {}
 

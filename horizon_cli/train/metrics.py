@@ -30,7 +30,12 @@ class MetricsLog:
         with io_failure(self.path):
             write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
             self.f = open(self.path, "a")  # noqa: SIM115 - held open for the whole run
-        self.tb = tensorboard_writer(Path(run_dir) / "tensorboard") if tensorboard else None
+        # a resumed run retrains the steps after its checkpoint that a killed run had logged: TensorBoard
+        # hides those events (its purge_step), so each step is shown once, with the resumed run's values
+        tb_dir = Path(run_dir) / "tensorboard"
+        self.tb = (
+            tensorboard_writer(tb_dir, resume_step + 1 if resume_step else None) if tensorboard else None
+        )
         self.trackers = trackers
 
     def write(self, row: dict) -> None:
@@ -84,13 +89,14 @@ def read_metrics_counted(path: Path) -> tuple[list[dict], int]:
     return rows, bad
 
 
-def tensorboard_writer(logdir: Path | None):
-    """A SummaryWriter for logdir (None: only check that TensorBoard is installed)."""
+def tensorboard_writer(logdir: Path | None, purge_step: int | None = None):
+    """A SummaryWriter for logdir (None: only check that TensorBoard is installed). purge_step: the
+    first step this run logs; events a killed run wrote at it or later are hidden from TensorBoard."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise InputError("log.tensorboard: needs the tensorboard package (pip install tensorboard)") from None
-    return SummaryWriter(str(logdir)) if logdir is not None else None
+    return SummaryWriter(str(logdir), purge_step=purge_step) if logdir is not None else None
 
 
 def plot_loss(rows: list[dict], out: Path, title: str = "") -> Path | None:
