@@ -356,3 +356,28 @@ def test_eval_samples_the_held_out_prompts_and_reports_trls_metrics(tmp_path, ti
     assert not any(
         f.name.startswith("step-0") for f in (run / "rollouts").iterdir()
     )  # eval writes no rollouts
+
+
+def test_a_slice_of_the_prompts_sampled_alone_gets_the_whole_batchs_completions(tiny_store):
+    """rl.rollouts.sample seeds each row by its place in the step's whole batch (`first`): the
+    second half of the prompts sampled alone (as a rank of two would) gets exactly the completions
+    the whole batch gives it, and without the offset it does not."""
+    from types import SimpleNamespace
+
+    from horizon_cli.config.schema import EngineConfig, OptimConfig
+    from horizon_cli.engine import Engine
+    from horizon_cli.rl.rollouts import sample
+    from horizon_cli.store import Store
+
+    prompts = [p["prompt_input_ids"] for p in _prompts(4)]
+    rl = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_completion_length=8)
+    eng = Engine(Store.open(tiny_store), EngineConfig(device="cpu", dtype="float32"), OptimConfig(),
+                 forward_only=True)  # fmt: skip
+    try:
+        whole = sample(eng, prompts, 3, rl, 5, [], None, "device")
+        half = sample(eng, prompts[2:], 3, rl, 5, [], None, "device", first=2)
+        plain = sample(eng, prompts[2:], 3, rl, 5, [], None, "device")
+    finally:
+        eng.close()
+    assert [(r.prompt, r.ids) for r in whole[6:]] == [(r.prompt + 2, r.ids) for r in half]
+    assert [r.ids for r in plain] != [r.ids for r in whole[6:]]

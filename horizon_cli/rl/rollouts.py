@@ -65,11 +65,13 @@ def device_kv(engine: Engine, rows: list[tuple[int, list[int]]], max_new: int, k
 
 def sample(
     engine: Engine, prompts: list[list[int]], G: int, rl, seed: int, eos: list[int], tokenizer, kv: str,
-    on_sweep=lambda s: None,
+    on_sweep=lambda s: None, first: int = 0,
 ) -> list[Rollout]:  # fmt: skip
-    """G completions of each prompt, in order (prompt p's generation j at p x G + j)."""
+    """G completions of each prompt, in order (prompt p's generation j at p x G + j). `first`: the
+    first prompt's place in the step's whole batch; rows are seeded by their place in it, so a
+    slice of the prompts sampled alone gets the completions the whole batch gives it."""
     engine.wait()  # the optimizer's queued updates land in the host store first
-    rows = [(p * G + j, ids) for p, ids in enumerate(prompts) for j in range(G)]
+    rows = [((first + p) * G + j, ids) for p, ids in enumerate(prompts) for j in range(G)]
     dec = Decoder(
         engine, Sampler(rl.temperature, rl.top_p, rl.top_k, seed), max_new_tokens=rl.max_completion_length,
         eos_ids=eos, tokenizer=tokenizer, host_kv=not device_kv(engine, rows, rl.max_completion_length, kv),
@@ -77,7 +79,7 @@ def sample(
     )  # fmt: skip
     out = []
     for c in dec.run(rows):
-        p = c.index // G
+        p = c.index // G - first
         out.append(Rollout(p, prompts[p], list(c.ids), c.text, c.finish != "eos"))
     return out
 
