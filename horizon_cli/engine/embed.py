@@ -59,6 +59,11 @@ class Embedding:
     def reserve(self, numel: int, grad: bool) -> None:
         """Size any host staging once (grad: the embedding is trained)."""
 
+    def positioned(self, mb: MicroBatch) -> MicroBatch:
+        """The micro-batch as its layer context is built from: the stage's own position ids for
+        it (a vision tower's multimodal rotary ids: vision.embed), or itself."""
+        return mb
+
     def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         """The input rows per micro-batch, (b, T, H) on the device (not yet scaled)."""
         raise NotImplementedError

@@ -10,6 +10,9 @@ whether a batch holds images:
               embeddings before it merges the images) -> per micro-batch with media, the tower's
               features (vision.tower) merged by transformers' masked_scatter; the merge's graph
               is kept until the backward
+    positions a micro-batch with images whose owner computes multimodal rotary position ids
+              (Qwen2-VL, Qwen2.5-VL) gets them before its layer context is built (`positioned`,
+              the engine's hook): they reach every layer as transformers' forward gives them
     backward  the rows' gradient through that graph: masked_scatter's own backward zeroes the
               image positions for the embedding table (the placeholder token's row gets nothing
               from them, as in transformers); then the wrapped embedding's backward as ever
@@ -17,6 +20,7 @@ whether a batch holds images:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -44,6 +48,15 @@ class VisionEmbedding(Embedding):
 
     def reserve(self, numel: int, grad: bool) -> None:
         self.inner.reserve(numel, grad)
+
+    def positioned(self, mb: MicroBatch) -> MicroBatch:
+        """A micro-batch with images, its position ids the owner's own (vision.tower.positions:
+        Qwen2-VL's (3, b, T) multimodal rotary ids); the others as they are."""
+        media = mb.media
+        if not media or not any(v.numel() for v in media.values()):
+            return mb
+        pos = self.tower.positions(mb.input_ids, media, mb.lengths)
+        return mb if pos is None else dataclasses.replace(mb, position_ids=pos)
 
     def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:  # or DecodeBatches
         x = self.inner.scale(self.inner.forward(mbs))
