@@ -7,10 +7,12 @@ micro-batch and reach every streamed layer. Loss, every gradient and 3 AdamW ste
 and the merger trained) equal Qwen2VLForConditionalGeneration's / Qwen2_5_VL's called with the
 same tensors + torch AdamW (fp32, 1e-5), with text-only rows beside image rows."""
 
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import horizon
 from oracle import engine_grads, engine_weights, one_thread, rel_err  # noqa: F401 (autouse fixture)
 from PIL import Image
 
@@ -156,3 +158,15 @@ def test_qwen_vl_positions_are_the_models_own(qwen):
         assert torch.equal(ctx.pos, want)  # what the owner's forward, and so every layer, gets
     finally:
         eng.close()
+
+
+def test_qwen_vl_generate_with_images_refused(qwen, tmp_path):
+    """Decoding positions that continue from the rope deltas are not built: one line, exit 2."""
+    root, model0, _, _ = qwen
+    img = make_images(tmp_path / "imgs", n=1)[0]
+    part = {"type": "image", "image": f"imgs/{img.name}"}
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text(json.dumps({"messages": [{"role": "user", "content": [part]}]}) + "\n")
+    r = horizon("generate", root / "store", "--prompts", pf, "--output", tmp_path / "o.jsonl")
+    assert r.exit_code == 2 and "multimodal rotary position ids" in r.output, r.output
+    assert type(model0).__name__ in r.output and not (tmp_path / "o.jsonl").exists()
