@@ -170,3 +170,26 @@ def test_qwen_vl_generate_with_images_refused(qwen, tmp_path):
     r = horizon("generate", root / "store", "--prompts", pf, "--output", tmp_path / "o.jsonl")
     assert r.exit_code == 2 and "multimodal rotary position ids" in r.output, r.output
     assert type(model0).__name__ in r.output and not (tmp_path / "o.jsonl").exists()
+
+
+def test_qwen_vl_plan_counts_the_tower_not_its_activations(qwen, monkeypatch):
+    """The memory plan (--dry-run) counts the tower's weights and the trained merger's state; the
+    tower reads image_grid_thw's values, which the meta device does not hold, so its activations
+    are said to be unmeasured (not a crash, not a made-up number)."""
+    from types import SimpleNamespace
+
+    from horizon_cli.vision import encode, plan
+
+    root, model0, _, _ = qwen
+    store = Store.open(root / "store")
+    proc = SimpleNamespace(image_processor=qwen_image_processor())
+    monkeypatch.setattr(encode, "load_processor", lambda *a: proc)  # Qwen2VLProcessor needs torchvision
+    cfg = SimpleNamespace(
+        train=SimpleNamespace(vision="projector", micro_batch_size=2),
+        data=SimpleNamespace(max_pixels=56 * 56),
+    )
+    got = plan.measure(store, cfg, torch.float32)
+    visual = model0.model.visual
+    assert got["weights"] == 4 * sum(p.numel() for p in visual.parameters())
+    assert got["trained"] == 16 * sum(p.numel() for p in visual.merger.parameters())
+    assert got["activations"] == -1 and "not measured" in plan.describe(got, cfg)
