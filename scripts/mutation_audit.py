@@ -794,6 +794,17 @@ MUTATIONS: list[Mutation] = [
       "if False:",
       ["tests/test_train_resume.py::test_crash_soak_short"],
       "the phase log is never written: the soak cannot tell where its kills landed"),
+    # ---- vision: Qwen2-VL's multimodal rotary position ids -------------------------------------------
+    M("mrope-positions-dropped", "engine", "horizon_cli.vision.embed:VisionEmbedding.positioned",
+      "return mb if pos is None else dataclasses.replace(mb, position_ids=pos)",
+      "return mb",
+      ["tests/test_vision_qwen.py"],
+      "a micro-batch with images keeps its 1-D positions (Qwen2-VL's get_rope_index ids never reach the layers)"),
+    M("mrope-unmasked", "engine", "horizon_cli.vision.tower:VisionTower.positions",
+      'if "attention_mask" in takes and lengths is not None:',
+      'if False:',
+      ["tests/test_vision_qwen.py::test_qwen_vl_positions_are_the_models_own"],
+      "the rope index ignores the rows' padding (pad positions numbered as text)"),
 ]
 # fmt: on
 
