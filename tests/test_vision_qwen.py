@@ -4,8 +4,8 @@ budget: the processor class itself needs torchvision, absent here). The tower (p
 Qwen2.5-VL's window attention, the merger) runs through transformers' get_image_features, the
 multimodal rotary position ids (3 streams t/h/w) come from the model's own get_rope_index per
 micro-batch and reach every streamed layer. Loss, every gradient and 3 AdamW steps (tower frozen,
-and the merger trained) equal Qwen2VLForConditionalGeneration's / Qwen2_5_VL's called with the
-same tensors + torch AdamW (fp32, 1e-5), with text-only rows beside image rows."""
+the merger trained, all of it trained) equal Qwen2VLForConditionalGeneration's / Qwen2_5_VL's
+called with the same tensors + torch AdamW (fp32, 1e-5), with text-only rows beside image rows."""
 
 import json
 
@@ -89,14 +89,18 @@ def hf_loss(model, mbs) -> float:
     return total / n
 
 
-@pytest.mark.parametrize("vision", ["frozen", "projector"])
+@pytest.mark.parametrize("vision", ["frozen", "projector", "all"])
 def test_qwen_vl_loss_grads_adamw_match_transformers(qwen, vision):
     root, model0, pv, grids = qwen
     store = Store.open(root / "store")
     model = type(model0).from_pretrained(root / "hf").float()
     model.train(False)
     for n, p in model.named_parameters():
-        p.requires_grad_(not n.startswith("model.visual.") or (vision == "projector" and ".merger." in n))
+        p.requires_grad_(
+            not n.startswith("model.visual.")
+            or vision == "all"
+            or (vision == "projector" and ".merger." in n)
+        )
     named = dict(model.named_parameters())
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
