@@ -7,12 +7,9 @@ micro-batch and reach every streamed layer. Loss, every gradient and 3 AdamW ste
 the merger trained, all of it trained) equal Qwen2VLForConditionalGeneration's / Qwen2_5_VL's
 called with the same tensors + torch AdamW (fp32, 1e-5), with text-only rows beside image rows."""
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import horizon
 from oracle import engine_grads, engine_weights, one_thread, rel_err  # noqa: F401 (autouse fixture)
 from PIL import Image
 
@@ -20,6 +17,8 @@ from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.convert import convert
 from horizon_cli.data import IGNORE, MicroBatch
 from horizon_cli.engine import Engine
+from horizon_cli.generate.decoder import Decoder
+from horizon_cli.model.sample import Sampler
 from horizon_cli.store import Store
 from horizon_cli.testing.vision import make_images, qwen_image_processor, tiny_qwen_vl
 from horizon_cli.vision.run import vision_stage
@@ -164,16 +163,55 @@ def test_qwen_vl_positions_are_the_models_own(qwen):
         eng.close()
 
 
-def test_qwen_vl_generate_with_images_refused(qwen, tmp_path):
-    """Decoding positions that continue from the rope deltas are not built: one line, exit 2."""
-    root, model0, _, _ = qwen
-    img = make_images(tmp_path / "imgs", n=1)[0]
-    part = {"type": "image", "image": f"imgs/{img.name}"}
-    pf = tmp_path / "prompts.jsonl"
-    pf.write_text(json.dumps({"messages": [{"role": "user", "content": [part]}]}) + "\n")
-    r = horizon("generate", root / "store", "--prompts", pf, "--output", tmp_path / "o.jsonl")
-    assert r.exit_code == 2 and "multimodal rotary position ids" in r.output, r.output
-    assert type(model0).__name__ in r.output and not (tmp_path / "o.jsonl").exists()
+class Recording(Sampler):
+    """Greedy, keeping every sweep's logits per prompt (the oracle compares them, not only ids)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict[int, list[torch.Tensor]] = {}
+
+    def pick(self, logits, rows):
+        for r, i in enumerate(rows):
+            self.seen.setdefault(i, []).append(logits[r].clone())
+        return super().pick(logits, rows)
+
+
+def test_qwen_vl_generate_with_images_equals_transformers_greedy(qwen):
+    """Generation with image prompts and a text one in one left-padded batch: the prefill's
+    positions are get_rope_index's, each later token's continue from its rope deltas; every
+    completion and every step's logits (1e-5) equal transformers' own greedy generate on the
+    same tensors."""
+    root, model0, pv, grids = qwen
+    store = Store.open(root / "store")
+    g = torch.Generator().manual_seed(3)
+    prompts, media = [], {}
+    for k, images in enumerate(([0, 1], [], [1, 2, 3])):  # rope deltas -2, 0, -4
+        ids = [1, 7]
+        for i in images:
+            ids += [START] + [IMAGE] * (int(grids[i].prod()) // MERGE) + [END]
+        ids += torch.randint(3, 390, (3 + 2 * k,), generator=g).tolist()
+        prompts.append((k, ids))
+        if images:
+            media[k] = {"pixel_values": torch.cat([pv[i] for i in images]),
+                        "image_grid_thw": torch.stack([grids[i] for i in images])}  # fmt: skip
+    eng = Engine(store, EngineConfig(device="cpu", dtype="float32"), OptimConfig(), forward_only=True,
+                 stage=vision_stage(store, "frozen"))  # fmt: skip
+    sampler = Recording()
+    try:
+        got = Decoder(eng, sampler, max_new_tokens=6, media=media).run(prompts)
+    finally:
+        eng.close()
+    model = type(model0).from_pretrained(root / "hf").float().eval()
+    for (k, ids), c in zip(prompts, got, strict=True):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(input_ids=x, mm_token_type_ids=(x == IMAGE).int(), **media.get(k, {}),
+                                 max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        assert c.ids == out.sequences[0, len(ids) :].tolist(), k
+        assert len(sampler.seen[k]) == len(out.logits) == 6
+        for step, (ours, theirs) in enumerate(zip(sampler.seen[k], out.logits, strict=True)):
+            assert rel_err(ours, theirs[0]) < 1e-5, (k, step)
 
 
 def test_qwen_vl_plan_counts_the_tower_not_its_activations(qwen, monkeypatch):

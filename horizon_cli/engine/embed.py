@@ -16,11 +16,12 @@ Families that scale the embedding output (Gemma: by sqrt(hidden)) scale both dir
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from ..arch import ArchSpec
-from ..data.batch import MicroBatch
+from ..data.batch import DecodeBatch, MicroBatch
 from ..optim.adamw import AdamWHyper
 from ..runtime.events import READY, Event
 from ..runtime.loader import Load, Loader
@@ -31,6 +32,7 @@ from .grads import GradSums, sumsq64
 from .sharded import ShardedGrads
 
 Units = dict[str, UnitState | FrozenUnit]  # every unit's streaming copy
+B = TypeVar("B", MicroBatch, DecodeBatch)  # a training micro-batch or a generation's
 
 
 class Embedding:
@@ -59,7 +61,7 @@ class Embedding:
     def reserve(self, numel: int, grad: bool) -> None:
         """Size any host staging once (grad: the embedding is trained)."""
 
-    def positioned(self, mb: MicroBatch) -> MicroBatch:
+    def positioned(self, mb: B) -> B:
         """The micro-batch as its layer context is built from: the stage's own position ids for
         it (a vision tower's multimodal rotary ids: vision.embed), or itself."""
         return mb

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ..data.batch import MicroBatch
-from ..engine.embed import Embedding
+from ..data.batch import DecodeBatch, MicroBatch
+from ..engine.embed import B, Embedding
 from ..optim.adamw import AdamWHyper
 from ..runtime.events import Event
 from .tower import VisionTower
@@ -49,14 +49,24 @@ class VisionEmbedding(Embedding):
     def reserve(self, numel: int, grad: bool) -> None:
         self.inner.reserve(numel, grad)
 
-    def positioned(self, mb: MicroBatch) -> MicroBatch:
+    def positioned(self, mb: B) -> B:
         """A micro-batch with images, its position ids the owner's own (vision.tower.positions:
-        Qwen2-VL's (3, b, T) multimodal rotary ids); the others as they are."""
+        Qwen2-VL's (3, b, T) multimodal rotary ids); the others as they are. A generation's
+        prefill keeps them and the rope deltas, which its later sweeps add to their positions
+        (data.batch.DecodeBatch.mrope), as transformers' generate does."""
         media = mb.media
         if not media or not any(v.numel() for v in media.values()):
             return mb
-        pos = self.tower.positions(mb.input_ids, media, mb.lengths)
-        return mb if pos is None else dataclasses.replace(mb, position_ids=pos)
+        if isinstance(mb, DecodeBatch):
+            got = self.tower.positions(mb.input_ids, media, mb.attention_mask())
+            if got is not None:
+                mb.mrope = got  # the Decoder's own batch: its next sweep's carries the deltas
+            return mb
+        mask = None
+        if mb.lengths is not None:
+            mask = torch.arange(mb.input_ids.shape[1])[None, :] < mb.lengths[:, None]
+        got = self.tower.positions(mb.input_ids, media, mask)
+        return mb if got is None else dataclasses.replace(mb, position_ids=got[0])
 
     def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:  # or DecodeBatches
         x = self.inner.scale(self.inner.forward(mbs))

@@ -30,11 +30,7 @@ def image_prompts(store, records: list[tuple[dict, str]], base: Path, max_pixels
             f"{first}: the prompt names images, and {store.root} takes text only (no vision tower)"
         )
     where = f"model.path: {store.root}"
-    if image_owner(store.arch, where).rope:
-        raise InputError(
-            f"{first}: {store.arch.generic.cls} places images with multimodal rotary position ids; generating "
-            "with images for it is not built yet (text prompts are)"
-        )
+    image_owner(store.arch, where)
     proc = load_processor(Path(store.root) / "hf", where)
     out = {}
     for k in which:

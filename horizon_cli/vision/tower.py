@@ -68,9 +68,10 @@ class VisionTower:
         return feats.to(self.dtype)
 
     def positions(
-        self, input_ids: torch.Tensor, media: dict[str, torch.Tensor], lengths: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """The owner's own position ids of a micro-batch with images, or None (the rows' own)."""
+        self, input_ids: torch.Tensor, media: dict[str, torch.Tensor], mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The owner's own position ids (3, b, T) of a micro-batch with images and its rope deltas
+        (b, 1), or None (the rows' own). mask: (b, T) the real tokens, or None (all)."""
         if not self.spec.rope:
             return None
         rope = self.owner.get_rope_index
@@ -79,12 +80,10 @@ class VisionTower:
         ids = input_ids.to(self.device)
         if "mm_token_type_ids" in takes:
             kw["mm_token_type_ids"] = (ids == self.owner.config.image_token_id).int()
-        if "attention_mask" in takes and lengths is not None:
-            kw["attention_mask"] = (
-                torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None].to(ids.device)
-            ).long()
-        pos, _ = rope(ids, **kw)
-        return pos
+        if "attention_mask" in takes and mask is not None:
+            kw["attention_mask"] = mask.to(self.device).long()
+        pos, deltas = rope(ids, **kw)
+        return pos, deltas
 
     def merge(self, input_ids: torch.Tensor, rows: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """The rows with the image features in the placeholders' places (transformers' merge)."""
