@@ -834,6 +834,22 @@ MUTATIONS: list[Mutation] = [
       "got = ro.load_group(self.run_dir, step)",
       ["tests/test_grpo_train.py::test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one"],
       "a run resumed inside a num_iterations group looks for its own step's rollouts"),
+    # ---- vision: Qwen2-VL's multimodal rotary position ids -------------------------------------------
+    M("mrope-positions-dropped", "engine", "horizon_cli.vision.embed:VisionEmbedding.positioned",
+      "return mb if got is None else dataclasses.replace(mb, position_ids=got[0])",
+      "return mb",
+      ["tests/test_vision_qwen.py"],
+      "a micro-batch with images keeps its 1-D positions (Qwen2-VL's get_rope_index ids never reach the layers)"),
+    M("mrope-unmasked", "engine", "horizon_cli.vision.tower:VisionTower.positions",
+      'if "attention_mask" in takes and mask is not None:',
+      'if False:',
+      ["tests/test_vision_qwen.py::test_qwen_vl_positions_are_the_models_own"],
+      "the rope index ignores the rows' padding (pad positions numbered as text)"),
+    M("mrope-decode-deltas-dropped", "engine", "horizon_cli.data.batch:DecodeBatch.next",
+      "deltas = None if self.mrope is None else (None, self.mrope[1])",
+      "deltas = None",
+      ["tests/test_vision_qwen.py::test_qwen_vl_generate_with_images_equals_transformers_greedy"],
+      "generated tokens after an image prefill lose the rope deltas (positions restart as text)"),
 ]
 # fmt: on
 

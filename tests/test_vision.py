@@ -260,7 +260,7 @@ def test_image_record_for_a_text_only_model_refused(tiny_store, tmp_path):
 
 
 CLASSES = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
-           "mllama": "MllamaForConditionalGeneration"}  # fmt: skip
+           "mllama": "MllamaForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration"}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", sorted(CLASSES))
@@ -285,6 +285,7 @@ def test_image_path_not_built_refused_naming_what_is_missing(tmp_path, family):
         "gemma3": "token type ids",
         "idefics3": "no get_image_features",
         "mllama": "no get_image_features",
+        "qwen3_vl": "image features inside its layers (deepstack)",
     }
     assert r.exit_code == 2 and says[family] in r.output and "trains on text only" in r.output, r.output
 

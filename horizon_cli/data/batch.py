@@ -65,6 +65,9 @@ class DecodeBatch:
     pad        (b,) int64: left padding of each row (its first `pad` cached positions are not
                attended to)
     past       positions already in the KV cache (0 at prefill)
+    mrope      the model's own position ids of a prefill with images, (3, b, T) (vision.embed:
+               Qwen2-VL's get_rope_index), and its rope deltas (b, 1), which later sweeps add
+               to their positions as transformers' generate does; None: none
     """
 
     input_ids: torch.Tensor
@@ -73,14 +76,19 @@ class DecodeBatch:
     media: dict[str, torch.Tensor] | None = (
         None  # the prefill's image tensors (vision.prompts), rows in order
     )
+    mrope: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
     @property
     def position_ids(self) -> torch.Tensor:
         """(b, T) each token's position in its own sequence (padding: 0), as transformers'
-        generate derives them from the attention mask."""
+        generate derives them from the attention mask; with rope deltas (3, b, T) (`mrope`)."""
+        if self.mrope is not None and self.mrope[0] is not None:
+            return self.mrope[0]
         T = self.input_ids.shape[1]
-        pos = self.past + torch.arange(T, dtype=torch.int64)[None, :] - self.pad[:, None]
-        return pos.clamp_min(0)
+        pos = (self.past + torch.arange(T, dtype=torch.int64)[None, :] - self.pad[:, None]).clamp_min(0)
+        if self.mrope is not None:
+            return (pos + self.mrope[1].to(pos.device))[None].expand(3, -1, -1)
+        return pos
 
     def attention_mask(self) -> torch.Tensor:
         """(b, past + T) bool: True for real tokens (transformers' 2-D attention mask)."""
@@ -89,7 +97,8 @@ class DecodeBatch:
 
     def next(self, tokens: torch.Tensor) -> DecodeBatch:
         """The following sweep's batch: one new token per row (b, 1)."""
-        return DecodeBatch(tokens.reshape(-1, 1), self.pad, self.past + self.input_ids.shape[1])
+        deltas = None if self.mrope is None else (None, self.mrope[1])
+        return DecodeBatch(tokens.reshape(-1, 1), self.pad, self.past + self.input_ids.shape[1], mrope=deltas)
 
     @staticmethod
     def left_padded(prompts: list[list[int]], pad_id: int) -> DecodeBatch:

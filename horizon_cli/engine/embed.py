@@ -18,11 +18,12 @@ Families that scale the embedding output (Gemma: by sqrt(hidden)) scale both dir
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from ..arch import ArchSpec
-from ..data.batch import MicroBatch
+from ..data.batch import DecodeBatch, MicroBatch
 from ..optim.adamw import AdamWHyper
 from ..runtime.events import READY, Event
 from ..runtime.loader import Load, Loader
@@ -33,6 +34,7 @@ from .grads import GradSums, sumsq64
 from .sharded import ShardedGrads
 
 Units = dict[str, UnitState | FrozenUnit]  # every unit's streaming copy
+B = TypeVar("B", MicroBatch, DecodeBatch)  # a training micro-batch or a generation's
 
 
 class Embedding:
@@ -60,6 +62,11 @@ class Embedding:
 
     def reserve(self, numel: int, grad: bool) -> None:
         """Size any host staging once (grad: the embedding is trained)."""
+
+    def positioned(self, mb: B) -> B:
+        """The micro-batch as its layer context is built from: the stage's own position ids for
+        it (a vision tower's multimodal rotary ids: vision.embed), or itself."""
+        return mb
 
     def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         """The input rows per micro-batch, (b, T, H) on the device (not yet scaled)."""

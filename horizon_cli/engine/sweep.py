@@ -31,9 +31,10 @@ class Sweep:
         self.p = p
 
     def contexts(self, mbs: list[MicroBatch]) -> list[Context]:
-        """Per micro-batch: positions, rotary tables, masks (model.template)."""
+        """Per micro-batch: positions (the embedding stage's, when it computes them: Qwen2-VL's
+        multimodal rotary ids), rotary tables, masks (model.template)."""
         p = self.p
-        return [p.tmpl.context(mb, p.dtype, p.t.device) for mb in mbs]
+        return [p.tmpl.context(p.embedding.positioned(mb), p.dtype, p.t.device) for mb in mbs]
 
     def loads(self, passes: Sequence[LayerPass]) -> list[Load]:
         """The sweep's loads: per call its layer's forward load (with the params' extras — LoRA: its

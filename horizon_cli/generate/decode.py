@@ -96,7 +96,10 @@ class Generation:
         p = self.p
         p.tmpl.begin_step()  # MoE router statistics are a training step's; none accumulate here
         caches = kv.live()
-        ctxs = [p.tmpl.gen_context(db, c, p.dtype, p.t.device) for db, c in zip(dbs, caches, strict=True)]
+        ctxs = [  # positions: the embedding stage's for a prefill with images (Qwen2-VL's rope index)
+            p.tmpl.gen_context(p.embedding.positioned(db), c, p.dtype, p.t.device)
+            for db, c in zip(dbs, caches, strict=True)
+        ]
         passes = [DecodePass(p, kv)] * len(p.tmpl.calls)
         x = self.sweep.start(dbs, self.sweep.loads(passes))  # type: ignore[arg-type]
         x = self.sweep.layers(x, ctxs, passes)

@@ -76,3 +76,42 @@ def make_images(folder: Path, n: int = 4, seed: int = 0) -> list[Path]:
         Image.fromarray(px).save(path)
         out.append(path)
     return out
+
+
+QWEN_PATCH = 14  # Qwen2-VL's patch; 2 x 2 patches merge into one image token
+QWEN_CLASSES = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
+
+
+def tiny_qwen_vl(root: Path, mt: str = "qwen2_vl", seed: int = 0, layers: int = 2):
+    """A random Qwen2-VL / Qwen2.5-VL (fp32; a 1-block tower, mrope sections for the tiny head, a
+    rope theta of 100 so that wrong position ids show in the loss),
+    vocabulary 400 with its image token 399 (vision start 397, end 398), saved under root."""
+    import transformers
+
+    from .census_config import tiny_config
+
+    cfg = tiny_config(mt, layers)
+    t = cfg.text_config
+    t.vocab_size, t.rope_parameters = (
+        400,
+        {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 3, 3]},
+    )
+    cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id = 399, 397, 398
+    v = cfg.vision_config
+    v.depth = 1
+    if mt == "qwen2_5_vl":  # window attention over 1 window of the tiny images; one full block
+        v.out_hidden_size, v.fullatt_block_indexes, v.window_size = t.hidden_size, [0], 56
+    torch.manual_seed(seed)
+    model = getattr(transformers, QWEN_CLASSES[mt])(cfg).eval()
+    model.save_pretrained(root)
+    return model
+
+
+def qwen_image_processor():
+    """Qwen2-VL's slow image processor with a small pixel budget (28 x 28 .. 56 x 56 per image)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=QWEN_PATCH)

@@ -10,6 +10,9 @@ whether a batch holds images:
               embeddings before it merges the images) -> per micro-batch with media, the tower's
               features (vision.tower) merged by transformers' masked_scatter; the merge's graph
               is kept until the backward
+    positions a micro-batch with images whose owner computes multimodal rotary position ids
+              (Qwen2-VL, Qwen2.5-VL) gets them before its layer context is built (`positioned`,
+              the engine's hook): they reach every layer as transformers' forward gives them
     backward  the rows' gradient through that graph: masked_scatter's own backward zeroes the
               image positions for the embedding table (the placeholder token's row gets nothing
               from them, as in transformers); then the wrapped embedding's backward as ever
@@ -17,12 +20,13 @@ whether a batch holds images:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
-from ..data.batch import MicroBatch
-from ..engine.embed import Embedding
+from ..data.batch import DecodeBatch, MicroBatch
+from ..engine.embed import B, Embedding
 from ..optim.adamw import AdamWHyper
 from ..runtime.events import Event
 from .tower import VisionTower
@@ -44,6 +48,25 @@ class VisionEmbedding(Embedding):
 
     def reserve(self, numel: int, grad: bool) -> None:
         self.inner.reserve(numel, grad)
+
+    def positioned(self, mb: B) -> B:
+        """A micro-batch with images, its position ids the owner's own (vision.tower.positions:
+        Qwen2-VL's (3, b, T) multimodal rotary ids); the others as they are. A generation's
+        prefill keeps them and the rope deltas, which its later sweeps add to their positions
+        (data.batch.DecodeBatch.mrope), as transformers' generate does."""
+        media = mb.media
+        if not media or not any(v.numel() for v in media.values()):
+            return mb
+        if isinstance(mb, DecodeBatch):
+            got = self.tower.positions(mb.input_ids, media, mb.attention_mask())
+            if got is not None:
+                mb.mrope = got  # the Decoder's own batch: its next sweep's carries the deltas
+            return mb
+        mask = None
+        if mb.lengths is not None:
+            mask = torch.arange(mb.input_ids.shape[1])[None, :] < mb.lengths[:, None]
+        got = self.tower.positions(mb.input_ids, media, mask)
+        return mb if got is None else dataclasses.replace(mb, position_ids=got[0])
 
     def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:  # or DecodeBatches
         x = self.inner.scale(self.inner.forward(mbs))

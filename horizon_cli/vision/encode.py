@@ -28,7 +28,9 @@ from ..data.batch import IGNORE
 from ..errors import InputError
 from .records import ImageExample
 
-SKIP = ("input_ids", "attention_mask")  # the processor's text outputs; the rest are the media
+# the processor's per-token outputs (Qwen2-VL's mm_token_type_ids: recomputed from the ids by the
+# processor's rule, vision.tower.positions); the rest are the media, dim 0 per image or patch
+SKIP = ("input_ids", "attention_mask", "mm_token_type_ids")
 
 
 def load_processor(hf_dir: Path, where: str):

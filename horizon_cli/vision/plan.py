@@ -5,6 +5,8 @@ meta device (no memory): the processor's tensors for one image at the pixel budg
 max_pixels), repeated per row of the micro-batch, through `get_image_features` under autograd with
 a saved-tensor hook (what the backward keeps: trained modes) and forward hooks (the largest
 module output alive at once: the frozen forward's working set, taken twice for input and output).
+A tower that reads its image grid's values (Qwen2-VL's image_grid_thw) cannot run there: its
+weights and trained state are counted, its activations are said to be not measured.
 
 Added to every rung of the plan (device: "vision tower", "vision activations", "vision gradient
 sums"; host: "vision state") for a multimodal store whose image path is built (vision.support), so `--dry-run` shows
@@ -58,13 +60,17 @@ def measure(store, cfg, dtype: torch.dtype) -> dict[str, int] | None:
     kw = {k: v.repeat(rows, *([1] * (v.dim() - 1))).to("meta") for k, v in media.items()}
     if "pixel_values" in kw:
         kw["pixel_values"] = kw["pixel_values"].to(dtype)
-    saved, largest = _run(owner, kw, bool(trained))
+    try:
+        saved, largest = _run(owner, kw, bool(trained))
+        acts, tokens = saved + 2 * largest, _tokens(owner, kw, rows)
+    except (RuntimeError, NotImplementedError):  # a tower that reads its grid's values (Qwen2-VL's
+        acts = tokens = -1  # image_grid_thw): the meta device holds none, so not measured
     return {
         "weights": weights,
         "trained": 16 * sum(params[n].numel() for n in trained),  # host: fp32 master, m, v, grad
         "grad_sums": 4 * sum(params[n].numel() for n in trained),  # device: fp32 sums of a step
-        "activations": saved + 2 * largest,
-        "image_tokens": _tokens(owner, kw, rows),
+        "activations": acts,  # -1: not measured
+        "image_tokens": tokens,
     }
 
 
@@ -107,7 +113,8 @@ def add_to_plan(planned, store, dtype: torch.dtype) -> dict[str, int] | None:
         return None
     for plan in planned.rungs.values():
         plan.device["vision tower"] = got["weights"]
-        plan.device["vision activations"] = got["activations"]
+        if got["activations"] >= 0:
+            plan.device["vision activations"] = got["activations"]
         if got["trained"]:
             plan.host["vision state"] = got["trained"]
             plan.device["vision gradient sums"] = got["grad_sums"]
@@ -117,10 +124,16 @@ def add_to_plan(planned, store, dtype: torch.dtype) -> dict[str, int] | None:
 def describe(got: dict[str, int], cfg) -> str:
     from ..fmt import fmt_bytes
 
+    if got["activations"] < 0:
+        acts = "not measured (the tower reads its image grid's values, which the meta device does not hold)"
+    else:
+        acts = (
+            f"{fmt_bytes(got['activations'])} at data.max_pixels {cfg.data.max_pixels} x micro-batch "
+            f"{cfg.train.micro_batch_size} ({got['image_tokens']} image tokens an image)"
+        )
     text = (
-        f"vision: tower {fmt_bytes(got['weights'])} resident on the device; its activations "
-        f"{fmt_bytes(got['activations'])} at data.max_pixels {cfg.data.max_pixels} x micro-batch "
-        f"{cfg.train.micro_batch_size} ({got['image_tokens']} image tokens an image; train.vision {cfg.train.vision})"
+        f"vision: tower {fmt_bytes(got['weights'])} resident on the device; its activations {acts}; "
+        f"train.vision {cfg.train.vision}"
     )
     if got["trained"]:
         text += f"; trained state {fmt_bytes(got['trained'])} on the host"

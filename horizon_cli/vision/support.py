@@ -4,12 +4,14 @@ the meta device), not a table of families.
 The image path needs the module transformers merges images with (the *image owner*: LLaVA's
 `LlavaModel`, Mistral 3's, ...) to offer `get_image_features` (tower + projector) and
 `get_placeholder_mask` (where the features go among the embeddings), and its text forward to need
-nothing else from the images. What is refused, each named:
+nothing else from the images. An owner with `get_rope_index` (Qwen2-VL, Qwen2.5-VL: multimodal
+rotary position ids from the image grid) gets its position ids from it per micro-batch
+(vision.tower.VisionTower.positions), which reach every streamed layer as the position ids. What is refused, each named:
 
     no image owner          the class has no get_image_features / get_placeholder_mask pair
                             (cross-attention image layers: Mllama; Idefics3's own merger)
-    get_rope_index          multimodal rotary position ids from the image grid (Qwen2-VL,
-                            Qwen2.5-VL, Qwen3-VL, GLM-4V): not yet carried to the streamed layers
+    deepstack               a language model that takes image features inside its layers
+                            (Qwen3-VL's deepstack_visual_embeds): not yet carried to the layers
     token_type_ids          a text forward that attends bidirectionally over image tokens
                             (Gemma 3, PaliGemma): not yet built
 """
@@ -23,6 +25,7 @@ from ..arch import ArchSpec
 from ..errors import InputError
 
 MASK_INPUTS = ("token_type_ids", "mm_token_type_ids")
+LAYER_INPUTS = ("deepstack_visual_embeds", "visual_pos_masks")  # image features given to the layers
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class ImageOwner:
     owner: str  # module path of the image owner ("" for the top model)
     lm: str  # the owner's child that holds the decoder stack (its language model)
     towers: tuple[str, ...]  # the owner's other children: tower(s) and projector
+    rope: bool = False  # the owner computes multimodal rotary position ids (get_rope_index)
 
 
 def is_multimodal(arch: ArchSpec) -> bool:
@@ -61,13 +65,11 @@ def image_owner(arch: ArchSpec, where: str, model=None) -> ImageOwner:
             "enter otherwise: cross-attention layers or its own merger), so it trains on text only"
         )
     path, owner = found
-    if hasattr(owner, "get_rope_index"):
-        raise InputError(
-            f"{where}: {name} places images with multimodal rotary position ids (get_rope_index); carrying them "
-            "to the streamed layers is not built yet, so it trains on text only"
-        )
     params = inspect.signature(type(owner).forward).parameters
-    if any(k in params for k in MASK_INPUTS):
+    rope = (
+        set(inspect.signature(owner.get_rope_index).parameters) if hasattr(owner, "get_rope_index") else set()
+    )
+    if any(k in params and k not in rope for k in MASK_INPUTS):  # Qwen's mm_token_type_ids: its rope index
         raise InputError(
             f"{where}: {name}'s text forward reads token type ids (bidirectional attention over image tokens); "
             "that mask is not built yet, so it trains on text only"
@@ -80,5 +82,11 @@ def image_owner(arch: ArchSpec, where: str, model=None) -> ImageOwner:
     )
     if lm is None:
         raise InputError(f"{where}: {name}: the decoder stack {stack} is not under the image owner {path}")
+    taken = inspect.signature(type(owner.get_submodule(lm)).forward).parameters
+    if any(k in taken for k in LAYER_INPUTS):
+        raise InputError(
+            f"{where}: {name}'s language model takes image features inside its layers (deepstack); carrying "
+            "them to the streamed layers is not built yet, so it trains on text only"
+        )
     towers = tuple(c for c, _ in owner.named_children() if c != lm)
-    return ImageOwner(name, path, lm, towers)
+    return ImageOwner(name, path, lm, towers, bool(rope))

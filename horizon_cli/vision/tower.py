@@ -13,6 +13,11 @@ Per micro-batch:
               (by its signature), the pooled output concatenated as the owner's forward does: (n, H)
     merge     owner.get_placeholder_mask(input_ids, inputs_embeds, image_features) and
               inputs_embeds.masked_scatter(mask, features), transformers' own code
+    positions an owner with multimodal rotary position ids (Qwen2-VL, Qwen2.5-VL): its own
+              get_rope_index(input_ids, mm_token_type_ids, image_grid_thw, attention_mask) ->
+              (3, b, T), what its forward gives its language model in training; the token types
+              are the processor's rule (the image token's places 1, the others 0), the mask the
+              rows' real tokens
 """
 
 from __future__ import annotations
@@ -62,9 +67,29 @@ class VisionTower:
             feats = torch.cat(list(feats), dim=0)
         return feats.to(self.dtype)
 
+    def positions(
+        self, input_ids: torch.Tensor, media: dict[str, torch.Tensor], mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The owner's own position ids (3, b, T) of a micro-batch with images and its rope deltas
+        (b, 1), or None (the rows' own). mask: (b, T) the real tokens, or None (all)."""
+        if not self.spec.rope:
+            return None
+        rope = self.owner.get_rope_index
+        takes = inspect.signature(rope).parameters
+        kw: dict[str, torch.Tensor] = {k: v.to(self.device) for k, v in media.items() if k in takes}
+        ids = input_ids.to(self.device)
+        if "mm_token_type_ids" in takes:
+            kw["mm_token_type_ids"] = (ids == self.owner.config.image_token_id).int()
+        if "attention_mask" in takes and mask is not None:
+            kw["attention_mask"] = mask.to(self.device).long()
+        pos, deltas = rope(ids, **kw)
+        return pos, deltas
+
     def merge(self, input_ids: torch.Tensor, rows: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """The rows with the image features in the placeholders' places (transformers' merge)."""
         mask = self.owner.get_placeholder_mask(input_ids, inputs_embeds=rows, image_features=feats)
+        if isinstance(mask, tuple):  # (image, video) masks: Qwen2-VL's forward takes the first
+            mask = mask[0]
         return rows.masked_scatter(mask, feats)
 
 

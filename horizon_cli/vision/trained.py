@@ -1,7 +1,8 @@
 """The trained part of a vision tower (`train.vision: projector | all`): fp32 masters and AdamW
 moments on the host, like every other unit's, the device copy in the compute dtype.
 
-    projector  the owner's children named like a projector (projector, merger, connector, adapter)
+    projector  the owner's children named like a projector (projector, merger, connector, adapter),
+               else such a child of a tower (Qwen2-VL's visual.merger)
     all        every tower child (the vision encoder too)
 
 Per step: the gradient of every micro-batch is summed in fp32 on the device (`add`), then sent to
@@ -39,9 +40,14 @@ def trained_names(
 ) -> list[str]:
     """The tower parameters `mode` trains (names as in `params`)."""
     kids = towers if mode == "all" else tuple(c for c in towers if PROJECTOR.search(c))
-    if not kids:
+    if kids:
+        return [n for n in params if any(n.startswith(f"{base}{c}.") for c in kids)]
+    # the projector inside the tower (Qwen2-VL's visual.merger): a tower child's child named so
+    inner = [n for n in params if any(n.startswith(f"{base}{c}.") for c in towers)
+             and PROJECTOR.search(n[len(base):].split(".")[1])]  # fmt: skip
+    if not inner:
         raise InputError(f"train.vision: {mode}: the model has no projector module among {list(towers)}")
-    return [n for n in params if any(n.startswith(f"{base}{c}.") for c in kids)]
+    return inner
 
 
 class TowerState:
