@@ -85,13 +85,7 @@ def hf_loss_backward(model, mbs: list[MicroBatch]) -> float:
     for mb in mbs:
         mask = (mb.input_ids != -1).long()  # right padding sits after every real token (causal)
         out = model(input_ids=mb.input_ids, attention_mask=mask, output_router_logits=aux)
-        logits = out.logits.float()
-        loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]),
-            mb.labels[:, 1:].reshape(-1),
-            ignore_index=IGNORE,
-            reduction="sum",
-        )
+        loss = label_ce_sum(out.logits, mb.labels)
         if aux:
             routers.append(out.router_logits)
             masks.append(real_tokens(mb).reshape(-1))
@@ -104,6 +98,31 @@ def hf_loss_backward(model, mbs: list[MicroBatch]) -> float:
         per_layer = tuple(torch.cat(ls) for ls in zip(*routers, strict=True))
         value = lb(per_layer, model.num_experts, model.num_experts_per_tok, torch.cat(masks))
         (objective + model.router_aux_loss_coef * value).backward()
+    return total / n
+
+
+def label_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy summed over the labelled positions (logits taken in fp32)."""
+    logits = logits.float()
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]),
+        labels[:, 1:].reshape(-1),
+        ignore_index=IGNORE,
+        reduction="sum",
+    )
+
+
+def hf_batch_loss(model, mbs: list[MicroBatch], inputs=None, backward: bool = True) -> float:
+    """Summed CE over the global batch's label tokens / their count, each micro-batch's share
+    backpropagated (backward). inputs(mb): the model's keyword arguments (default: input_ids only)."""
+    n = sum(mb.label_tokens for mb in mbs)
+    total = 0.0
+    for mb in mbs:
+        kw = inputs(mb) if inputs is not None else {"input_ids": mb.input_ids}
+        loss = label_ce_sum(model(**kw).logits, mb.labels)
+        if backward:
+            (loss / n).backward()
+        total += loss.item()
     return total / n
 
 

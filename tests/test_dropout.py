@@ -9,13 +9,14 @@ for bit; forward-only passes run with dropout off; `model.dropout: 0` is a store
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 from oracle import (
     DEVICE,
     check_grads,
     engine_grads,
     engine_weights,
+    hf_batch_loss,
+    label_ce_sum,
     micro_batches,
     one_thread,  # noqa: F401 (autouse fixture: tiny models on one thread)
     random_rows,
@@ -24,7 +25,6 @@ from oracle import (
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.convert import convert
-from horizon_cli.data.batch import IGNORE
 from horizon_cli.engine import Engine
 from horizon_cli.engine.dropout import SeededDropout, call_seed
 from horizon_cli.store import Store
@@ -115,11 +115,7 @@ def hf_backward(model, mbs, seed=SEED, step=0, inner=None) -> float:
     try:
         for m, mb in enumerate(mbs):
             mb_index[0] = m
-            logits = model(input_ids=mb.input_ids).logits.float()
-            loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), mb.labels[:, 1:].reshape(-1),
-                ignore_index=IGNORE, reduction="sum",
-            )  # fmt: skip
+            loss = label_ce_sum(model(input_ids=mb.input_ids).logits, mb.labels)
             (loss / n).backward()
             total += loss.item()
     finally:
@@ -155,18 +151,7 @@ def test_gradients_equal_transformers_under_the_same_masks(tmp_path, name):
 
 def hf_eval(model, mbs, backward=False) -> float:
     """The same loss in eval mode (dropout off)."""
-    n = sum(mb.label_tokens for mb in mbs)
-    total = 0.0
-    for mb in mbs:
-        logits = model(input_ids=mb.input_ids).logits.float()
-        loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), mb.labels[:, 1:].reshape(-1),
-            ignore_index=IGNORE, reduction="sum",
-        )  # fmt: skip
-        if backward:
-            (loss / n).backward()
-        total += loss.item()
-    return total / n
+    return hf_batch_loss(model, mbs, backward=backward)
 
 
 @cpu_only

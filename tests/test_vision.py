@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import horizon, write_config
-from oracle import engine_grads, engine_weights, one_thread, rel_err  # noqa: F401 (autouse fixture)
+from oracle import engine_grads, engine_weights, hf_batch_loss, one_thread, rel_err  # noqa: F401 (autouse fixture)
 from PIL import Image
 
 from horizon_cli.config.schema import DataConfig, EngineConfig, OptimConfig
@@ -120,18 +119,9 @@ def test_processor_ids_equal_horizons_per_form(vlm, tmp_path, form):
 
 def hf_step_loss(model, mbs) -> float:
     """Summed CE over the global batch's label tokens / their count, backward; with pixel_values."""
-    n = sum(mb.label_tokens for mb in mbs)
-    total = 0.0
-    for mb in mbs:
-        out = model(input_ids=mb.input_ids, pixel_values=mb.media["pixel_values"])
-        logits = out.logits.float()
-        loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), mb.labels[:, 1:].reshape(-1),
-            ignore_index=IGNORE, reduction="sum",
-        )  # fmt: skip
-        (loss / n).backward()
-        total += loss.item()
-    return total / n
+    return hf_batch_loss(
+        model, mbs, lambda mb: {"input_ids": mb.input_ids, "pixel_values": mb.media["pixel_values"]}
+    )
 
 
 TOWER = ("model.vision_tower.", "model.multi_modal_projector.")
@@ -463,16 +453,7 @@ def test_mistral3_compute_matches_transformers(tmp_path):
     named = dict(model.named_parameters())
 
     def hf_loss(mbs) -> float:
-        n = sum(mb.label_tokens for mb in mbs)
-        total = 0.0
-        for mb in mbs:
-            kw = mb.media or {}
-            logits = model(input_ids=mb.input_ids, **kw).logits.float()
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), mb.labels[:, 1:].reshape(-1),
-                                   ignore_index=IGNORE, reduction="sum")  # fmt: skip
-            (loss / n).backward()
-            total += loss.item()
-        return total / n
+        return hf_batch_loss(model, mbs, lambda mb: {"input_ids": mb.input_ids, **(mb.media or {})})
 
     try:
         for s, mbs in enumerate(steps):

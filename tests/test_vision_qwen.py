@@ -9,8 +9,7 @@ called with the same tensors + torch AdamW (fp32, 1e-5), with text-only rows bes
 
 import pytest
 import torch
-import torch.nn.functional as F
-from oracle import engine_grads, engine_weights, one_thread, rel_err  # noqa: F401 (autouse fixture)
+from oracle import engine_grads, engine_weights, hf_batch_loss, one_thread, rel_err  # noqa: F401 (autouse fixture)
 from PIL import Image
 
 from horizon_cli.config.schema import EngineConfig, OptimConfig
@@ -73,19 +72,15 @@ def steps(pv, grids):
 def hf_loss(model, mbs) -> float:
     """Summed CE over the global batch's label tokens / their count, backward; the processor's
     tensors as the model takes them (token types: 1 on the image tokens, as the processor sets)."""
-    n = sum(mb.label_tokens for mb in mbs)
-    total = 0.0
-    for mb in mbs:
+
+    def inputs(mb: MicroBatch) -> dict:
         att = (torch.arange(mb.input_ids.shape[1])[None] < mb.lengths[:, None]).long()
-        kw = dict(mb.media or {})
-        logits = model(
-            input_ids=mb.input_ids, attention_mask=att, mm_token_type_ids=(mb.input_ids == IMAGE).int(), **kw
-        ).logits.float()
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), mb.labels[:, 1:].reshape(-1),
-                               ignore_index=IGNORE, reduction="sum")  # fmt: skip
-        (loss / n).backward()
-        total += loss.item()
-    return total / n
+        ids = mb.input_ids
+        return dict(
+            input_ids=ids, attention_mask=att, mm_token_type_ids=(ids == IMAGE).int(), **(mb.media or {})
+        )
+
+    return hf_batch_loss(model, mbs, inputs)
 
 
 @pytest.mark.parametrize("vision", ["frozen", "projector", "all"])
