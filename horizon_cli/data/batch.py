@@ -27,6 +27,9 @@ class MicroBatch:
     extras       what an objective reads beside the tokens, by name (engine.objective): per row
                  (b,) or per global batch (0-d). Preference pairs (data.pairs): rows 2j and
                  2j + 1 are pair j's chosen and rejected; `ref` (b,) fp32 their reference log-probs
+    token_types  (b, T) int64, 1 on image tokens, for a model whose attention reads them (Gemma 3:
+                 bidirectional within each image's block, model.token_masks); set by the image
+                 stage (vision.embed), None otherwise
     """
 
     input_ids: torch.Tensor
@@ -36,6 +39,7 @@ class MicroBatch:
     lengths: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     media: dict[str, torch.Tensor] | None = None
+    token_types: torch.Tensor | None = None
 
     @property
     def label_tokens(self) -> int:
@@ -68,6 +72,8 @@ class DecodeBatch:
     mrope      the model's own position ids of a prefill with images, (3, b, T) (vision.embed:
                Qwen2-VL's get_rope_index), and its rope deltas (b, 1), which later sweeps add
                to their positions as transformers' generate does; None: none
+    token_types a prefill's (b, T) token types (MicroBatch.token_types); later sweeps have none, as
+               transformers' generate passes them at the first iteration only
     """
 
     input_ids: torch.Tensor
@@ -77,6 +83,7 @@ class DecodeBatch:
         None  # the prefill's image tensors (vision.prompts), rows in order
     )
     mrope: tuple[torch.Tensor | None, torch.Tensor] | None = None
+    token_types: torch.Tensor | None = None
 
     @property
     def position_ids(self) -> torch.Tensor:

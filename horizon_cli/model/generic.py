@@ -57,6 +57,7 @@ from ..data.batch import DecodeBatch, MicroBatch
 from .junction import Junctions
 from .moe import RouterStats, experts_fallback
 from .side import SideState, plus
+from .token_masks import has_media, owner_inputs
 from .train_mode import ModuleTrainMode
 
 
@@ -71,6 +72,8 @@ class GenericContext:
     tokens: torch.Tensor  # (b*T,) fp32: 1 for real tokens, 0 for padding
     cache: Any = None  # generation: the micro-batch's transformers Cache (DynamicCache)
     packed: bool = False  # rows hold several documents (positions restart at each)
+    types: torch.Tensor | None = None  # (b, T) token types the model's masks read (model.token_masks)
+    embedded: bool = False  # the rows are the embedding module's output (images merged: model.token_masks)
     calls: dict[int, tuple[tuple, dict]] | None = None
     carry: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # layer -> its passed outputs
     # a loop (arch.calls): the outputs of calls a later junction reads, and their gradients so far
@@ -158,17 +161,15 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
             tokens = (torch.arange(mb.input_ids.shape[1])[None, :] < mb.lengths[:, None]).float()
         return GenericContext(
             mb.input_ids.to(device), mb.position_ids.to(device), None, tokens.reshape(-1).to(device),
-            packed=mb.doc_ids is not None,
+            packed=mb.doc_ids is not None, types=mb.token_types, embedded=has_media(mb),
         )  # fmt: skip
 
     def gen_context(self, db: DecodeBatch, cache, dtype: torch.dtype, device) -> GenericContext:
         """A generation sweep: the 2-D attention mask (left padding) and the cache go to the owner,
         which builds the masks from them as in transformers' generate; positions as it derives them."""
-        att = db.attention_mask()
+        att, ids, pos = db.attention_mask().to(device), db.input_ids.to(device), db.position_ids.to(device)
         tokens = att[:, db.past :].float().reshape(-1)
-        return GenericContext(
-            db.input_ids.to(device), db.position_ids.to(device), att.to(device), tokens.to(device), cache
-        )
+        return GenericContext(ids, pos, att, tokens, cache, types=db.token_types, embedded=has_media(db))
 
     def _owner_inputs(self, ctx: GenericContext, cache: bool = True) -> dict[str, Any]:
         names = self.s.owner_kwargs
@@ -193,12 +194,12 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
         stop = dict(stop_at=None, stop_call=len(self.calls) - 1) if self.loop else dict(stop_at=self.last)
         with (
             _reparametrize_module(self.owner, pw, strict=False),
-            rows_embedding(self.emb, rows),
+            contextlib.nullcontext() if ctx.embedded else rows_embedding(self.emb, rows),
             recorders(self.layers, log, self.s.returns, **stop),  # type: ignore[arg-type]
             packed_positions(self.owner, ctx.pos) if ctx.packed else contextlib.nullcontext(),
             contextlib.suppress(Stop),
         ):
-            self.owner(**self._owner_inputs(ctx))
+            self.owner(**owner_inputs(self._owner_inputs(ctx), self.model, rows, ctx))
         if self.loop:
             return {j: (args, kwargs) for j, (_, args, kwargs) in enumerate(log)}
         return {i: (args, kwargs) for i, args, kwargs in log}
@@ -345,9 +346,8 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
 
     def kv_row_numel(self) -> list[tuple[int, int | None]]:
         """Per layer: elements cached per position of one row, most positions kept (None: all), as
-        the config's attention shape says: K and V of every position in every layer. Generation
-        reads the exact sizes (sliding windows, recurrent states) off transformers' own model
-        (generate.kvprobe) and falls back on these."""
+        the config's attention shape says (generation reads the exact sizes off transformers' own
+        model, generate.kvprobe, and falls back on these)."""
         c = self.cfg
         heads = int(getattr(c, "num_attention_heads", None) or 1)
         kv = 2 * int(getattr(c, "num_key_value_heads", None) or heads)

@@ -7,12 +7,15 @@ the engine's parts (engine.parts: `stage`), so the sweep, the step and the passe
 whether a batch holds images:
 
     forward   the text rows (scaled as the family scales them: transformers scales the token
-              embeddings before it merges the images) -> per micro-batch with media, the tower's
+              embeddings before it merges the images; on the generic path the embedding module's
+              own forward does, vision.tower.embed) -> per micro-batch with media, the tower's
               features (vision.tower) merged by transformers' masked_scatter; the merge's graph
               is kept until the backward
     positions a micro-batch with images whose owner computes multimodal rotary position ids
               (Qwen2-VL, Qwen2.5-VL) gets them before its layer context is built (`positioned`,
-              the engine's hook): they reach every layer as transformers' forward gives them
+              the engine's hook): they reach every layer as transformers' forward gives them;
+              one whose masks read token types (Gemma 3) gets those there too, from which the
+              layer context builds the model's own masks (model.token_masks)
     backward  the rows' gradient through that graph: masked_scatter's own backward zeroes the
               image positions for the embedding table (the placeholder token's row gets nothing
               from them, as in transformers); then the wrapped embedding's backward as ever
@@ -57,6 +60,12 @@ class VisionEmbedding(Embedding):
         media = mb.media
         if not media or not any(v.numel() for v in media.values()):
             return mb
+        types = self.tower.token_types(mb.input_ids)  # Gemma 3's image blocks (model.token_masks)
+        if types is not None:
+            if isinstance(mb, DecodeBatch):
+                mb.token_types = types  # its prefill only: the next sweep's batch carries none
+            else:
+                mb = dataclasses.replace(mb, token_types=types)
         if isinstance(mb, DecodeBatch):
             got = self.tower.positions(mb.input_ids, media, mb.attention_mask())
             if got is not None:
@@ -81,7 +90,8 @@ class VisionEmbedding(Embedding):
             with torch.enable_grad():
                 feats = self.tower.features(media)  # (n, H)
                 rows = xm.detach().requires_grad_(True)
-                merged = self.tower.merge(mb.input_ids.to(xm.device), rows, feats)
+                ids = mb.input_ids.to(xm.device)
+                merged = self.tower.merge(ids, self.tower.embed(ids, rows), feats)
             out.append(merged.detach())
             self.saved.append((rows, merged))
         return out

@@ -28,9 +28,11 @@ from ..data.batch import IGNORE
 from ..errors import InputError
 from .records import ImageExample
 
-# the processor's per-token outputs (Qwen2-VL's mm_token_type_ids: recomputed from the ids by the
-# processor's rule, vision.tower.positions); the rest are the media, dim 0 per image or patch
-SKIP = ("input_ids", "attention_mask", "mm_token_type_ids")
+# the processor's per-token outputs (Qwen2-VL's mm_token_type_ids, Gemma 3's token_type_ids:
+# recomputed from the ids by the processor's rule, vision.tower); the rest are the media, dim 0 per
+# image or patch
+SKIP = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+STACK = "pixel_attention_mask"  # a per-row image stack's pixel mask (Idefics3, SmolVLM: vision.tower)
 
 
 def load_processor(hf_dir: Path, where: str):
@@ -52,10 +54,35 @@ def load_processor(hf_dir: Path, where: str):
 
 
 def image_token_id(proc) -> int:
+    """The token the processor expands each image into (the one its token types mark: Gemma 3's
+    soft token, not the `<start_of_image>` placeholder it calls its image token)."""
+    ids = getattr(proc, "image_token_ids", None)
+    if ids and ids[0] is not None:
+        return int(ids[0])
     tid = getattr(proc, "image_token_id", None)
     if tid is None:
         tid = proc.tokenizer.convert_tokens_to_ids(proc.image_token)
     return int(tid)
+
+
+def media_of(out, image_id: int, where: str) -> dict[str, np.ndarray]:
+    """One text's processor outputs -> its media, dim 0 per image (or patch). A per-row stack
+    (Idefics3's pixel_values (1, n, C, H, W) beside its pixel mask) loses its row dimension, so
+    rows of different image counts concatenate (vision.tower stacks them again). Token types
+    the processor gives are checked against the rule the tower rebuilds them with (1 on the image
+    tokens): a processor whose types mean more (PaliGemma's prefix) is refused."""
+    types = out.get("token_type_ids")
+    if types is not None:
+        ids = np.asarray(out["input_ids"][0])
+        if not np.array_equal(np.asarray(types[0]) == 1, ids == image_id):
+            raise InputError(
+                f"{where}: the processor's token_type_ids mark other tokens than the image tokens; that "
+                "attention mask is not built"
+            )
+    media = {k: np.asarray(v) for k, v in out.items() if k not in SKIP and v is not None}
+    if STACK in media:
+        media = {k: v[0] if k in (STACK, "pixel_values") else v for k, v in media.items()}
+    return media
 
 
 def budget(img, max_pixels: int, min_pixels: int):
@@ -106,8 +133,7 @@ class ImageEncoder:
     def _ids(self, text: str, images: list) -> tuple[np.ndarray, dict]:
         out = self.proc(text=[text], images=images or None, add_special_tokens=False, return_tensors="np")
         ids = np.asarray(out["input_ids"][0], dtype=np.int64)
-        media = {k: np.asarray(v) for k, v in out.items() if k not in SKIP and v is not None}
-        return ids, media
+        return ids, media_of(out, self.image_id, self.where)
 
     def encode(self, ex: ImageExample, where: str) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         images = [open_image(p, where, self.max_pixels, self.min_pixels) for p in ex.images]

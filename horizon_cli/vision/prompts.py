@@ -13,7 +13,7 @@ import torch
 
 from ..data.images import names_images
 from ..errors import InputError
-from .encode import SKIP, load_processor, open_image
+from .encode import image_token_id, load_processor, media_of, open_image
 from .records import image_example
 from .support import image_owner, is_multimodal
 
@@ -42,8 +42,6 @@ def image_prompts(store, records: list[tuple[dict, str]], base: Path, max_pixels
         images = [open_image(p, at, max_pixels, min_pixels) for p in ex.images]
         got = proc(text=[text], images=images, add_special_tokens=False, return_tensors="np")
         ids = [int(t) for t in np.asarray(got["input_ids"][0])]
-        media = {
-            n: torch.from_numpy(np.asarray(v)) for n, v in got.items() if n not in SKIP and v is not None
-        }
+        media = {n: torch.from_numpy(v) for n, v in media_of(got, image_token_id(proc), at).items()}
         out[k] = (ids, media)
     return out

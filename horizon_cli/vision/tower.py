@@ -11,8 +11,17 @@ Per micro-batch:
 
     features  owner.get_image_features(pixel_values, ...) with the processor's tensors that it takes
               (by its signature), the pooled output concatenated as the owner's forward does: (n, H)
+              (Idefics3 / SmolVLM take each text row's images as one stack (1, n, C, H, W) with
+              its pixel mask: the rows' images, kept one per dim-0 entry in the data, go as one
+              stack (vision.encode.media_of), whose features are the same rows in the same order)
+    embed     the language model's embedding module's own forward on the gathered rows (Gemma 3
+              scales them there), the merge's input as in transformers; the streamed owner then
+              takes the merged rows as its inputs_embeds (model.token_masks.owner_inputs)
     merge     owner.get_placeholder_mask(input_ids, inputs_embeds, image_features) and
-              inputs_embeds.masked_scatter(mask, features), transformers' own code
+              inputs_embeds.masked_scatter(mask, features), transformers' own code; or the owner's
+              own inputs_merger(input_ids, inputs_embeds, image_hidden_states) (Idefics3)
+    types     an owner whose masks read token types (Gemma 3): 1 on the image tokens, the
+              processor's rule (ProcessorMixin.create_mm_token_type_ids), for model.token_masks
     positions an owner with multimodal rotary position ids (Qwen2-VL, Qwen2.5-VL): its own
               get_rope_index(input_ids, mm_token_type_ids, image_grid_thw, attention_mask) ->
               (3, b, T), what its forward gives its language model in training; the token types
@@ -33,6 +42,7 @@ import torch
 from ..arch.disk import place
 from ..errors import InputError
 from ..store.carried import FILE, verify_carried
+from .encode import STACK
 from .support import image_owner
 
 
@@ -47,6 +57,8 @@ class VisionTower:
         for mod in mods:  # buffers: real, to the device (the parameters come from the store below)
             for sub in mod.modules():
                 sub._buffers.update({k: b.to(device) for k, b in sub._buffers.items() if b is not None})
+        self.emb = self.owner.get_input_embeddings()  # meta weight; its buffers (Gemma's scale) real
+        self.emb._buffers.update({k: b.to(device) for k, b in self.emb._buffers.items() if b is not None})
         self.params, self.disk = _load(model, self.spec, mods, Path(store.root) / "hf", device, dtype, where)
         for p in self.params.values():
             p.requires_grad_(trained)
@@ -59,6 +71,8 @@ class VisionTower:
     def features(self, media: dict[str, torch.Tensor]) -> torch.Tensor:
         """(n, H) image features of a micro-batch's images, in the compute dtype."""
         kw = {k: v.to(self.device) for k, v in media.items() if k in self.takes}
+        if STACK in kw:  # one stack of every image (module doc)
+            kw = {k: v[None] if k in (STACK, "pixel_values") else v for k, v in kw.items()}
         if "pixel_values" in kw and kw["pixel_values"].is_floating_point():
             kw["pixel_values"] = kw["pixel_values"].to(self.dtype)
         out = self.owner.get_image_features(**kw, return_dict=True)
@@ -85,8 +99,26 @@ class VisionTower:
         pos, deltas = rope(ids, **kw)
         return pos, deltas
 
+    def embed(self, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The embedding module's output for the gathered rows (b, T, H), by its own forward: what
+        transformers merges the features into (Gemma 3's scaled rows; others' the rows as they are)."""
+        from ..arch.capture import rows_embedding
+
+        with rows_embedding(self.emb, rows):
+            return self.emb(input_ids)
+
+    def token_types(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """(b, T) int64 token types (1 on image tokens) when the owner's masks read them, else None."""
+        if not self.spec.types:
+            return None
+        return (input_ids == self.owner.config.image_token_id).long()
+
     def merge(self, input_ids: torch.Tensor, rows: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """The rows with the image features in the placeholders' places (transformers' merge)."""
+        if not hasattr(self.owner, "get_placeholder_mask"):  # its own merge (vision.support)
+            return self.owner.inputs_merger(
+                input_ids=input_ids, inputs_embeds=rows, image_hidden_states=feats
+            )
         mask = self.owner.get_placeholder_mask(input_ids, inputs_embeds=rows, image_features=feats)
         if isinstance(mask, tuple):  # (image, video) masks: Qwen2-VL's forward takes the first
             mask = mask[0]
