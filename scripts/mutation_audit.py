@@ -850,6 +850,22 @@ MUTATIONS: list[Mutation] = [
       "deltas = None",
       ["tests/test_vision_qwen.py::test_qwen_vl_generate_with_images_equals_transformers_greedy"],
       "generated tokens after an image prefill lose the rope deltas (positions restart as text)"),
+    # ---- vision: Gemma 3's image blocks, Idefics3's tile stacks ----------------------------------------
+    M("image-blocks-dropped", "engine", "horizon_cli.model.token_masks:owner_inputs",
+      "if ctx.types is None:",
+      "if True:",
+      ["tests/test_vision_families.py::test_loss_grads_adamw_match_transformers"],
+      "Gemma 3's image tokens attend causally (the bidirectional block mask never reaches the layers)"),
+    M("image-merge-unscaled", "engine", "horizon_cli.vision.embed:VisionEmbedding.forward",
+      "merged = self.tower.merge(ids, self.tower.embed(ids, rows), feats)",
+      "merged = self.tower.merge(ids, rows, feats)",
+      ["tests/test_vision_families.py::test_loss_grads_adamw_match_transformers"],
+      "the image features merged into rows the embedding module has not run on (Gemma 3's text unscaled)"),
+    M("image-stack-flat", "engine", "horizon_cli.vision.tower:VisionTower.features",
+      "if STACK in kw:",
+      "if False:",
+      ["tests/test_vision_families.py::test_loss_grads_adamw_match_transformers"],
+      "Idefics3's tiles reach get_image_features without the per-row stack dimension it reads"),
 ]
 # fmt: on
 

@@ -8,7 +8,10 @@ into tiles (a per-row stack with its pixel mask) and merge through their own inp
 placeholder mask. For each: the processor's token ids equal horizon's; the loss, every gradient
 and 3 AdamW steps (tower frozen, all of it trained) equal transformers' own model called with the
 processor's outputs + torch AdamW (fp32, 1e-5), text-only rows beside image rows; generation with
-an image equals transformers' greedy generate; the exported checkpoint loads in transformers."""
+an image equals transformers' greedy generate; the exported checkpoint loads in transformers; the
+CLI trains, plans and refuses bad image input. SmolVLM (the same model as Idefics3 but for its merge:
+get_placeholder_mask, LLaVA's path) and the CLI runs of the two Idefics-style classes are opt-in
+(`-m slow`), to keep this file fast."""
 
 import json
 from pathlib import Path
@@ -27,7 +30,7 @@ from horizon_cli.engine import Engine
 from horizon_cli.export import export
 from horizon_cli.store import Store
 from horizon_cli.testing.vision import make_images
-from horizon_cli.testing.vision_families import FAMILIES, tiny_vlm
+from horizon_cli.testing.vision_families import tiny_vlm
 from horizon_cli.vision.run import image_data, vision_stage
 
 HP = dict(lr=2e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.1, grad_clip=0.5)
@@ -35,13 +38,20 @@ KEY_BIAS = "self_attn.k_proj.bias"  # softmax is invariant to it: its gradient i
 LM = ("model.language_model.", "model.text_model.", "lm_head.")
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def vlm(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    model, _ = tiny_vlm(root / "hf", request.param)
+# SmolVLM differs from Idefics3 by its merge only (get_placeholder_mask, LLaVA's path): opt-in (slow)
+FAMILY_PARAMS = ["gemma3", "idefics3", pytest.param("smolvlm", marks=pytest.mark.slow)]
+
+
+def build(root: Path, family: str):
+    model, _ = tiny_vlm(root / "hf", family)
     convert(root / "hf", root / "store", dtype="float32")
     imgs = make_images(root / "data" / "imgs")
-    return request.param, root, model, imgs
+    return family, root, model, imgs
+
+
+@pytest.fixture(scope="module", params=FAMILY_PARAMS)
+def vlm(request, tmp_path_factory):
+    return build(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def chat(i: int, img: str | None) -> dict:
@@ -180,3 +190,52 @@ def test_generate_with_an_image_equals_transformers_greedy_and_export_loads(vlm,
             out = model.generate(**inputs, max_new_tokens=5, do_sample=False)
         ref = out[0, inputs["input_ids"].shape[1] :].tolist()
         assert got[k] == ref[: len(got[k])] and len(got[k]) >= 1, (family, k, got[k], ref)
+
+
+@pytest.mark.parametrize(
+    "family", ["gemma3", *(pytest.param(f, marks=pytest.mark.slow) for f in ("idefics3", "smolvlm"))]
+)
+def test_cli_trains_plans_and_refuses_bad_image_input(family, tmp_path):
+    """`horizon train` with the tower trained (its dry run plans the tower, a real run exports a
+    checkpoint transformers loads with the tower changed); a record with more placeholders than
+    images is one line, exit 2, nothing trained."""
+    from conftest import write_config
+
+    family, root, model0, imgs = build(tmp_path / "m", family)
+    rows = [chat(i, str(imgs[i])) for i in range(4)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = write_config(
+        tmp_path / "cfg.yaml", root / "store", data, tmp_path / "run",
+        data={"max_seq_len": 256}, train={"steps": 1, "batch_size": 2, "micro_batch_size": 1, "vision": "all"},
+        output={"export": True},
+    )  # fmt: skip
+    r = horizon("train", cfg, "--dry-run")
+    assert r.exit_code == 0 and "vision tower" in r.output, r.output
+    r = horizon("train", cfg)
+    assert r.exit_code == 0 and "done: 1 steps" in r.output, r.output
+    after = type(model0).from_pretrained(tmp_path / "run" / "export").state_dict()
+    orig = model0.state_dict()
+    assert any(not torch.equal(orig[k], v) for k, v in after.items() if not k.startswith(LM))
+    two = {"images": [str(imgs[0])], "conversations": [
+        {"from": "human", "value": "<image><image>hi"}, {"from": "gpt", "value": "ok"}]}  # fmt: skip
+    data.write_text(json.dumps(two) + "\n")
+    r = horizon("train", cfg, "output.dir=" + str(tmp_path / "bad"))
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(lines) == 1 and "more image placeholders than images" in lines[0], (
+        r.output
+    )
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_processor_token_types_other_than_image_tokens_refused():
+    """A processor whose token_type_ids mean more than the image tokens (PaliGemma's prefix) is
+    refused at the data, naming it: the masks horizon builds read the image-token rule."""
+    from horizon_cli.errors import InputError
+    from horizon_cli.vision.encode import media_of
+
+    ids = np.array([[1, 7, 9, 9, 5]])
+    ok = {"input_ids": ids, "token_type_ids": (ids == 9) * 1, "pixel_values": np.zeros((1, 3, 4, 4))}
+    assert set(media_of(ok, 9, "d.jsonl: record 1")) == {"pixel_values"}
+    with pytest.raises(InputError, match="token_type_ids mark other tokens"):
+        media_of({**ok, "token_type_ids": np.array([[0, 0, 0, 0, 1]])}, 9, "d.jsonl: record 1")
