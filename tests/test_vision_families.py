@@ -161,6 +161,9 @@ def test_loss_grads_adamw_match_transformers(vlm, vision):
 
 
 def test_generate_with_an_image_equals_transformers_greedy_and_export_loads(vlm, tmp_path):
+    """`horizon generate` with image prompts and a text one in one left-padded batch: each completion
+    equals transformers' greedy generate on the processor's outputs (Gemma 3: the image blocks'
+    masks at the prefill only, as its generate passes token types); the store's export loads."""
     from transformers import AutoProcessor
 
     family, root, model0, imgs = vlm
@@ -168,7 +171,7 @@ def test_generate_with_an_image_equals_transformers_greedy_and_export_loads(vlm,
         {"messages": [{"role": "user", "content": [{"type": "image", "image": str(imgs[i])},
                                                    {"type": "text", "text": f"what is {i}?"}]}]}
         for i in (1, 3)
-    ]  # fmt: skip
+    ] + [{"messages": [{"role": "user", "content": "hello there"}]}]  # fmt: skip
     pf = tmp_path / "prompts.jsonl"
     pf.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     r = horizon(
@@ -181,11 +184,12 @@ def test_generate_with_an_image_equals_transformers_greedy_and_export_loads(vlm,
     model = type(model0).from_pretrained(tmp_path / "out").float().eval()  # the export, in transformers
     orig = model0.state_dict()
     assert all(torch.equal(v, orig[k]) for k, v in model.state_dict().items())
-    for k, i in enumerate((1, 3)):
+    for k, i in enumerate((1, 3, None)):  # one left-padded batch: images of 2 sizes and a text prompt
         msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"what is {i}?"}]}]
+        pics = None if i is None else [Image.open(imgs[i]).convert("RGB")]
+        msgs = prompts[2]["messages"] if i is None else msgs
         text = proc.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        inputs = proc(text=[text], images=[Image.open(imgs[i]).convert("RGB")], add_special_tokens=False,
-                      return_tensors="pt")  # fmt: skip
+        inputs = proc(text=[text], images=pics, add_special_tokens=False, return_tensors="pt")
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=5, do_sample=False)
         ref = out[0, inputs["input_ids"].shape[1] :].tolist()
