@@ -80,3 +80,42 @@ def test_planned_tower_activations_equal_the_cpu_peak(tmp_path, family, trained)
     # never under the measured peak, and near it (Qwen: within 0.1 %; LLaVA: 13 % over, a
     # layer's hidden state of CLIP's that the meta forward holds a step longer)
     assert lv.peak * 0.999 <= planned <= 1.2 * lv.peak, (planned, lv.peak)
+
+
+def test_generation_plan_counts_the_tower(tmp_path):
+    """`horizon generate` with image prompts: the plan's rows hold the tower's weights and the
+    prefill's tower activations for the batch's images (against the CPU peak, as above)."""
+    import json
+
+    from conftest import horizon
+
+    from horizon_cli.convert import convert
+    from horizon_cli.store import Store
+    from horizon_cli.testing.vision import make_images
+    from horizon_cli.vision.plan import generation_bytes
+
+    model, _ = model_and_media("llava", tmp_path)
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    proc = tiny_processor()
+    imgs = make_images(tmp_path / "imgs", n=2)
+    media = [{k: v for k, v in proc(text=["<image>"], images=[Image.open(p).convert("RGB")], return_tensors="pt").items()
+              if k == "pixel_values"} for p in imgs]  # fmt: skip
+    got = generation_bytes(Store.open(tmp_path / "store"), media, torch.float32)
+    tower = [
+        p
+        for n, p in model.named_parameters()
+        if n.startswith(("model.vision_tower.", "model.multi_modal_projector."))
+    ]
+    assert got["vision tower"] == 4 * sum(p.numel() for p in tower)
+    pv = torch.cat([m["pixel_values"] for m in media])
+    with torch.no_grad(), LiveBytes([*model.parameters(), *model.buffers(), pv]) as lv:
+        model.model.get_image_features(pixel_values=pv, return_dict=True)
+    assert lv.peak * 0.999 <= got["vision activations (prefill)"] <= 1.2 * lv.peak
+    prompts = tmp_path / "prompts.jsonl"
+    part = {
+        "role": "user",
+        "content": [{"type": "image", "image": f"imgs/{imgs[0].name}"}, {"type": "text", "text": "hi"}],
+    }
+    prompts.write_text(json.dumps({"messages": [part]}) + "\n")
+    r = horizon("generate", tmp_path / "store", "--prompts", prompts, "--max-new-tokens", "2")
+    assert r.exit_code == 0 and "vision tower" in r.output and "vision activations" in r.output, r.output

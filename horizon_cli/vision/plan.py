@@ -20,6 +20,7 @@ over-counted by them (a tower is small beside its language model).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from pathlib import Path
@@ -75,6 +76,26 @@ def measure(store, cfg, dtype: torch.dtype) -> dict[str, int] | None:
         "activations": acts,  # -1: not measured
         "image_tokens": tokens,
     }
+
+
+def generation_bytes(store, media: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, int]:
+    """A generation's tower rows of the plan (generate.plan): its weights on the device and the
+    activations of one frozen forward over `media` (each prompt's processor tensors; the images of
+    the batch at once, an upper bound of any prefill micro-batch's)."""
+    from ..arch.generic import stored_model
+
+    model = stored_model(store.arch.generic, dtype)
+    spec = image_owner(store.arch, f"model.path: {store.root}", model)
+    owner = model.get_submodule(spec.owner) if spec.owner else model
+    weights = sum(p.numel() for c in spec.towers for p in owner.get_submodule(c).parameters())
+    names = sorted({k for m in media for k in m})
+    kw = on_meta({k: torch.cat([m[k] for m in media if k in m]) for k in names}, 1, dtype)
+    for p in owner.parameters():
+        p.requires_grad_(False)
+    out = {"vision tower": weights * torch.empty((), dtype=dtype).element_size()}
+    with contextlib.suppress(RuntimeError, NotImplementedError):  # a meta-less tower: not measured
+        out["vision activations (prefill)"] = activations(owner, kw, False)
+    return out
 
 
 def on_meta(media: dict[str, torch.Tensor], rows: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
