@@ -231,7 +231,7 @@ def test_image_records_train_and_bad_input_refused(vlm, tmp_path):
         "fewer_placeholders": ([{**good[0], "images": ["imgs/img0.png", "imgs/img1.png"]}], "fewer image placeholders"),
         "remote": ([chat_parts(0, "https://example.com/a.png")], "only local image files"),
         "pairs": ([{"images": ["imgs/img0.png"], "prompt": "<image>hi", "chosen": "a", "rejected": "b"}],
-                  "preference pairs with images"),
+                  "add a preference: section"),  # pairs with images train with one (tests/test_vision_dpo.py)
         "lora_trained_tower": (good, "train.vision: all: with lora"),
     }  # fmt: skip
     for name, (rows, says) in cases.items():

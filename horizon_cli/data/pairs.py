@@ -50,7 +50,7 @@ def build_pairs(
     for batch in ds.select_columns(read).iter(batch_size=RECORDS_PER_BATCH):
         for res in enc.encode(adapt(batch) if adapt else batch, first=stats["records"] + 1):
             stats["records"] += 1
-            _add(res, rows, data_cfg.max_seq_len, stats)
+            add_pair(res, rows, data_cfg.max_seq_len, stats)
     ts = rows.build("preference", stats)
     ignored += enc.notes
     stats.update(
@@ -67,13 +67,14 @@ def build_pairs(
     return ts
 
 
-def _add(res: Pair | str, rows: RowBuilder, max_len: int, stats: dict) -> None:
-    """One record's pair -> two rows (truncated), or the reason it gives none, counted."""
+def add_pair(res: Pair | str, rows: RowBuilder, max_len: int, stats: dict) -> bool:
+    """One record's pair -> two rows (truncated), or the reason it gives none, counted; whether
+    the pair was added (vision.pairs adds its images to both rows then)."""
     if isinstance(res, str):
         return _skip(stats, res)
     n_prompt = len(res.prompt)
     if n_prompt >= max_len:  # TRL drops these: keep_start truncation would leave no completion token
-        return _skip(stats, PROMPT_FILLS)
+        return _skip(stats, PROMPT_FILLS)  # (with images: the prompt holds them, so none is ever cut)
     seqs, cut = [], 0
     for comp in (res.chosen, res.rejected):
         ids = np.concatenate([res.prompt, comp]).astype(np.int32)
@@ -87,11 +88,13 @@ def _add(res: Pair | str, rows: RowBuilder, max_len: int, stats: dict) -> None:
     stats["pairs"] += 1
     stats["truncated"] += int(cut > 0)
     stats["cut_tokens"] += cut
+    return True
 
 
-def _skip(stats: dict, why: str) -> None:
+def _skip(stats: dict, why: str) -> bool:
     n, first = stats["skipped"].get(why, (0, []))
     stats["skipped"][why] = (n + 1, first + [stats["records"]] if len(first) < NAMED else first)
+    return False
 
 
 def describe(s: dict, max_len: int) -> str:
@@ -160,13 +163,15 @@ class PairSet:
         return f"{len(self)} pairs ({2 * len(self)} sequences), {self.num_tokens} tokens, {self.label_tokens} with loss"
 
     def fingerprint(self) -> str:
-        """Identity of the pairs as they are trained (tokens, labels, order): what a stored
-        reference was computed for."""
+        """Identity of the pairs as they are trained (tokens, labels, order, and the image tensors
+        of pairs with images): what a stored reference was computed for."""
         h = hashlib.sha256(b"pairs")
         for r in self.ts.rows(self.row_ids()):
             h.update(np.int64(len(r.input_ids)).tobytes())
             h.update(np.ascontiguousarray(r.input_ids, np.int32).tobytes())
             h.update(np.ascontiguousarray(r.labels, np.int32).tobytes())
+            for k, v in sorted((r.media or {}).items()):
+                h.update(k.encode() + np.int64(v.size).tobytes() + np.ascontiguousarray(v).tobytes())
         return h.hexdigest()[:32]
 
 

@@ -84,11 +84,13 @@ def plan_generation(
     kv: str = "auto",
     reserve: int = 1 << 30,
     stream: str = "",
+    tower: dict[str, int] | None = None,
 ) -> GenPlan:
     """batches: per micro-batch (rows, prompt length, positions reached); kv_bytes: their whole
     cache (generate.kvcache.kv_bytes); device_free: a CUDA device's free bytes (None: the CPU,
     whose "device" is host memory: the cache stays there). kv: auto | device | host. stream: the
-    base's streaming dtype ("": dtype; narrower: upcast on the device, state.widen)."""
+    base's streaming dtype ("": dtype; narrower: upcast on the device, state.widen). tower: the
+    vision tower's device rows for prompts with images (vision.plan.generation_bytes)."""
     item = ITEM[dtype]
     stream = stream or dtype
     base = base_bytes(spec, stream, quant)
@@ -112,6 +114,7 @@ def plan_generation(
     widest = max(b * t for b, t, _ in batches)
     p.device["layer working set"] = widest * (spec.q_dim + 2 * spec.kv_dim + 3 * spec.intermediate) * item
     p.device["logits"] = max(b for b, _, _ in batches) * spec.vocab * (item + 8)
+    p.device.update(tower or {})  # prompts with images: the vision tower's weights and prefill (vision.plan)
     fits = device_free is None or p.device_total + kv_bytes + reserve <= device_free
     if kv == "host" or (kv == "auto" and not fits):
         calls = spec_sequence(spec)

@@ -26,8 +26,15 @@ from .kvprobe import per_layer
 from .model_source import Source
 
 
-def plan_batches(source: Source, prompts: list[list[int]], max_new: int, batch_size: int) -> GenPlan:
-    """The plan of the largest batch (the one whose KV cache is largest) of these prompts."""
+def plan_batches(
+    source: Source,
+    prompts: list[list[int]],
+    max_new: int,
+    batch_size: int,
+    tower: dict[str, int] | None = None,
+) -> GenPlan:
+    """The plan of the largest batch (the one whose KV cache is largest) of these prompts; tower:
+    the vision tower's device rows when prompts hold images (vision.plan.generation_bytes)."""
     spec, ecfg = source.store.arch, source.engine
     sizes = per_layer(make_template(spec, torch.device("cpu")))
     item = 4 if ecfg.dtype == "float32" else 2
@@ -51,7 +58,7 @@ def plan_batches(source: Source, prompts: list[list[int]], max_new: int, batch_s
     plan = plan_generation(
         spec, ecfg.dtype, best[1], best[0], quant=source.store.quant, prefetch=ecfg.prefetch,
         adapter_numel=adapters, link_gbps=link, device_free=free, kv=ecfg.kv_cache,
-        stream=frozen_stream(stored, ecfg.dtype, has_link(ecfg)),
+        stream=frozen_stream(stored, ecfg.dtype, has_link(ecfg)), tower=tower,
     )  # fmt: skip
     check_plan(plan)
     return plan

@@ -98,7 +98,8 @@ def run_generate(
     note = positions_note(items, settings.max_new_tokens, spec.max_positions)
     if note:
         console.print(f"note: {note}", highlight=False, markup=False)
-    plan = plan_batches(source, [p.ids for p in items], settings.max_new_tokens, settings.batch_size)
+    tower = tower_rows(source, pics, len(items), settings.batch_size)
+    plan = plan_batches(source, [p.ids for p in items], settings.max_new_tokens, settings.batch_size, tower)
     console.print(f"generate: {len(items)} prompt(s) on {source.describe()}", highlight=False)
     console.print(plan_table(plan))
     eng = build(source, console, bool(pics))
@@ -111,6 +112,20 @@ def run_generate(
         write_text_atomic(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         console.print(f"[green]wrote[/] {len(rows)} completion(s) to {output}", highlight=False)
     return rows
+
+
+def tower_rows(source: Source, pics: dict, n: int, batch_size: int) -> dict[str, int] | None:
+    """The vision tower's rows of the plan for the batch whose images are the largest (None: no
+    prompt with images)."""
+    if not pics:
+        return None
+    from ..vision.plan import generation_bytes
+
+    batches = [
+        [pics[k][1] for k in range(a, min(n, a + batch_size)) if k in pics] for a in range(0, n, batch_size)
+    ]
+    widest = max(batches, key=lambda ms: sum(v.numel() for m in ms for v in m.values()))
+    return generation_bytes(source.store, widest, getattr(torch, source.engine.dtype))
 
 
 def positions_note(items: list[Prompt], max_new: int, positions: int) -> str:

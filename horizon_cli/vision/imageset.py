@@ -137,10 +137,11 @@ def describe(s: dict, data_cfg) -> str:
     return text
 
 
-def images_key(ds, proc, data_cfg, base: Path) -> str | None:
+def images_key(ds, proc, data_cfg, base: Path, parse=image_example) -> str | None:
     """sha256 of what an ImageSet depends on beyond the data file and the tokenizer: the
     processor's settings and chat template, the pixel budget, train_on_prompt, max_seq_len and
-    the content of every image the records name (None when one cannot be read: no cache)."""
+    the content of every image the records name (None when one cannot be read: no cache).
+    parse: a record -> its ImageExample (vision.pairs: a pair's prompt)."""
     h = hashlib.sha256(json.dumps(proc.to_dict(), sort_keys=True, default=str).encode())
     h.update(
         f"{data_cfg.max_pixels}:{data_cfg.min_pixels}:{data_cfg.train_on_prompt}:{data_cfg.max_seq_len}".encode()
@@ -148,7 +149,7 @@ def images_key(ds, proc, data_cfg, base: Path) -> str | None:
     seen: dict[Path, str] = {}
     for k, rec in enumerate(ds):
         try:
-            ex = image_example(rec, f"record {k + 1}", base)
+            ex = parse(rec, f"record {k + 1}", base)
         except InputError:
             return None  # the build says what is wrong
         for p in ex.images:

@@ -2,11 +2,15 @@
 its trained state on the host (train.vision projector | all: fp32 master, two moments, gradient),
 and its activation working set at `data.max_pixels` x `train.micro_batch_size`, measured on the
 meta device (no memory): the processor's tensors for one image at the pixel budget (a square of
-max_pixels), repeated per row of the micro-batch, through `get_image_features` under autograd with
-a saved-tensor hook (what the backward keeps: trained modes) and forward hooks (the largest
-module output alive at once: the frozen forward's working set, taken twice for input and output).
-A tower that reads its image grid's values (Qwen2-VL's image_grid_thw) cannot run there: its
-weights and trained state are counted, its activations are said to be not measured.
+max_pixels), repeated per row of the micro-batch, through `get_image_features` (under autograd in
+trained modes, whose saved tensors stay alive as until the backward): the peak of the bytes its
+ops' new storages hold at once (a dispatch mode counts each output storage that no input holds
+while it lives).
+The processor's integer tensors (Qwen2-VL's image_grid_thw, image sizes) stay real, since a tower
+reads their values (Qwen's rotary ids, window index and attention spans come from the grid):
+whatever is computed from them meets the meta tensors on the meta device (`_MetaMix`). A tower
+that still cannot run there has its weights and trained state counted and its activations said to
+be not measured.
 
 Added to every rung of the plan (device: "vision tower", "vision activations", "vision gradient
 sums"; host: "vision state") for a multimodal store whose image path is built (vision.support), so `--dry-run` shows
@@ -16,10 +20,14 @@ over-counted by them (a tower is small beside its language model).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import weakref
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import InputError
 from .support import image_owner, is_multimodal
@@ -55,16 +63,12 @@ def measure(store, cfg, dtype: torch.dtype) -> dict[str, int] | None:
     trained = [] if cfg.train.vision == "frozen" else trained_names(spec.towers, params, "", cfg.train.vision)
     for n, p in params.items():
         p.requires_grad_(n in trained)
-    media = _media_at_budget(proc, cfg.data.max_pixels)
     rows = cfg.train.micro_batch_size
-    kw = {k: v.repeat(rows, *([1] * (v.dim() - 1))).to("meta") for k, v in media.items()}
-    if "pixel_values" in kw:
-        kw["pixel_values"] = kw["pixel_values"].to(dtype)
+    kw = on_meta(_media_at_budget(proc, cfg.data.max_pixels), rows, dtype)
     try:
-        saved, largest = _run(owner, kw, bool(trained))
-        acts, tokens = saved + 2 * largest, _tokens(owner, kw, rows)
-    except (RuntimeError, NotImplementedError):  # a tower that reads its grid's values (Qwen2-VL's
-        acts = tokens = -1  # image_grid_thw): the meta device holds none, so not measured
+        acts, tokens = activations(owner, kw, bool(trained)), _tokens(owner, kw, rows)
+    except (RuntimeError, NotImplementedError):  # a tower the meta device cannot run
+        acts = tokens = -1  # not measured
     return {
         "weights": weights,
         "trained": 16 * sum(params[n].numel() for n in trained),  # host: fp32 master, m, v, grad
@@ -74,32 +78,84 @@ def measure(store, cfg, dtype: torch.dtype) -> dict[str, int] | None:
     }
 
 
-def _run(owner, kw: dict, grad: bool) -> tuple[int, int]:
-    """(bytes the backward saves, the largest single module output) of one meta forward."""
-    saved, largest = [0], [0]
+def generation_bytes(store, media: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, int]:
+    """A generation's tower rows of the plan (generate.plan): its weights on the device and the
+    activations of one frozen forward over `media` (each prompt's processor tensors; the images of
+    the batch at once, an upper bound of any prefill micro-batch's)."""
+    from ..arch.generic import stored_model
 
-    def pack(t):
-        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
-            saved[0] += t.numel() * t.element_size()
-        return t
+    model = stored_model(store.arch.generic, dtype)
+    spec = image_owner(store.arch, f"model.path: {store.root}", model)
+    owner = model.get_submodule(spec.owner) if spec.owner else model
+    weights = sum(p.numel() for c in spec.towers for p in owner.get_submodule(c).parameters())
+    names = sorted({k for m in media for k in m})
+    kw = on_meta({k: torch.cat([m[k] for m in media if k in m]) for k in names}, 1, dtype)
+    for p in owner.parameters():
+        p.requires_grad_(False)
+    out = {"vision tower": weights * torch.empty((), dtype=dtype).element_size()}
+    with contextlib.suppress(RuntimeError, NotImplementedError):  # a meta-less tower: not measured
+        out["vision activations (prefill)"] = activations(owner, kw, False)
+    return out
 
-    def hook(_m, _a, out):
-        for t in out if isinstance(out, tuple) else (out,):
-            if isinstance(t, torch.Tensor):
-                largest[0] = max(largest[0], t.numel() * t.element_size())
 
-    handles = [m.register_forward_hook(hook) for m in owner.modules()]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.set_grad_enabled(grad):
-            owner.get_image_features(**kw, return_dict=True)
-    finally:
-        for h in handles:
-            h.remove()
-    return saved[0], largest[0]
+def on_meta(media: dict[str, torch.Tensor], rows: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One image's processor tensors repeated for `rows` images: floating ones on the meta device
+    in the compute dtype, integer ones (grids, sizes) real, as the tower reads their values."""
+    out = {}
+    for k, v in media.items():
+        v = v.repeat(rows, *([1] * (v.dim() - 1)))
+        out[k] = v.to("meta", dtype) if v.is_floating_point() else v
+    return out
+
+
+def activations(owner, kw: dict, grad: bool) -> int:
+    """The tower's activation bytes for the images of `kw` (on_meta): the peak of the bytes its
+    ops' new storages hold at once in one forward (trained modes: the graph's saved tensors stay
+    alive to the end, as until the backward)."""
+    live = _MetaMix()
+    with torch.set_grad_enabled(grad), live:
+        out = owner.get_image_features(**kw, return_dict=True)
+    del out
+    return live.peak
+
+
+class _MetaMix(TorchDispatchMode):
+    """An op that meets a meta tensor runs on the meta device (real operands moved there); the
+    bytes of the new storages the ops make (a view, or an output sharing its input's storage as
+    _unsafe_view does, is not new) are counted while they live, and their peak kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.held: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        both = (args, kwargs or {})
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten(both)[0]):
+            both = tree_map(
+                lambda t: t.to("meta") if isinstance(t, torch.Tensor) and not t.is_meta else t, both
+            )
+        seen = {t.untyped_storage()._cdata for t in tree_flatten(both)[0] if isinstance(t, torch.Tensor)}
+        out = func(*both[0], **both[1])
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            if st._cdata in seen or st._cdata in self.held or st.nbytes() == 0:
+                continue
+            self.held.add(st._cdata)
+            self.live += st.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._free, st._cdata, st.nbytes())
+        return out
+
+    def _free(self, key: int, n: int) -> None:
+        self.held.discard(key)
+        self.live -= n
 
 
 def _tokens(owner, kw: dict, rows: int) -> int:
-    with torch.no_grad():
+    with torch.no_grad(), _MetaMix():
         out = owner.get_image_features(**kw, return_dict=True)
     feats = getattr(out, "pooler_output", out)
     parts = list(feats) if isinstance(feats, list | tuple) else [feats]
@@ -125,7 +181,7 @@ def describe(got: dict[str, int], cfg) -> str:
     from ..fmt import fmt_bytes
 
     if got["activations"] < 0:
-        acts = "not measured (the tower reads its image grid's values, which the meta device does not hold)"
+        acts = "not measured (the tower does not run on the meta device)"
     else:
         acts = (
             f"{fmt_bytes(got['activations'])} at data.max_pixels {cfg.data.max_pixels} x micro-batch "

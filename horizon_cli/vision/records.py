@@ -137,9 +137,7 @@ def image_example(record: dict, where: str, base: Path) -> ImageExample:
     if record.get("videos") or record.get("audios"):
         raise InputError(f"{where}: videos and audio are not supported (images are)")
     if "chosen" in record or "rejected" in record:
-        raise InputError(
-            f"{where}: preference pairs with images are not supported yet (supervised records are)"
-        )
+        raise InputError(f"{where}: a preference pair with images needs both chosen and rejected")
     files = _Files(record.get("images") or record.get("image"), where)  # TRL's vision sets: images (or image)
     messages: list[dict] = []
     if record.get("system"):

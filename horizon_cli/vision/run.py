@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from .imageset import ImageSet, build_image_set, images_key
+from .pairs import build_image_pairs, holds_pairs, image_pair
 from .support import image_owner, is_multimodal
 
 
@@ -26,9 +27,15 @@ class VisionData:
         return self._proc
 
     def build(self, ds, data_cfg, name: str, log, base: Path) -> ImageSet:
+        if holds_pairs(ds.column_names):  # preference pairs with images (vision.pairs)
+            return build_image_pairs(ds, self.processor(), data_cfg, name, log, base)
         return build_image_set(ds, self.processor(), data_cfg, name, log, base)
 
     def key(self, ds, data_cfg, base: Path) -> str | None:
+        if holds_pairs(ds.column_names):
+            return images_key(
+                ds, self.processor(), data_cfg, base, lambda r, w, b: image_pair(r, w, b).prompt
+            )
         return images_key(ds, self.processor(), data_cfg, base)
 
     def wrap(self, ts, media: dict, offsets: dict) -> ImageSet:
@@ -45,9 +52,11 @@ def image_data(store) -> VisionData | None:
 
 
 def has_images(rows) -> bool:
-    """Training rows with image tensors (an ImageSet, or a mixture holding one)."""
+    """Training rows with image tensors (an ImageSet, a mixture holding one, or the pairs of one)."""
     parts = getattr(rows, "parts", None)
-    return any(has_images(p) for p in parts) if parts is not None else isinstance(rows, ImageSet)
+    if parts is not None:
+        return any(has_images(p) for p in parts)
+    return isinstance(getattr(rows, "ts", rows), ImageSet)  # data.pairs.PairSet: its rows
 
 
 def vision_stage(store, vision: str, lora: bool = False):
