@@ -85,6 +85,14 @@ def media_of(out, image_id: int, where: str) -> dict[str, np.ndarray]:
     return media
 
 
+def stacked(kw: dict):
+    """The tower's keyword tensors as its get_image_features takes them: a per-row image stack
+    (Idefics3, SmolVLM: STACK) kept one image per dim-0 entry in the data goes as one stack."""
+    if STACK not in kw:
+        return kw
+    return {k: v[None] if k in (STACK, "pixel_values") else v for k, v in kw.items()}
+
+
 def budget(img, max_pixels: int, min_pixels: int):
     """LLaMA-Factory's rule: one factor on both sides into [min_pixels, max_pixels], then RGB."""
     w, h = img.size

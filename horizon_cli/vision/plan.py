@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import InputError
+from .encode import stacked
 from .support import image_owner, is_multimodal
 
 
@@ -114,7 +115,7 @@ def activations(owner, kw: dict, grad: bool) -> int:
     alive to the end, as until the backward)."""
     live = _MetaMix()
     with torch.set_grad_enabled(grad), live:
-        out = owner.get_image_features(**kw, return_dict=True)
+        out = owner.get_image_features(**stacked(kw), return_dict=True)
     del out
     return live.peak
 
@@ -156,7 +157,7 @@ class _MetaMix(TorchDispatchMode):
 
 def _tokens(owner, kw: dict, rows: int) -> int:
     with torch.no_grad(), _MetaMix():
-        out = owner.get_image_features(**kw, return_dict=True)
+        out = owner.get_image_features(**stacked(kw), return_dict=True)
     feats = getattr(out, "pooler_output", out)
     parts = list(feats) if isinstance(feats, list | tuple) else [feats]
     return sum(f.numel() // f.shape[-1] for f in parts) // max(1, rows)

@@ -42,7 +42,7 @@ import torch
 from ..arch.disk import place
 from ..errors import InputError
 from ..store.carried import FILE, verify_carried
-from .encode import STACK
+from .encode import stacked
 from .support import image_owner
 
 
@@ -71,8 +71,7 @@ class VisionTower:
     def features(self, media: dict[str, torch.Tensor]) -> torch.Tensor:
         """(n, H) image features of a micro-batch's images, in the compute dtype."""
         kw = {k: v.to(self.device) for k, v in media.items() if k in self.takes}
-        if STACK in kw:  # one stack of every image (module doc)
-            kw = {k: v[None] if k in (STACK, "pixel_values") else v for k, v in kw.items()}
+        kw = stacked(kw)  # one stack of every image (module doc)
         if "pixel_values" in kw and kw["pixel_values"].is_floating_point():
             kw["pixel_values"] = kw["pixel_values"].to(self.dtype)
         out = self.owner.get_image_features(**kw, return_dict=True)
