@@ -75,6 +75,15 @@ def test_auto_on_cuda_follows_the_compute_capability(monkeypatch, major, want):
     assert rd.choose(EngineConfig(device="cuda:2")).dtype == "float32"  # no such GPU: check_device says so
 
 
+def test_a_dry_run_without_cuda_plans_a_gpu_with_native_bf16(monkeypatch):
+    # planning an H200 (--device-gib) from a CPU-only machine: not the fp32 of a pre-Ampere GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    c = rd.choose(EngineConfig(device="cuda"))
+    assert (c.dtype, c.fast_bf16) == ("bfloat16", True) and "no GPU here" in c.why
+    assert rd.choose(EngineConfig(device="cuda", dtype="bfloat16")).note is None
+    assert rd.choose(EngineConfig(device="cuda", dtype="float32")).dtype == "float32"
+
+
 def test_the_cpu_features_come_from_torch_or_proc_cpuinfo(monkeypatch, tmp_path):
     caps = {"avx2": True, "avx512_bf16": False, "amx_bf16": True}
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps, raising=False)

@@ -2,7 +2,8 @@
 
 `auto` computes in bf16 only where the device multiplies bf16 matrices fast, otherwise in fp32:
 
-  CUDA   compute capability 8.0 or newer (Ampere on): native bf16 tensor cores
+  CUDA   compute capability 8.0 or newer (Ampere on): native bf16 tensor cores. A dry run on a
+         machine without CUDA plans for such a GPU (an H200 planned from a laptop is not Volta)
   CPU    AVX-512 BF16 or AMX (Cooper Lake, Sapphire Rapids on; AMD Zen 4 on). Without them torch's
          bf16 matrix product falls back to a scalar kernel: on an AVX2-only CPU a 512x576 @ 576x1536
          product takes 1,427 ms in bf16 against 50 ms in fp32 (torch 2.13, issue 32)
@@ -116,7 +117,11 @@ def choose(engine: EngineConfig, memory: str = "exact") -> DtypeChoice:
     """engine.dtype decided for engine.device on this machine. memory: optim.memory (lean keeps a
     bf16 weight whatever it computes in: the same rule; the reason says what it streams)."""
     device = resolve_device(engine)
-    if device.startswith("cuda"):
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        # a plan for a GPU this machine lacks (a dry run; a real run is refused by check_device):
+        # planned as the GPUs that hold these models are, compute capability 8.0 or newer
+        fast, why = True, "no GPU here: planned for one with native bf16 (compute capability 8.0 or newer)"
+    elif device.startswith("cuda"):
         fast = cuda_bf16(device)
         why = (
             "this GPU computes bf16 natively"
