@@ -51,7 +51,8 @@ def _configs(tmp_path, tiny_store, rl: dict, **train) -> dict:
         rl=rl,
     )
     return {
-        n: write_config(tmp_path / f"{n}.yaml", tiny_store, data, tmp_path / n, **sections) for n in ("one", "two")
+        n: write_config(tmp_path / f"{n}.yaml", tiny_store, data, tmp_path / n, **sections)
+        for n in ("one", "two")
     }
 
 
@@ -104,3 +105,68 @@ def test_two_ranks_train_what_one_trains(tmp_path, tiny_store, rl):
     r = torchrun(2, cfgs["two"])
     assert r.returncode == 0, r.stderr
     _same_runs(tmp_path, 3)
+
+
+def test_a_rank_whose_rows_have_stopped_sweeps_along_until_no_rank_has_one(tiny_store, monkeypatch):
+    """The lock step without torchrun: a stand-in second rank (Generation.across) whose longest
+    limit is 9 and whose rows go on for 7 decode sweeps. This rank's rows stop after 4 tokens and
+    its last micro-batch then sweeps along (a sweep each time the other rank has a live row), in
+    KV caches opened for the other rank's limit; its completions are the ones it gives alone."""
+    from horizon_cli.config.schema import EngineConfig, OptimConfig
+    from horizon_cli.engine import Engine
+    from horizon_cli.generate.decode import Generation
+    from horizon_cli.generate.decoder import Decoder
+    from horizon_cli.model.sample import Sampler
+    from horizon_cli.store import Store
+
+    rows = [(k, p["prompt_input_ids"][: 3 + k]) for k, p in enumerate(_prompts(3))]
+    eng = Engine(Store.open(tiny_store), EngineConfig(device="cpu", dtype="float32"), OptimConfig(),
+                 forward_only=True)  # fmt: skip
+    calls: list[int] = []
+    sized: list[int] = []  # the new positions each KV cache is opened for (host mode: its buffers)
+
+    def across(self, n: int) -> list[int]:
+        calls.append(n)
+        return [n, 9 if len(calls) == 1 else int(len(calls) <= 8)]
+
+    def run() -> tuple[list, int]:
+        sweeps: list = []
+        dec = Decoder(eng, Sampler(1.0, 1.0, 0, 5), max_new_tokens=4, on_sweep=sweeps.append)
+        return [(c.index, c.ids, c.finish) for c in dec.run(rows)], len(sweeps)
+
+    try:
+        alone, n_alone = run()
+        monkeypatch.setattr(Generation, "across", across)
+        opened = Generation.open
+        monkeypatch.setattr(
+            Generation, "open", lambda self, dbs, new, host: sized.append(new) or opened(self, dbs, new, host)
+        )
+        along, n_along = run()
+    finally:
+        eng.close()
+    assert n_alone == 4 and all(len(ids) == 4 for _, ids, _ in alone)
+    assert along == alone
+    assert sized == [9]
+    assert n_along == 1 + 7  # the prefill, then a sweep for each of the other rank's live counts
+    assert calls[1:] == [1, 1, 1] + [0] * 5  # this rank's live micro-batches after each sweep
+
+
+def test_the_world_check_counts_completions_and_the_dry_run_plans_one_rank(tmp_path, tiny_store):
+    """Under --world-size an rl run's batch_size x G completions must make micro-batches that split
+    over the ranks (one line, exit 2 otherwise); the rollout plan is one rank's part."""
+    import json
+
+    from conftest import horizon
+    from test_train_cli import one_error_line
+
+    cfgs = _configs(tmp_path, tiny_store, {}, micro_batch_size=4)  # 12 completions: 3 micro-batches
+    msg = one_error_line(horizon("train", cfgs["one"], "--dry-run", "--world-size", "2"))
+    assert "train.micro_batch_size: the 12 completions of a step" in msg and "over 2 ranks" in msg
+    out = tmp_path / "plan.json"
+    r = horizon(
+        "train", cfgs["one"], "train.micro_batch_size=3", "--dry-run", "--world-size", "2", "--json", out
+    )
+    assert r.exit_code == 0, r.output
+    assert "each of 2 ranks decoding at most 6 of them" in r.output
+    roll = json.loads(out.read_text())["rollouts"]
+    assert (roll["rows"], roll["rank_rows"], roll["world"]) == (12, 6, 2)
