@@ -36,7 +36,7 @@ KEYS = (
 )
 
 
-def _configs(tmp_path, tiny_store, rl: dict, **train) -> dict:
+def _configs(tmp_path, tiny_store, rl: dict, held: float = 0.2, **train) -> dict:
     data = write_jsonl(tmp_path / "p.jsonl", _prompts(14))
     (tmp_path / "rw.py").write_text(REWARD)
     rl = {"num_generations": 3, "max_completion_length": 6,
@@ -44,7 +44,7 @@ def _configs(tmp_path, tiny_store, rl: dict, **train) -> dict:
           **rl}  # fmt: skip
     sections = dict(
         train={"steps": 3, "batch_size": 4, "micro_batch_size": 3, "seed": 3, "eval_every": 3, **train},
-        data={"eval_fraction": 0.2},
+        data={"eval_fraction": held},  # 0.2: 3 of the 14 prompts held out; 0.1: 1
         engine={"compute_threads": 1},
         schedule={"kind": "constant", "warmup_steps": 0},
         output={"save_every": 0, "export": True},
@@ -92,16 +92,23 @@ def _close_lines(u: str, v: str) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "rl",
+    "rl, held",
     [
-        dict(beta=0.04, num_iterations=2, scale_rewards="batch", loss_type="grpo", epsilon=0.05),
-        dict(loss_type="dr_grpo", temperature=0.8),
+        (dict(beta=0.04, num_iterations=2, scale_rewards="batch", loss_type="grpo", epsilon=0.05), 0.2),
+        (dict(loss_type="dr_grpo", temperature=0.8), 0.1),
     ],
     ids=["grpo-beta-mu2-batch", "dr_grpo"],
 )
-def test_two_ranks_train_what_one_trains(tmp_path, tiny_store, rl):
-    cfgs = _configs(tmp_path, tiny_store, rl)
+def test_two_ranks_train_what_one_trains(tmp_path, tiny_store, rl, held):
+    """The eval batch: 3 prompts split 1 / 2 over the ranks, or 1 prompt, rank 0 sweeping a copy.
+    num_iterations 2: the 2-rank run stops after step 1 and is resumed inside its group of steps
+    (the group's rollouts read back from rank 0's step-1.pt), against one uninterrupted process."""
+    cfgs = _configs(tmp_path, tiny_store, rl, held)
     quiet(cfgs["one"])
+    if rl.get("num_iterations", 1) > 1:
+        r = torchrun(2, cfgs["two"], "train.steps=1")
+        assert r.returncode == 0, r.stderr
+        assert (tmp_path / "two" / "rollouts" / "step-1.pt").is_file()
     r = torchrun(2, cfgs["two"])
     assert r.returncode == 0, r.stderr
     _same_runs(tmp_path, 3)
