@@ -850,6 +850,17 @@ MUTATIONS: list[Mutation] = [
       "deltas = None",
       ["tests/test_vision_qwen.py::test_qwen_vl_generate_with_images_equals_transformers_greedy"],
       "generated tokens after an image prefill lose the rope deltas (positions restart as text)"),
+    # ---- rl under torchrun: the decode's lock step -----------------------------------------------
+    M("decode-lockstep-alone", "rl", "horizon_cli.generate.decoder:Decoder.run",
+      "still, nxt = [m], [dbs[m].next(tok.reshape(-1, 1))]",
+      "break",
+      ["tests/test_grpo_dist.py::test_a_rank_whose_rows_have_stopped_sweeps_along_until_no_rank_has_one"],
+      "a rank whose rows have all stopped leaves the sweeps while another rank's rows go on"),
+    M("decode-kv-own-limit", "rl", "horizon_cli.generate.decoder:Decoder.run",
+      "kv = self.gen.open(dbs, most, self.host_kv)",
+      "kv = self.gen.open(dbs, max(max(lim) for lim in limits), self.host_kv)",
+      ["tests/test_grpo_dist.py::test_a_rank_whose_rows_have_stopped_sweeps_along_until_no_rank_has_one"],
+      "a rank's KV caches sized for its own longest limit, not the longest of any rank (host mode overflows)"),
 ]
 # fmt: on
 
