@@ -177,3 +177,21 @@ def test_the_world_check_counts_completions_and_the_dry_run_plans_one_rank(tmp_p
     assert "each of 2 ranks decoding at most 6 of them" in r.output
     roll = json.loads(out.read_text())["rollouts"]
     assert (roll["rows"], roll["rank_rows"], roll["world"]) == (12, 6, 2)
+
+
+@pytest.mark.slow
+def test_a_reward_error_on_one_rank_stops_every_rank_with_its_line(tmp_path, tiny_store):
+    """Rank 1's reward function raises, rank 0's does not: after the gather every rank stops with
+    rank 1's one line (exit 2), none waiting in a collective for the other."""
+    cfgs = _configs(tmp_path, tiny_store, {})
+    (tmp_path / "rw.py").write_text(
+        "import os\n\ndef low_ids(completions, **kw):\n"
+        "    if os.environ.get('RANK') == '1':\n        raise ValueError('boom')\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    r = torchrun(2, cfgs["two"], timeout=180)
+    assert r.returncode != 0
+    err = r.stdout + r.stderr
+    assert "error: rl.rewards[0]" in err and "raised ValueError: boom on completion" in err, err[-3000:]
+    assert "failed, another rank stopped" not in err, err[-3000:]
+    assert not list((tmp_path / "two").glob("checkpoints/step_*"))
