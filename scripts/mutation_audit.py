@@ -861,11 +861,22 @@ MUTATIONS: list[Mutation] = [
       "merged = self.tower.merge(ids, rows, feats)",
       ["tests/test_vision_families.py::test_loss_grads_adamw_match_transformers"],
       "the image features merged into rows the embedding module has not run on (Gemma 3's text unscaled)"),
-    M("image-stack-flat", "engine", "horizon_cli.vision.tower:VisionTower.features",
-      "if STACK in kw:",
-      "if False:",
+    M("image-stack-flat", "engine", "horizon_cli.vision.encode:stacked",
+      "if STACK not in kw:",
+      "if True:",
       ["tests/test_vision_families.py::test_loss_grads_adamw_match_transformers"],
       "Idefics3's tiles reach get_image_features without the per-row stack dimension it reads"),
+    # ---- rl under torchrun: the decode's lock step -----------------------------------------------
+    M("decode-lockstep-alone", "rl", "horizon_cli.generate.decoder:Decoder.run",
+      "still, nxt = [m], [dbs[m].next(tok.reshape(-1, 1))]",
+      "break",
+      ["tests/test_grpo_dist.py::test_a_rank_whose_rows_have_stopped_sweeps_along_until_no_rank_has_one"],
+      "a rank whose rows have all stopped leaves the sweeps while another rank's rows go on"),
+    M("decode-kv-own-limit", "rl", "horizon_cli.generate.decoder:Decoder.run",
+      "kv = self.gen.open(dbs, most, self.host_kv)",
+      "kv = self.gen.open(dbs, max(max(lim) for lim in limits), self.host_kv)",
+      ["tests/test_grpo_dist.py::test_a_rank_whose_rows_have_stopped_sweeps_along_until_no_rank_has_one"],
+      "a rank's KV caches sized for its own longest limit, not the longest of any rank (host mode overflows)"),
 ]
 # fmt: on
 

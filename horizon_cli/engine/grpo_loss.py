@@ -73,6 +73,8 @@ class GRPOObjective(SequenceObjective):
             seq = idx // max(T - 1, 1)
             per_row = lab.sum(1).clamp(min=1).float()
             old, ref = mb.extras.get("old"), mb.extras.get("ref")
+            if not idx.numel():  # no labels (an eval rank's pad, train.batches.unlabelled): no log-probs
+                old, ref = (None if v is None else v[:0] for v in (old, ref))
             if self.cfg.beta > 0 and ref is None:
                 raise ValueError("rl.beta > 0 needs the reference's log-probs in the batch")
             out.append(

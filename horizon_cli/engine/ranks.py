@@ -4,6 +4,8 @@ rank of a sharded run (parallel.comm.Dist). train/ asks this object, never wheth
     share(mbs)        this rank's contiguous share of a global batch's micro-batches
     eval_share(mbs, pad)  held-out micro-batches dealt round-robin, a short rank padded with
                       pad(the first): a copy without labels (every rank must run the same loads and collectives)
+    part(n)           this rank's contiguous part [lo, hi) of n items (an rl step's prompts)
+    gather(obj)       every rank's obj, in rank order (small Python objects: an rl step's rollouts)
     first(fn)         fn on rank 0, then on the others (rank 0 fills what they read)
     fewest(k)         the least of every rank's k (their schedules must match)
     sliced, replicated  the placement of state that each rank holds a slice of, or a copy of
@@ -43,6 +45,12 @@ class OneProcess:
     def eval_share(self, mbs: list[MicroBatch], pad: Pad) -> list[MicroBatch]:
         return mbs
 
+    def part(self, n: int) -> tuple[int, int]:
+        return 0, n
+
+    def gather(self, obj: T) -> list[T]:
+        return [obj]
+
     def first(self, fn: Callable[[], T]) -> T:
         return fn()
 
@@ -71,6 +79,14 @@ class ShardedRanks:
         while len(mine) < k:
             mine.append(pad(mbs[0]))
         return mine
+
+    def part(self, n: int) -> tuple[int, int]:
+        """Rank r's items r n / world ... (r + 1) n / world: in rank order, a few more or less each."""
+        return self.rank * n // self.world, (self.rank + 1) * n // self.world
+
+    def gather(self, obj: T) -> list[T]:
+        """On the collective thread, after every collective queued before it (a sweep's gathers)."""
+        return self.comm.submit(lambda: self.comm.gather_objects(obj)).result()  # type: ignore[return-value]
 
     def first(self, fn: Callable[[], T]) -> T:
         return main_first(self.comm, fn)

@@ -49,7 +49,8 @@ class ShardedGrads:
         gradients are all-reduced, and every rank applies the same update to its copy."""
         self.d, self.t, self.host, self.replicated = dist, transport, host, replicated
         per = (lambda n: n) if replicated else (lambda n: shard_size(n, dist.world, SHARD_ALIGN))
-        big = max(per(st.layout.numel) for st in host.units.values())
+        # a forward-only engine (an rl run's reference) trains nothing: empty buffers
+        big = max((per(st.layout.numel) for st in host.units.values()), default=0)
         # reduce-scatter outputs: the two layer ping-pong buffers, the head's and the embedding's
         self.keys: tuple = (0, 1, "head", "embed")
         self.out = {k: transport.device_empty(big, torch.float32) for k in self.keys}

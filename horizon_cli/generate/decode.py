@@ -7,6 +7,7 @@ sweep, whatever the batch size: decoding is link-bound, and a large batch makes 
                       (host mode: they ride with its load)
     open(dbs, host)   the KV cache of a batch of left-padded micro-batches (generate.kvcache), on
                       the device or between sweeps on the host
+    across(n)         every rank's n (a sharded engine's ranks decode in lock step)
     step(dbs, kv)     one sweep: the layers over every micro-batch with its cache, then the head on
                       each row's newest position -> per micro-batch (b, V) fp32 logits on the device
 
@@ -51,6 +52,17 @@ class DecodePass(ForwardPass):
 class Generation:
     def __init__(self, engine: Engine):
         self.p, self.sweep, self.guard = engine.p, engine.sweep, engine.guard
+        self.ranks, self.sum_over_ranks = engine.ranks, engine.sum_over_ranks
+
+    def across(self, n: int) -> list[int]:
+        """Every rank's n, in rank order ([n] on one process): a sharded engine's ranks decode in
+        lock step (generate.decoder). One small all-reduce on the collective thread."""
+        r = self.ranks
+        if r.world == 1:
+            return [n]
+        v = torch.zeros(r.world, dtype=torch.float64)
+        v[r.rank] = n
+        return [int(x) for x in self.sum_over_ranks(v).tolist()]
 
     def per_layer(self) -> list[tuple[int, int | None]]:
         """Per layer: cached elements per position of a row, most positions kept (generate.kvprobe)."""

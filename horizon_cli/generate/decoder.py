@@ -4,7 +4,13 @@ string, its token limit or the model's last position.
 
 Rows are sorted by length and cut into micro-batches of at most `MICRO_TOKENS` prompt tokens
 (left-padded, generate.decode); a micro-batch whose rows have all stopped leaves the sweep. The
-same loop serves `horizon generate`, eval-time samples (train.samples) and the evaluation harness.
+same loop serves `horizon generate`, eval-time samples (train.samples), the evaluation harness and
+an rl run's rollouts.
+
+On a sharded engine (torchrun) every layer load is an all-gather, so the ranks decode in lock step:
+each decodes its own prompts, the KV caches are sized for the longest limit of any rank, and after
+each sweep the ranks add up their live micro-batches (Generation.across); a rank whose rows have
+all stopped keeps sweeping its last micro-batch (its new tokens ignored) until no rank has one.
 """
 
 from __future__ import annotations
@@ -87,7 +93,8 @@ class Decoder:
             if got:
                 db.media = {n: torch.cat([m[n] for m in got]) for n in got[0]}
         limits = [[min(self.max_new, self.positions - len(ids)) for _, ids in g] for g in groups]
-        kv = self.gen.open(dbs, max(max(lim) for lim in limits), self.host_kv)
+        most = max(self.gen.across(max(max(lim) for lim in limits)))  # every rank's caches hold its sweeps
+        kv = self.gen.open(dbs, most, self.host_kv)
         out = {i: Completion(i) for i, _ in prompts}
         active = list(range(len(groups)))
         try:
@@ -100,8 +107,10 @@ class Decoder:
                     if self._advance([out[i] for i in rows], tok.tolist(), limits[m]):
                         still.append(m)
                         nxt.append(dbs[m].next(tok.reshape(-1, 1)))
-                if not still:
+                if not sum(self.gen.across(len(still))):  # no rank has a live row
                     break
+                if not still:  # another rank's rows go on: this rank's last micro-batch sweeps along
+                    still, nxt = [m], [dbs[m].next(tok.reshape(-1, 1))]
                 for m, db in zip(still, nxt, strict=True):
                     dbs[m] = db
                 active = still

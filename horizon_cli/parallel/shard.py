@@ -29,6 +29,18 @@ def padded_numel(numel: int, world: int) -> int:
     return world * shard_size(numel, world, SHARD_ALIGN)
 
 
+def check_completions(completions: int, micro_batch: int, world: int) -> None:
+    """An rl step's completions (train.batch_size x rl.num_generations) cut into micro-batches of
+    `micro_batch` (the last may be short) give the same number to every rank."""
+    mbs = -(-completions // micro_batch)
+    if mbs % world:
+        raise InputError(
+            f"train.micro_batch_size: the {completions} completions of a step (train.batch_size x "
+            f"rl.num_generations) make {mbs} micro-batches of {micro_batch}, which do not split over "
+            f"{world} ranks; make the micro-batches a multiple of {world}"
+        )
+
+
 def shard_range(numel: int, world: int, rank: int, align: int = 1) -> tuple[int, int]:
     """[start, end) of the elements rank `rank` holds; start == end when it holds none."""
     if not 0 <= rank < world:

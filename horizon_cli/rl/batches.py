@@ -9,6 +9,14 @@ batch is sampled, scored and given advantages here before the engine trains on i
                  from forward-only sweeps (rl.logps), rollouts/step-N.jsonl written; then
                  micro-batches of train.micro_batch_size completions for engine.grpo_loss
     eval         the held-out prompts sampled alike (a fixed seed), scored: eval_reward, ...
+    ranks        under torchrun each rank samples and scores its contiguous part of the prompts
+                 (engine.ranks.part: a group whole on one rank, rows seeded by their place in the
+                 whole batch), the ranks decoding in lock step (generate.decoder); the rollouts
+                 and their rewards are then gathered, so every rank holds the step's whole batch
+                 in one process's order: advantages, metrics and the loss's divisors are the
+                 whole batch's, and the loop trains each rank on its share of the micro-batches.
+                 The forward-only sweeps (old, reference) run on an even share of the
+                 micro-batches each, their log-probs gathered; rank 0 writes the run dir's files
     metrics      TRL's names: reward, reward_std, rewards/<name>/mean, frac_reward_zero_std,
                  completions/mean_length, completions/clipped_ratio, kl (beta > 0),
                  clip_ratio/region_mean (num_iterations > 1); and the step's split: rollout_s,
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,7 +44,6 @@ from ..data.prompts import model_eos_ids
 from ..engine import Engine
 from ..engine.grpo_loss import GRPOObjective
 from ..errors import InputError
-from ..parallel.launch import world_from_env
 from . import rollouts as ro
 from .advantages import advantages, reward_metrics
 from .logps import token_logps
@@ -47,10 +55,6 @@ EVAL_SEED = 0x3C6EF372  # eval rollouts: the same seed at every evaluation
 class GRPOBatches:
     def __init__(self, cfg: Config, data):
         assert cfg.rl is not None
-        if world_from_env()[0] > 1:
-            raise InputError(
-                "rl: online RL runs on one process for now (torchrun with WORLD_SIZE > 1 is refused)"
-            )
         self.cfg, self.rl, self.data = cfg, cfg.rl, data
         self.rewards = load_rewards(cfg.rl.rewards)  # before any weight is loaded
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
@@ -64,6 +68,7 @@ class GRPOBatches:
     # -- the loop's hooks ----------------------------------------------------------------------
     def attach(self, engine: Engine, store, run_dir: Path, console, main: bool) -> None:
         self.engine, self.store, self.run_dir, self.console, self.main = engine, store, run_dir, console, main
+        self.ranks = engine.ranks
         hf = getattr(store, "hf_dir", None) or store.root / "hf"
         self.tokenizer = self.data.train.tokenizer
         self.eos = model_eos_ids(hf) or (
@@ -77,7 +82,10 @@ class GRPOBatches:
                 )
             self.ref_adapters = False  # fresh adapters: the initial policy is the base
         elif self.rl.beta > 0:
-            self.ref_engine = Engine(store, self.cfg.engine, OptimConfig(), forward_only=True)
+            # sharded like the policy: every rank holds its slice, layers all-gathered per sweep
+            self.ref_engine = Engine(
+                store, self.cfg.engine, OptimConfig(), forward_only=True, dist=engine.p.dist
+            )
 
     def close(self) -> None:
         if self.ref_engine is not None:
@@ -159,31 +167,33 @@ class GRPOBatches:
         assert self.engine is not None
         rl, G = self.rl, self.rl.num_generations
         sweeps: list = []
+        lo, hi = self.ranks.part(len(prompts))
         t0 = time.perf_counter()
-        outs = ro.sample(self.engine, [p.ids for p in prompts], G, rl, seed, self.eos, self.tokenizer,
-                         self.cfg.engine.kv_cache, on_sweep=sweeps.append)  # fmt: skip
+        # a rank without prompts (a short eval batch) samples the first one, unused: it joins each sweep
+        mine = [p.ids for p in prompts[lo:hi]] or [prompts[0].ids]
+        outs = ro.sample(self.engine, mine, G, rl, seed, self.eos, self.tokenizer, self.cfg.engine.kv_cache,
+                         on_sweep=sweeps.append, first=lo)  # fmt: skip
+        outs = [replace(o, prompt=o.prompt + lo) for o in outs] if hi > lo else []
         t1 = time.perf_counter()
-        conv = self.data.train.conversational
-        comps = [[{"role": "assistant", "content": o.text or ""}] if conv else (o.text or "") for o in outs]
-        cols: dict[str, list] = {k: [prompts[o.prompt].columns[k] for o in outs] for k in prompts[0].columns}
-
-        def where(k: int) -> str:
-            return f"completion {k % G} of {prompts[outs[k].prompt].where}"
-
-        vals = score(self.rewards, [prompts[o.prompt].prompt for o in outs], comps, [o.ids for o in outs], cols,
-                     max(step, 0), where)  # fmt: skip
-        per_func = torch.tensor(vals, dtype=torch.float32).T.contiguous()  # (n, F)
+        try:
+            vals, bad = self._score(prompts, outs, step), None
+        except InputError as e:  # every rank stops with the first failing rank's line
+            vals, bad = [], str(e)
+        parts = self.ranks.gather((outs, vals, bad))
+        if bad := next((b for _, _, b in parts if b is not None), None):
+            raise InputError(bad)
+        outs = [o for o_r, _, _ in parts for o in o_r]
+        per_func = torch.tensor(
+            [sum((v_r[i] for _, v_r, _ in parts), []) for i in range(len(self.rewards))], dtype=torch.float32
+        ).T.contiguous()  # (n, F); fmt: skip
         adv, r, zero = advantages(per_func, self.weights, G, rl.scale_rewards)
         mbs = ro.micro_batches_of(outs, adv, self.cfg.train.micro_batch_size, self.data.pad_id,
                                   rl.mask_truncated_completions)  # fmt: skip
         t2 = time.perf_counter()
         if rl.num_iterations > 1:
-            for mb, lp in zip(mbs, token_logps(self.engine, mbs, rl.temperature), strict=True):
-                mb.extras["old"] = lp
+            self._logps(self.engine, mbs, "old", True)
         if rl.beta > 0:
-            eng = self.ref_engine or self.engine
-            for mb, lp in zip(mbs, token_logps(eng, mbs, rl.temperature, self.ref_adapters), strict=True):
-                mb.extras["ref"] = lp
+            self._logps(self.ref_engine or self.engine, mbs, "ref", self.ref_adapters)
         t3 = time.perf_counter()
         if write_to is not None:
             ro.write(write_to, step, outs, [x.name for x in self.rewards], per_func, r, adv)
@@ -201,3 +211,28 @@ class GRPOBatches:
             "rollout_tokens_per_s": ro.speed(sweeps),
         }
         return mbs, m
+
+    def _score(self, prompts, outs: list[ro.Rollout], step: int) -> list[list[float]]:
+        """Per reward function, this rank's completions' values (none: no call)."""
+        if not outs:
+            return [[] for _ in self.rewards]
+        G = self.rl.num_generations
+        conv = self.data.train.conversational
+        comps = [[{"role": "assistant", "content": o.text or ""}] if conv else (o.text or "") for o in outs]
+        cols: dict[str, list] = {k: [prompts[o.prompt].columns[k] for o in outs] for k in prompts[0].columns}
+
+        def where(k: int) -> str:
+            return f"completion {k % G} of {prompts[outs[k].prompt].where}"
+
+        return score(self.rewards, [prompts[o.prompt].prompt for o in outs], comps, [o.ids for o in outs], cols,
+                     max(step, 0), where)  # fmt: skip
+
+    def _logps(self, engine: Engine, mbs: list[MicroBatch], key: str, adapters: bool) -> None:
+        """extras[key]: each micro-batch's per-token log-probs (rl.logps). Each rank sweeps the same
+        number of them (micro-batches dealt round-robin, a short rank padding with a copy whose
+        result is dropped), then the ranks' results are gathered."""
+        W = self.ranks.world
+        got = self.ranks.gather(token_logps(engine, self.ranks.eval_share(mbs, lambda mb: mb), self.rl.temperature,
+                                            adapters))  # fmt: skip
+        for j, mb in enumerate(mbs):
+            mb.extras[key] = got[j % W][j // W]

@@ -8,6 +8,11 @@ rows x (prompt + completion) positions x 2 x n_layers x kv_dim x the dtype's byt
 sliding windows or latent attention keeps less). The reference (beta > 0) and the old policy
 (num_iterations > 1) add one forward-only sweep each over the batch's tokens.
 
+Sharded (torchrun, `world` ranks): each rank decodes its part of the prompts (at most
+ceil(batch_size / world) x G rows, its KV cache that many) and moves only its slice of each layer,
+1 / world of the weights, over its own link per sweep (the all-gather between the devices is not
+counted); the figures are one rank's.
+
 The link: engine.link_gbps when set, else 50 GB/s, a PCIe 5.0 x16 host-to-device rate (stated).
 """
 
@@ -20,11 +25,14 @@ from ..planning.memory import ITEM
 ASSUMED_GBPS = 50.0
 
 
-def rollout_plan(cfg, data, arch, dtype: str, quant: str = "", device_free: int | None = None) -> dict | None:
+def rollout_plan(
+    cfg, data, arch, dtype: str, quant: str = "", device_free: int | None = None, world: int = 1
+) -> dict | None:
     rl = cfg.rl
     if rl is None:
         return None
-    rows = cfg.train.batch_size * rl.num_generations
+    total = cfg.train.batch_size * rl.num_generations
+    rows = -(-cfg.train.batch_size // world) * rl.num_generations  # one rank's
     if data is not None and len(data.train):
         prompt = max(len(r.ids) for r in data.train.rows)
         said = "the longest prompt"
@@ -33,7 +41,7 @@ def rollout_plan(cfg, data, arch, dtype: str, quant: str = "", device_free: int 
         said = "data.max_seq_len less max_completion_length"
     positions = prompt + rl.max_completion_length
     kv = rows * positions * 2 * arch.n_layers * arch.kv_dim * ITEM[dtype]
-    sweep = weights_per_sweep(arch, dtype, quant)
+    sweep = -(-weights_per_sweep(arch, dtype, quant) // world)  # one rank's slice over its link
     gbps = cfg.engine.link_gbps or ASSUMED_GBPS
     host_kv = cfg.engine.kv_cache == "host" or (
         cfg.engine.kv_cache == "auto" and device_free is not None and kv * 4 > device_free * 3
@@ -45,15 +53,20 @@ def rollout_plan(cfg, data, arch, dtype: str, quant: str = "", device_free: int 
     ref_s = passes * sweep / (gbps * 1e9)
     where = "host (each sweep carries it in and out)" if host_kv else "device"
     text = (
-        f"rollouts: {rows:,} completions a step ({cfg.train.batch_size} prompts x G {rl.num_generations}), "
-        f"{sweeps:,} decode sweeps of {fmt_bytes(sweep)} weights; KV cache about {fmt_bytes(kv)} "
+        f"rollouts: {total:,} completions a step ({cfg.train.batch_size} prompts x G {rl.num_generations})"
+        + (f", each of {world} ranks decoding at most {rows:,} of them" if world > 1 else "")
+        + ", "
+        f"{sweeps:,} decode sweeps of {fmt_bytes(sweep)} weights{' per rank' if world > 1 else ''}; "
+        f"KV cache about {fmt_bytes(kv)} "
         f"({positions:,} positions: {said} + {rl.max_completion_length}) on the {where}; on paper at "
         f"{gbps:g} GB/s{'' if cfg.engine.link_gbps else ' (PCIe 5.0 x16, assumed)'}: rollout >= {_s(rollout_s)} s "
-        f"a step, {rows * rl.max_completion_length / rollout_s:,.0f} tokens/s"
+        f"a step, {total * rl.max_completion_length / rollout_s:,.0f} tokens/s"
         + (f"; reference/old passes >= {_s(ref_s)} s" if passes else "")
     )
     return {
-        "rows": rows,
+        "rows": total,
+        "rank_rows": rows,
+        "world": world,
         "sweeps": sweeps,
         "sweep_bytes": sweep,
         "kv_bytes": kv,

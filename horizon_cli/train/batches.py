@@ -184,5 +184,7 @@ def make_batches(cfg: Config, data: PreparedData) -> SftBatches:
 
 
 def unlabelled(mb: MicroBatch) -> MicroBatch:
-    """A copy of `mb` with no labels: a rank short of an eval micro-batch runs it and adds nothing."""
-    return replace(mb, labels=torch.full_like(mb.labels, IGNORE))
+    """A copy of `mb` with no labels: a rank short of an eval micro-batch runs it and adds nothing
+    (an rl micro-batch's row count, its loss's divisor, zero too)."""
+    extras = {**mb.extras, "rows": torch.tensor(0)} if "rows" in mb.extras else mb.extras
+    return replace(mb, labels=torch.full_like(mb.labels, IGNORE), extras=extras)

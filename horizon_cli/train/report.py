@@ -88,7 +88,8 @@ def dry_run_report(
         console.print(ref.pop("text"), highlight=False)
         report["reference"] = ref
     free = None if where.device is None else max(0, where.device - plan.device_total)
-    roll = rollout_plan(cfg, data, model.arch, cfg.engine.dtype, "nf4" if chosen == "qlora" else "", free)
+    quant = "nf4" if chosen == "qlora" else ""
+    roll = rollout_plan(cfg, data, model.arch, cfg.engine.dtype, quant, free, planned.world.size)
     if roll is not None:  # rl: one step's rollouts on paper
         console.print(roll.pop("text"), highlight=False)
         report["rollouts"] = roll

@@ -27,7 +27,7 @@ from ..faults import phase
 from ..ladder import open_model
 from ..lora.setup import lora_for
 from ..parallel.launch import joined, rank_device, world_from_env
-from ..parallel.shard import check_world
+from ..parallel.shard import check_completions, check_world
 from ..parallel.topology import world_for
 from ..runtime.dtype import with_dtype
 from ..store import DTYPES, Store
@@ -60,8 +60,7 @@ def run_training(
     if not dry_run:  # the cli refuses these flags without --dry-run
         assert machine is None and ranks == (None, None)
     world = world_for(*ranks)
-    if cfg.rl is None:  # rl: micro-batches split the batch_size x G completions freely (one process)
-        check_world(cfg.train.batch_size, cfg.train.micro_batch_size, world.size)
+    check_split(cfg, world.size)
     preflight.check_output_file(json_out, "--json")
     model = open_model(cfg.model.path, fetch=dry_run)  # a hub id: its config.json, dry runs only
     if not dry_run and not isinstance(model, Store):
@@ -121,12 +120,21 @@ def rank_cfg(cfg: Config) -> Config:
     return replace(cfg, engine=replace(cfg.engine, device=rank_device(cfg.engine.device, local)))
 
 
+def check_split(cfg: Config, world: int) -> None:
+    """The global batch splits into the same number of micro-batches on every rank (rl: its
+    batch_size x G completions, which one process splits freely)."""
+    if cfg.rl is None:
+        check_world(cfg.train.batch_size, cfg.train.micro_batch_size, world)
+    elif world > 1:
+        check_completions(cfg.train.batch_size * cfg.rl.num_generations, cfg.train.micro_batch_size, world)
+
+
 def join_world(cfg: Config, console: Console) -> tuple[Config, Console]:
     """Under torchrun (WORLD_SIZE > 1): check the batch splits, put this rank on its own GPU
     (cuda:LOCAL_RANK), and let only rank 0 print."""
     world, rank, local = world_from_env()
     if world == 1:
         return cfg, console
-    check_world(cfg.train.batch_size, cfg.train.micro_batch_size, world)
+    check_split(cfg, world)
     cfg = replace(cfg, engine=replace(cfg.engine, device=rank_device(cfg.engine.device, local)))
     return cfg, console if rank == 0 else Console(quiet=True)
