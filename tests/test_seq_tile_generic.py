@@ -139,3 +139,33 @@ def test_rope_scaling_beyond_the_original_positions(tmp_path, how):
     n = int(mb.lengths.min()) if mb.lengths is not None else mb.input_ids.shape[1]
     assert n > 150 and rel_err(ours[:, :n], ref[:, :n]) < 1e-5
     compare(store, 16, steps=[long_rows(s) for s in range(3)])
+
+
+@pytest.mark.slow  # two processes of their own, each importing transformers and warming up
+def test_the_plan_covers_a_tiled_moe_layers_measured_peak(tmp_path):
+    """A one-layer Qwen3-MoE, narrow with wide experts (hidden 128, 8 experts of 1024, 2 active), one
+    engine step on 2,048 tokens in a process of its own (horizon_cli.testing.layer_peak): untiled
+    and tiled by 512, the measured peak within the plan's layer working set plus the layer's weight
+    gradients, and falling with the tile. (The plan once left out the MoE block's whole output
+    beside its tiles: the tiled peak was above it.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cfg = dict(vocab_size=64, hidden_size=128, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024,
+               max_position_embeddings=2048, pad_token_id=0)  # fmt: skip
+    store = hf_store(tmp_path, "qwen3_moe", **cfg)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    runs = []
+    for tile in (0, 512):
+        job = json.dumps({"store": str(store.root), "tokens": 2048, "tile": tile})
+        out = subprocess.run([sys.executable, "-m", "horizon_cli.testing.layer_peak", job], capture_output=True,
+                             text=True, env=env, timeout=300, check=True)  # fmt: skip
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(runs)
+    for r in runs:
+        assert 0.6 * r["plan_bytes"] <= r["peak_bytes"] <= r["plan_bytes"] + r["weight_grad_bytes"], r
+    assert runs[1]["peak_bytes"] < 0.6 * runs[0]["peak_bytes"], runs
