@@ -165,7 +165,6 @@ def test_the_plan_covers_a_tiled_moe_layers_measured_peak(tmp_path):
         out = subprocess.run([sys.executable, "-m", "horizon_cli.testing.layer_peak", job], capture_output=True,
                              text=True, env=env, timeout=300, check=True)  # fmt: skip
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(runs)
     for r in runs:
         assert 0.6 * r["plan_bytes"] <= r["peak_bytes"] <= r["plan_bytes"] + r["weight_grad_bytes"], r
     assert runs[1]["peak_bytes"] < 0.6 * runs[0]["peak_bytes"], runs
