@@ -4,6 +4,10 @@ how long a sequence the plan trains on one H200.
     .venv/bin/python benchmarks/bench_tile.py --peak [--seqs 4096,8192,16384,32768,65536] [--tile 1024]
     .venv/bin/python benchmarks/bench_tile.py --time [--seq 4096] [--rounds 5]
     .venv/bin/python benchmarks/bench_tile.py --paper [--device-gib 141 --host-gib 1536]
+    .venv/bin/python benchmarks/bench_tile.py --generic mistral,qwen3_moe,qwen3_next --peak|--time ...
+
+--generic FAMILY[,...]: --peak and --time on transformers' own layers instead of the native one
+(benchmarks/bench_tile_generic.py says what is built and measured).
 
 --peak: one native layer's forward + backward on the CPU (fp32, one thread), untiled and tiled,
 at each sequence length: the measured peak resident memory and the plan's layer working set
@@ -179,6 +183,9 @@ def main() -> None:
     ap.add_argument("--peak", action="store_true")
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--paper", action="store_true")
+    ap.add_argument(
+        "--generic", default="", help="FAMILY[,FAMILY]: transformers' layers (bench_tile_generic)"
+    )
     ap.add_argument("--seqs", default="4096,8192,16384,32768,65536")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--tile", type=int, default=1024)
@@ -188,13 +195,23 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=ROOT / "bench_out" / "tile.json")
     args = ap.parse_args()
     out: dict = {"command": " ".join([".venv/bin/python", "benchmarks/bench_tile.py", *sys.argv[1:]])}
-    if args.peak:
+    out["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    if args.generic:
+        import bench_tile_generic as bg
+
+        fams = args.generic.split(",")
+        if args.peak:
+            out["generic_peak"] = bg.peak(fams, [int(s) for s in args.seqs.split(",")], args.tile)
+        if args.time:
+            out["generic_time"] = bg.step_time(fams, args.seq, args.tile, args.rounds)
+    elif args.peak:
         out["peak"] = peak(args)
-    if args.time:
+    if args.time and not args.generic:
         out["time"] = step_time(args)
     if args.paper:
         out["paper"] = paper(args)
     args.json.parent.mkdir(parents=True, exist_ok=True)
+    out["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     args.json.write_text(json.dumps(out, indent=1))
     print(f"wrote {args.json}")
 

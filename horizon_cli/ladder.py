@@ -203,9 +203,22 @@ def not_applicable(model: Store | PlannedModel) -> dict[str, str]:
     return {"exact": full, "lean": full, "lora": lora}
 
 
+# id(spec) -> (spec, its default adapters): a dry run's longest-sequence search plans the lora rungs
+# dozens of times on one spec, and resolving the targets builds the model on the meta device
+_adapters: dict[int, tuple[ArchSpec, tuple[list, int]]] = {}
+
+
 def default_adapters(spec: ArchSpec) -> tuple[list, int]:
     """lora:'s default targets and r on this model (all its linear layers where the default
-    names do not occur, e.g. fused attention)."""
+    names do not occur, e.g. fused attention); resolved once per spec (the last few held)."""
+    if id(spec) not in _adapters:
+        while len(_adapters) >= 8:
+            _adapters.pop(next(iter(_adapters)))
+        _adapters[id(spec)] = (spec, _default_adapters(spec))
+    return _adapters[id(spec)][1]
+
+
+def _default_adapters(spec: ArchSpec) -> tuple[list, int]:
     d = LoraConfig()
     for targets in (d.targets, "all-linear"):
         try:

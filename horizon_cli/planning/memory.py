@@ -138,7 +138,8 @@ def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int
     scores where they are materialised (eager attention, or explicit masks: sliding windows). A
     recurrent mixer counts what it was measured to save instead of its projections (arch.workset:
     its chunked scan's states and decay matrices, rows * (fixed + per_token * T) bytes), twice.
-    tile: what the kind's token-local blocks (arch.tiling) count is for `tile` tokens only."""
+    tile: what the kind's token-local blocks (arch.tiling) count is for `tile` tokens only, and
+    3 H a token of each stays whole (its tiles' outputs, their concatenation, its input's gradient)."""
     g = spec.generic
     assert g is not None
     moe, H = g.moe, spec.hidden
@@ -161,6 +162,8 @@ def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int
                 nb += k
             else:
                 n += k
+        if nb:  # tiled (model.tiling.run_tiled): whole, the tiles' outputs and their concatenation, and
+            n += 3 * H * len(tiled)  # the block input's gradient autograd assembles from the tiles' slices
         b = 2 * (tokens * n + min(tile, tokens) * nb) * item
         if mixer:
             fixed, per_token = mixer.saved["float32" if item >= 4 else "bfloat16"]

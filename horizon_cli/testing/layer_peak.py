@@ -4,6 +4,8 @@
     python -m horizon_cli.testing.layer_peak '{"hidden": 128, "intermediate": 2048, "tokens": 2048,
         "tiles": [0, 512], "heads": 2, "kv_heads": 1}'
 
+    python -m horizon_cli.testing.layer_peak '{"store": STORE, "tokens": 4096, "tile": 1024}'
+
 prints one JSON object: per tile the measured peak, the plan's working set, the weight gradients'
 bytes (a plan row of their own: the gradient accumulators) and the seconds it took. What the
 engine does per layer: a forward without autograd, then the recompute under autograd and
@@ -16,6 +18,11 @@ the threshold and keeps freed blocks), the kernel's peak resident set (VmHWM) is
 (/proc/self/clear_refs) before each measurement, and the peak less the resident set at the start
 is what one layer's forward + backward needed. Each path runs once first (thread pools, kernel
 scratch space: one-time allocations that are no working set).
+
+With a "store" (a one-layer model, any family): one engine step on one row of `tokens` instead
+(engine_peak: a warm-up step, then the measured one), so transformers' own layers are measured as
+the engine runs them; the step's embedding and chunked loss are in the figure (small for a small
+vocabulary), the layer's weight gradients reported beside it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,18 @@ import time
 import torch
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+def _quiet_malloc() -> None:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, 65536)
+    libc.mallopt(M_TRIM_THRESHOLD, 0)
+
+
+def _reset_peak() -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set
+    return _status("VmRSS")
 
 
 def _status(key: str) -> int:
@@ -47,9 +66,7 @@ def measure(
     from ..model.layer import AttnContext, inv_freq, layer_forward, rope_tables
     from ..planning.memory import layer_work_bytes
 
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(M_MMAP_THRESHOLD, 65536)
-    libc.mallopt(M_TRIM_THRESHOLD, 0)
+    _quiet_malloc()
     torch.set_num_threads(1)
     hf = dict(model_type="llama", hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
               num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=64,
@@ -86,9 +103,7 @@ def measure(
         step(min(t, warm_tokens // 2) if small and t else t, *(small or big))
     out = []
     for tile in tiles:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak resident set
-        base, t0 = _status("VmRSS"), time.perf_counter()
+        base, t0 = _reset_peak(), time.perf_counter()
         step(tile, *big)
         out.append({
             "tile": tile,
@@ -100,5 +115,36 @@ def measure(
     return {"hidden": H, "intermediate": inter, "tokens": tokens, "weight_grad_bytes": grads, "runs": out}
 
 
+def engine_peak(store: str, tokens: int, tile: int) -> dict:
+    """One engine step of a one-layer store's model on one row of `tokens`, measured (module doc)."""
+    from ..config.schema import EngineConfig, OptimConfig
+    from ..data.batch import MicroBatch
+    from ..engine import Engine
+    from ..planning.memory import layer_work_bytes
+    from ..store import Store
+
+    _quiet_malloc()
+    torch.set_num_threads(1)
+    st = Store.open(store)
+    ids = torch.randint(3, st.arch.vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    mb = MicroBatch(ids, ids.clone(), torch.arange(tokens)[None].clone())
+    ecfg = EngineConfig(device="cpu", dtype="float32", seq_tile=tile, keep_activations=0, compute_threads=1)
+    eng = Engine(st, ecfg, OptimConfig(kernel="torch"))
+    try:
+        eng.step([mb], 1e-5)  # the warm-up: optimizer state, saved-input buffers, thread pools
+        eng.wait()
+        base, t0 = _reset_peak(), time.perf_counter()
+        eng.step([mb], 1e-5)
+        eng.wait()
+        peak, secs = _status("VmHWM") - base, time.perf_counter() - t0
+        grads = 4 * sum(p.numel for lay in eng.host.units.values() if lay.layout.name.startswith("layer.")
+                        for p in lay.layout.tensors if p.trainable)  # fmt: skip
+    finally:
+        eng.close()
+    plan = layer_work_bytes(st.arch, tokens, 1, tokens, 4, tile)
+    return {"tile": tile, "peak_bytes": peak, "plan_bytes": plan, "weight_grad_bytes": grads, "seconds": secs}
+
+
 if __name__ == "__main__":
-    print(json.dumps(measure(**json.loads(sys.argv[1]))))
+    job = json.loads(sys.argv[1])
+    print(json.dumps(engine_peak(**job) if "store" in job else measure(**job)))
