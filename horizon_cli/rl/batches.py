@@ -35,6 +35,7 @@ from ..data.prompts import model_eos_ids
 from ..engine import Engine
 from ..engine.grpo_loss import GRPOObjective
 from ..errors import InputError
+from ..faults import phase
 from ..parallel.launch import world_from_env
 from . import rollouts as ro
 from .advantages import advantages, reward_metrics
@@ -160,8 +161,13 @@ class GRPOBatches:
         rl, G = self.rl, self.rl.num_generations
         sweeps: list = []
         t0 = time.perf_counter()
+
+        def on_sweep(s) -> None:  # a crash-test mark in every decode sweep (faults.py): rollout:N
+            phase("rollout", step + 1)
+            sweeps.append(s)
+
         outs = ro.sample(self.engine, [p.ids for p in prompts], G, rl, seed, self.eos, self.tokenizer,
-                         self.cfg.engine.kv_cache, on_sweep=sweeps.append)  # fmt: skip
+                         self.cfg.engine.kv_cache, on_sweep=on_sweep)  # fmt: skip
         t1 = time.perf_counter()
         conv = self.data.train.conversational
         comps = [[{"role": "assistant", "content": o.text or ""}] if conv else (o.text or "") for o in outs]
