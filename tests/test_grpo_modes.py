@@ -26,7 +26,7 @@ trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 from test_grpo_loss import trl_stub  # noqa: E402
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
-from trl.trainer.utils import add_fused_lm_head  # noqa: E402
+from trl.trainer.utils import add_fused_lm_head, use_adapter  # noqa: E402
 
 G, N = 4, 8  # completions per prompt, per step (train.batch_size 2 in test_grpo_train._run)
 LORA = {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]}
@@ -143,8 +143,8 @@ def peft_policy(store: Path, cfg: RLConfig, seed: int):
 
 
 def base_ref(stub, ids, am, C):
-    """TRL's reference under peft: the same model with the adapters off."""
-    with stub.model.disable_adapter():
+    """TRL's reference under peft (a new adapter): the same model with the adapters off."""
+    with use_adapter(stub.model, adapter_name=None):  # as GRPOTrainer takes it for a new adapter
         lp, _, _ = stub._get_per_token_logps_and_entropies(stub.model, ids, am, C)
     return lp
 
