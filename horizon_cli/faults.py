@@ -1,7 +1,8 @@
 """Fault injection and phase tracing for crash tests (tests/test_train_resume.py, the soak).
 
 Commands mark their phases with `phase(name, step)`: start-up, each training step, checkpoint
-writes, pruning, export. Two environment variables turn the marks into test hooks:
+writes, pruning, export, and each sweep of an RL step's rollout decode (`rollout`, the step's
+number; 0 for eval's). Two environment variables turn the marks into test hooks:
 
   HORIZON_FAULT=point[:step][+ms]   SIGKILL this process at `point` (at training step `step`
                                     only, when given); with `+ms`, that many milliseconds after

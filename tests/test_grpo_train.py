@@ -215,50 +215,51 @@ def test_bad_rl_values_are_one_line_exit_2(tmp_path, tiny_store, rl, msg):
 
 
 BAD = {
-    "raises": ("def f(completions, **kw):\n    raise ValueError('boom')\n", "raised ValueError: boom on completion"),
-    "count": ("def f(completions, **kw):\n    return [1.0]\n", "returned 1 values for 8 completions"),
-    "nan": ("def f(completions, **kw):\n    return [float('nan')] * len(completions)\n", "returned NaN for completion 0 of"),
-    "text": ("def f(completions, **kw):\n    return ['good'] * len(completions)\n", "returned 'good' (not a number) for completion 0"),
+    "raises": ("    raise ValueError('boom')\n", "raised ValueError: boom on completion"),
+    "count": ("    return [1.0]\n", "returned 1 values for 8 completions (step 3)"),
+    "nan": ("    return [float('nan')] * len(completions)\n", "returned NaN for completion 0 of"),
+    "text": ("    return ['good'] * len(completions)\n", "returned 'good' (not a number) for completion 0"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("bad", list(BAD))
 def test_a_failing_reward_function_stops_with_one_line_and_keeps_the_checkpoint(tmp_path, tiny_store, bad):
-    code, msg = BAD[bad]
-    (tmp_path / "bad.py").write_text(code)
+    """The function scores steps 1 and 2 (step_2 checkpointed), then fails at step 3: one line
+    naming it and the sample, exit 2, step_2 still the newest checkpoint, whole (deep checksums),
+    its files as they were, and nothing of step 3 written (no rollouts, no metrics line)."""
+    from horizon_cli.store import ckpt
+
+    body, msg = BAD[bad]
     if bad == "raises":  # fails on one sample only: that one is named
-        (tmp_path / "bad.py").write_text(
-            "def f(completions, prompts, **kw):\n    if len(prompts) > 1 or prompts[0][0] % 2:\n"
-            "        raise ValueError('boom')\n    return [0.0] * len(prompts)\n"
-        )
+        body = "    if len(prompts) > 1 or prompts[0][0] % 2:\n        raise ValueError('boom')\n    return [0.0]\n"
+    (tmp_path / "bad.py").write_text(
+        "def f(completions, prompts, trainer_state, **kw):\n    if trainer_state.global_step < 2:\n"
+        "        return [0.5 * (len(c) % 3) for c in completions]\n" + body
+    )
     rl = {
         "num_generations": 4,
         "max_completion_length": 4,
         "rewards": [{"function": f"{tmp_path / 'bad.py'}:f"}],
     }
-    r = horizon("train", _cfg(tmp_path, tiny_store, rl), "train.batch_size=2")
-    line = one_error_line(r)
-    assert "rl.rewards[0] (f): " in line and msg in line
-    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
-        (tmp_path / "run" / "checkpoints").iterdir()
-    )
-
-
-def test_a_reward_error_after_a_checkpoint_leaves_that_checkpoint_the_newest(tmp_path, tiny_store):
-    (tmp_path / "late.py").write_text(
-        "def f(completions, trainer_state, **kw):\n    if trainer_state.global_step >= 2:\n"
-        "        return [None] * (len(completions) - 1)\n    return [1.0] * len(completions)\n"
-    )
-    rl = {
-        "num_generations": 2,
-        "max_completion_length": 4,
-        "rewards": [{"function": f"{tmp_path / 'late.py'}:f"}],
-    }
-    r = horizon("train", _cfg(tmp_path, tiny_store, rl), "train.batch_size=2")
-    assert "rl.rewards[0] (f): returned 3 values for 4 completions (step 3)" in one_error_line(r)
+    cfg = _cfg(tmp_path, tiny_store, rl)
     run = tmp_path / "run"
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]
+
+    def snapshot(ck):  # every file of step_2 as the step-2 save wrote it
+        return {p.relative_to(ck): p.read_bytes() for p in sorted(ck.rglob("*")) if p.is_file()}
+
+    over = ("train.batch_size=2", "schedule.kind=constant")  # constant: train.steps may grow
+    assert horizon("train", cfg, *over, "train.steps=2").exit_code == 0
+    before = snapshot(run / "checkpoints" / "step_2")
+    r = horizon("train", cfg, *over, "train.steps=6")
+    line = one_error_line(r)
+    assert r.exit_code == 2 and "rl.rewards[0] (f): " in line and msg in line, line
+    good, bad_ones = ckpt.intact(run)
+    assert [p.name for p in good] == ["step_2"] and not bad_ones
+    assert ckpt.check(good[0], deep=True) is None and snapshot(good[0]) == before
     assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["step-1.jsonl", "step-2.jsonl"]
+    from horizon_cli.train.metrics import read_metrics
+
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2]
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

@@ -44,6 +44,7 @@ from ..data.prompts import model_eos_ids
 from ..engine import Engine
 from ..engine.grpo_loss import GRPOObjective
 from ..errors import InputError
+from ..faults import phase
 from . import rollouts as ro
 from .advantages import advantages, reward_metrics
 from .logps import token_logps
@@ -169,10 +170,15 @@ class GRPOBatches:
         sweeps: list = []
         lo, hi = self.ranks.part(len(prompts))
         t0 = time.perf_counter()
+
+        def on_sweep(s) -> None:  # a crash-test mark in every decode sweep (faults.py): rollout:N
+            phase("rollout", step + 1)
+            sweeps.append(s)
+
         # a rank without prompts (a short eval batch) samples the first one, unused: it joins each sweep
         mine = [p.ids for p in prompts[lo:hi]] or [prompts[0].ids]
         outs = ro.sample(self.engine, mine, G, rl, seed, self.eos, self.tokenizer, self.cfg.engine.kv_cache,
-                         on_sweep=sweeps.append, first=lo)  # fmt: skip
+                         on_sweep=on_sweep, first=lo)  # fmt: skip
         outs = [replace(o, prompt=o.prompt + lo) for o in outs] if hi > lo else []
         t1 = time.perf_counter()
         try:

@@ -60,6 +60,9 @@ def device_kv(engine: Engine, rows: list[tuple[int, list[int]]], max_new: int, k
         [(len(g), max(len(p) for _, p in g) + max_new) for g in micro_batches(rows)]
     )
     free, _ = torch.cuda.mem_get_info(engine.t.device)
+    # blocks the caching allocator holds but nothing uses (a step's kept-layer graphs, freed after
+    # its backward) are free to the cache too, as the dry run plans it (train/report.py)
+    free += torch.cuda.memory_reserved(engine.t.device) - torch.cuda.memory_allocated(engine.t.device)
     return need * 4 <= free * 3
 
 

@@ -87,7 +87,9 @@ def dry_run_report(
     if ref is not None:
         console.print(ref.pop("text"), highlight=False)
         report["reference"] = ref
-    free = None if where.device is None else max(0, where.device - plan.device_total)
+    # the rollout runs between steps: the kept layers' graphs and weights (held from a step's
+    # forward to its backward) are not on the device then, so their room is the KV cache's
+    free = None if where.device is None else max(0, where.device - (plan.device_total - plan.kept_bytes))
     quant = "nf4" if chosen == "qlora" else ""
     roll = rollout_plan(cfg, data, model.arch, cfg.engine.dtype, quant, free, planned.world.size)
     if roll is not None:  # rl: one step's rollouts on paper
