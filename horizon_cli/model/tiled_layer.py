@@ -122,7 +122,7 @@ class _Layer(torch.autograd.Function):
             for i, g in zip(need, grads, strict=True):
                 if g is not None:
                     prev = acc[i]
-                    acc[i] = g if prev is None else prev + g
+                    acc[i] = g if prev is None else prev.add_(g)  # in place: one copy of each
 
         x = x.detach()
         b, T, _ = x.shape
