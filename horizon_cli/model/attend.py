@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
-
 @dataclass(frozen=True)
 class RowMask:
     """dense_mask's rule kept as its inputs (engine.seq_tile): a tiled layer builds the rows of
@@ -108,7 +107,9 @@ def dense_mask(doc: torch.Tensor | None, window: int | None, b: int, T: int, dev
     return m.expand(b, 1, T, T)
 
 
-def rows_mask(doc: torch.Tensor | None, window: int | None, r: int, s: int, e: int, lo: int, device) -> torch.Tensor:
+def rows_mask(
+    doc: torch.Tensor | None, window: int | None, r: int, s: int, e: int, lo: int, device
+) -> torch.Tensor:
     """Rows [s, e) of row r's dense_mask over keys [lo, e) (the rest are never allowed: causal,
     or out of the window): a bool (1, 1, e - s, e - lo), True = attend."""
     i = torch.arange(s, e, device=device)[:, None]

@@ -126,7 +126,8 @@ def attention(
     q, k, v = (_heads(w, x, spec, n, ctx.cos, ctx.sin, lora) for n in "qkv")  # (b, heads, T, hd)
     if ctx.cache is not None:  # generation: the cached positions' K/V, then these T (b, kv, S, hd)
         k, v = ctx.cache.update(k, v, layer)
-    out = attend(q, k, v, ctx.masks.get(window), spec.head_dim**-0.5, dropout)  # grouped-query K/V shared, not copied
+    scale = spec.head_dim**-0.5
+    out = attend(q, k, v, ctx.masks.get(window), scale, dropout)  # grouped-query K/V shared, not copied
     out = out.transpose(1, 2).reshape(b, T, spec.q_dim)
     return _linear(out, w, "wo", "bo", lora)
 
@@ -155,8 +156,8 @@ def layer_forward(
     recompute, whose output values are not read (the tiled layer then runs in the backward);
     dropout: the attention's (training only). With a KV cache, attention dropout or a flex block
     mask (CUDA: packed rows, windows) only the MLP block is tiled (model.tiling)."""
-    mask = ctx.masks.get(window)
-    if 0 < tile < x.numel() // x.shape[-1] and ctx.cache is None and not dropout and not isinstance(mask, BlockMask):
+    whole = ctx.cache is not None or dropout or isinstance(ctx.masks.get(window), BlockMask)
+    if 0 < tile < x.numel() // x.shape[-1] and not whole:
         stages = _stages(w, ctx, spec, window, lora)
         return run_layer(stages, x, tile, lora, _leaves(w, lora, None), deferred)
     h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window, lora, layer, dropout)
@@ -197,6 +198,11 @@ def _stages(w: Weights, ctx: AttnContext, spec: ArchSpec, window: int | None, lo
             m: Mask = rule[r : r + 1, :, s:e, lo:e]
         else:
             m = None if rule is None and lo == s else rows_mask(doc, win, r, s, e, lo, xt.device)
+        if q.is_cuda and m is not None and q.shape[1] != k.shape[1]:
+            # SDPA's kernels that take a mask on CUDA may not take grouped K/V (its math fallback
+            # would hold the (t, keys) scores per head): repeated per query head, the plan counts it
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         o = attend(q, k, v, m, spec.head_dim**-0.5).transpose(1, 2).reshape(1, e - s, spec.q_dim)
         h = xt + _linear(o, w, "wo", "bo", lora)
         return h + mlp(w, rms_norm(h, w["mlp_norm"], eps), lora)

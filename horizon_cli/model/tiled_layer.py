@@ -152,7 +152,10 @@ class _Layer(torch.autograd.Function):
                 with _seeded(lora, base, r * T + s), torch.enable_grad():
                     k, v = st.kv(r, s, e, xt)
                     g = torch.autograd.grad(
-                        [k, v], [xt, *(leaves[i] for i in need)], [dK[:, :, s:e], dV[:, :, s:e]], allow_unused=True
+                        [k, v],
+                        [xt, *(leaves[i] for i in need)],
+                        [dK[:, :, s:e], dV[:, :, s:e]],
+                        allow_unused=True,
                     )
                 dx[r : r + 1, s:e] += g[0]
                 add(g[1:])
