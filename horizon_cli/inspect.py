@@ -9,7 +9,7 @@ from rich.table import Table
 
 from .arch.calls import spec_sequence
 from .arch.names import param_split
-from .arch.tiling import note as tiling_note
+from .planning.tiling import note as tiling_note
 from .engine.dropout import model_dropout
 from .fmt import fmt_bytes
 from .planning.memory import memory_plan

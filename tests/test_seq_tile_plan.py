@@ -122,7 +122,8 @@ def test_dry_run_shows_tiles_and_the_longest_sequence(tmp_path):
     assert set(plan["longest_seq"]) == {"exact", "lean", "lora", "qlora"}
     assert plan["longest_seq"]["lean"] >= plan["longest_seq"]["exact"] > 131072
     assert "longest trainable sequence on" in r.output
-    assert "sequence tiles: every layer's MLP block" in r.output
+    assert "sequence tiles: every token-local part of every layer" in r.output
+    assert "attention per query tile" in r.output
 
 
 def test_horizon_train_tiles_and_records_the_tile(tiny_store, tmp_path):

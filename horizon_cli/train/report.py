@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
-from ..arch.tiling import note as tiling_note
+from ..planning.tiling import note as tiling_note
 from ..config import Config, dump_yaml
 from ..data import PreparedData
 from ..engine.build import Planned, dropout_line
