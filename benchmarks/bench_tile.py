@@ -9,8 +9,8 @@ how long a sequence the plan trains on one H200.
 --generic FAMILY[,...]: --peak and --time on transformers' own layers instead of the native one
 (benchmarks/bench_tile_generic.py says what is built and measured).
 
---peak: one native layer's forward + backward on the CPU (fp32, one thread), untiled and tiled,
-at each sequence length: the measured peak resident memory and the plan's layer working set
+--peak: one native layer's forward + backward on the CPU (fp32, one thread), untiled and tiled
+(natively every token-local part, attention per query tile: model.tiled_layer), at each length: the measured peak resident memory and the plan's layer working set
 (horizon_cli.testing.layer_peak, one process per length). The layer is narrow with a wide MLP
 (hidden 128, 2 heads of 64, one K/V head, intermediate 2048) so that 64K tokens of attention stay
 within minutes on one core; the measured peak includes the weight gradients (3.2 MiB).

@@ -9,10 +9,10 @@ from rich.table import Table
 
 from .arch.calls import spec_sequence
 from .arch.names import param_split
-from .arch.tiling import note as tiling_note
 from .engine.dropout import model_dropout
 from .fmt import fmt_bytes
 from .planning.memory import memory_plan
+from .planning.tiling import note as tiling_note
 from .progress import byte_progress
 from .store import Store
 

@@ -29,6 +29,7 @@ TOL = 1e-6
 
 
 _COUNT = [0]  # tilings of a block (model.tiling.tiles), counted by `tiled_runs`
+_TILE = [0]  # the tile of the run `compare` is making (0: the untiled one)
 
 
 def tiled_count() -> int:
@@ -96,6 +97,7 @@ def compare(store, tile: int, steps=None, objective=None, keep: int = 0, floor: 
     steps = steps or batches()
     runs, count = [], tiled_count()
     for t in (0, tile):
+        _TILE[0] = t
         eng = engine(store, t, objective() if objective else None, keep=keep)
         try:
             div = eng.objective.divisor
@@ -120,11 +122,38 @@ def compare(store, tile: int, steps=None, objective=None, keep: int = 0, floor: 
     close(wa, wb, "weights after three AdamW steps", relative=False)
 
 
-def test_native_layer_tiled_equals_untiled(tmp_path):
-    """Llama and Mistral (a sliding window shorter than the rows) on the native layer."""
-    for family in ("llama", "mistral"):
-        _, store = make_store(tmp_path / family, family)
-        compare(store, 7)
+@pytest.fixture
+def queries(monkeypatch):
+    """The longest query block and key block the native layer's attention kernel ran on in the
+    tiled runs, and the largest mask it was given (so a tiled run cannot pass with its attention
+    whole)."""
+    from horizon_cli.model import layer
+
+    seen = {"q": 0, "k": 0, "mask": 0}
+    real = layer.attend
+
+    def attend(q, k, v, mask, *a, **kw):
+        if not _TILE[0]:
+            return real(q, k, v, mask, *a, **kw)
+        seen["q"], seen["k"] = max(seen["q"], q.shape[-2]), max(seen["k"], k.shape[-2])
+        if isinstance(mask, torch.Tensor):
+            seen["mask"] = max(seen["mask"], mask.numel())
+        return real(q, k, v, mask, *a, **kw)
+
+    monkeypatch.setattr(layer, "attend", attend)
+    return seen
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_native_layer_tiled_equals_untiled(tmp_path, family, queries):
+    """The native layer with every token-local part tiled and its attention run per query tile:
+    Llama, Mistral (a sliding window shorter than the rows), Qwen2 (Q/K/V biases), Qwen3 (q/k
+    norms); micro-batches of two rows of 20-40 tokens, tiles of 7."""
+    _, store = make_store(tmp_path, family)
+    steps = batches()
+    compare(store, 7, steps)
+    assert queries["q"] == 7 and queries["k"] <= 40, queries  # query tiles against a row's keys
+    assert queries["mask"] <= 7 * 40, queries  # the tile's rows of the mask at most, never (T, T)
 
 
 @pytest.mark.parametrize(
@@ -172,12 +201,15 @@ def packed(seed: int) -> list[MicroBatch]:
     return [MicroBatch(ids, labels, pos, doc, None)]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_packed_documents_across_tile_edges(tmp_path, family):
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_packed_documents_across_tile_edges(tmp_path, family, queries):
+    """Native (Llama; Mistral: its window and the documents together) and transformers' layers."""
     _, store = make_store(tmp_path, family)
     steps = [packed(s) for s in range(3)]
     compare(store, 5, steps)
     compare(store, 7, steps)
+    if store.arch.generic is None:  # the document mask built per query tile: rows of it only
+        assert queries["q"] == 7 and 0 < queries["mask"] <= 7 * 33, queries
 
 
 def test_dpo_with_tiles(tmp_path, tok):

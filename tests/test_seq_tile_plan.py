@@ -51,6 +51,25 @@ def test_the_plan_covers_the_measured_peak_and_tiles_lower_it():
     assert peaks[2] < 0.4 * peaks[0], peaks
 
 
+def test_packed_rows_build_no_dense_mask_under_tiles():
+    """A row of 4 packed documents at 2,048 tokens: untiled the CPU holds the dense (T, T) mask
+    (and SDPA's additive copy), tiled only a query tile's rows of it — the tiled peak is the
+    unpacked one's and within the plan, the untiled one above its unpacked peak by at least T²."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    got = {}
+    for docs in (0, 4):
+        args = dict(hidden=128, intermediate=2048, tokens=2048, tiles=[0, 256], warm_tokens=512, docs=docs)
+        out = subprocess.run(
+            [sys.executable, "-m", "horizon_cli.testing.layer_peak", json.dumps(args)],
+            capture_output=True, text=True, env=env, timeout=300, check=True,
+        )  # fmt: skip
+        got[docs] = json.loads(out.stdout.strip().splitlines()[-1])
+    (plain_untiled, plain_tiled), (packed_untiled, packed_tiled) = got[0]["runs"], got[4]["runs"]
+    assert packed_untiled["peak_bytes"] >= plain_untiled["peak_bytes"] + 2048 * 2048, got
+    assert packed_tiled["peak_bytes"] <= packed_tiled["plan_bytes"] + got[4]["weight_grad_bytes"], got
+    assert packed_tiled["peak_bytes"] <= 1.05 * plain_tiled["peak_bytes"], got
+
+
 def cfg_for(tmp_path: Path, seq: int, tile="auto", micro: int = 1):
     (tmp_path / "m").mkdir(exist_ok=True)
     (tmp_path / "m" / "config.json").write_text(json.dumps(LLAMA_31_8B))
@@ -122,7 +141,8 @@ def test_dry_run_shows_tiles_and_the_longest_sequence(tmp_path):
     assert set(plan["longest_seq"]) == {"exact", "lean", "lora", "qlora"}
     assert plan["longest_seq"]["lean"] >= plan["longest_seq"]["exact"] > 131072
     assert "longest trainable sequence on" in r.output
-    assert "sequence tiles: every layer's MLP block" in r.output
+    assert "sequence tiles: every token-local part of every layer" in r.output
+    assert "attention per query tile" in r.output
 
 
 def test_horizon_train_tiles_and_records_the_tile(tiny_store, tmp_path):

@@ -56,7 +56,9 @@ def adapter_work_bytes(
     (engine.seq_tile; spec given): those inside the layer's token-local block for `tile` tokens."""
 
     def one(i: int, layer: list[Target]) -> int:
-        inside = block_prefixes(spec, i) if tile > 0 and spec is not None else ()
+        inside: tuple[str, ...] = ()
+        if tile > 0 and spec is not None:  # natively every linear layer is tiled (model.tiled_layer)
+            inside = ("",) if spec.generic is None else block_prefixes(spec, i)
         blk = sum(r + t.out_features for t in layer if t.rel.startswith(inside))
         return tokens * sum(r + t.out_features for t in layer) - (tokens - min(tile, tokens)) * blk
 

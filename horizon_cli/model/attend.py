@@ -5,6 +5,9 @@
   packed rows,   SDPA with a dense bool mask (b, 1, T, T)  flex_attention, compiled, with a block
   short windows                                            mask: only blocks holding allowed pairs
                                                            are computed, no (T, T) tensor exists
+  query tiles    SDPA per query tile with its mask rows    the same (model.tiled_layer; a flex
+  (seq_tile)     (1, 1, t, keys): no (T, T) tensor, a      block mask keeps the whole-sequence
+                 RowMask keeps only the rule's inputs      kernel)
 
 Grouped-query K/V are shared across query heads inside the kernel (`enable_gqa`), never
 expanded by copying. `enable_gqa` and flex_attention need torch >= 2.5 (pyproject's floor).
@@ -12,11 +15,25 @@ expanded by copying. `enable_gqa` and flex_attention need torch >= 2.5 (pyprojec
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-Mask = torch.Tensor | BlockMask | None  # None: plain causal attention is exact
+
+@dataclass(frozen=True)
+class RowMask:
+    """dense_mask's rule kept as its inputs (engine.seq_tile): a tiled layer builds the rows of
+    one query tile at a time (rows_mask), an untiled call the whole mask (attend)."""
+
+    doc: torch.Tensor | None  # (b, T) packed documents, or None
+    window: int | None
+    b: int
+    T: int
+
+
+Mask = torch.Tensor | BlockMask | RowMask | None  # None: plain causal attention is exact
 
 _compiled = None
 
@@ -39,6 +56,8 @@ def attend(
     probabilities, as transformers' SDPA attention in train mode (flex has none: a template that
     drops builds dense masks, model.masks)."""
     gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, RowMask):  # an untiled call under tiles (dropout, one tile): the whole mask
+        mask = dense_mask(mask.doc, mask.window, mask.b, mask.T, q.device)
     if isinstance(mask, BlockMask):
         assert not dropout, "flex_attention has no dropout"
         fn = _flex() if q.is_cuda else flex_attention
@@ -86,3 +105,18 @@ def dense_mask(doc: torch.Tensor | None, window: int | None, b: int, T: int, dev
     if doc is not None:  # packed rows: attend only inside one's own document
         m = m & (doc[:, None, :, None] == doc[:, None, None, :])
     return m.expand(b, 1, T, T)
+
+
+def rows_mask(
+    doc: torch.Tensor | None, window: int | None, r: int, s: int, e: int, lo: int, device
+) -> torch.Tensor:
+    """Rows [s, e) of row r's dense_mask over keys [lo, e) (the rest are never allowed: causal,
+    or out of the window): a bool (1, 1, e - s, e - lo), True = attend."""
+    i = torch.arange(s, e, device=device)[:, None]
+    j = torch.arange(lo, e, device=device)[None, :]
+    m = j <= i
+    if window is not None:
+        m = m & (i - j < window)
+    if doc is not None:
+        m = m & (doc[r, s:e, None] == doc[r, None, lo:e])
+    return m[None, None]

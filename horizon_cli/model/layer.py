@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ..arch import ArchSpec
-from .attend import Mask, attend
+from .attend import BlockMask, Mask, RowMask, attend, rows_mask
+from .tiled_layer import Stages, run_layer
 from .tiling import tiled_native
 
 Weights = dict[str, torch.Tensor]
@@ -94,6 +95,21 @@ def _linear(x: torch.Tensor, w: Weights, wname: str, bname: str, lora: Lora = No
     return y if lora is None else lora(wname, x, y)
 
 
+def _heads(
+    w: Weights, x: torch.Tensor, spec: ArchSpec, which: str, cos, sin, lora: Lora = None
+) -> torch.Tensor:
+    """x (b, T, H) normed -> q, k or v (b, heads, T, hd): projection, bias, Qwen3's RMSNorm over
+    head_dim (q, k), RoPE at cos/sin's positions (q, k)."""
+    b, T, _ = x.shape
+    heads = spec.n_heads if which == "q" else spec.n_kv_heads
+    y = _linear(x, w, f"w{which}", f"b{which}", lora).view(b, T, heads, spec.head_dim)
+    if which == "v":
+        return y.transpose(1, 2)
+    if spec.qk_norm:  # Qwen3: RMSNorm over head_dim, before RoPE
+        y = rms_norm(y, w[f"{which}_norm"], spec.rms_eps)
+    return apply_rope(y.transpose(1, 2), cos, sin)
+
+
 def attention(
     w: Weights,
     x: torch.Tensor,
@@ -107,17 +123,11 @@ def attention(
     """x (b, T, H) normed -> (b, T, H). layer: this layer's index in ctx.cache; dropout: on the
     attention probabilities (training only, as transformers' `attention_dropout`)."""
     b, T, _ = x.shape
-    hd = spec.head_dim
-    q = _linear(x, w, "wq", "bq", lora).view(b, T, spec.n_heads, hd)
-    k = _linear(x, w, "wk", "bk", lora).view(b, T, spec.n_kv_heads, hd)
-    v = _linear(x, w, "wv", "bv", lora).view(b, T, spec.n_kv_heads, hd)
-    if spec.qk_norm:  # Qwen3: RMSNorm over head_dim, before RoPE
-        q, k = rms_norm(q, w["q_norm"], spec.rms_eps), rms_norm(k, w["k_norm"], spec.rms_eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, T, hd)
-    q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+    q, k, v = (_heads(w, x, spec, n, ctx.cos, ctx.sin, lora) for n in "qkv")  # (b, heads, T, hd)
     if ctx.cache is not None:  # generation: the cached positions' K/V, then these T (b, kv, S, hd)
         k, v = ctx.cache.update(k, v, layer)
-    out = attend(q, k, v, ctx.masks.get(window), hd**-0.5, dropout)  # grouped-query K/V shared, not copied
+    scale = spec.head_dim**-0.5
+    out = attend(q, k, v, ctx.masks.get(window), scale, dropout)  # grouped-query K/V shared, not copied
     out = out.transpose(1, 2).reshape(b, T, spec.q_dim)
     return _linear(out, w, "wo", "bo", lora)
 
@@ -141,10 +151,15 @@ def layer_forward(
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """One pre-norm decoder layer: x (b, T, H) -> (b, T, H). lora: adapters on its linear layers;
-    layer: its index (in a generation's KV cache); tile: tokens per tile of its token-local block
-    (the MLP's norm, SwiGLU and residual; model.tiling), 0: untiled; deferred: the backward's
-    recompute, whose output values are not read (the tiled block then runs in the backward);
-    dropout: the attention's (training only)."""
+    layer: its index (in a generation's KV cache); tile: tokens per tile (model.tiled_layer: every
+    token-local part, the attention per query tile), 0: untiled; deferred: the backward's
+    recompute, whose output values are not read (the tiled layer then runs in the backward);
+    dropout: the attention's (training only). With a KV cache, attention dropout or a flex block
+    mask (CUDA: packed rows, windows) only the MLP block is tiled (model.tiling)."""
+    whole = ctx.cache is not None or dropout or isinstance(ctx.masks.get(window), BlockMask)
+    if 0 < tile < x.numel() // x.shape[-1] and not whole:
+        stages = _stages(w, ctx, spec, window, lora)
+        return run_layer(stages, x, tile, lora, _leaves(w, lora, None), deferred)
     h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window, lora, layer, dropout)
 
     def block(h: torch.Tensor) -> torch.Tensor:
@@ -152,11 +167,47 @@ def layer_forward(
 
     if not tile:
         return block(h)
-    leaves = None
-    if deferred:  # what the block computes with: its weights, and its linear layers' adapters
-        leaves = [w[k] for k in BLOCK if k in w]
-        leaves += [t for k in BLOCK if lora is not None and k in getattr(lora, "ab", {}) for t in lora.ab[k]]  # type: ignore[attr-defined]
-    return tiled_native(block, h, tile, lora, leaves)
+    return tiled_native(block, h, tile, lora, _leaves(w, lora, BLOCK) if deferred else None)
 
 
-BLOCK = ("mlp_norm", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")  # the tiled block's tensors
+def _leaves(w: Weights, lora: Lora, names) -> list[torch.Tensor]:
+    """What the (tiled) part computes with: its weights (names; None: all) and their adapters."""
+    keys = list(w) if names is None else [k for k in names if k in w]
+    ab = getattr(lora, "ab", {}) if lora is not None else {}
+    return [w[k] for k in keys] + [t for k in keys if k in ab for t in ab[k]]
+
+
+def _stages(w: Weights, ctx: AttnContext, spec: ArchSpec, window: int | None, lora: Lora) -> Stages:
+    """The layer's token-local passes for model.tiled_layer: per row r and positions [s, e)."""
+    eps, rule = spec.rms_eps, ctx.masks.get(window)
+    doc, win = (rule.doc, rule.window) if isinstance(rule, RowMask) else (None, window)
+
+    def kv(r: int, s: int, e: int, xt: torch.Tensor):
+        xn, cos, sin = rms_norm(xt, w["attn_norm"], eps), ctx.cos[r : r + 1, s:e], ctx.sin[r : r + 1, s:e]
+        return _heads(w, xn, spec, "k", cos, sin, lora), _heads(w, xn, spec, "v", cos, sin, lora)
+
+    def keys(s: int, e: int) -> int:  # the first key a query of [s, e) can see (kv > q - window)
+        return 0 if win is None else max(0, s - win + 1)
+
+    def out(r: int, s: int, e: int, xt: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cos, sin = ctx.cos[r : r + 1, s:e], ctx.sin[r : r + 1, s:e]
+        q = _heads(w, rms_norm(xt, w["attn_norm"], eps), spec, "q", cos, sin, lora)  # (1, heads, t, hd)
+        lo = e - k.shape[2]
+        # plain causal from the first key: SDPA's causal path; else the tile's rows of the mask
+        if isinstance(rule, torch.Tensor):  # a dense mask built anyway (b, 1, T, T): its rows
+            m: Mask = rule[r : r + 1, :, s:e, lo:e]
+        else:
+            m = None if rule is None and lo == s else rows_mask(doc, win, r, s, e, lo, xt.device)
+        if q.is_cuda and m is not None and q.shape[1] != k.shape[1]:
+            # SDPA's kernels that take a mask on CUDA may not take grouped K/V (its math fallback
+            # would hold the (t, keys) scores per head): repeated per query head, the plan counts it
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        o = attend(q, k, v, m, spec.head_dim**-0.5).transpose(1, 2).reshape(1, e - s, spec.q_dim)
+        h = xt + _linear(o, w, "wo", "bo", lora)
+        return h + mlp(w, rms_norm(h, w["mlp_norm"], eps), lora)
+
+    return Stages(kv, keys, out, spec.n_kv_heads, spec.head_dim)
+
+
+BLOCK = ("mlp_norm", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")  # the MLP block's tensors

@@ -2,7 +2,9 @@
 
 No mask when plain causal attention is exact (no packing, no window shorter than T): SDPA's
 fused causal path. Otherwise a flex block mask on CUDA and a dense bool mask on the CPU
-(model/attend.py says why).
+(model/attend.py says why) — or, when the native layer runs in sequence tiles on the CPU, the
+mask's rule alone (attend.RowMask), whose rows each query tile builds for itself: no (T, T)
+tensor exists.
 """
 
 from __future__ import annotations
@@ -11,14 +13,16 @@ import torch
 
 from ..arch import ArchSpec
 from ..data.batch import DecodeBatch, MicroBatch
-from .attend import Mask, block_mask, dense_mask
+from .attend import Mask, RowMask, block_mask, dense_mask
 from .layer import AttnContext, rope_tables
 
 
 def attn_context(
-    mb: MicroBatch, spec: ArchSpec, inv: torch.Tensor, dtype: torch.dtype, device, fused: bool | None = None
-) -> AttnContext:
-    """fused: block masks for flex_attention (default: on CUDA) rather than dense ones."""
+    mb: MicroBatch, spec: ArchSpec, inv: torch.Tensor, dtype: torch.dtype, device, fused: bool | None = None,
+    rows: bool = False,
+) -> AttnContext:  # fmt: skip
+    """fused: block masks for flex_attention (default: on CUDA) rather than dense ones; rows: the
+    layers run in sequence tiles (engine.seq_tile), so a mask that is not fused is a RowMask."""
     device = torch.device(device)
     fused = device.type == "cuda" if fused is None else fused
     pos = mb.position_ids.to(device, non_blocking=True)
@@ -29,8 +33,10 @@ def attn_context(
     for window in set(spec.windows):
         if doc is None and (window is None or window >= T):
             masks[window] = None
+        elif fused:
+            masks[window] = block_mask(doc, window, b, T, device)
         else:
-            masks[window] = (block_mask if fused else dense_mask)(doc, window, b, T, device)
+            masks[window] = RowMask(doc, window, b, T) if rows else dense_mask(doc, window, b, T, device)
     return AttnContext(cos, sin, masks)
 
 

@@ -40,8 +40,9 @@ class NativeTemplate:
         self._drop = self.spec.attn_dropout if on else 0.0
 
     def context(self, mb: MicroBatch, dtype: torch.dtype, device) -> AttnContext:
-        # flex_attention has no dropout: a dropping run's masks are dense ones
-        return attn_context(mb, self.spec, self.inv, dtype, device, False if self.dropout_on else None)
+        # flex_attention has no dropout: a dropping run's masks are dense ones; tiled: their rules
+        fused = False if self.dropout_on else None
+        return attn_context(mb, self.spec, self.inv, dtype, device, fused, rows=self.seq_tile > 0)
 
     def forward(self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None) -> torch.Tensor:
         return layer_forward(

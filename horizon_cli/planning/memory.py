@@ -120,15 +120,35 @@ class MemoryPlan:
 
 def layer_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int, tile: int = 0) -> int:
     """One layer's forward+backward working set for one micro-batch (tokens = rows * T). tile:
-    engine.seq_tile (model.tiling), the tokens the token-local block's intermediates exist for
-    at a time (0: all of them) — natively the MLP's gate, up and product (3 I per token)."""
+    engine.seq_tile, the tokens a tile's intermediates exist for at a time (0: all of them):
+    natively every token-local part (model.tiled_layer: native_tiled_bytes), on transformers'
+    layers their MLP/MoE block (model.tiling)."""
     if spec.generic is not None:
         return generic_work_bytes(spec, tokens, rows, T, item, tile)
-    block = min(tile, tokens) if tile > 0 else tokens
     per_tok = 4 * spec.hidden + spec.q_dim + 2 * spec.kv_dim
+    if 0 < tile < tokens:
+        return native_tiled_bytes(spec, tokens, T, item, min(tile, T), per_tok)
     masked = any(w is not None and w < T for w in spec.windows)
     attn = rows * T * T if masked else 0  # the CPU's dense bool mask (CUDA: a flex block mask, far smaller)
-    return 2 * (tokens * per_tok + block * 3 * spec.intermediate) * item + attn
+    return 2 * tokens * (per_tok + 3 * spec.intermediate) * item + attn
+
+
+def native_tiled_bytes(spec: ArchSpec, tokens: int, T: int, item: int, t: int, per_tok: int) -> int:
+    """The native layer in tiles of t positions of a row (model.tiled_layer), as its backward
+    holds it at its peak (tests/test_seq_tile_plan.py measures it):
+
+      whole      the layer's output and input gradient (tokens x H); one row's K, V, dK, dV and
+                 the tile's K/V gradients (6 kv per position); grouped-query K/V repeated per
+                 query head with their gradients where the kernel takes no groups (CUDA: 4 q)
+      per tile   every intermediate of the untiled layer for t tokens, forward and backward;
+                 the tile's rows of the mask, (t, T) bool and the kernel's additive copy; one
+                 layer's weight gradients beside their sums over the tiles
+    """
+    H, q, kv = spec.hidden, spec.q_dim, spec.kv_dim
+    grouped = 4 * q if spec.n_heads != spec.n_kv_heads else 0
+    whole = (2 * tokens * H + T * (6 * kv + grouped)) * item
+    weights = (2 * H * q + 2 * H * kv + 3 * H * spec.intermediate) * item
+    return whole + 2 * t * (per_tok + 3 * spec.intermediate) * item + t * T * (1 + item) + weights
 
 
 def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int, tile: int = 0) -> int:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ..arch import ArchSpec
+from ..arch.tiling import note as block_note
 from .fit import RESERVE, Machine
 from .memory import MemoryPlan, layer_work_bytes
 
@@ -81,3 +82,13 @@ def longest(fits_at: Callable[[int], bool], lo: int, hi: int) -> int:
         m = (a + b + 1) // 2
         a, b = (m, b) if fits_at(m * STEP) else (a, m - 1)
     return a * STEP
+
+
+def note(spec: ArchSpec) -> str:
+    """What engine.seq_tile tiles in each layer of this model, in words (inspect, --dry-run)."""
+    if spec.generic is not None:
+        return block_note(spec)  # transformers' layers: their MLP/MoE blocks (arch.tiling)
+    return (
+        "every token-local part of every layer (norms, Q/K/V and output projections with RoPE, "
+        "residuals, the MLP block); attention per query tile over its row's K/V (model.tiled_layer)"
+    )

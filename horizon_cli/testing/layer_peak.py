@@ -59,11 +59,14 @@ def _status(key: str) -> int:
 
 def measure(
     hidden: int, intermediate: int, tokens: int, tiles: list[int], heads: int = 2, kv_heads: int = 1,
-    warm_tokens: int = 0,
+    warm_tokens: int = 0, docs: int = 0,
 ) -> dict:  # fmt: skip
-    """warm_tokens: the length of the first run of each path (0: `tokens`)."""
+    """warm_tokens: the length of the first run of each path (0: `tokens`); docs: the row packs
+    that many documents of equal length (model.masks: untiled a dense (T, T) mask, tiled its rule)."""
     from ..arch import spec_from_hf
+    from ..data.batch import MicroBatch
     from ..model.layer import AttnContext, inv_freq, layer_forward, rope_tables
+    from ..model.masks import attn_context
     from ..planning.memory import layer_work_bytes
 
     _quiet_malloc()
@@ -79,15 +82,21 @@ def measure(
     w = {k: (torch.randn(s, generator=g) * 0.02).requires_grad_(True) for k, s in shapes.items()}
     leaves = list(w.values())
 
+    inv = inv_freq(spec)
+
     def inputs(n: int):
-        cos, sin = rope_tables(inv_freq(spec), torch.arange(n)[None], torch.float32)
-        return (
-            torch.randn(1, n, H, generator=g),
-            torch.randn(1, n, H, generator=g),
-            AttnContext(cos, sin, {None: None}),
-        )
+        cos, sin = rope_tables(inv, torch.arange(n)[None], torch.float32)
+        return torch.randn(1, n, H, generator=g), torch.randn(1, n, H, generator=g), AttnContext(cos, sin, {})
 
     def step(tile: int, x, dy, ctx) -> None:
+        n = x.shape[1]
+        if docs:  # the masks model.masks builds for this row (inside the measurement)
+            doc = (torch.arange(n) * docs // n)[None].to(torch.int32)
+            ids = torch.zeros(1, n, dtype=torch.long)
+            mb = MicroBatch(ids, ids, torch.arange(n)[None], doc, None)
+            ctx.masks = attn_context(mb, spec, inv, torch.float32, "cpu", False, rows=tile > 0).masks
+        else:
+            ctx.masks = {None: None}
         with torch.no_grad():
             y = layer_forward(w, x, ctx, spec, None, tile=tile)
         del y
@@ -96,6 +105,7 @@ def measure(
             y = layer_forward(w, xi, ctx, spec, None, tile=tile)
             grads = torch.autograd.grad([y], [xi, *leaves], [dy])
         del y, grads, xi
+        ctx.masks = {}
 
     small = inputs(warm_tokens) if warm_tokens else None
     big = inputs(tokens)
@@ -112,7 +122,14 @@ def measure(
             "seconds": time.perf_counter() - t0,
         })  # fmt: skip
     grads = sum(p.numel() for p in leaves) * 4
-    return {"hidden": H, "intermediate": inter, "tokens": tokens, "weight_grad_bytes": grads, "runs": out}
+    return {
+        "hidden": H,
+        "intermediate": inter,
+        "tokens": tokens,
+        "docs": docs,
+        "weight_grad_bytes": grads,
+        "runs": out,
+    }
 
 
 def engine_peak(store: str, tokens: int, tile: int) -> dict:

@@ -13,7 +13,6 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
-from ..arch.tiling import note as tiling_note
 from ..config import Config, dump_yaml
 from ..data import PreparedData
 from ..engine.build import Planned, dropout_line
@@ -23,6 +22,7 @@ from ..fsutil import write_text_atomic
 from ..ladder import HOW, REACH, PlannedModel, best_rung, fit_parts, fits, longest_by_rung, not_applicable
 from ..planning.fit import Machine
 from ..planning.memory import MemoryPlan
+from ..planning.tiling import note as tiling_note
 from ..rl.plan import rollout_plan
 from ..runtime.dtype import DtypeChoice
 from ..store import Store
