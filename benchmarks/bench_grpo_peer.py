@@ -12,8 +12,10 @@ sampled at temperature 1, benchmarks/grpo_reward.py's reward (both peers call it
 (TRL's default: no reference), the whole batch in one micro-batch unless --micro, AdamW lr 1e-5,
 betas (0.9, 0.999), clip 1.0, constant lr, bf16, --steps steps.
 
-horizon    `horizon train` with an `rl:` section (engine.device cpu, dtype bfloat16), and its
-           `--dry-run --json` plan of the same config (host and device bytes, both host RAM here)
+horizon    `horizon train` with an `rl:` section (engine.device cpu, dtype bfloat16,
+           keep_activations 0: every layer recomputed, as the TRL peer's gradient checkpointing;
+           on the CPU a kept layer's graph is host RAM too), and its `--dry-run --json` plan of the
+           same config (host and device bytes, both host RAM here)
 trl        TRL's GRPOTrainer under ZeRO-3 offload of parameters and optimizer (benchmarks/trl_grpo_peer.py),
            run by --peer-python: an environment with DeepSpeed, kept out of horizon's own
 
@@ -91,7 +93,7 @@ def horizon_config(a, store: str, prompts: Path, run: Path) -> Path:
         "train": {"steps": a.steps, "batch_size": a.prompts, "micro_batch_size": a.micro, "seed": 0},
         "optim": dict(OPTIM),
         "schedule": {"kind": "constant", "warmup_steps": 0},
-        "engine": {"device": "cpu", "dtype": "bfloat16"},
+        "engine": {"device": "cpu", "dtype": "bfloat16", "keep_activations": 0},
         "output": {"dir": str(run), "export": False, "save_every": 0},
         "log": {"every": 1, "plot": False},
         "rl": {"loss_type": "dapo", "num_generations": a.G, "max_completion_length": a.new, "beta": 0.0,
@@ -168,6 +170,7 @@ def ladder(a) -> list[dict]:
                 r.update(peer=peer, depth=depth, params=param_count(models.shape(depth)), load_before=l0,
                          load_after=load(), started_utc=t0)  # fmt: skip
                 out.append(r)
+                save(a, out, partial=True)  # what is done so far survives an interrupted ladder
                 steps = " ".join(f"{x:.1f}" for x in r.get("step_s") or [] if x is not None)
                 print(f"[{peer} depth {depth} {r['params'] / 1e9:.2f} B] {'fits' if r['ok'] else 'DOES NOT FIT'}: "
                       f"peak RSS {r['peak_rss'] / GiB:.2f} GiB, steps {steps} s, load {l0:.1f}->{r['load_after']:.1f}"
@@ -176,6 +179,15 @@ def ladder(a) -> list[dict]:
                     done.add(peer)
     finally:
         models.clear()
+    return out
+
+
+def save(a, res: list[dict], **extra) -> dict:
+    out = {"command": " ".join([".venv/bin/python", "benchmarks/bench_grpo_peer.py", *sys.argv[1:]]),
+           "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+           "runs": [{k: v for k, v in r.items() if k != "traceback"} for r in res], **extra}  # fmt: skip
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(out, indent=1))
     return out
 
 
@@ -217,12 +229,7 @@ def main(argv=None) -> None:
     exit_on_sigterm()
     t0 = time.perf_counter()
     res = ladder(a)
-    out = {"command": " ".join([".venv/bin/python", "benchmarks/bench_grpo_peer.py", *(argv or sys.argv[1:])]),
-           "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
-           "runs": [{k: v for k, v in r.items() if k != "traceback"} for r in res],
-           "wall_s": time.perf_counter() - t0}  # fmt: skip
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(out, indent=1))
+    out = save(a, res, wall_s=time.perf_counter() - t0)
     print("\n" + table(res))
     for peer in dict.fromkeys(r["peer"] for r in res):
         fit = [r for r in res if r["peer"] == peer and r["ok"]]
