@@ -135,16 +135,17 @@ def _sweep_shm(since: float) -> None:
                 f.unlink()
 
 
-def run_peer(peer: str, job: dict, work: Path, **kw) -> dict:
-    """Run benchmarks/<peer>_peer.py on `job` in a fresh process; its result dict plus the
-    parent's measurements (peak_rss, sampled_peak, child_wall_s, killed, rc)."""
+def run_peer(peer: str, job: dict, work: Path, python: str = sys.executable, **kw) -> dict:
+    """Run benchmarks/<peer>_peer.py on `job` in a fresh process (`python`: another environment's
+    interpreter, e.g. one with DeepSpeed); its result dict plus the parent's measurements
+    (peak_rss, sampled_peak, child_wall_s, killed, rc)."""
     work.mkdir(parents=True, exist_ok=True)
     tag = job.get("tag", peer)
     job = {**job, "peer": peer, "out": str(work / f"{tag}.result.json"), "work": str(work)}
     jpath = work / f"{tag}.job.json"
     jpath.write_text(json.dumps(job, indent=1))
     Path(job["out"]).unlink(missing_ok=True)
-    cmd = [sys.executable, str(PEERS_DIR / f"{peer}_peer.py"), str(jpath)]
+    cmd = [python, str(PEERS_DIR / f"{peer}_peer.py"), str(jpath)]
     c = run_child(cmd, work / f"{tag}.log", child_env(job["threads"]), **kw)
     out = Path(job["out"])
     res = json.loads(out.read_text()) if out.is_file() else {"peer": peer, "dtype": job["dtype"], "ok": False}
