@@ -122,7 +122,7 @@ class LoraTuning:
             r=cfg.r,
             alpha=cfg.alpha,
             dropout=cfg.dropout,
-            targets=peft.saved_targets(cfg.targets, self.lora.targets),
+            targets=peft.saved_targets(cfg.targets, self.lora.targets, self.lora.tower),
             rslora=cfg.use_rslora,
             base=model_store.manifest.source or str(model_store.root),
         )

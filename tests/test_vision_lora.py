@@ -1,0 +1,181 @@
+"""LoRA adapters on the projector (`train.vision: projector` with `lora:`, vision/adapters.py): a tiny
+random LLaVA whose language model and projector (`multi_modal_projector.linear_1/linear_2`) carry
+adapters, the vision encoder frozen, trains as peft on transformers' LlavaForConditionalGeneration
+with the same target modules + torch AdamW, given the processor's pixels: the loss of 3 steps,
+every adapter gradient of the first and every adapter after 3 steps (fp32, 1e-5). Through the CLI
+the run's adapter names the projector's modules, its keys are peft's own on the multimodal model
+(PeftModel.from_pretrained loads every one of them and gives the logits of the merged export),
+and the merged export (the projector's adapters merged into the carried weights) equals peft's
+merge_and_unload. `train.vision: all` with lora is refused (tests/test_vision.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import horizon, write_config
+from oracle import engine_grads, hf_batch_loss, one_thread, rel_err  # noqa: F401 (autouse fixture)
+
+from horizon_cli.config.schema import DataConfig, EngineConfig, LoraConfig, OptimConfig
+from horizon_cli.convert import convert
+from horizon_cli.data import collate, prepare_data
+from horizon_cli.engine import Engine
+from horizon_cli.lora.setup import lora_setup
+from horizon_cli.store import Store
+from horizon_cli.testing.vision import make_images, tiny_llava
+from horizon_cli.vision.adapters import projector_targets
+from horizon_cli.vision.run import image_data, vision_stage
+
+peft = pytest.importorskip("peft")
+
+LM = r".*language_model.*\.(q_proj|v_proj|down_proj)"
+PROJ = ("model.multi_modal_projector.linear_1", "model.multi_modal_projector.linear_2")
+BOTH = LM + r"|model\.multi_modal_projector\.linear_[12]"
+HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+CLIP = 0.5
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm")
+    model = tiny_llava(root / "hf")
+    convert(root / "hf", root / "store", dtype="float32")
+    return root, model
+
+
+def records(imgs: list[Path], n: int = 6) -> list[dict]:
+    return [
+        {"images": [f"imgs/{imgs[i % 4].name}"],
+         "conversations": [{"from": "human", "value": f"<image>what is {i}?"}, {"from": "gpt", "value": f"colour {i} here"}]}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def write_data(folder: Path) -> Path:
+    imgs = make_images(folder / "imgs")
+    data = folder / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records(imgs)))
+    return data
+
+
+def pixels(mb) -> dict:
+    return {"input_ids": mb.input_ids, "pixel_values": mb.media["pixel_values"]}
+
+
+def test_projector_targets_are_its_linear_layers(vlm):
+    root, _ = vlm
+    arch = Store.open(root / "store").arch
+    ts = projector_targets(arch, "projector")
+    assert [t.module for t in ts] == list(PROJ)
+    assert projector_targets(arch, "frozen") == []
+
+
+def test_lm_and_projector_adapters_equal_peft(vlm, tmp_path):
+    root, model = vlm
+    store = Store.open(root / "store")
+    torch.manual_seed(1)  # random A and B (lora.init): every adapter tensor has a gradient
+    pm = peft.get_peft_model(
+        copy.deepcopy(model), peft.LoraConfig(r=4, lora_alpha=8, target_modules=BOTH, init_lora_weights=False)
+    )
+    pm.save_pretrained(tmp_path / "init")
+    pm.train(False)
+    theirs0 = peft.get_peft_model_state_dict(pm, adapter_name="default")
+    assert any(".multi_modal_projector.linear_1.lora_A" in k for k in theirs0)
+    cfg = LoraConfig(r=4, alpha=8, targets=LM, init=str(tmp_path / "init"))
+    setup = lora_setup(cfg, store.arch, tower=projector_targets(store.arch, "projector"))
+    eng = Engine(
+        store, EngineConfig(device="cpu", dtype="float32", loss_chunk=16),
+        OptimConfig(kernel="torch", grad_clip=CLIP, **HP), lora=setup, stage=vision_stage(store, "projector", setup),
+    )  # fmt: skip
+    dcfg = DataConfig(path=str(write_data(tmp_path / "data")), max_seq_len=128)
+    ts = prepare_data(
+        dcfg, None, vocab_size=store.arch.vocab, log=lambda s: None, images=image_data(store)
+    ).train
+    steps = [collate(ts.rows(r), 2, 0) for r in ([0, 1, 2, 3], [2, 3, 4, 5], [4, 5, 0, 1])]
+    named = {n: p for n, p in pm.named_parameters() if p.requires_grad}
+    assert named and all(".lora_" in n for n in named)
+    opt = torch.optim.AdamW(list(named.values()), **HP)
+    tower = eng.p.embedding.trained
+    try:
+        for s, mbs in enumerate(steps):
+            opt.zero_grad(set_to_none=True)
+            ref = hf_batch_loss(pm, mbs, pixels)
+            if s == 0:  # every adapter's gradient of the first step, before the update
+                loss_sum, tokens, _ = eng.forward_backward(mbs)
+                eng.t.synchronize()
+                assert abs(loss_sum / tokens - ref) / ref < 1e-5
+                by_key = {k.replace(".default.", "."): p for k, p in named.items()}
+                assert set(tower.grad) == {k for k in theirs0 if ".multi_modal_projector." in k}
+                grads = {**engine_grads(eng), **tower.grad}
+                assert set(grads) == set(by_key) == set(theirs0)
+                for k, g in grads.items():
+                    assert rel_err(g, by_key[k].grad) < 1e-5, k
+            res = eng.step(mbs, HP["lr"])
+            torch.nn.utils.clip_grad_norm_(list(named.values()), CLIP)
+            opt.step()
+            assert res.loss == pytest.approx(ref, rel=1e-5), s
+        eng.wait()
+        ours = {**eng.host.tensors(), **tower.master}
+        theirs = peft.get_peft_model_state_dict(pm, adapter_name="default")
+        assert set(ours) == set(theirs)
+        for k in theirs:
+            assert rel_err(ours[k], theirs[k]) < 1e-5, k
+    finally:
+        eng.close()
+
+
+def test_cli_adapter_loads_in_peft_and_merged_export_equals_merge_and_unload(vlm, tmp_path):
+    """The run's adapter through peft on the multimodal model, and the merged export in
+    transformers; a resume (1 + 1 steps) writes the adapter of 2 steps bit for bit."""
+    import transformers
+    from safetensors.torch import load_file
+
+    root, model = vlm
+    data = write_data(tmp_path / "data")
+
+    def cfg(name: str, steps: int):
+        return write_config(
+            tmp_path / f"{name}.yaml", root / "store", data, tmp_path / name,
+            train={"steps": steps, "batch_size": 2, "micro_batch_size": 1, "vision": "projector"},
+            lora={"r": 4, "alpha": 8, "targets": LM}, optim={"lr": 2e-2},
+            schedule={"kind": "constant", "warmup_steps": 0}, output={"save_every": 1, "export": name == "whole"},
+        )  # fmt: skip
+
+    r = horizon("train", cfg("whole", 2))
+    assert r.exit_code == 0, r.output
+    assert horizon("train", cfg("parts", 1)).exit_code == 0
+    r = horizon("train", cfg("parts", 2))
+    assert r.exit_code == 0 and "resuming" in r.output, r.output
+    adapter = tmp_path / "whole" / "adapter"
+    ours = load_file(str(adapter / "adapter_model.safetensors"))
+    parts = load_file(str(tmp_path / "parts" / "adapter" / "adapter_model.safetensors"))
+    assert ours.keys() == parts.keys() and all(torch.equal(ours[k], parts[k]) for k in ours)
+    assert {k for k in ours if ".multi_modal_projector." in k} == {
+        f"base_model.model.{m}.lora_{w}.weight" for m in PROJ for w in "AB"
+    }
+    assert all(ours[k].any() for k in ours if ".lora_B." in k)  # trained (B starts at zero)
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(model), adapter).eval()
+    loaded = peft.get_peft_model_state_dict(pm, adapter_name="default")
+    assert loaded.keys() == ours.keys() and all(torch.equal(loaded[k], ours[k]) for k in ours)
+    mb = collate(
+        prepare_data(
+            DataConfig(path=str(data), max_seq_len=128), None, vocab_size=401, log=lambda s: None,
+            images=image_data(Store.open(root / "store")),
+        ).train.rows([0, 1]), 2, 0,
+    )[0]  # fmt: skip
+    merged = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "whole" / "export").eval()
+    with torch.no_grad():
+        want, got = pm(**pixels(mb)).logits, merged(**pixels(mb)).logits
+        base = model(**pixels(mb)).logits
+    assert rel_err(got, want) < 1e-5 and rel_err(base, want) > 1e-3
+    ref = pm.merge_and_unload().state_dict()
+    mine = merged.state_dict()
+    assert mine.keys() == ref.keys()
+    for k in ref:
+        assert rel_err(mine[k], ref[k]) < 1e-6, k
+    proj = [k for k in ref if k.startswith("model.multi_modal_projector.") and k.endswith(".weight")]
+    orig = model.state_dict()
+    assert len(proj) == 2 and all(not torch.equal(mine[k], orig[k]) for k in proj)
