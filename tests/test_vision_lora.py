@@ -23,6 +23,7 @@ from horizon_cli.config.schema import DataConfig, EngineConfig, LoraConfig, Opti
 from horizon_cli.convert import convert
 from horizon_cli.data import collate, prepare_data
 from horizon_cli.engine import Engine
+from horizon_cli.errors import InputError
 from horizon_cli.lora.setup import lora_setup
 from horizon_cli.store import Store
 from horizon_cli.testing.vision import make_images, tiny_llava
@@ -71,6 +72,23 @@ def test_projector_targets_are_its_linear_layers(vlm):
     ts = projector_targets(arch, "projector")
     assert [t.module for t in ts] == list(PROJ)
     assert projector_targets(arch, "frozen") == []
+    for vision, dropout, says in (
+        ("all", 0.0, "train.vision: all: with lora"),
+        ("projector", 0.1, "lora.dropout"),
+    ):
+        with pytest.raises(InputError) as e:
+            projector_targets(arch, vision, dropout)
+        assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def test_a_projector_without_linear_layers_refused(tmp_path):
+    """Gemma 3's projector is a bare weight (mm_input_projection_weight): nothing for LoRA to adapt."""
+    from horizon_cli.testing.vision_families import tiny_vlm
+
+    tiny_vlm(tmp_path / "hf", "gemma3")
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    with pytest.raises(InputError, match="projector has no linear layer"):
+        projector_targets(Store.open(tmp_path / "store").arch, "projector")
 
 
 def test_lm_and_projector_adapters_equal_peft(vlm, tmp_path):
