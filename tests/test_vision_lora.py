@@ -24,6 +24,7 @@ from horizon_cli.convert import convert
 from horizon_cli.data import collate, prepare_data
 from horizon_cli.engine import Engine
 from horizon_cli.errors import InputError
+from horizon_cli.fmt import fmt_bytes
 from horizon_cli.lora.setup import lora_setup
 from horizon_cli.store import Store
 from horizon_cli.testing.vision import make_images, tiny_llava
@@ -244,3 +245,22 @@ def test_generate_from_the_run_applies_the_projector_adapters(vlm, tmp_path):
             off = pm(**inputs).logits[0, -1]
     assert rel_err(off, logits) > 1e-3  # the adapters move the logits
     assert got == ref[: len(got)] and len(got) >= 1, (got, ref)
+
+
+def test_dry_run_counts_the_projector_adapters(vlm, tmp_path):
+    """--dry-run's host row for the tower's trained state is the adapters' 16 B a parameter."""
+    root, _ = vlm
+    data = write_data(tmp_path / "data")
+    out = tmp_path / "plan.json"
+    cfg = write_config(
+        tmp_path / "c.yaml", root / "store", data, tmp_path / "run",
+        train={"steps": 1, "batch_size": 2, "micro_batch_size": 2, "vision": "projector"},
+        lora={"r": 4, "alpha": 8, "targets": LM},
+    )  # fmt: skip
+    r = horizon("train", cfg, "--dry-run", "--json", out)
+    assert r.exit_code == 0, r.output
+    ts = projector_targets(Store.open(root / "store").arch, "projector")
+    n = sum(4 * (t.in_features + t.out_features) for t in ts)
+    plan = json.loads(out.read_text())
+    assert f"trained state {fmt_bytes(16 * n)} on the host" in " ".join(r.output.split())
+    assert not (tmp_path / "run").exists() and plan["fits"]
