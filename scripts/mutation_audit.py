@@ -866,6 +866,22 @@ MUTATIONS: list[Mutation] = [
       "if False:",
       ["tests/test_vision_families.py::test_loss_grads_adamw_match_transformers"],
       "Idefics3's tiles reach get_image_features without the per-row stack dimension it reads"),
+    # ---- vision: LoRA adapters on the projector ------------------------------------------------------
+    M("projector-lora-no-grad", "engine", "horizon_cli.engine.headgrad:FrozenHead.embed_backward",
+      "return self.embedding.stage_backward(dx)",
+      "return 0.0",
+      ["tests/test_vision_lora.py::test_lm_and_projector_adapters_equal_peft"],
+      "a frozen base's head skips the stage's backward: the projector's adapters get no gradient"),
+    M("projector-lora-unmerged", "checkpoint", "horizon_cli.export.export:export",
+      "merge_carried(store, merge, carried, tmp)",
+      "pass",
+      ["tests/test_vision_lora.py::test_cli_adapter_loads_in_peft_and_merged_export_equals_merge_and_unload"],
+      "the merged export copies the carried projector weights without their adapters"),
+    M("projector-lora-generate-off", "run", "horizon_cli.generate.run:build",
+      'mode = ("projector", lora) if lora is not None and lora.tower else ("frozen", None)',
+      'mode = ("frozen", None)',
+      ["tests/test_vision_lora.py::test_generate_from_the_run_applies_the_projector_adapters"],
+      "generate on a LoRA run dir leaves the projector's adapters out"),
 ]
 # fmt: on
 
