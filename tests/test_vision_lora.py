@@ -6,7 +6,9 @@ every adapter gradient of the first and every adapter after 3 steps (fp32, 1e-5)
 the run's adapter names the projector's modules, its keys are peft's own on the multimodal model
 (PeftModel.from_pretrained loads every one of them and gives the logits of the merged export),
 and the merged export (the projector's adapters merged into the carried weights) equals peft's
-merge_and_unload. `train.vision: all` with lora is refused (tests/test_vision.py)."""
+merge_and_unload; generate on the run dir equals peft's greedy. Qwen2-VL's merger adapters are
+named as peft names them; --dry-run counts the adapters; `train.vision: all` with lora, dropout on
+the projector's adapters and Gemma 3's projector (no linear layer) are refused in one line."""
 
 from __future__ import annotations
 
@@ -80,6 +82,29 @@ def test_projector_targets_are_its_linear_layers(vlm):
         with pytest.raises(InputError) as e:
             projector_targets(arch, vision, dropout)
         assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def test_qwen_vl_merger_adapters_are_named_as_peft_names_them(tmp_path):
+    """Qwen2-VL's projector is the tower's merger (visual.merger.mlp.0 / mlp.2): the adapter
+    config's target_modules make peft adapt exactly the run's modules, under the run's keys."""
+    from horizon_cli.lora.peft import saved_targets
+    from horizon_cli.testing.vision import tiny_qwen_vl
+
+    model = tiny_qwen_vl(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    arch = Store.open(tmp_path / "store").arch
+    tower = projector_targets(arch, "projector")
+    assert [t.module for t in tower] == ["model.visual.merger.mlp.0", "model.visual.merger.mlp.2"]
+    setup = lora_setup(LoraConfig(r=4, alpha=8, targets=LM), arch, tower=tower)
+    for targets in (LM, ["q_proj", "v_proj"]):  # a regular expression, a list of names
+        saved = saved_targets(targets, setup.targets, setup.tower)
+        pm = peft.get_peft_model(
+            copy.deepcopy(model), peft.LoraConfig(r=4, lora_alpha=8, target_modules=saved)
+        )
+        keys = set(peft.get_peft_model_state_dict(pm, adapter_name="default"))
+        assert {k for k in keys if ".visual." in k} == {k for k in setup.expected() if ".visual." in k}
+        if isinstance(targets, str):
+            assert keys == set(setup.expected())
 
 
 def test_a_projector_without_linear_layers_refused(tmp_path):
