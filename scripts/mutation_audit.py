@@ -908,6 +908,22 @@ MUTATIONS: list[Mutation] = [
       "m = m",
       ["tests/test_seq_tile.py::test_packed_documents_across_tile_edges"],
       "a query tile's mask rows ignore the packed documents (attention across documents)"),
+    # ---- vision: LoRA adapters on the projector ------------------------------------------------------
+    M("projector-lora-no-grad", "engine", "horizon_cli.engine.headgrad:FrozenHead.embed_backward",
+      "return self.embedding.stage_backward(dx)",
+      "return 0.0",
+      ["tests/test_vision_lora.py::test_lm_and_projector_adapters_equal_peft"],
+      "a frozen base's head skips the stage's backward: the projector's adapters get no gradient"),
+    M("projector-lora-unmerged", "checkpoint", "horizon_cli.export.export:export",
+      "merge_carried(store, merge, carried, tmp)",
+      "pass",
+      ["tests/test_vision_lora.py::test_cli_adapter_loads_in_peft_and_merged_export_equals_merge_and_unload"],
+      "the merged export copies the carried projector weights without their adapters"),
+    M("projector-lora-generate-off", "run", "horizon_cli.generate.run:build",
+      'mode = ("projector", lora) if lora is not None and lora.tower else ("frozen", None)',
+      'mode = ("frozen", None)',
+      ["tests/test_vision_lora.py::test_generate_from_the_run_applies_the_projector_adapters"],
+      "generate on a LoRA run dir leaves the projector's adapters out"),
 ]
 # fmt: on
 

@@ -77,6 +77,15 @@ class Embedding:
         on the host; `ready["embed"]` is set to the gradient having landed there."""
         raise NotImplementedError
 
+    # the stage trains something besides the table (a vision tower's projector adapters, on a
+    # frozen base: layer 0 then computes its input gradient and the head calls stage_backward)
+    stage_trained = False
+
+    def stage_backward(self, dx: list[torch.Tensor]) -> float:
+        """The gradient of what the stage trains from the rows' gradient dx, the table's skipped
+        (a frozen base); what it adds to the squared norm."""
+        return 0.0
+
     def update(self, h: AdamWHyper) -> None:
         """The update of what the stage trains besides the units (a vision tower's: vision.embed);
         the embedding table itself is a unit, updated by the optimizer worker."""

@@ -4,7 +4,8 @@ TrainedHead  full fine-tuning: the final norm's and the LM head's gradients go t
              with the step's (engine.reduce), a tied head's share into the embedding's; the
              embedding's backward adds its rows' gradients
 FrozenHead   adapters on a frozen base: the head computes only its input gradient, the
-             embedding's backward is skipped
+             embedding's backward is skipped (what its stage trains, a projector's adapters,
+             gets its gradient: Embedding.stage_backward)
 """
 
 from __future__ import annotations
@@ -65,4 +66,5 @@ class FrozenHead:
         pass
 
     def embed_backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float:
-        return 0.0
+        """The table is frozen; what the stage trains (projector adapters) gets its gradient."""
+        return self.embedding.stage_backward(dx)

@@ -51,7 +51,7 @@ class KeptLayers:
         the masks its held graph keeps); the graphs are held, the outputs detached."""
         p = self.p
         w, lora, leaves, names = p.params.leaves(i, p.params.weights(i, w), extras, p.adam_step)
-        want_dx = p.params.wants_dx(i)
+        want_dx = p.params.wants_dx(i) or p.embedding.stage_trained
         graphs, out = [], []
         with torch.enable_grad():
             for m, (xm, c) in enumerate(zip(x, ctxs, strict=True)):

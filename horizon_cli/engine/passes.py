@@ -133,7 +133,7 @@ class SavePass(ForwardPass):
         with p.t.compute_span(f"bwd {j}" if j == i else f"bwd {j} (layer {i})"):
             w = p.params.weights(i, w)
             w, lora, leaves, names = p.params.leaves(i, w, extras, p.adam_step)
-            want_dx = j > 0 or p.params.wants_dx(i)
+            want_dx = j > 0 or p.params.wants_dx(i) or p.embedding.stage_trained
             offs, ins = [0], self.shapes[j]  # the inputs' shapes, as the forward saved them
             for shape in ins:
                 offs.append(offs[-1] + math.prod(shape))

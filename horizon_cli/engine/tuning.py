@@ -101,9 +101,10 @@ class LoraTuning:
         return ranks.replicated
 
     def describe(self, host: HostState) -> str:
-        n = sum(st.layout.params for st in host.units.values())
         s = self.lora
-        return f", LoRA r {s.r} on {sum(map(len, s.targets))} linear layers ({n:,} parameters)"
+        n = sum(st.layout.params for st in host.units.values())
+        n += sum(s.r * (t.in_features + t.out_features) for t in s.tower)  # a projector's (vision.adapters)
+        return f", LoRA r {s.r} on {sum(map(len, s.targets)) + len(s.tower)} linear layers ({n:,} parameters)"
 
     def trainer_fields(self, base: Store) -> dict:
         """The checkpoint holds no weights: name the frozen base."""
@@ -122,7 +123,7 @@ class LoraTuning:
             r=cfg.r,
             alpha=cfg.alpha,
             dropout=cfg.dropout,
-            targets=peft.saved_targets(cfg.targets, self.lora.targets),
+            targets=peft.saved_targets(cfg.targets, self.lora.targets, self.lora.tower),
             rslora=cfg.use_rslora,
             base=model_store.manifest.source or str(model_store.root),
         )

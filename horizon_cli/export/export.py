@@ -24,6 +24,7 @@ from ..store.carried import carried_names, verify_carried
 from ..store.ckpt import SUMS, check_given, is_lora
 from ..store.ckpt import latest as latest_checkpoint
 from ..store.manifest import MANIFEST
+from .carried import carried_memory_names, merge_carried
 from .safetensors import write_shard
 
 SHARD_BYTES = 5 * 1024**3
@@ -83,8 +84,9 @@ def export(
     where = {e[0]: (e[3], e[4]) for e in entries}  # HF name -> (unit, store name)
     inside = _params_inside(store) if merge is not None else {}
     dtypes = {e[0]: e[2] for e in entries}
-    if merge is not None:
-        merge.check(set(where) | {p[0] for ps in inside.values() for p in ps})
+    carried = carried_memory_names(store) if merge is not None else {}
+    if merge is not None:  # adapters on the decoder's tensors, and on carried ones (a projector's)
+        merge.check(set(where) | {p[0] for ps in inside.values() for p in ps} | set(carried))
 
     def fetch(hf: str) -> torch.Tensor:
         unit, name = where[hf]
@@ -108,6 +110,8 @@ def export(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         _copy_hf_files(store, tmp, cfg)
+        if merge is not None:
+            merge_carried(store, merge, carried, tmp)
     return {
         "params": store.manifest.params,
         "shards": n,

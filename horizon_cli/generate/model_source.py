@@ -30,6 +30,7 @@ from ..runtime.device import resolve_device
 from ..runtime.dtype import resolve as resolve_dtype
 from ..store import Store, ckpt
 from ..store.manifest import MANIFEST
+from ..vision.adapters import projector_targets
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -89,7 +90,8 @@ def _open(src: str | Path, engine: dict | None) -> Source:
     store = base_store(ck)
     if cfg.lora is None:
         raise InputError(f"{ck}: a LoRA checkpoint whose config has no lora: section")
-    setup = lora_setup(cfg.lora, store.arch, cfg.train.seed, read_init=False)
+    tower = projector_targets(store.arch, cfg.train.vision, cfg.lora.dropout)  # the projector's adapters
+    setup = lora_setup(cfg.lora, store.arch, cfg.train.seed, read_init=False, tower=tower)
     peft.read_config(ck / "adapter", where=str(ck))
     setup.init = peft.read_weights(ck / "adapter", setup.expected())
     return Source(store, ecfg, setup, ck, cfg)

@@ -144,12 +144,14 @@ def positions_note(items: list[Prompt], max_new: int, positions: int) -> str:
 
 def build(source: Source, console: Console, images: bool = False) -> Engine:
     """The forward-only engine on the source (a LoRA run's adapters applied; images: the vision
-    tower's merge in front of layer 0, vision.embed)."""
+    tower's merge in front of layer 0, vision.embed, with a LoRA run's projector adapters)."""
     if source.engine.compute_threads:
         torch.set_num_threads(source.engine.compute_threads)
+    lora = source.lora
+    mode = ("projector", lora) if lora is not None and lora.tower else ("frozen", None)  # its adapters on
     with byte_progress(console, "load weights", source.store.nbytes()) as advance:
-        return Engine(source.store, source.engine, OptimConfig(), progress=advance, lora=source.lora,
-                      forward_only=True, stage=vision_stage(source.store, "frozen") if images else None)  # fmt: skip
+        return Engine(source.store, source.engine, OptimConfig(), progress=advance, lora=lora,
+                      forward_only=True, stage=vision_stage(source.store, *mode) if images else None)  # fmt: skip
 
 
 def generate_all(eng, source, items: list[Prompt], settings: Settings, plan: GenPlan, tokenizer, console,

@@ -13,6 +13,7 @@ must be there with its shape, and no other key may be.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -40,12 +41,20 @@ def expected_shapes(targets: list[list[Target]], r: int) -> dict[str, tuple[int,
     return out
 
 
-def saved_targets(targets: list[str] | str, chosen: list[list[Target]]) -> list[str] | str:
+def saved_targets(
+    targets: list[str] | str, chosen: list[list[Target]], tower: list[Target] | None = None
+) -> list[str] | str:
     """target_modules as written: the config's, with all-linear spelled out as the module names'
-    last components (which match exactly the adapted layers: every linear layer in the decoder)."""
+    last components (which match exactly the adapted layers: every linear layer in the decoder);
+    tower: adapted layers outside the decoder (a projector's), named whole: appended to a list,
+    or one more alternative of a regular expression (PEFT fullmatches a string)."""
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
-        return sorted({t.rel.rsplit(".", 1)[-1] for layer in chosen for t in layer})
-    return targets
+        targets = sorted({t.rel.rsplit(".", 1)[-1] for layer in chosen for t in layer})
+    if not tower:
+        return targets
+    if isinstance(targets, str):
+        return f"(?:{targets})|(?:{'|'.join(re.escape(t.module) for t in tower)})"
+    return [*targets, *(t.module for t in tower)]
 
 
 def write_adapter(

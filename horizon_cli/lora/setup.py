@@ -3,7 +3,7 @@ scale, and the adapters to start from (lora.init, read strictly), before anythin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,22 +26,29 @@ class LoraSetup:
     seed: int
     init: dict[str, torch.Tensor] | None = None  # PEFT key -> fp32, from lora.init
     note: str = ""  # a warning for the user: the adapter does not load whole into peft (targets.peft_note)
+    # adapted linear layers outside the decoder stack (a multimodal model's projector with
+    # train.vision: projector, vision.adapters): layer -1, weight = their in-memory parameter name
+    tower: list[Target] = field(default_factory=list)
 
     @property
     def r(self) -> int:
         return self.cfg.r
 
     def expected(self) -> dict[str, tuple[int, int]]:
-        return peft.expected_shapes(self.targets, self.cfg.r)
+        return peft.expected_shapes([*self.targets, self.tower], self.cfg.r)
 
 
-def lora_setup(cfg: LoraConfig, spec: ArchSpec, seed: int = 0, read_init: bool = True) -> LoraSetup:
+def lora_setup(
+    cfg: LoraConfig, spec: ArchSpec, seed: int = 0, read_init: bool = True, tower: list[Target] | None = None
+) -> LoraSetup:
     """Resolve lora.targets (InputError naming what is wrong) and read lora.init (strictly), unless
-    read_init is False: a resume starts from its checkpoint's adapters and needs no lora.init."""
+    read_init is False: a resume starts from its checkpoint's adapters and needs no lora.init.
+    tower: the adapted linear layers outside the decoder stack (LoraSetup.tower)."""
     targets = resolve_targets(cfg.targets, spec)
     setup = LoraSetup(
-        cfg, targets, scale(cfg.alpha, cfg.r, cfg.use_rslora), seed, note=peft_note(spec, targets)
-    )
+        cfg, targets, scale(cfg.alpha, cfg.r, cfg.use_rslora), seed, note=peft_note(spec, targets),
+        tower=list(tower or []),
+    )  # fmt: skip
     if read_init:
         load_init(setup)
     return setup
@@ -58,7 +65,12 @@ def load_init(setup: LoraSetup) -> None:
 
 
 def lora_for(
-    lora: LoraConfig | None, store, seed: int = 0, read_init: bool = True, run_dir: Path | None = None
+    lora: LoraConfig | None,
+    store,
+    seed: int = 0,
+    read_init: bool = True,
+    run_dir: Path | None = None,
+    tower: list[Target] | None = None,
 ) -> LoraSetup | None:
     """A run's lora section resolved against its store (None: full fine-tuning). A 4-bit store
     cannot be fully fine-tuned: without a lora section it is refused. run_dir: a training run's
@@ -72,7 +84,7 @@ def lora_for(
         return None
     if run_dir is not None and lora.init:
         read_init = read_init and not ckpt.intact(run_dir)[0]
-    return lora_setup(lora, store.arch, seed, read_init)
+    return lora_setup(lora, store.arch, seed, read_init, tower)
 
 
 def check_same_kind(lora: LoraConfig | None, trainer: dict, run: Path, ck: Path) -> None:

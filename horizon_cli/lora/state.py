@@ -48,7 +48,7 @@ def initial_adapters(setup: LoraSetup) -> dict[str, torch.Tensor]:
         return setup.init
     g = torch.Generator().manual_seed(setup.seed)
     out = {}
-    for layer in setup.targets:
+    for layer in [*setup.targets, setup.tower]:  # the tower's (a projector's) last
         for t in layer:
             a = torch.empty(setup.r, t.in_features)
             torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=g)

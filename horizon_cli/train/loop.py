@@ -156,6 +156,11 @@ class Trainer:
             self._engine.close()
             self._engine = None
 
+    def _images(self) -> bool:
+        """Whether the engine runs the vision tower: images in the data, or projector adapters
+        (whose checkpoint files must exist even in a step without images)."""
+        return has_images(self.data.train) or bool(self.lora is not None and self.lora.tower)
+
     def _build_engine(self, ck: Path | None) -> Engine:
         src = self.tuning.source(ck, self.store)  # a checkpoint's store, or the frozen base
         keep = kept_layers(
@@ -166,7 +171,7 @@ class Trainer:
             obj = self.batches.objective  # None: SFT's TokenCE; preference: the pair objective
             engine = build_engine(
                 self.cfg, src, lora=self.lora, dist=self.dist, progress=advance, objective=obj, keep=keep,
-                stage=vision_stage(src, self.cfg.train.vision, self.lora is not None) if has_images(self.data.train) else None,
+                stage=vision_stage(src, self.cfg.train.vision, self.lora) if self._images() else None,
             )  # fmt: skip
         try:
             verify_base(engine, ck, src)  # sharded: the model's checksums, split over the ranks

@@ -31,6 +31,7 @@ from ..parallel.shard import check_completions, check_world
 from ..parallel.topology import world_for
 from ..runtime.dtype import with_dtype
 from ..store import DTYPES, Store
+from ..vision.adapters import projector_targets
 from ..vision.plan import add_to_plan, describe
 from . import checks
 from .claim import claim
@@ -69,7 +70,8 @@ def run_training(
             f"(horizon convert {model.root} STORE); --dry-run plans it as it is"
         )
     # checked before any write; a resume needs no lora.init (it has its checkpoint)
-    lora = lora_for(cfg.lora, model, cfg.train.seed, run_dir=Path(cfg.output.dir))
+    adapted = projector_targets(model.arch, cfg.train.vision, cfg.lora.dropout) if cfg.lora else None
+    lora = lora_for(cfg.lora, model, cfg.train.seed, run_dir=Path(cfg.output.dir), tower=adapted)
     note = tuning_for(lora).note
     for line in (note, dtype.note):
         if line and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks

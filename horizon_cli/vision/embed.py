@@ -43,6 +43,7 @@ class VisionEmbedding(Embedding):
         """trained: the tower's trained part (train.vision projector | all), or None (frozen).
         (Embedding's own __init__ is not run: everything else is the wrapped embedding's.)"""
         self.inner, self.tower, self.trained = inner, tower, trained
+        self.stage_trained = trained is not None
         self.ahead = inner.ahead
         self.saved: list[tuple[torch.Tensor, torch.Tensor] | None] = []
 
@@ -103,6 +104,16 @@ class VisionEmbedding(Embedding):
     def backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float:
         """The rows' gradient through the merge (and the trained tower's, summed in fp32);
         returns what the embedding's and the tower's gradients add to the squared norm."""
+        back, sq = self._through_merge(dx)
+        return self.inner.backward(self.inner.scale(back), mbs, ready) + sq
+
+    def stage_backward(self, dx: list[torch.Tensor]) -> float:
+        """A frozen base (LoRA): the trained tower part's gradient (the projector's adapters) alone."""
+        return self._through_merge(dx)[1]
+
+    def _through_merge(self, dx: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        """The rows' gradient through each micro-batch's merge, the trained part's into its
+        fp32 sums; (the rows' gradients, the trained part's squared norm)."""
         back: list[torch.Tensor] = []
         tr = self.trained
         params = list(tr.params.values()) if tr is not None else []
@@ -118,8 +129,7 @@ class VisionEmbedding(Embedding):
                 tr.add(pg)
             back.append(g)
         self.saved = []
-        sq = tr.finish() if tr is not None else 0.0
-        return self.inner.backward(self.inner.scale(back), mbs, ready) + sq
+        return back, tr.finish() if tr is not None else 0.0
 
     def update(self, h: AdamWHyper) -> None:
         """The trained tower's AdamW step, with the units' hyper-parameters (clip scale included)."""

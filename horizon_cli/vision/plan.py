@@ -1,5 +1,6 @@
 """The vision tower in the memory plan: its weights (resident on the device in the compute dtype),
-its trained state on the host (train.vision projector | all: fp32 master, two moments, gradient),
+its trained state on the host (train.vision projector | all: fp32 master, two moments, gradient;
+with lora, the projector's adapters'),
 and its activation working set at `data.max_pixels` x `train.micro_batch_size`, measured on the
 meta device (no memory): the processor's tensors for one image at the pixel budget (a square of
 max_pixels), repeated per row of the micro-batch, through `get_image_features` (under autograd in
@@ -70,10 +71,18 @@ def measure(store, cfg, dtype: torch.dtype) -> dict[str, int] | None:
         acts, tokens = activations(owner, kw, bool(trained)), _tokens(owner, kw, rows)
     except (RuntimeError, NotImplementedError):  # a tower the meta device cannot run
         acts = tokens = -1  # not measured
+    n_trained = sum(params[n].numel() for n in trained)
+    if cfg.lora is not None and trained:  # LoRA adapters on the projector's linears (vision.adapters)
+        mods = dict(owner.named_modules())
+        n_trained = sum(
+            cfg.lora.r * (m.in_features + m.out_features)
+            for n in trained
+            if n.endswith(".weight") and isinstance(m := mods.get(n[: -len(".weight")]), torch.nn.Linear)
+        )
     return {
         "weights": weights,
-        "trained": 16 * sum(params[n].numel() for n in trained),  # host: fp32 master, m, v, grad
-        "grad_sums": 4 * sum(params[n].numel() for n in trained),  # device: fp32 sums of a step
+        "trained": 16 * n_trained,  # host: fp32 master, m, v, grad
+        "grad_sums": 4 * n_trained,  # device: fp32 sums of a step
         "activations": acts,  # -1: not measured
         "image_tokens": tokens,
     }

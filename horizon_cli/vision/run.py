@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import InputError
+from .adapters import ProjectorAdapters, projector_targets
 from .imageset import ImageSet, build_image_set, images_key
 from .pairs import build_image_pairs, holds_pairs, image_pair
 from .support import image_owner, is_multimodal
@@ -59,13 +60,16 @@ def has_images(rows) -> bool:
     return isinstance(getattr(rows, "ts", rows), ImageSet)  # data.pairs.PairSet: its rows
 
 
-def vision_stage(store, vision: str, lora: bool = False):
+def vision_stage(store, vision: str, lora=None):
     """The engine's Stage: the run's embedding wrapped with the tower's image merge; `vision`:
-    train.vision (projector | all: the tower's trained part, vision.trained)."""
-    if vision != "frozen" and lora:
+    train.vision (projector | all: the tower's trained part, vision.trained). lora: the run's
+    LoraSetup (or True: a LoRA run): with train.vision: projector the projector gets adapters
+    (vision.adapters, the setup's `tower` targets), train.vision: all is refused."""
+    if vision == "all" and lora:
+        projector_targets(store.arch, vision)  # refused there, in one line
+    if vision == "projector" and lora and not getattr(lora, "tower", None):
         raise InputError(
-            f"train.vision: {vision}: with lora the tower stays frozen (adapters on the projector are not built "
-            "yet); set train.vision: frozen"
+            "train.vision: projector: this LoRA setup has no projector adapters (lora_for without tower targets)"
         )
 
     def stage(inner, t, dtype):
@@ -77,6 +81,8 @@ def vision_stage(store, vision: str, lora: bool = False):
         t.memory.set("vision tower", tower.nbytes())
         if vision == "frozen":
             return VisionEmbedding(inner, tower)
+        if lora:  # adapters on the projector's linear layers, the tower's weights frozen
+            return VisionEmbedding(inner, tower, ProjectorAdapters(tower, lora))
         base = tower.spec.owner + "." if tower.spec.owner else ""
         names = trained_names(tower.spec.towers, tower.params, base, vision)
         split = [n for n in names if n not in tower.disk]

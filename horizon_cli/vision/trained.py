@@ -117,6 +117,10 @@ class TowerState:
         (hf / FILE).unlink()
         infos = [(k, tuple(t.shape), t.dtype, t.numel() * t.element_size()) for k, t in tensors.items()]
         write_carried(hf, infos, ((k, [t.reshape(-1)]) for k, t in tensors.items()))
+        return self.save_state(ck)
+
+    def save_state(self, ck: Path) -> dict[str, int]:
+        """The fp32 masters and moments as state files; returns their CRC32s."""
         sums = {}
         for n in self.params:
             for key, src in zip(BUFS, (self.master, self.m, self.v), strict=True):
