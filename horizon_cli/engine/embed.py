@@ -77,6 +77,10 @@ class Embedding:
         on the host; `ready["embed"]` is set to the gradient having landed there."""
         raise NotImplementedError
 
+    def across_ranks(self, sharded: ShardedGrads) -> None:
+        """A sharded run: what the stage trains besides the units is whole on every rank (a vision
+        tower's trained part: vision.embed), its gradients summed over the ranks."""
+
     def update(self, h: AdamWHyper) -> None:
         """The update of what the stage trains besides the units (a vision tower's: vision.embed);
         the embedding table itself is a unit, updated by the optimizer worker."""
