@@ -866,6 +866,17 @@ MUTATIONS: list[Mutation] = [
       "if False:",
       ["tests/test_vision_families.py::test_loss_grads_adamw_match_transformers"],
       "Idefics3's tiles reach get_image_features without the per-row stack dimension it reads"),
+    # ---- vision under torchrun: the replicated tower's gradients -----------------------------------------
+    M("tower-grads-unsummed", "engine", "horizon_cli.vision.embed:VisionEmbedding._sum_over_ranks",
+      "sharded.sum_replicated(flat, lambda f: sumsq64(f[:n]))",
+      "pass",
+      ["tests/test_vision_dist.py::test_tower_gradients_summed_over_ranks_with_their_reach"],
+      "a sharded run's trained projector steps on its own rank's gradient only (the ranks' towers drift apart)"),
+    M("tower-reach-local", "engine", "horizon_cli.vision.embed:VisionEmbedding._sum_over_ranks",
+      "tr.used = {name for name, f in zip(names, flat[n:].tolist(), strict=True) if f > 0}",
+      "pass",
+      ["tests/test_vision_dist.py::test_tower_gradients_summed_over_ranks_with_their_reach"],
+      "a rank whose micro-batches hold no image skips the projector's update that the others make"),
 ]
 # fmt: on
 
