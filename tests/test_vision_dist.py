@@ -2,9 +2,10 @@
 LLaVA's tower and projector whole and runs them for its own micro-batches; a trained projector's
 gradients are all-reduced (vision.embed), so losses, grad norms and the exported weights, tower and
 projector included, equal one rank's (fp32, 1e-5), frozen and trained, across a 2-rank checkpoint
-and resume. One torchrun serves every 2-rank run (tests/dist_train.py)."""
+and resume, and that checkpoint resumed on one process. One torchrun serves every 2-rank run (tests/dist_train.py)."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -78,13 +79,26 @@ def test_two_ranks_train_what_one_trains(vlm, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     ck = tmp_path / "proj-2" / "checkpoints" / "step_2"  # the tower's trained state, once, by rank 0
     assert sorted(p.name for p in (ck / "state").glob("vision.*")), "no vision state in the checkpoint"
-    for mode in ("frozen", "proj"):
-        a, b = (read_metrics(tmp_path / f"{mode}-{n}" / "metrics.jsonl") for n in (1, 2))
+    # the 2-rank checkpoint of step 2 resumed on one process (N ranks -> M): steps 3 and 4 again
+    shutil.copytree(
+        tmp_path / "proj-2", tmp_path / "proj-21", ignore=shutil.ignore_patterns("step_4", "export")
+    )
+    quiet(cfg(tmp_path, store, "proj-21", "proj-21", "projector", 4))
+    kept = [read_metrics(tmp_path / r / "metrics.jsonl")[:2] for r in ("proj-2", "proj-21")]
+    assert kept[0] == kept[1]  # resumed: the 2-rank lines of steps 1-2 kept as they were (timings too)
+    pairs = {
+        "frozen": ("frozen-1", "frozen-2"),
+        "proj": ("proj-1", "proj-2"),
+        "2 -> 1": ("proj-1", "proj-21"),
+    }
+    for mode, runs in pairs.items():
+        one, two = (tmp_path / r for r in runs)
+        a, b = (read_metrics(run / "metrics.jsonl") for run in (one, two))
         assert [m["step"] for m in a] == [m["step"] for m in b]
         for x, y in zip(a, b, strict=True):
             for k in ("loss", "grad_norm", "tokens"):
                 assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-6), (mode, x["step"], k)
-        ea, eb = (tensors(tmp_path / f"{mode}-{n}" / "export") for n in (1, 2))
+        ea, eb = (tensors(run / "export") for run in (one, two))
         assert ea.keys() == eb.keys() and any(k.startswith(TOWER) for k in ea)
         for k in ea:
             assert torch.allclose(ea[k], eb[k], rtol=1e-5, atol=1e-6), (mode, k)
