@@ -1,8 +1,9 @@
 """Vision-language training under torchrun (2 gloo ranks on the CPU): each rank holds the tiny
-LLaVA's tower and projector whole and runs them for its own micro-batches; a trained projector's
+LLaVA's tower and projector whole and runs them for its own micro-batches; a trained part's
 gradients are all-reduced (vision.embed), so losses, grad norms and the exported weights, tower and
-projector included, equal one rank's (fp32, 1e-5), frozen and trained, across a 2-rank checkpoint
-and resume, and that checkpoint resumed on one process. One torchrun serves every 2-rank run (tests/dist_train.py)."""
+projector included, equal one rank's (fp32, 1e-5): frozen, projector, all, and LoRA with the tower
+frozen; the projector across a 2-rank checkpoint and resume, and that checkpoint resumed on one
+process. One torchrun serves every 2-rank run (tests/dist_train.py)."""
 
 import json
 import shutil
@@ -18,6 +19,7 @@ from horizon_cli.convert import convert
 from horizon_cli.testing.vision import make_images, tiny_llava
 from horizon_cli.train.metrics import read_metrics
 
+LORA = {"r": 4, "alpha": 8, "targets": r".*language_model.*\.(q_proj|v_proj)"}  # not the tower's linears
 TOWER = ("vision_tower.", "multi_modal_projector.")  # the checkpoint's names on disk
 
 
@@ -37,13 +39,13 @@ def sharegpt(imgs: list[Path], n: int) -> list[dict]:
     ]  # fmt: skip
 
 
-def cfg(tmp_path: Path, store: Path, name: str, out: str, vision: str, steps: int) -> Path:
+def cfg(tmp_path: Path, store: Path, name: str, out: str, vision: str, steps: int, **more) -> Path:
     return write_config(
         tmp_path / f"{name}.yaml", store, tmp_path / "data" / "d.jsonl", tmp_path / out, data={"shuffle": False},
         train={"steps": steps, "batch_size": 4, "micro_batch_size": 1, "vision": vision},
         optim={"lr": 2e-3, "grad_clip": 0.5, "weight_decay": 0.1},
         schedule={"kind": "constant", "warmup_steps": 0}, engine={"compute_threads": 1},
-        output={"save_every": 2, "keep_last": 3, "export": True},
+        output={"save_every": 2, "keep_last": 3, "export": True}, **more,
     )  # fmt: skip
 
 
@@ -70,8 +72,12 @@ def test_two_ranks_train_what_one_trains(vlm, tmp_path):
     store = vlm / "store"
     quiet(cfg(tmp_path, store, "frozen-1", "frozen-1", "frozen", 3))
     quiet(cfg(tmp_path, store, "proj-1", "proj-1", "projector", 4))
+    quiet(cfg(tmp_path, store, "all-1", "all-1", "all", 2))
+    quiet(cfg(tmp_path, store, "lora-1", "lora-1", "frozen", 2, lora=LORA))
     two = [
         cfg(tmp_path, store, "frozen-2", "frozen-2", "frozen", 3),
+        cfg(tmp_path, store, "all-2", "all-2", "all", 2),  # the tower too (CLIP's last layer unreached)
+        cfg(tmp_path, store, "lora-2", "lora-2", "frozen", 2, lora=LORA),  # adapters replicated, tower frozen
         cfg(tmp_path, store, "proj-2a", "proj-2", "projector", 2),  # then resumed to 4 steps
         cfg(tmp_path, store, "proj-2b", "proj-2", "projector", 4),
     ]
@@ -86,11 +92,8 @@ def test_two_ranks_train_what_one_trains(vlm, tmp_path):
     quiet(cfg(tmp_path, store, "proj-21", "proj-21", "projector", 4))
     kept = [read_metrics(tmp_path / r / "metrics.jsonl")[:2] for r in ("proj-2", "proj-21")]
     assert kept[0] == kept[1]  # resumed: the 2-rank lines of steps 1-2 kept as they were (timings too)
-    pairs = {
-        "frozen": ("frozen-1", "frozen-2"),
-        "proj": ("proj-1", "proj-2"),
-        "2 -> 1": ("proj-1", "proj-21"),
-    }
+    pairs = {m: (f"{m}-1", f"{m}-2") for m in ("frozen", "all", "lora", "proj")}
+    pairs["2 -> 1"] = ("proj-1", "proj-21")
     for mode, runs in pairs.items():
         one, two = (tmp_path / r for r in runs)
         a, b = (read_metrics(run / "metrics.jsonl") for run in (one, two))
@@ -103,6 +106,8 @@ def test_two_ranks_train_what_one_trains(vlm, tmp_path):
         for k in ea:
             assert torch.allclose(ea[k], eb[k], rtol=1e-5, atol=1e-6), (mode, k)
     orig, frozen, proj = tensors(vlm / "hf"), tensors(tmp_path / "frozen-1" / "export"), ea
+    fc1 = "vision_tower.encoder.layers.0.mlp.fc1.weight"
+    assert not torch.equal(orig[fc1], tensors(tmp_path / "all-1" / "export")[fc1])  # all: the tower trained
     tower = [k for k in orig if k.startswith(TOWER)]
     assert all(torch.equal(orig[k], frozen[k]) for k in tower)  # frozen: the tower as it was
     moved = [k for k in tower if k.startswith(TOWER[1])]
