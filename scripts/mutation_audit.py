@@ -924,6 +924,17 @@ MUTATIONS: list[Mutation] = [
       'mode = ("frozen", None)',
       ["tests/test_vision_lora.py::test_generate_from_the_run_applies_the_projector_adapters"],
       "generate on a LoRA run dir leaves the projector's adapters out"),
+    # ---- vision under torchrun: the replicated tower's gradients -----------------------------------------
+    M("tower-grads-unsummed", "engine", "horizon_cli.vision.embed:VisionEmbedding._sum_over_ranks",
+      "sharded.sum_replicated(flat, lambda f: sumsq64(f[:n]))",
+      "pass",
+      ["tests/test_vision_dist.py::test_tower_gradients_summed_over_ranks_with_their_reach"],
+      "a sharded run's trained projector steps on its own rank's gradient only (the ranks' towers drift apart)"),
+    M("tower-reach-local", "engine", "horizon_cli.vision.embed:VisionEmbedding._sum_over_ranks",
+      "tr.used = {name for name, f in zip(names, flat[n:].tolist(), strict=True) if f > 0}",
+      "pass",
+      ["tests/test_vision_dist.py::test_tower_gradients_summed_over_ranks_with_their_reach"],
+      "a rank whose micro-batches hold no image skips the projector's update that the others make"),
 ]
 # fmt: on
 

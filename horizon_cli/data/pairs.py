@@ -80,7 +80,7 @@ def add_pair(res: Pair | str, rows: RowBuilder, max_len: int, stats: dict) -> bo
         ids = np.concatenate([res.prompt, comp]).astype(np.int32)
         labels = np.concatenate([np.full(n_prompt, IGNORE, np.int32), comp]).astype(np.int32)
         cut += max(0, len(ids) - max_len)
-        seqs.append((ids[-max_len:], labels[-max_len:]))
+        seqs.append((ids[:max_len], labels[:max_len]))
     if any(not (lab[1:] != IGNORE).any() for _, lab in seqs):
         return _skip(stats, NO_LABELS)
     for ids, labels in seqs:

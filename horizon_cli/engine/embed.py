@@ -86,6 +86,10 @@ class Embedding:
         (a frozen base); what it adds to the squared norm."""
         return 0.0
 
+    def across_ranks(self, sharded: ShardedGrads) -> None:
+        """A sharded run: what the stage trains besides the units is whole on every rank (a vision
+        tower's trained part: vision.embed), its gradients summed over the ranks."""
+
     def update(self, h: AdamWHyper) -> None:
         """The update of what the stage trains besides the units (a vision tower's: vision.embed);
         the embedding table itself is a unit, updated by the optimizer worker."""

@@ -105,7 +105,7 @@ def assemble(
     buffers of its own. forward_only: every unit frozen, nothing trained (engine.params.FrozenParams:
     generation, evaluation), and nothing kept. dropout_seed: the run's seed when it trains with the
     model's dropout (engine.dropout), None: dropout off. stage: what wraps the embedding stage (vision.embed:
-    the image merge before layer 0; one process only)."""
+    the image merge before layer 0)."""
     assert not (forward_only and keep), "a forward-only engine keeps no graphs"
     spec = store.arch
     dtype = DTYPES[resolve_dtype(engine, optim.memory).dtype]  # resolved already by train/profile
@@ -169,10 +169,10 @@ def assemble(
             moe.reduce = sharded.all_sum_tensor
         if objective is not None:  # a statistic of the global batch (KTO's KL estimate)
             objective.across_ranks(sharded.all_sum_tensor)
-    if stage is not None:
-        if dist is not None:
-            raise InputError("images: sharded runs (torchrun) with a vision tower are not supported yet")
+    if stage is not None:  # the tower whole on every rank; a trained part's gradients summed over them
         embedding = stage(embedding, t, dtype)
+        if sharded is not None:
+            embedding.across_ranks(sharded)
     kept = params.layers[len(params.layers) - keep :] if keep else []
     own = ["head"] + (["embed"] if tied else [])  # the head's units, upcast where narrow
     if n := params.attach(t.device_empty, dtype, kept, own):

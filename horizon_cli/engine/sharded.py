@@ -10,6 +10,8 @@ slice, the embedding used and trained on the device, the step's one all-reduce.
                        and rows picked there; backward: rows scatter-added into a dense fp32
                        (V, H) device buffer (with a tied head, the LM head's own gradient already
                        in it), then reduce-scattered like a layer's
+    vision tower       a trained tower's gradient (whole on every rank, vision.embed): all-reduced
+                       once per step, counted once in the norm; every rank updates its copy alike
     end of step        one all-reduce of (loss sum, sum of squared gradient slices, the objective's
                        stat sums): the global loss, grad norm and metrics, the same on every rank,
                        so every rank clips and skips alike
@@ -127,6 +129,19 @@ class ShardedGrads:
         def job() -> None:
             made.host_wait()
             self.d.all_reduce_sum(t)
+
+        self.d.submit(job).result()
+
+    def sum_replicated(self, flat: torch.Tensor, sq) -> None:
+        """A gradient every rank holds whole (a vision tower's trained part: vision.embed), flat on
+        the device: summed over the ranks in place; `sq(flat)` (its squared norm, the sum's) joins
+        the step's once, rank 0's, as a replicated unit's does."""
+        made = self.t.record()
+
+        def job() -> None:
+            made.host_wait()
+            self.d.all_reduce_sum(flat)
+            self.sq.append(float(sq(flat)) if self.d.is_main else 0.0)
 
         self.d.submit(job).result()
 

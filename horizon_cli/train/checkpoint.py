@@ -55,10 +55,11 @@ def save(
 def _save_slices(
     engine, run_dir: Path, step: int, trainer: dict, config_yaml: str, model_store: Store, keep_last: int
 ) -> Path:
-    """Every rank its slices (train/sharded_checkpoint.py)."""
+    """Every rank its slices (train/sharded_checkpoint.py); what the embedding stage trains (a
+    vision tower, whole and the same on every rank) rank 0 writes once, beside the store's hf/."""
 
     def meta(tmp: Path, known: dict[str, int]) -> None:
-        _write_meta(tmp, trainer, config_yaml, known)
+        _write_meta(tmp, trainer, config_yaml, {**known, **_stage_state(engine, tmp)})
 
     comm, buffers = engine.ranks.comm, engine.tuning.state_buffers
     return sharded_checkpoint.save(

@@ -11,7 +11,8 @@ with the offsets implied by the flat layout.
     rank 0    makes the temp dir and the full-size (sparse) files      -> broadcast its name
     all       pwrite + fsync their slices, CRC32 each slice (and each
               tensor's part of it)                                     -> gather errors, CRCs
-    rank 0    manifest (per-tensor CRC32s combined from the parts: parallel/crc.py), hf/,
+    rank 0    manifest (per-tensor CRC32s combined from the parts: parallel/crc.py), hf/
+              (a trained vision tower, whole on every rank: its tensors and state, once),
               trainer.json, config.yaml, checksums.json last; fsync, rename, prune -> broadcast
 
 No rank reads the checkpoint back; verifying it on load is split over the ranks.

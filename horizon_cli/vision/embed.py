@@ -19,6 +19,11 @@ whether a batch holds images:
     backward  the rows' gradient through that graph: masked_scatter's own backward zeroes the
               image positions for the embedding table (the placeholder token's row gets nothing
               from them, as in transformers); then the wrapped embedding's backward as ever
+    ranks     under torchrun every rank holds the tower whole and runs it for its own
+              micro-batches; a trained part's gradient sums are all-reduced once a step (the
+              loss is divided by the global label count, so they add up to one rank's), counted
+              once in the norm, and every rank's CPU AdamW makes the same update; a frozen tower
+              sends nothing
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import torch
 
 from ..data.batch import DecodeBatch, MicroBatch
 from ..engine.embed import B, Embedding
+from ..engine.grads import sumsq64
+from ..engine.sharded import ShardedGrads
 from ..optim.adamw import AdamWHyper
 from ..runtime.events import Event
 from .tower import VisionTower
@@ -46,6 +53,10 @@ class VisionEmbedding(Embedding):
         self.stage_trained = trained is not None
         self.ahead = inner.ahead
         self.saved: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.sharded: ShardedGrads | None = None  # a sharded run's: the trained part summed over ranks
+
+    def across_ranks(self, sharded: ShardedGrads) -> None:
+        self.sharded = sharded
 
     def loads(self):
         return self.inner.loads()
@@ -129,7 +140,28 @@ class VisionEmbedding(Embedding):
                 tr.add(pg)
             back.append(g)
         self.saved = []
-        return back, tr.finish() if tr is not None else 0.0
+        if tr is not None and self.sharded is not None:
+            self._sum_over_ranks(tr, self.sharded)
+        sq = tr.finish() if tr is not None else 0.0  # sharded: counted in the step's norm already
+        return back, sq
+
+    @staticmethod
+    def _sum_over_ranks(tr: TowerState, sharded: ShardedGrads) -> None:
+        """Every rank's gradient sums of the trained part added up (one all-reduce, with one flag
+        per parameter: reached by any rank's backward), so every rank's AdamW step, and tower,
+        stays the same; a rank whose micro-batches hold no image sends zeros."""
+        names = list(tr.acc)
+        if not names:
+            return
+        sizes = [tr.acc[n].numel() for n in names]
+        dev = tr.acc[names[0]].device
+        used = torch.tensor([float(n in tr.used) for n in names], device=dev)
+        flat = torch.cat([*(tr.acc[n].reshape(-1) for n in names), used])  # (sum(sizes) + P,) fp32
+        n = sum(sizes)
+        sharded.sum_replicated(flat, lambda f: sumsq64(f[:n]))
+        for name, part in zip(names, flat[:n].split(sizes), strict=True):
+            tr.acc[name].copy_(part.view(tr.acc[name].shape))
+        tr.used = {name for name, f in zip(names, flat[n:].tolist(), strict=True) if f > 0}
 
     def update(self, h: AdamWHyper) -> None:
         """The trained tower's AdamW step, with the units' hyper-parameters (clip scale included)."""
