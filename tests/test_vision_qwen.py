@@ -227,6 +227,7 @@ def test_qwen_vl_plan_counts_the_tower_and_its_activations(qwen, monkeypatch):
     cfg = SimpleNamespace(
         train=SimpleNamespace(vision="projector", micro_batch_size=2),
         data=SimpleNamespace(max_pixels=56 * 56),
+        lora=None,
     )
     got = plan.measure(store, cfg, torch.float32)
     visual = model0.model.visual
