@@ -80,9 +80,15 @@ def media_of(out, image_id: int, where: str) -> dict[str, np.ndarray]:
                 "attention mask is not built"
             )
     media = {k: np.asarray(v) for k, v in out.items() if k not in SKIP and v is not None}
-    if STACK in media:
-        media = {k: v[0] if k in (STACK, "pixel_values") else v for k, v in media.items()}
-    return media
+    return unstacked(media)
+
+
+def unstacked(media: dict) -> dict:
+    """The processor's tensors in the data's layout: a per-row image stack (STACK) kept one image
+    per dim-0 entry, so that rows with different numbers of tiles batch (stacked undoes it)."""
+    if STACK not in media:
+        return media
+    return {k: v[0] if k in (STACK, "pixel_values") else v for k, v in media.items()}
 
 
 def stacked(kw: dict):

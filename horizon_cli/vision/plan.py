@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import InputError
-from .encode import stacked
+from .encode import stacked, unstacked
 from .support import image_owner, is_multimodal
 
 
@@ -40,7 +40,7 @@ def _media_at_budget(proc, max_pixels: int) -> dict[str, torch.Tensor]:
 
     side = max(1, math.isqrt(max_pixels))
     out = proc.image_processor(images=[Image.new("RGB", (side, side))], return_tensors="pt")
-    return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+    return unstacked({k: v for k, v in out.items() if isinstance(v, torch.Tensor)})  # the data's layout
 
 
 def measure(store, cfg, dtype: torch.dtype) -> dict[str, int] | None:
