@@ -403,14 +403,11 @@ def test_generate_with_images_equals_transformers_greedy(vlm, tmp_path):
         assert want == ref[: len(want)] and len(want) >= 1, (k, want, ref)
 
 
-def test_mistral3_compute_matches_transformers(tmp_path):
-    """Mistral 3 (Pixtral tower, patch merger, image_sizes) takes the same image path, chosen by
-    its class: loss, every gradient and 3 AdamW steps with the projector trained against
-    Mistral3ForConditionalGeneration given the same tensors. Its processor (PixtralProcessor)
-    needs torchvision, so the pixels here are made directly, not by the processor."""
+def tiny_mistral3(tmp_path: Path):
+    """A tiny random Mistral 3 (vocab 400, image token 399, 64-pixel images: 4 tokens an image of
+    64x64) and its fp32 store."""
     import transformers
 
-    from horizon_cli.data import MicroBatch
     from horizon_cli.testing.census_config import tiny_config
 
     cfg = tiny_config("mistral3", 2)
@@ -419,7 +416,17 @@ def test_mistral3_compute_matches_transformers(tmp_path):
     model = transformers.Mistral3ForConditionalGeneration(cfg).eval()
     model.save_pretrained(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
-    store = Store.open(tmp_path / "store")
+    return model, Store.open(tmp_path / "store")
+
+
+def test_mistral3_compute_matches_transformers(tmp_path):
+    """Mistral 3 (Pixtral tower, patch merger, image_sizes) takes the same image path, chosen by
+    its class: loss, every gradient and 3 AdamW steps with the projector trained against
+    Mistral3ForConditionalGeneration given the same tensors. Its processor (PixtralProcessor)
+    needs torchvision, so the pixels here are made directly, not by the processor."""
+    from horizon_cli.data import MicroBatch
+
+    model, store = tiny_mistral3(tmp_path)
     g = torch.Generator().manual_seed(1)
 
     def row(n_img: int, n: int) -> tuple[list[int], list[int]]:
@@ -474,3 +481,45 @@ def test_mistral3_compute_matches_transformers(tmp_path):
                 assert rel_err(ours[name], p.detach()) < 1e-5, name
     finally:
         eng.close()
+
+
+def test_mistral3_generate_with_an_image_equals_transformers_greedy(tmp_path):
+    """Generation with Mistral 3 image prompts (image_sizes cropping one image) and a text one in
+    one left-padded batch: every completion equals Mistral3ForConditionalGeneration's greedy
+    generate on the same input ids, pixel_values and image_sizes (pixels made here, as above), and
+    every step's logits (1e-5): the tiny model's greedy ids alone barely depend on the image."""
+    from horizon_cli.generate.decoder import Decoder
+    from horizon_cli.model.sample import Sampler
+
+    model, store = tiny_mistral3(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    prompts, media = [], {}
+    for k, sizes in enumerate(([(64, 64)], [], [(48, 64), (64, 64)])):  # 64x64: 4 tokens, 48x64: 2
+        ids = [1, 7] + [399] * sum((h // 32) * (w // 32) for h, w in sizes)  # 16-pixel patches, merged 2x2
+        prompts.append((k, ids + torch.randint(3, 390, (3 + 2 * k,), generator=g).tolist()))
+        if sizes:
+            media[k] = {"pixel_values": torch.randn(len(sizes), 3, 64, 64, generator=g),
+                        "image_sizes": torch.tensor(sizes)}  # fmt: skip
+    eng = Engine(store, EngineConfig(device="cpu", dtype="float32"), OptimConfig(), forward_only=True,
+                 stage=vision_stage(store, "frozen"))  # fmt: skip
+    seen: dict[int, list[torch.Tensor]] = {}
+
+    class Recording(Sampler):  # greedy, keeping each prompt's logits of every sweep
+        def pick(self, logits, rows):
+            for r, i in enumerate(rows):
+                seen.setdefault(i, []).append(logits[r].clone())
+            return super().pick(logits, rows)
+
+    try:
+        got = Decoder(eng, Recording(), max_new_tokens=6, media=media).run(prompts)
+    finally:
+        eng.close()
+    for (k, ids), c in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([ids]), **media.get(k, {}), max_new_tokens=6,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        assert c.ids == out.sequences[0, len(ids) :].tolist() and len(c.ids) == 6, (k, c.ids)
+        assert len(seen[k]) == len(out.logits) == 6
+        for step, (ours, theirs) in enumerate(zip(seen[k], out.logits, strict=True)):
+            assert rel_err(ours, theirs[0]) < 1e-5, (k, step, rel_err(ours, theirs[0]))
