@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from ..arch import ArchSpec
 from .attend import BlockMask, Mask, RowMask, attend, rows_mask
-from .lse_attend import available as lse_ok
 from .lse_attend import causal_tile
 from .tiled_layer import Stages, run_layer
 from .tiling import tiled_native
@@ -195,7 +194,7 @@ def _stages(w: Weights, ctx: AttnContext, spec: ArchSpec, window: int | None, lo
         cos, sin = ctx.cos[r : r + 1, s:e], ctx.sin[r : r + 1, s:e]
         q = _heads(w, rms_norm(xt, w["attn_norm"], eps), spec, "q", cos, sin, lora)  # (1, heads, t, hd)
         lo = e - k.shape[2]
-        if rule is None and win is None and lo < s and not q.is_cuda and lse_ok():
+        if rule is None and win is None and lo < s and not q.is_cuda:
             # plain causal from an earlier key on the CPU: two unmasked pieces joined by their lse
             a = causal_tile(q, k, v, spec.head_dim**-0.5)
         else:

@@ -16,30 +16,10 @@ as they are (it shares them across query heads).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-@functools.cache
-def available() -> bool:
-    """Whether this torch's CPU flash kernel takes grouped K/V and gives SDPA's result (a private
-    op, checked once on tiny tensors; torch 2.13 does): else the tile keeps the masked call."""
-    try:
-        g = torch.Generator().manual_seed(0)
-        q = torch.randn(1, 2, 3, 8, generator=g)  # queries of positions 2..4, keys 0..4, one K/V head
-        k, v = torch.randn(1, 1, 5, 8, generator=g), torch.randn(1, 1, 5, 8, generator=g)
-        got = causal_tile(q, k, v, 8**-0.5)
-        mask = torch.arange(5)[None] <= torch.arange(2, 5)[:, None]
-        want = torch.nn.functional.scaled_dot_product_attention(
-            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), mask, scale=8**-0.5
-        )
-        return bool(torch.allclose(got, want, atol=1e-5))
-    except (RuntimeError, TypeError, AttributeError):
-        return False
 
 
 def causal_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
