@@ -8,7 +8,6 @@
   query tiles    SDPA per query tile with its mask rows    the same (model.tiled_layer; a flex
   (seq_tile)     (1, 1, t, keys): no (T, T) tensor, a      block mask keeps the whole-sequence
                  RowMask keeps only the rule's inputs      kernel)
-                 (plain causal: no mask, lse_attend)
 
 Grouped-query K/V are shared across query heads inside the kernel (`enable_gqa`), never
 expanded by copying. `enable_gqa` and flex_attention need torch >= 2.5 (pyproject's floor).

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from ..arch import ArchSpec
 from .attend import BlockMask, Mask, RowMask, attend, rows_mask
-from .lse_attend import causal_tile
 from .tiled_layer import Stages, run_layer
 from .tiling import tiled_native
 
@@ -194,30 +193,21 @@ def _stages(w: Weights, ctx: AttnContext, spec: ArchSpec, window: int | None, lo
         cos, sin = ctx.cos[r : r + 1, s:e], ctx.sin[r : r + 1, s:e]
         q = _heads(w, rms_norm(xt, w["attn_norm"], eps), spec, "q", cos, sin, lora)  # (1, heads, t, hd)
         lo = e - k.shape[2]
-        if rule is None and win is None and lo < s and not q.is_cuda:
-            # plain causal from an earlier key on the CPU: two unmasked pieces joined by their lse
-            a = causal_tile(q, k, v, spec.head_dim**-0.5)
+        # plain causal from the first key: SDPA's causal path; else the tile's rows of the mask
+        if isinstance(rule, torch.Tensor):  # a dense mask built anyway (b, 1, T, T): its rows
+            m: Mask = rule[r : r + 1, :, s:e, lo:e]
         else:
-            m = _tile_mask(rule, doc, win, r, s, e, lo, q)
-            if q.is_cuda and m is not None and q.shape[1] != k.shape[1]:
-                # SDPA's kernels that take a mask on CUDA may not take grouped K/V (its math fallback
-                # would hold the (t, keys) scores per head): repeated per query head, the plan counts it
-                g = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-            a = attend(q, k, v, m, spec.head_dim**-0.5)
-        o = a.transpose(1, 2).reshape(1, e - s, spec.q_dim)
+            m = None if rule is None and lo == s else rows_mask(doc, win, r, s, e, lo, xt.device)
+        if q.is_cuda and m is not None and q.shape[1] != k.shape[1]:
+            # SDPA's kernels that take a mask on CUDA may not take grouped K/V (its math fallback
+            # would hold the (t, keys) scores per head): repeated per query head, the plan counts it
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        o = attend(q, k, v, m, spec.head_dim**-0.5).transpose(1, 2).reshape(1, e - s, spec.q_dim)
         h = xt + _linear(o, w, "wo", "bo", lora)
         return h + mlp(w, rms_norm(h, w["mlp_norm"], eps), lora)
 
     return Stages(kv, keys, out, spec.n_kv_heads, spec.head_dim)
-
-
-def _tile_mask(rule, doc, win, r: int, s: int, e: int, lo: int, q: torch.Tensor) -> Mask:
-    """The mask of query tile [s, e) over keys [lo, e): None for plain causal from the first key
-    (SDPA's causal path), else the tile's rows of the mask."""
-    if isinstance(rule, torch.Tensor):  # a dense mask built anyway (b, 1, T, T): its rows
-        return rule[r : r + 1, :, s:e, lo:e]
-    return None if rule is None and lo == s else rows_mask(doc, win, r, s, e, lo, q.device)
 
 
 BLOCK = ("mlp_norm", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")  # the MLP block's tensors

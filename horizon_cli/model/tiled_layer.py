@@ -9,9 +9,8 @@ projection and residual, and the MLP block. So the layer runs row by row, and in
              full-length tensors
   out pass   per query tile [s, e): norm, Q projection, q norm, RoPE; SDPA of the tile's queries
              over the keys it can see ([lo, e): causal, and within the window), masked by the
-             tile's rows of the mask (attend.rows_mask: (1, 1, t, e - lo), never (T, T); plain
-             causal rows on the CPU: none, model.lse_attend); output projection, residual, MLP
-             block -> the tile's output rows
+             tile's rows of the mask (attend.rows_mask: (1, 1, t, e - lo), never (T, T)); output
+             projection, residual, MLP block -> the tile's output rows
 
 The backward (_Layer; the recompute's forward returns an output it never computes when its
 values are not read, `deferred`, as model.tiling's _Deferred does for the MLP block) redoes the

@@ -141,10 +141,8 @@ def native_tiled_bytes(spec: ArchSpec, tokens: int, T: int, item: int, t: int, p
                  the tile's K/V gradients (6 kv per position); grouped-query K/V repeated per
                  query head with their gradients where the kernel takes no groups (CUDA: 4 q)
       per tile   every intermediate of the untiled layer for t tokens, forward and backward;
-                 the tile's rows of the mask, (t, T) bool and the kernel's additive copy
-                 (packed rows, windows, CUDA; plain causal rows on the CPU build none,
-                 model.lse_attend: counted anyway, an over-estimate there); one layer's weight
-                 gradients beside their sums over the tiles
+                 the tile's rows of the mask, (t, T) bool and the kernel's additive copy; one
+                 layer's weight gradients beside their sums over the tiles
     """
     H, q, kv = spec.hidden, spec.q_dim, spec.kv_dim
     grouped = 4 * q if spec.n_heads != spec.n_kv_heads else 0
