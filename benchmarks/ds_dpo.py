@@ -41,12 +41,31 @@ def pair_records(rows: list[list[int]], steps: int, pairs_per_step: int) -> list
     return recs
 
 
+def step_recorder(records: list, times: list):
+    """A TrainerCallback that appends each step's wall time to `times` and each logged step's
+    record (those with a loss: logging_steps 1; the summary has train_loss) to `records`."""
+    from transformers import TrainerCallback
+
+    class Record(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                records.append(dict(logs))
+
+    return Record()
+
+
 def run_dpo(job: dict, cfg: dict) -> dict:
     import deepspeed
     import torch
     from datasets import Dataset
     from tokenizers import Tokenizer, models
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
     from trl import DPOConfig, DPOTrainer
 
     if job["batch"] % 2 or job["micro"] != job["batch"]:
@@ -91,18 +110,7 @@ def run_dpo(job: dict, cfg: dict) -> dict:
     trainer = Pretokenized(model=model, ref_model=ref, args=args, train_dataset=data, processing_class=tok)
     records, times = [], []
 
-    class Record(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.t0)
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "loss" in logs:  # one per step (logging_steps 1); the summary has train_loss
-                records.append(dict(logs))
-
-    trainer.add_callback(Record())
+    trainer.add_callback(step_recorder(records, times))
     rss_setup = rss()
     with RssSampler() as s:
         trainer.train()

@@ -23,6 +23,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_process_env() -> None:
+    """DeepSpeed on the CPU as one process (its launcher's variables, unless already set)."""
+    for k, v in dict(
+        DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+        LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", CROSS_RANK="0", CROSS_SIZE="1",
+    ).items():  # fmt: skip
+        os.environ.setdefault(k, v)
+
+
 def ds_config(job: dict) -> dict:
     o = job["optim"]
     off = {"device": "cpu", "pin_memory": False}
@@ -45,11 +54,7 @@ def ds_config(job: dict) -> dict:
 
 
 def run(job: dict) -> dict:
-    for k, v in dict(
-        DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-        LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", CROSS_RANK="0", CROSS_SIZE="1",
-    ).items():  # fmt: skip
-        os.environ.setdefault(k, v)
+    one_process_env()
     if job.get("preference"):  # TRL's DPOTrainer on this config (benchmarks/ds_dpo.py)
         from ds_dpo import run_dpo
 

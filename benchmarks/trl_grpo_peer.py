@@ -22,11 +22,11 @@ that does not fit one device (benchmarks/bench_grpo_peer.py runs it).
 
 from __future__ import annotations
 
-import os
 import time
 
 from common import RssSampler, peer_main, rss
-from ds_peer import _free_port, ds_config
+from ds_dpo import step_recorder
+from ds_peer import ds_config, one_process_env
 from grpo_reward import even_share
 
 
@@ -40,16 +40,12 @@ def word_tokenizer(vocab: int):
 
 
 def run(job: dict) -> dict:
-    for k, v in dict(
-        DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-        LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", CROSS_RANK="0", CROSS_SIZE="1",
-    ).items():  # fmt: skip
-        os.environ.setdefault(k, v)
+    one_process_env()
     import deepspeed
     import torch
     import trl
     from datasets import Dataset
-    from transformers import LlamaForCausalLM, TrainerCallback
+    from transformers import LlamaForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     o, n = job["optim"], job["prompts"] * job["G"]  # completions a step
@@ -95,18 +91,7 @@ def run(job: dict) -> dict:
     )  # fmt: skip
     records, times = [], []
 
-    class Record(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.t0)
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "loss" in logs:
-                records.append(dict(logs))
-
-    trainer.add_callback(Record())
+    trainer.add_callback(step_recorder(records, times))
     rss_setup = rss()
     with RssSampler() as s:
         trainer.train()
