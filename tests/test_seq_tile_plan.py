@@ -53,8 +53,9 @@ def test_the_plan_covers_the_measured_peak_and_tiles_lower_it():
 
 def test_packed_rows_build_no_dense_mask_under_tiles():
     """A row of 4 packed documents at 2,048 tokens: untiled the CPU holds the dense (T, T) mask
-    (and SDPA's additive copy), tiled only a query tile's rows of it — the tiled peak is the
-    unpacked one's and within the plan, the untiled one above its unpacked peak by at least T²."""
+    (and SDPA's additive copy), tiled only a query tile's rows of it — the tiled peak within the
+    plan and above the unpacked one's (whose causal rows need no mask rows: attend.causal_rows) by
+    at most those rows, bool and additive, the untiled one above its unpacked peak by at least T²."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     got = {}
     for docs in (0, 4):
@@ -67,7 +68,7 @@ def test_packed_rows_build_no_dense_mask_under_tiles():
     (plain_untiled, plain_tiled), (packed_untiled, packed_tiled) = got[0]["runs"], got[4]["runs"]
     assert packed_untiled["peak_bytes"] >= plain_untiled["peak_bytes"] + 2048 * 2048, got
     assert packed_tiled["peak_bytes"] <= packed_tiled["plan_bytes"] + got[4]["weight_grad_bytes"], got
-    assert packed_tiled["peak_bytes"] <= 1.05 * plain_tiled["peak_bytes"], got
+    assert packed_tiled["peak_bytes"] <= plain_tiled["peak_bytes"] + 256 * 2048 * (1 + 4), got
 
 
 def cfg_for(tmp_path: Path, seq: int, tile="auto", micro: int = 1):

@@ -5,9 +5,12 @@
   packed rows,   SDPA with a dense bool mask (b, 1, T, T)  flex_attention, compiled, with a block
   short windows                                            mask: only blocks holding allowed pairs
                                                            are computed, no (T, T) tensor exists
-  query tiles    SDPA per query tile with its mask rows    the same (model.tiled_layer; a flex
-  (seq_tile)     (1, 1, t, keys): no (T, T) tensor, a      block mask keeps the whole-sequence
-                 RowMask keeps only the rule's inputs      kernel)
+  query tiles    causal rows (windows too): causal_rows,   SDPA per query tile with its mask rows
+  (seq_tile)     SDPA per piece of a tile with a Toeplitz  (1, 1, t, keys) (model.tiled_layer; a
+                 mask view of one (t + keys) vector;       flex block mask keeps the whole-sequence
+                 packed rows: SDPA with the tile's mask    kernel)
+                 rows (1, 1, t, keys). No (T, T) tensor:
+                 a RowMask keeps only the rule's inputs
 
 Grouped-query K/V are shared across query heads inside the kernel (`enable_gqa`), never
 expanded by copying. `enable_gqa` and flex_attention need torch >= 2.5 (pyproject's floor).
@@ -72,6 +75,53 @@ def attend(
         scale=scale,
         enable_gqa=gqa,
     )
+
+
+KEY_BLOCK = 512  # the CPU flash kernel's key block (kv_split_size in torch's FlashAttentionKernel)
+
+
+def causal_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, window: int | None, scale: float
+) -> torch.Tensor:
+    """Causal attention (within `window` positions) of queries at positions [s, e) over the keys
+    [e - S, e) they can see, on the CPU: q (1, heads, t, hd), k/v (1, kv_heads, S, hd) ->
+    (1, heads, t, hd), the rows [s, e) of attend(...) over the whole sequence.
+
+    The tile runs in pieces that end on multiples of KEY_BLOCK, each over the keys its queries can
+    see: the key blocks and the work per row are the untiled kernel's (it skips the blocks past
+    the diagonal; a whole tile's (t, S) would compute them masked). A piece's mask depends only on
+    key - query, so with the piece's queries reversed it is a view of one (t + keys) vector
+    (strides 1, 1): the kernel reads no (t, keys) mask from memory, and the rows it computes are
+    the untiled kernel's (the order of a row's keys is kept; the order of the rows is free)."""
+    t, S = q.shape[2], k.shape[2]
+    e = s + t
+    lo, outs = e - S, []
+    gqa = q.shape[1] != k.shape[1]
+    a = s
+    while a < e:
+        b = min(e, (a // KEY_BLOCK + 1) * KEY_BLOCK)
+        first = 0 if window is None else max(0, a - window + 1)  # the first key [a, b) can see
+        qa, ka, va = q[:, :, a - s : b - s], k[:, :, first - lo : b - lo], v[:, :, first - lo : b - lo]
+        if first == a and (window is None or window >= b - a):  # a causal square: the kernel's own
+            o = F.scaled_dot_product_attention(qa, ka, va, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            m = _toeplitz(b - a, b - first, window, q.dtype)
+            o = F.scaled_dot_product_attention(qa.flip(2), ka, va, attn_mask=m, scale=scale, enable_gqa=gqa)
+            o = o.flip(2)
+        outs.append(o)
+        a = b
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+
+
+def _toeplitz(t: int, n: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask (1, 1, t, n) of t reversed queries, the last at the last of n keys: row
+    i' (query t - 1 - i') sees key j iff x = i' + j <= n - 1 (causal) and x >= n - window, so it
+    is a view of one vector indexed by x."""
+    line = torch.zeros(t + n - 1, dtype=dtype)
+    line[n:] = float("-inf")
+    if window is not None and n > window:
+        line[: n - window] = float("-inf")
+    return line.as_strided((1, 1, t, n), (0, 0, 1, 1))
 
 
 def allowed(doc: torch.Tensor | None, window: int | None):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch import ArchSpec
-from .attend import BlockMask, Mask, RowMask, attend, rows_mask
+from .attend import BlockMask, Mask, RowMask, attend, causal_rows, rows_mask
 from .tiled_layer import Stages, run_layer
 from .tiling import tiled_native
 
@@ -189,21 +189,29 @@ def _stages(w: Weights, ctx: AttnContext, spec: ArchSpec, window: int | None, lo
     def keys(s: int, e: int) -> int:  # the first key a query of [s, e) can see (kv > q - window)
         return 0 if win is None else max(0, s - win + 1)
 
-    def out(r: int, s: int, e: int, xt: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cos, sin = ctx.cos[r : r + 1, s:e], ctx.sin[r : r + 1, s:e]
-        q = _heads(w, rms_norm(xt, w["attn_norm"], eps), spec, "q", cos, sin, lora)  # (1, heads, t, hd)
+    def attend_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: int, s: int) -> torch.Tensor:
+        """The tile's queries over its keys [lo, e) with the tile's rows of the mask."""
+        e = s + q.shape[2]
         lo = e - k.shape[2]
-        # plain causal from the first key: SDPA's causal path; else the tile's rows of the mask
         if isinstance(rule, torch.Tensor):  # a dense mask built anyway (b, 1, T, T): its rows
             m: Mask = rule[r : r + 1, :, s:e, lo:e]
         else:
-            m = None if rule is None and lo == s else rows_mask(doc, win, r, s, e, lo, xt.device)
+            m = None if rule is None and lo == s else rows_mask(doc, win, r, s, e, lo, q.device)
         if q.is_cuda and m is not None and q.shape[1] != k.shape[1]:
             # SDPA's kernels that take a mask on CUDA may not take grouped K/V (its math fallback
             # would hold the (t, keys) scores per head): repeated per query head, the plan counts it
             g = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        o = attend(q, k, v, m, spec.head_dim**-0.5).transpose(1, 2).reshape(1, e - s, spec.q_dim)
+        return attend(q, k, v, m, spec.head_dim**-0.5)
+
+    def out(r: int, s: int, e: int, xt: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cos, sin = ctx.cos[r : r + 1, s:e], ctx.sin[r : r + 1, s:e]
+        q = _heads(w, rms_norm(xt, w["attn_norm"], eps), spec, "q", cos, sin, lora)  # (1, heads, t, hd)
+        if q.is_cuda or doc is not None or isinstance(rule, torch.Tensor):
+            o = attend_tile(q, k, v, r, s)
+        else:  # CPU rows, causal (windowed): no mask rows (attend.causal_rows)
+            o = causal_rows(q, k, v, s, win, spec.head_dim**-0.5)
+        o = o.transpose(1, 2).reshape(1, e - s, spec.q_dim)
         h = xt + _linear(o, w, "wo", "bo", lora)
         return h + mlp(w, rms_norm(h, w["mlp_norm"], eps), lora)
 
