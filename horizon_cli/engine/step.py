@@ -172,7 +172,7 @@ class TrainStep:
         p.t.memory.set("head_work", head_work_bytes(p.spec, tok, p.cfg.loss_chunk, item))
         if p.keep:  # each kept layer's graphs of every micro-batch (planning.memory.kept_graph_bytes)
             graphs = sum(
-                kept_graph_bytes(p.spec, sh[0] * sh[1], sh[0], sh[1], item, self.vectors)
+                kept_graph_bytes(p.spec, sh[0] * sh[1], sh[0], sh[1], item, self.vectors, tile)
                 + p.params.kept_bytes(sh[0] * sh[1], item)
                 for sh in shapes
             )

@@ -154,6 +154,6 @@ def lora_memory_plan(
     mbs = max(1, rank_batch(batch, world) // micro_batch)
     graph = kept_graph_bytes(spec, tok, micro_batch, seq, item, layer_vectors(lays.values()))
     graph += adapter_kept_bytes(targets, r, dropout, tok, item)
-    p.layers, p.saved_layer = spec.n_layers, acts
+    p.layers, p.saved_layer, p.kept_mbs = spec.n_layers, acts, mbs
     p.kept_layer = (slot + per_layer * item + dense + upcast, mbs * graph)
     return with_loop(p, spec, acts, per_layer * 4)

@@ -72,6 +72,7 @@ class MemoryPlan:
     loop: str = ""  # a model that runs its layers in a loop: what it does (it keeps no layer)
     kept: int = 0
     kept_layer: tuple[int, int] = (0, 0)
+    kept_mbs: int = 1  # the micro-batches whose graphs a kept layer holds (kept_layer's second)
     saved_layer: int = 0
     # sequence tiles (engine.seq_tile, planning.tiling): tokens per tile (0: untiled), and the
     # layer working set untiled, for comparison
@@ -194,7 +195,9 @@ def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int
     return worst + attn
 
 
-def kept_graph_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int, vectors: int) -> int:
+def kept_graph_bytes(
+    spec: ArchSpec, tokens: int, rows: int, T: int, item: int, vectors: int, tile: int = 0
+) -> int:
     """What a kept layer's autograd graph holds for one micro-batch from its forward to its
     backward (the tensors its forward saved), per token:
 
@@ -206,16 +209,21 @@ def kept_graph_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int, 
       generic  transformers' layers (any op sequence): the working set above, plus for each of
                the layer's `vectors` 1-D tensors (taken as norms over the hidden size) 10 B per
                element
+      tile     engine.seq_tile: the generic working set with its blocks tiled; natively the
+               layer saves its input only (model.tiled_layer recomputes it in its backward), or
+               where only its MLP block is tiled (a flex block mask on CUDA, attention dropout)
+               the above less the MLP's 4 I, plus the block's tiles' outputs, their
+               concatenation and its input's gradient (3 H), no dense mask (rows per tile)
 
     tests/test_keep.py checks both against what real layers save (autograd's saved tensors)."""
     H = spec.hidden
+    tiled = 0 < tile < tokens
     if spec.generic is not None:
-        return layer_work_bytes(spec, tokens, rows, T, item) + tokens * vectors * H * 10
+        return layer_work_bytes(spec, tokens, rows, T, item, tile) + tokens * vectors * H * 10
     q, kv = spec.q_dim, spec.kv_dim
-    per_tok = (
-        20 * H + (10 * (q + kv) if spec.qk_norm else 0) + (5 * q + 4 * kv + 4 * spec.intermediate) * item
-    )
-    masked = any(w is not None and w < T for w in spec.windows)
+    mlp = 3 * H if tiled else 4 * spec.intermediate
+    per_tok = 20 * H + (10 * (q + kv) if spec.qk_norm else 0) + (5 * q + 4 * kv + mlp) * item
+    masked = not tiled and any(w is not None and w < T for w in spec.windows)
     return tokens * per_tok + (rows * T * T if masked else 0)
 
 
@@ -284,7 +292,7 @@ def memory_plan(
     # rank's micro-batches
     mbs = max(1, rank_batch(batch, world) // micro_batch)
     graph = kept_graph_bytes(spec, tok, micro_batch, seq, item, layer_vectors(lays.values()))
-    p.layers, p.saved_layer = spec.n_layers, acts
+    p.layers, p.saved_layer, p.kept_mbs = spec.n_layers, acts, mbs
     p.kept_layer = ((layer_max + gather_pad(layer_max, world)) * sitem + upcast, mbs * graph)
     return with_loop(p, spec, acts, layer_max * 4)
 

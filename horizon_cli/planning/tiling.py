@@ -10,9 +10,10 @@ sequence a plan fits.
     longest    the longest sequence (a multiple of STEP tokens) whose plan fits the machine, by
                bisection over plans that each pick their tile as `auto` does
 
-Only the device's working set depends on the tile: the layer's input and output, the attention's
-Q/K/V and output (whole sequence, attention over all of it) stay whole, and so do the saved layer
-inputs on the host (L x batch x seq x hidden: at long context the host term that grows).
+Only the device's working set and a kept layer's graph depend on the tile: the layer's input and
+output and one row's K/V (natively: its queries run per tile; transformers' layers keep their
+attention whole) stay whole, and so do the saved layer inputs on the host (L x batch x seq x
+hidden: at long context the host term that grows).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from dataclasses import replace
 
 from ..arch import ArchSpec
 from ..arch.tiling import note as block_note
+from ..store import layouts
 from .fit import RESERVE, Machine
-from .memory import MemoryPlan, layer_work_bytes
+from .memory import MemoryPlan, kept_graph_bytes, layer_vectors, layer_work_bytes
 
 WORK = "layer working set"
 TILES = tuple(1 << k for k in range(20, 7, -1))  # 1M ... 256 tokens, largest first
@@ -34,8 +36,10 @@ def with_tile(
     plan: MemoryPlan, spec: ArchSpec, tile: int, tokens: int, rows: int, T: int, item: int,
     adapters: Callable[[int], int] | None = None,
 ) -> MemoryPlan:  # fmt: skip
-    """The plan (planned untiled) with its layer working set for `tile` tokens per tile.
-    adapters: tile -> the LoRA adapters' share of it (lora.sizes.adapter_work_bytes)."""
+    """The plan (planned untiled) with its layer working set for `tile` tokens per tile, and a
+    kept layer's graphs as the tiled layer saves them (planning.memory.kept_graph_bytes; the
+    adapters' part of them as untiled). adapters: tile -> the LoRA adapters' share of the working
+    set (lora.sizes.adapter_work_bytes)."""
     untiled = plan.device[WORK]
     if tile <= 0 or tile >= tokens:
         return replace(plan, seq_tile=0 if tile <= 0 else tile, untiled_work=untiled)
@@ -43,7 +47,14 @@ def with_tile(
     if adapters is not None:
         cut += adapters(0) - adapters(tile)
     device = {**plan.device, WORK: untiled - cut}
-    return replace(plan, device=device, seq_tile=tile, untiled_work=untiled)
+    weights, graphs = plan.kept_layer
+    if graphs:
+        v = layer_vectors(layouts(spec))
+        graphs -= plan.kept_mbs * (
+            kept_graph_bytes(spec, tokens, rows, T, item, v)
+            - kept_graph_bytes(spec, tokens, rows, T, item, v, tile)
+        )
+    return replace(plan, device=device, seq_tile=tile, untiled_work=untiled, kept_layer=(weights, graphs))
 
 
 def slack(plan: MemoryPlan, where: Machine) -> int:
