@@ -92,3 +92,27 @@ def test_grouped_query_kv_reach_the_kernel_unexpanded(packed, monkeypatch):
     y = layer_forward(weights(sp), x, ctx, sp, None)
     y.sum().backward()
     assert seen == [(sp.n_heads, sp.n_kv_heads, sp.n_kv_heads, True)]
+
+
+@pytest.mark.parametrize("packed,window", [(True, None), (False, 7), (True, 7)])
+def test_a_tiled_micro_batch_gets_the_masks_rule_where_flex_would_run(packed, window):
+    """Where the layers run a micro-batch in tiles (engine.seq_tile), its masks are RowMasks on
+    CUDA too (fused): flex's block mask would keep the tiled layer's attention whole and its
+    projections untiled, which the tiled plan does not count. The tiled layer over them gives the
+    untiled layer's output with dense masks."""
+    sp = spec(window)
+    mb = (
+        packed_batch()
+        if packed
+        else MicroBatch(*(torch.zeros(2, T, dtype=torch.int64),) * 2, torch.arange(T).expand(2, T))
+    )
+    inv = inv_freq(sp)
+    rows = attn_context(mb, sp, inv, torch.float32, "cpu", fused=True, rows=True)
+    assert isinstance(rows.masks[window], attend.RowMask)
+    dense = attn_context(mb, sp, inv, torch.float32, "cpu", fused=False)
+    x = torch.randn(2, T, sp.hidden, generator=torch.Generator().manual_seed(2))
+    w = weights(sp)
+    with torch.no_grad():
+        want = layer_forward(w, x, dense, sp, window)
+        got = layer_forward(w, x, rows, sp, window, tile=9)
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()

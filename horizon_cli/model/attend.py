@@ -6,14 +6,15 @@
   short windows                                            mask: only blocks holding allowed pairs
                                                            are computed, no (T, T) tensor exists
   query tiles    causal rows (windows too): causal_rows,   SDPA per query tile with its mask rows
-  (seq_tile)     SDPA per piece of a tile with a Toeplitz  (1, 1, t, keys) (model.tiled_layer; a
-                 mask view of one (t + keys) vector;       flex block mask keeps the whole-sequence
-                 packed rows: SDPA with the tile's mask    kernel)
+  (seq_tile)     SDPA per piece of a tile with a Toeplitz  (1, 1, t, keys), grouped K/V repeated
+                 mask view of one (t + keys) vector;       per head (model.layer; not run on a
+                 packed rows: SDPA with the tile's mask    GPU yet)
                  rows (1, 1, t, keys). No (T, T) tensor:
                  a RowMask keeps only the rule's inputs
 
 Grouped-query K/V are shared across query heads inside the kernel (`enable_gqa`), never
-expanded by copying. `enable_gqa` and flex_attention need torch >= 2.5 (pyproject's floor).
+expanded by copying (but for CUDA's masked query tiles). `enable_gqa` and flex_attention need
+torch >= 2.5 (pyproject's floor).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 No mask when plain causal attention is exact (no packing, no window shorter than T): SDPA's
 fused causal path. Otherwise a flex block mask on CUDA and a dense bool mask on the CPU
-(model/attend.py says why) — or, when the native layer runs in sequence tiles on the CPU, the
-mask's rule alone (attend.RowMask), whose rows each query tile builds for itself: no (T, T)
-tensor exists.
+(model/attend.py says why) — or, when the native layer runs the micro-batch in sequence tiles,
+the mask's rule alone (attend.RowMask), whose rows each query tile builds for itself: no (T, T)
+tensor exists. On CUDA too: flex's block mask would keep the layer's attention whole (and its
+Q/K/V projections untiled), which the tiled plan does not count.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def attn_context(
     rows: bool = False,
 ) -> AttnContext:  # fmt: skip
     """fused: block masks for flex_attention (default: on CUDA) rather than dense ones; rows: the
-    layers run in sequence tiles (engine.seq_tile), so a mask that is not fused is a RowMask."""
+    layers run this micro-batch in sequence tiles (engine.seq_tile), so a mask is a RowMask."""
     device = torch.device(device)
     fused = device.type == "cuda" if fused is None else fused
     pos = mb.position_ids.to(device, non_blocking=True)
@@ -33,7 +34,7 @@ def attn_context(
     for window in set(spec.windows):
         if doc is None and (window is None or window >= T):
             masks[window] = None
-        elif fused:
+        elif fused and not rows:
             masks[window] = block_mask(doc, window, b, T, device)
         else:
             masks[window] = RowMask(doc, window, b, T) if rows else dense_mask(doc, window, b, T, device)

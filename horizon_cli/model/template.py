@@ -42,7 +42,8 @@ class NativeTemplate:
     def context(self, mb: MicroBatch, dtype: torch.dtype, device) -> AttnContext:
         # flex_attention has no dropout: a dropping run's masks are dense ones; tiled: their rules
         fused = False if self.dropout_on else None
-        return attn_context(mb, self.spec, self.inv, dtype, device, fused, rows=self.seq_tile > 0)
+        rows = 0 < self.seq_tile < mb.input_ids.numel()  # the layers run it tiled (model.layer)
+        return attn_context(mb, self.spec, self.inv, dtype, device, fused, rows=rows)
 
     def forward(self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None) -> torch.Tensor:
         return layer_forward(
