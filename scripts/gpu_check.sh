@@ -4,7 +4,8 @@
 #   1. parity: the engine oracles on the GPU (logits, loss, gradients against transformers; 20-step
 #      AdamW parity; micro-batch invariance; event ordering on the timeline) and the CUDA-only
 #      checks (tests/test_cuda_gpu.py: a failed registration leaves no error, pinned fallback,
-#      flex block masks against dense masks forward and backward, the device fit check) and
+#      flex block masks against dense masks forward and backward, the device fit check, sequence
+#      tiles against untiled and their peak against the plan) and
 #      dropout's masks on the CUDA generator (tests/test_dropout.py: recompute bit for bit, seeds)
 #   1b. lora: LoRA against peft on the GPU (dense and NF4 bases; tests/test_lora_engine.py)
 #   2. throughput: tokens/s and MFU at Llama-3.1-8B's layer shape (4 layers, vocab 128256, seq
