@@ -54,7 +54,9 @@ def run_tiled(block: Block, x: torch.Tensor, tile: int, lora: Any = None) -> tup
     ys: list[torch.Tensor] = []
     caught: list[tuple[torch.Tensor, ...]] = []
     grad = torch.is_grad_enabled()
-    for s, e in tiles(n, tile):
+    # split, not sliced: autograd assembles the input's gradient once from the tiles' (a slice's
+    # backward writes a whole-length tensor per tile)
+    for (s, _), part in zip(tiles(n, tile), flat.split(tile, dim=1), strict=True):
 
         def one(xt: torch.Tensor, s: int = s):
             if lora is not None:  # a dropout mask of this tile's own (forward and recompute alike)
@@ -65,7 +67,6 @@ def run_tiled(block: Block, x: torch.Tensor, tile: int, lora: Any = None) -> tup
                 if lora is not None:
                     lora.mb = base
 
-        part = flat[:, s:e]
         y, c = checkpoint(one, part, use_reentrant=False) if grad else one(part)
         ys.append(y)
         caught.append(c)

@@ -184,7 +184,7 @@ def generic_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int
             else:
                 n += k
         if nb:  # tiled (model.tiling.run_tiled): whole, the tiles' outputs and their concatenation, and
-            n += 3 * H * len(tiled)  # the block input's gradient autograd assembles from the tiles' slices
+            n += 3 * H * len(tiled)  # the block input's gradient autograd assembles from the tiles' views
         b = 2 * (tokens * n + min(tile, tokens) * nb) * item
         if mixer:
             fixed, per_token = mixer.saved["float32" if item >= 4 else "bfloat16"]
