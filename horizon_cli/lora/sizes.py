@@ -152,8 +152,9 @@ def lora_memory_plan(
     slot = max(v for k, v in base_bytes(spec, stream, quant, world).items() if k.startswith("layer."))
     dense = p.device.get("dequantized layer", 0)
     mbs = max(1, rank_batch(batch, world) // micro_batch)
-    graph = kept_graph_bytes(spec, tok, micro_batch, seq, item, layer_vectors(lays.values()))
+    vectors = layer_vectors(lays.values())
+    graph = kept_graph_bytes(spec, tok, micro_batch, seq, item, vectors)
     graph += adapter_kept_bytes(targets, r, dropout, tok, item)
-    p.layers, p.saved_layer, p.kept_mbs = spec.n_layers, acts, mbs
+    p.layers, p.saved_layer, p.kept_mbs, p.kept_vectors = spec.n_layers, acts, mbs, vectors
     p.kept_layer = (slot + per_layer * item + dense + upcast, mbs * graph)
     return with_loop(p, spec, acts, per_layer * 4)

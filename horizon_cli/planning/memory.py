@@ -73,6 +73,7 @@ class MemoryPlan:
     kept: int = 0
     kept_layer: tuple[int, int] = (0, 0)
     kept_mbs: int = 1  # the micro-batches whose graphs a kept layer holds (kept_layer's second)
+    kept_vectors: int = 0  # 1-D tensors of the largest layer (kept_graph_bytes' `vectors`)
     saved_layer: int = 0
     # sequence tiles (engine.seq_tile, planning.tiling): tokens per tile (0: untiled), and the
     # layer working set untiled, for comparison
@@ -291,8 +292,9 @@ def memory_plan(
     # one kept layer: its own weight buffer (whole, padded as a gathered unit), the graphs of this
     # rank's micro-batches
     mbs = max(1, rank_batch(batch, world) // micro_batch)
-    graph = kept_graph_bytes(spec, tok, micro_batch, seq, item, layer_vectors(lays.values()))
-    p.layers, p.saved_layer, p.kept_mbs = spec.n_layers, acts, mbs
+    vectors = layer_vectors(lays.values())
+    graph = kept_graph_bytes(spec, tok, micro_batch, seq, item, vectors)
+    p.layers, p.saved_layer, p.kept_mbs, p.kept_vectors = spec.n_layers, acts, mbs, vectors
     p.kept_layer = ((layer_max + gather_pad(layer_max, world)) * sitem + upcast, mbs * graph)
     return with_loop(p, spec, acts, layer_max * 4)
 

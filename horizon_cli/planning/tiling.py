@@ -23,9 +23,8 @@ from dataclasses import replace
 
 from ..arch import ArchSpec
 from ..arch.tiling import note as block_note
-from ..store import layouts
 from .fit import RESERVE, Machine
-from .memory import MemoryPlan, kept_graph_bytes, layer_vectors, layer_work_bytes
+from .memory import MemoryPlan, kept_graph_bytes, layer_work_bytes
 
 WORK = "layer working set"
 TILES = tuple(1 << k for k in range(20, 7, -1))  # 1M ... 256 tokens, largest first
@@ -49,7 +48,7 @@ def with_tile(
     device = {**plan.device, WORK: untiled - cut}
     weights, graphs = plan.kept_layer
     if graphs:
-        v = layer_vectors(layouts(spec))
+        v = plan.kept_vectors
         graphs -= plan.kept_mbs * (
             kept_graph_bytes(spec, tokens, rows, T, item, v)
             - kept_graph_bytes(spec, tokens, rows, T, item, v, tile)
