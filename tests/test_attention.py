@@ -44,15 +44,18 @@ def packed_batch():
     return MicroBatch(ids, ids, pos, doc)
 
 
+def rows_batch(packed: bool) -> MicroBatch:
+    """Two rows of T tokens: packed_batch's documents, or one sequence each."""
+    if packed:
+        return packed_batch()
+    return MicroBatch(*(torch.zeros(2, T, dtype=torch.int64),) * 2, torch.arange(T).expand(2, T))
+
+
 @pytest.mark.filterwarnings("ignore:.*flex_attention")
 @pytest.mark.parametrize("packed,window", [(True, None), (False, 7), (True, 7)])
 def test_block_masks_give_what_dense_masks_give(packed, window):
     sp = spec(window)
-    mb = (
-        packed_batch()
-        if packed
-        else MicroBatch(*(torch.zeros(2, T, dtype=torch.int64),) * 2, torch.arange(T).expand(2, T))
-    )
+    mb = rows_batch(packed)
     inv = inv_freq(sp)
     dense = attn_context(mb, sp, inv, torch.float32, "cpu", fused=False)
     block = attn_context(mb, sp, inv, torch.float32, "cpu", fused=True)
@@ -67,7 +70,7 @@ def test_block_masks_give_what_dense_masks_give(packed, window):
 
 def test_plain_causal_attention_needs_no_mask():
     sp = spec()
-    mb = MicroBatch(*(torch.zeros(2, T, dtype=torch.int64),) * 2, torch.arange(T).expand(2, T))
+    mb = rows_batch(False)
     assert attn_context(mb, sp, inv_freq(sp), torch.float32, "cpu").masks == {None: None}
 
 
@@ -82,11 +85,7 @@ def test_grouped_query_kv_reach_the_kernel_unexpanded(packed, monkeypatch):
 
     monkeypatch.setattr(attend.F, "scaled_dot_product_attention", spy)
     sp = spec()
-    mb = (
-        packed_batch()
-        if packed
-        else MicroBatch(*(torch.zeros(2, T, dtype=torch.int64),) * 2, torch.arange(T).expand(2, T))
-    )
+    mb = rows_batch(packed)
     ctx = attn_context(mb, sp, inv_freq(sp), torch.float32, "cpu")
     x = torch.randn(2, T, sp.hidden).requires_grad_(True)
     y = layer_forward(weights(sp), x, ctx, sp, None)
@@ -101,11 +100,7 @@ def test_a_tiled_micro_batch_gets_the_masks_rule_where_flex_would_run(packed, wi
     projections untiled, which the tiled plan does not count. The tiled layer over them gives the
     untiled layer's output with dense masks."""
     sp = spec(window)
-    mb = (
-        packed_batch()
-        if packed
-        else MicroBatch(*(torch.zeros(2, T, dtype=torch.int64),) * 2, torch.arange(T).expand(2, T))
-    )
+    mb = rows_batch(packed)
     inv = inv_freq(sp)
     rows = attn_context(mb, sp, inv, torch.float32, "cpu", fused=True, rows=True)
     assert isinstance(rows.masks[window], attend.RowMask)

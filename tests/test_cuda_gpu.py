@@ -64,19 +64,14 @@ def test_fallback_to_pinned_memory_trains(tmp_path):
 
 @pytest.mark.parametrize("packed,window", [(True, None), (False, 64), (True, 64)])
 def test_flex_block_masks_match_dense_masks_forward_and_backward(packed, window):
-    from test_attention import packed_batch, spec, weights
+    from test_attention import rows_batch, spec, weights
 
-    from horizon_cli.data.batch import MicroBatch
     from horizon_cli.model.layer import inv_freq, layer_forward
     from horizon_cli.model.masks import attn_context
 
     sp = spec(window)
     T = 40
-    mb = (
-        packed_batch()
-        if packed
-        else MicroBatch(*(torch.zeros(2, T, dtype=torch.int64),) * 2, torch.arange(T).expand(2, T))
-    )
+    mb = rows_batch(packed)
     inv = inv_freq(sp).cuda()
     w = {k: v.cuda().requires_grad_(True) for k, v in weights(sp).items()}
     x = torch.randn(2, T, sp.hidden, device="cuda", requires_grad=True)
@@ -108,18 +103,13 @@ def tiled_against_untiled(device: str, packed: bool, window: int | None, tile: i
     tiled by `tile` (engine.seq_tile: masks as their rule, per-query-tile attention; the backward's
     deferred recompute, seeded with dy) against untiled (the default masks: flex's block masks on
     CUDA). Returns the largest error relative to each tensor's largest element."""
-    from test_attention import T, packed_batch, spec, weights
+    from test_attention import T, rows_batch, spec, weights
 
-    from horizon_cli.data.batch import MicroBatch
     from horizon_cli.model.layer import inv_freq, layer_forward
     from horizon_cli.model.masks import attn_context
 
     sp = spec(window)
-    mb = (
-        packed_batch()
-        if packed
-        else MicroBatch(*(torch.zeros(2, T, dtype=torch.int64),) * 2, torch.arange(T).expand(2, T))
-    )
+    mb = rows_batch(packed)
     inv = inv_freq(sp).to(device)
     w = {k: v.to(device).requires_grad_(True) for k, v in weights(sp).items()}
     g = torch.Generator().manual_seed(3)

@@ -106,7 +106,7 @@ def causal_rows(
         if first == a and (window is None or window >= b - a):  # a causal square: the kernel's own
             o = F.scaled_dot_product_attention(qa, ka, va, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            m = _toeplitz(b - a, b - first, window, q.dtype)
+            m = _toeplitz(b - a, b - first, window, q.dtype, q.device)
             o = F.scaled_dot_product_attention(qa.flip(2), ka, va, attn_mask=m, scale=scale, enable_gqa=gqa)
             o = o.flip(2)
         outs.append(o)
@@ -114,11 +114,11 @@ def causal_rows(
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
 
-def _toeplitz(t: int, n: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+def _toeplitz(t: int, n: int, window: int | None, dtype: torch.dtype, device=None) -> torch.Tensor:
     """The additive mask (1, 1, t, n) of t reversed queries, the last at the last of n keys: row
     i' (query t - 1 - i') sees key j iff x = i' + j <= n - 1 (causal) and x >= n - window, so it
     is a view of one vector indexed by x."""
-    line = torch.zeros(t + n - 1, dtype=dtype)
+    line = torch.zeros(t + n - 1, dtype=dtype, device=device)
     line[n:] = float("-inf")
     if window is not None and n > window:
         line[: n - window] = float("-inf")
