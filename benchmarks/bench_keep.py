@@ -109,8 +109,8 @@ def paper(args) -> list[dict]:
 
     from horizon_cli.arch import spec_from_hf
     from horizon_cli.config import load_config
-    from horizon_cli.ladder import plan_for
     from horizon_cli.planning.fit import Machine
+    from horizon_cli.planning.ladder import plan_for
     from horizon_cli.store import layouts
 
     where = Machine(int(args.host_gib * 2**30), int(args.device_gib * 2**30), "one H200")

@@ -142,9 +142,9 @@ def thread_cpu() -> float:
 def paper(args) -> list[dict]:
     from horizon_cli.arch import spec_from_hf
     from horizon_cli.config import load_config
-    from horizon_cli.ladder import longest_seq, plan_for
     from horizon_cli.parallel.topology import World
     from horizon_cli.planning.fit import Machine
+    from horizon_cli.planning.ladder import longest_seq, plan_for
     from horizon_cli.planning.memory import RUNGS
     from horizon_cli.planning.tiling import slack
 

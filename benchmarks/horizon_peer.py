@@ -25,8 +25,8 @@ from common import RssSampler, peer_main, read_rows, rss, step_batches
 def plan_of(cfg_path: Path) -> dict:
     """The memory plan `horizon train --dry-run` shows for this config (train.run.plan_for)."""
     from horizon_cli.config import load_config
-    from horizon_cli.ladder import plan_for, run_rung
     from horizon_cli.lora.setup import lora_for
+    from horizon_cli.planning.ladder import plan_for, run_rung
     from horizon_cli.store import Store
 
     cfg = load_config(cfg_path, [])
@@ -116,8 +116,8 @@ def run_engine(job: dict) -> dict:
     cfg_path = write_config(job, Path(job["work"]) / "horizon-run")  # the settings the CLI would use
     cfg = load_config(cfg_path, [])
     torch.set_num_threads(cfg.engine.compute_threads)
-    from horizon_cli.ladder import plan_for, run_rung
     from horizon_cli.lora.setup import lora_for
+    from horizon_cli.planning.ladder import plan_for, run_rung
     from horizon_cli.preflight import local_machine
 
     store = Store.open(cfg.model.path)

@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = "horizon_cli"
 MAX_LINES = 400
 
-# lowest first; a name is a subpackage or a top-level module of horizon_cli
+# lowest first; a name is a subpackage or a top-level module of horizon_cli, or a module of a
+# subpackage that sits on a floor of its own (planning.ladder: the plans of every rung, LoRA's
+# included, above lora, while the rest of planning/ is below it)
 LAYERS: list[tuple[str, ...]] = [
     ("__init__", "quiet", "errors", "faults", "utf8", "fsutil", "owner", "fmt"),
     ("config", "quant", "optim", "parallel", "progress"),
@@ -32,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("state",),
     ("planning",),
     ("lora",),  # LoRA/QLoRA in one place: targets, layer arithmetic, adapter state, plan, PEFT, export
-    ("export", "ladder"),
+    ("export", "planning.ladder"),
     ("engine",),
     ("vision",),  # images: the processor's data, the tower on the device, the merge before layer 0
     ("preflight", "inspect"),
@@ -91,8 +93,11 @@ def graph(root: Path = ROOT) -> tuple[dict[str, set[str]], dict[str, Path]]:
 
 
 def part(mod: str) -> str:
-    """The layer unit of a module: its subpackage, or the top-level module's own name."""
+    """The layer unit of a module: a module named in LAYERS, else its subpackage, or the top-level
+    module's own name."""
     bits = mod.split(".")
+    if ".".join(bits[1:3]) in RANK:
+        return ".".join(bits[1:3])
     return bits[1] if len(bits) > 1 else "__init__"
 
 
@@ -158,6 +163,11 @@ def problems(root: Path = ROOT) -> list[str]:
     return out
 
 
+def node(name: str) -> str:
+    """A layer unit as a Mermaid node: planning.ladder is drawn `planning_ladder["planning/ladder"]`."""
+    return f'{name.replace(".", "_")}["{name.replace(".", "/")}"]' if "." in name else name
+
+
 def mermaid(root: Path = ROOT) -> str:
     """The package-level graph, one subgraph per layer (highest first), edges to direct deps."""
     g, _ = graph(root)
@@ -172,12 +182,12 @@ def mermaid(root: Path = ROOT) -> str:
         names = [n for n in LAYERS[i] if n in present and n not in ("__init__", "__main__")]
         if names:
             lines.append(f"  subgraph L{i}[ ]")
-            lines += [f"    {n}" for n in names]
+            lines += [f"    {node(n)}" for n in names]
             lines.append("  end")
     for a in sorted(pg):
         for b in sorted(pg[a]):
             if "__init__" not in (a, b) and "__main__" not in (a, b):
-                lines.append(f"  {a} --> {b}")
+                lines.append(f"  {node(a)} --> {node(b)}")
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.config import load_config
-from horizon_cli.ladder import fit_parts, plan_for
+from horizon_cli.planning.ladder import fit_parts, plan_for
 from horizon_cli.planning.memory import RUNGS
 from horizon_cli.preflight import given_machine
 

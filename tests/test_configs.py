@@ -7,7 +7,7 @@ import pytest
 
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.config import load_config
-from horizon_cli.ladder import plan_for
+from horizon_cli.planning.ladder import plan_for
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 

@@ -13,8 +13,8 @@ from conftest import chat_rows, horizon, write_config, write_jsonl
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.config import load_config
 from horizon_cli.errors import InputError
-from horizon_cli.ladder import fit_parts, plan_ladder
 from horizon_cli.parallel.topology import World, world_for
+from horizon_cli.planning.ladder import fit_parts, plan_ladder
 from horizon_cli.preflight import given_machine
 
 ROOT = Path(__file__).parent.parent

@@ -25,9 +25,9 @@ from horizon_cli.config.schema import EngineConfig, LoraConfig, OptimConfig
 from horizon_cli.engine import Engine
 from horizon_cli.engine.kept_layers import KeptLayers
 from horizon_cli.errors import ConfigError
-from horizon_cli.ladder import fit_parts, plan_for
 from horizon_cli.lora.setup import lora_setup
 from horizon_cli.planning.fit import RESERVE, Machine
+from horizon_cli.planning.ladder import fit_parts, plan_for
 from horizon_cli.runtime.cuda import CudaTransport
 from horizon_cli.store import Store
 from horizon_cli.train import run_training

@@ -13,7 +13,7 @@ from conftest import chat_rows, horizon, write_config, write_jsonl
 from horizon_cli import preflight
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.config import load_config
-from horizon_cli.ladder import best_rung, fit_parts, plan_ladder
+from horizon_cli.planning.ladder import best_rung, fit_parts, plan_ladder
 from horizon_cli.preflight import given_machine
 from horizon_cli.store import Store
 

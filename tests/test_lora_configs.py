@@ -8,8 +8,8 @@ from test_configs import LLAMA_31_70B
 
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.config import load_config
-from horizon_cli.ladder import plan_for
 from horizon_cli.lora.setup import lora_setup
+from horizon_cli.planning.ladder import plan_for
 from horizon_cli.planning.memory import memory_plan
 
 CONFIGS = Path(__file__).parent.parent / "configs"

@@ -198,7 +198,7 @@ def test_llama70b_dpo_plans_as_sft_on_one_h200_and_1_5_tb():
 
     from horizon_cli.arch import spec_from_hf
     from horizon_cli.config import load_config
-    from horizon_cli.ladder import plan_for
+    from horizon_cli.planning.ladder import plan_for
 
     configs = Path(__file__).parent.parent / "configs"
     dpo, sft = (load_config(configs / f"llama70b-{n}.yaml") for n in ("dpo", "sft"))

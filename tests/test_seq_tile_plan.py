@@ -15,9 +15,9 @@ from conftest import horizon, write_config, write_jsonl
 
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.config import load_config
-from horizon_cli.ladder import longest_seq, plan_for
 from horizon_cli.parallel.topology import World
 from horizon_cli.planning.fit import Machine
+from horizon_cli.planning.ladder import longest_seq, plan_for
 from horizon_cli.planning.tiling import STEP, slack
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
-from ..ladder import PlannedModel, check_fits, not_applicable, plan_ladder, run_rung
 from ..lora.setup import LoraSetup
 from ..parallel.comm import Dist
 from ..parallel.topology import World
 from ..planning.fit import Machine, check_device_fit
+from ..planning.ladder import PlannedModel, check_fits, not_applicable, plan_ladder, run_rung
 from ..planning.memory import MemoryPlan
 from ..runtime.trace import Tracer
 from ..store import Store

@@ -27,8 +27,8 @@ import time
 from rich.console import Console
 
 from ..engine.build import Planned, check_fit
-from ..ladder import check_fits, not_applicable
 from ..planning.fit import Machine
+from ..planning.ladder import check_fits, not_applicable
 from .metrics import tensorboard_writer
 from .trackers import check_trackers
 

@@ -19,8 +19,17 @@ from ..engine.build import Planned, dropout_line
 from ..errors import DryRunRefused, InputError
 from ..fmt import fmt_bytes
 from ..fsutil import write_text_atomic
-from ..ladder import HOW, REACH, PlannedModel, best_rung, fit_parts, fits, longest_by_rung, not_applicable
 from ..planning.fit import Machine
+from ..planning.ladder import (
+    HOW,
+    REACH,
+    PlannedModel,
+    best_rung,
+    fit_parts,
+    fits,
+    longest_by_rung,
+    not_applicable,
+)
 from ..planning.memory import MemoryPlan
 from ..planning.tiling import note as tiling_note
 from ..rl.plan import rollout_plan

@@ -24,11 +24,11 @@ from ..engine.build import plan_run
 from ..engine.tuning import tuning_for
 from ..errors import InputError
 from ..faults import phase
-from ..ladder import open_model
 from ..lora.setup import lora_for
 from ..parallel.launch import joined, rank_device, world_from_env
 from ..parallel.shard import check_completions, check_world
 from ..parallel.topology import world_for
+from ..planning.ladder import open_model
 from ..runtime.dtype import with_dtype
 from ..store import DTYPES, Store
 from ..vision.adapters import projector_targets

@@ -11,24 +11,24 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from .arch import ArchSpec, read_hf_config, spec_from_hf
-from .config import Config
-from .config.schema import LoraConfig
-from .convert.hub import fetch_config, hub_id
-from .errors import InputError
-from .fmt import fmt_bytes
-from .lora.setup import LoraSetup
-from .lora.sizes import adapter_work_bytes, lora_memory_plan
-from .lora.targets import resolve_targets
-from .parallel.topology import World
-from .planning.fit import RESERVE, Machine
-from .planning.keep import keep_plan
-from .planning.memory import ITEM, RUNGS, MemoryPlan, frozen_stream, memory_plan
-from .planning.tiling import STEP, longest, slack, with_tile
-from .planning.tiling import resolve as resolve_tile
-from .runtime.device import has_link
-from .runtime.dtype import resolve as resolve_dtype
-from .store import Store
+from ..arch import ArchSpec, read_hf_config, spec_from_hf
+from ..config import Config
+from ..config.schema import LoraConfig
+from ..convert.hub import fetch_config, hub_id
+from ..errors import InputError
+from ..fmt import fmt_bytes
+from ..lora.setup import LoraSetup
+from ..lora.sizes import adapter_work_bytes, lora_memory_plan
+from ..lora.targets import resolve_targets
+from ..parallel.topology import World
+from ..runtime.device import has_link
+from ..runtime.dtype import resolve as resolve_dtype
+from ..store import Store
+from .fit import RESERVE, Machine
+from .keep import keep_plan
+from .memory import ITEM, RUNGS, MemoryPlan, frozen_stream, memory_plan
+from .tiling import STEP, longest, slack, with_tile
+from .tiling import resolve as resolve_tile
 
 
 @dataclass
