@@ -30,7 +30,7 @@ demo-grpo: install
 	$(BIN)/python scripts/demo.py --grpo
 
 demo-vision: install
-	$(BIN)/python scripts/demo_vision.py
+	$(BIN)/python -m scripts.demo_vision
 
 test: install
 	$(BIN)/python -m pytest -n auto --dist loadfile

@@ -5,7 +5,7 @@ link-bound model; prefill tokens/s; and the plan's figures for large models on o
     .venv/bin/python benchmarks/bench_generate.py --plan-only     # the paper plans alone
     .venv/bin/python benchmarks/bench_generate.py --json bench_out/generate.json
 
-Measured: a random-weight Llama-shaped store (horizon_cli/testing/synthetic.py), fp32 (generation computes in
+Measured: a random-weight Llama-shaped store (tests/support/synthetic.py), fp32 (generation computes in
 fp32 on the CPU, whose bf16 matrix products are slow at few rows), `engine.link_gbps` set
 so that one sweep of the weights takes SWEEP_MS on the link; for each batch size, greedy decoding
 of NEW tokens after prompts of PROMPT tokens through generate.decoder's loop (the one `horizon
@@ -141,7 +141,7 @@ def main() -> None:
               f"{r['kv_where']:>6s} {r['device_gib']:10.1f} {r['step_s']:7.2f} {r['bound_tokens_per_s']:11.1f} "
               f"{r['compute_s_at_700tflops']:9.3f}")  # fmt: skip
     if not args.plan_only:
-        from horizon_cli.testing.synthetic import random_store
+        from tests.support.synthetic import random_store
 
         torch.set_num_threads(2)
         with tempfile.TemporaryDirectory() as tmp:

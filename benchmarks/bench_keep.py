@@ -44,7 +44,7 @@ def cpu_bench(args) -> list[dict]:
     from horizon_cli.config.schema import EngineConfig, OptimConfig
     from horizon_cli.data.batch import MicroBatch
     from horizon_cli.engine import Engine
-    from horizon_cli.testing.synthetic import random_store
+    from tests.support.synthetic import random_store
 
     torch.set_num_threads(args.threads)
     rows = []

@@ -9,7 +9,7 @@ of step, compute and link busy time, and step / max(compute, link) — 1.0 would
 overlap; the target is <= 1.10. The two settings are run `--repeats` times, interleaved, and the
 best run of each is reported (other work on the machine only ever makes a run slower).
 
-This is the timing of the overlap; tests/test_pipeline.py checks its structure (loads issued
+This is the timing of the overlap; tests/engine/test_pipeline.py checks its structure (loads issued
 ahead by the prefetch depth, no compute waiting for the next layer's transfer), which a busy
 machine cannot spoil.
 """
@@ -29,7 +29,7 @@ from horizon_cli.data.batch import MicroBatch
 from horizon_cli.engine import Engine
 from horizon_cli.profile.timeline import median_step, step_times
 from horizon_cli.runtime.trace import Tracer
-from horizon_cli.testing.synthetic import random_store
+from tests.support.synthetic import random_store
 
 MODEL = dict(
     model_type="llama",

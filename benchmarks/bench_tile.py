@@ -11,7 +11,7 @@ how long a sequence the plan trains on one H200.
 
 --peak: one native layer's forward + backward on the CPU (fp32, one thread), untiled and tiled
 (natively every token-local part, attention per query tile: model.tiled_layer), at each length: the measured peak resident memory and the plan's layer working set
-(horizon_cli.testing.layer_peak, one process per length). The layer is narrow with a wide MLP
+(tests.support.layer_peak, one process per length). The layer is narrow with a wide MLP
 (hidden 128, 2 heads of 64, one K/V head, intermediate 2048) so that 64K tokens of attention stay
 within minutes on one core; the measured peak includes the weight gradients (3.2 MiB).
 
@@ -61,7 +61,7 @@ def peak(args) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for seq in map(int, args.seqs.split(",")):
         job = dict(hidden=128, intermediate=2048, tokens=seq, tiles=[0, args.tile], warm_tokens=2048)
-        out = subprocess.run([sys.executable, "-m", "horizon_cli.testing.layer_peak", json.dumps(job)],
+        out = subprocess.run([sys.executable, "-m", "tests.support.layer_peak", json.dumps(job)],
                              capture_output=True, text=True, env=env, check=True)  # fmt: skip
         got = json.loads(out.stdout.strip().splitlines()[-1])
         for r in got["runs"]:
@@ -83,7 +83,7 @@ def step_time(args) -> list[dict]:
     from horizon_cli.config.schema import EngineConfig, OptimConfig
     from horizon_cli.data.batch import MicroBatch
     from horizon_cli.engine import Engine
-    from horizon_cli.testing.synthetic import random_store
+    from tests.support.synthetic import random_store
 
     torch.set_num_threads(1)
     sh = SHAPES["30m"]

@@ -15,7 +15,7 @@ fp32 store (convert path="generic").
 intermediate 2048, or experts of 1024 with 2 active), one engine step (fp32, one thread, one row
 of --seqs tokens, untiled and tiled by --tile), each in a process of its own: a warm-up step at
 the same length (optimizer state, saved-input buffers, thread pools), then the step measured as
-horizon_cli.testing.layer_peak's engine_peak measures (glibc told to return freed blocks, the
+tests.support.layer_peak's engine_peak measures (glibc told to return freed blocks, the
 kernel's peak resident set reset): what the step needs beyond what it holds between steps, i.e. one layer's
 forward + recompute + backward, the embedding and the chunked loss (64 logits a token). Beside it
 the plan's layer working set (planning.memory.layer_work_bytes).
@@ -103,7 +103,7 @@ def peak(families: list[str], seqs: list[int], tile: int) -> list[dict]:
             for seq in seqs:
                 for t in (0, tile):
                     job = json.dumps({"store": str(store.root), "tokens": seq, "tile": t})
-                    out = subprocess.run([sys.executable, "-m", "horizon_cli.testing.layer_peak", job],
+                    out = subprocess.run([sys.executable, "-m", "tests.support.layer_peak", job],
                                          capture_output=True, text=True, env=env, check=True)  # fmt: skip
                     r = {"family": family, "tokens": seq, **json.loads(out.stdout.strip().splitlines()[-1])}
                     rows.append(r)

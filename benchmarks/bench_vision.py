@@ -28,8 +28,8 @@ sys.path.insert(0, str(REPO))
 def model(root: Path):
     import transformers
 
-    from horizon_cli.testing.census_config import tiny_config
-    from horizon_cli.testing.vision import tiny_processor
+    from tests.support.census_config import tiny_config
+    from tests.support.vision import tiny_processor
 
     cfg = tiny_config("llava", 4)
     proc = tiny_processor()
@@ -113,7 +113,7 @@ def run(store: Path, data: Path, vision: str) -> dict:
 
 def main() -> None:
     from horizon_cli.convert import convert
-    from horizon_cli.testing.vision import make_images
+    from tests.support.vision import make_images
 
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as d:

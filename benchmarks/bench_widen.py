@@ -23,7 +23,7 @@ import yaml
 
 from horizon_cli.errors import HorizonError
 from horizon_cli.profile.run import run_profile
-from horizon_cli.testing.synthetic import random_store
+from tests.support.synthetic import random_store
 
 MODEL = dict(
     model_type="llama",

@@ -28,8 +28,8 @@ def one(mt: str, layers: int) -> dict:
     from horizon_cli.cli import app
     from horizon_cli.convert import convert
     from horizon_cli.export import export
-    from horizon_cli.testing import census_horizon as ch
-    from horizon_cli.testing.census_horizon import quiet
+    from tests.support import census_horizon as ch
+    from tests.support.census_horizon import quiet
 
     quiet()
     ch.STEPS = 2

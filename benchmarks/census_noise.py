@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/census_noise.py TYPE LAYERS [--micro 2] [--f64] [--work DIR]
 
-The tiny model of the census row (horizon_cli/testing/census_config, horizon_cli/testing/census_horizon), horizon's 3 steps
+The tiny model of the census row (tests/support/census_config, tests/support/census_horizon), horizon's 3 steps
 (`--micro`: its micro-batch size; 2 is the census's), and transformers + torch.optim.AdamW run
 four ways on the same batches: "full" (each batch at once), "accum" (horizon's micro-batches,
 gradient accumulation), "threads2" (full, on 2 threads) and, with --f64, "f64" (full, float64).
@@ -78,8 +78,8 @@ def main() -> None:
     from horizon_cli.cli import app
     from horizon_cli.convert import convert
     from horizon_cli.export import export
-    from horizon_cli.testing import census_horizon as ch
-    from horizon_cli.testing.census_horizon import quiet
+    from tests.support import census_horizon as ch
+    from tests.support.census_horizon import quiet
 
     quiet()
     ch.MICRO = args.micro

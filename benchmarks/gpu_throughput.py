@@ -38,7 +38,7 @@ from horizon_cli.planning.fit import Machine
 from horizon_cli.planning.keep import keep_plan
 from horizon_cli.planning.memory import memory_plan
 from horizon_cli.store import Store, layouts
-from horizon_cli.testing.synthetic import random_store
+from tests.support.synthetic import random_store
 
 PEAK = 989e12
 

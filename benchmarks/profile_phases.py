@@ -31,7 +31,7 @@ from horizon_cli.data.batch import MicroBatch
 from horizon_cli.engine import Engine
 from horizon_cli.profile.timeline import busy
 from horizon_cli.runtime.trace import Tracer
-from horizon_cli.testing.synthetic import random_store
+from tests.support.synthetic import random_store
 
 SIZES = {
     "30m": dict(

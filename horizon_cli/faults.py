@@ -1,4 +1,4 @@
-"""Fault injection and phase tracing for crash tests (tests/test_train_resume.py, the soak).
+"""Fault injection and phase tracing for crash tests (tests/train/test_train_resume.py, the soak).
 
 Commands mark their phases with `phase(name, step)`: start-up, each training step, checkpoint
 writes, pruning, export, and each sweep of an RL step's rollout decode (`rollout`, the step's

@@ -44,7 +44,7 @@ struct Consts {
 // fuse: Vectorized lerp is fma(coeff, end - start, base), and addcmul's `self + value * t1 * t2`
 // is compiled to fma(value * t1, t2, self) in the torch 2.13 wheels. So m and v are bitwise the
 // reference's. p is too, but for sqrt: torch's CPU sqrt is MKL VML (within 1 ulp, not correctly
-// rounded), this is the IEEE instruction. tests/test_kernel_adamw.py checks all of it.
+// rounded), this is the IEEE instruction. tests/optim/test_kernel_adamw.py checks all of it.
 // `w` returns sqrt(v), which lean state keeps (quantized) instead of v.
 template <class V>
 __attribute__((always_inline)) inline void adamw_math_w(typename V::F& p, typename V::F g, typename V::F& m,

@@ -11,17 +11,19 @@ and gradient norms, every step-1 gradient (read back from the step-1 checkpoint'
 m1 = (1 - beta1) g1 with clipping off) and the logits after step 3 within 1e-5 of both; the
 exported weights within 1e-5 of the micro-batched run, and of the other within 1e-5 plus the two
 runs' own distance (`weight_noise`: Adam's division by sqrt(v) + eps turns fp32 summation order
-into up to 3.2e-5 of weight, horizon_cli/testing/census_horizon.py says where). It also records, from the model itself and transformers' source, the
+into up to 3.2e-5 of weight, tests/support/census_horizon.py says where). It also records, from the model itself and transformers' source, the
 structure issue 19 needs (decoder stack, norm, embeddings, rotary, mask functions, multipliers,
 recurrent layers, multimodal prefixes).
 
-    nice -n 10 python scripts/census.py run [--types a,b] [--json /tmp/census-full.json] [--timeout 240]
-    python scripts/census.py compact /tmp/census-full.json docs/census.json   (the rows kept in git)
-    python scripts/census.py table docs/census.json > table.md
-    python scripts/census.py summary docs/census.json      (counts, needs, mechanisms ranked)
-    python scripts/census.py stacks docs/census.json       (which generic rule finds each stack)
-    python scripts/census.py one TYPE --json row.json        (the per-model child; run does this)
-    python scripts/census.py horizon docs/census.json [--types a,b]   (re-run only horizon's stage
+Run from the checkout's root as a module (it imports tests.support):
+
+    nice -n 10 python -m scripts.census run [--types a,b] [--json /tmp/census-full.json] [--timeout 240]
+    python -m scripts.census compact /tmp/census-full.json docs/census.json   (the rows kept in git)
+    python -m scripts.census table docs/census.json > table.md
+    python -m scripts.census summary docs/census.json      (counts, needs, mechanisms ranked)
+    python -m scripts.census stacks docs/census.json       (which generic rule finds each stack)
+    python -m scripts.census one TYPE --json row.json        (the per-model child; run does this)
+    python -m scripts.census horizon docs/census.json [--types a,b]   (re-run only horizon's stage
                           on each row's recorded depth, in place: after a horizon change, ~15 min)
 
 Each type runs in a subprocess of its own (one at a time) with a timeout; `run` keeps the rows
@@ -40,6 +42,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]  # the children run as `-m scripts.census` from here
+
 
 def all_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -51,11 +55,11 @@ def run_child(mt: str, timeout: int, work: Path) -> dict:
     """One type in a subprocess; a crash or a hang becomes a row that says so."""
     out = work / f"{mt}.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "one", mt, "--json", str(out)]
+    cmd = [sys.executable, "-m", "scripts.census", "one", mt, "--json", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     t0 = time.time()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
         tail = (p.stdout + p.stderr)[-1500:]
         code = p.returncode
     except subprocess.TimeoutExpired as e:
@@ -106,10 +110,10 @@ def cmd_horizon(args) -> None:
         out = Path(args.work) / f"{mt}.horizon.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.unlink(missing_ok=True)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "horizon-one", mt, layers, "--json", str(out)]
+        cmd = [sys.executable, "-m", "scripts.census", "horizon-one", mt, layers, "--json", str(out)]
         t0 = time.time()
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
             tail = (p.stdout + p.stderr)[-600:]
         except subprocess.TimeoutExpired:
             tail = f"timeout after {args.timeout} s"
@@ -122,12 +126,12 @@ def cmd_horizon(args) -> None:
 def cmd_horizon_one(args) -> None:
     import tempfile
 
-    from horizon_cli.testing.census_horizon import quiet, run_type
+    from tests.support.census_horizon import quiet, run_type
 
     quiet()
     layers = int(args.layers)
     if not layers:
-        from horizon_cli.testing.census_config import choose_depth
+        from tests.support.census_config import choose_depth
 
         layers = choose_depth(args.type)["layers"]
     with tempfile.TemporaryDirectory(prefix=f"census-{args.type}-") as tmp:
@@ -145,7 +149,7 @@ def dump_rows(rows: dict) -> str:
 
 
 def cmd_one(args) -> None:
-    from census_model import census_one  # scripts/census_model.py: the child's work
+    from scripts.census_model import census_one  # scripts/census_model.py: the child's work
 
     census_one(args.type, Path(args.json))
 
@@ -172,7 +176,7 @@ def horizon_cell(row: dict) -> str:
 
 
 def cmd_table(args) -> None:
-    from census_summary import kind
+    from scripts.census_summary import kind
 
     rows = json.loads(Path(args.json).read_text())
     print("| model_type | model class | kind | transformers trains | horizon |")
@@ -190,7 +194,7 @@ def cmd_table(args) -> None:
 def cmd_counts(args) -> None:
     """The census counts for docs/benchmarks.md: over the target (text decoders and the language
     models of multimodal checkpoints that transformers trains) and over every type."""
-    from census_summary import TARGET, kind
+    from scripts.census_summary import TARGET, kind
 
     rows = json.loads(Path(args.json).read_text())
     trains = {k: r for k, r in rows.items() if (r.get("transformers") or {}).get("trains")}
@@ -219,7 +223,7 @@ def cmd_counts(args) -> None:
 
 
 def cmd_stacks(args) -> None:
-    from census_stacks import main as stacks
+    from scripts.census_stacks import main as stacks
 
     stacks(args.json)
 
@@ -293,7 +297,7 @@ def cmd_compact(args) -> None:
 
 
 def cmd_summary(args) -> None:
-    from census_summary import main as summary
+    from scripts.census_summary import main as summary
 
     summary(args.json)
 

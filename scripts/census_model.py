@@ -10,11 +10,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from census_calls import call_order
-from census_structure import structure
 
-from horizon_cli.testing.census_config import FIXUPS, build, choose_depth, text_config, tiny_config
-from horizon_cli.testing.census_horizon import Data, err, perturb, quiet, try_horizon, where
+from scripts.census_calls import call_order
+from scripts.census_structure import structure
+from tests.support.census_config import FIXUPS, build, choose_depth, text_config, tiny_config
+from tests.support.census_horizon import Data, err, perturb, quiet, try_horizon, where
 
 
 def check_transformers(model, data: Data) -> dict:

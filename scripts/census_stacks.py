@@ -1,6 +1,6 @@
 """Census: which generic rule finds the decoder stack the census found (meta device, no weights).
 
-    python scripts/census.py stacks docs/census.json
+    python -m scripts.census stacks docs/census.json
 
 Rules, each checked against the census's stack (the ModuleList of num_hidden_layers layers):
   gc        the only ModuleList whose elements are all transformers.modeling_layers.
@@ -62,7 +62,7 @@ def main(path: str) -> None:
     warnings.filterwarnings("ignore")
     import transformers
 
-    from horizon_cli.testing.census_config import build, tiny_config
+    from tests.support.census_config import build, tiny_config
 
     transformers.logging.set_verbosity_error()
     rows = json.loads(Path(path).read_text())

@@ -1,7 +1,7 @@
 """`make demo-vision`: vision-language fine-tuning end to end, offline, on the CPU, in about a minute.
 
 No small real VLM can be built offline here, so the model is a tiny *random* LLaVA (a CLIP tower,
-a 2-layer projector, a 2-layer Llama; horizon_cli/testing/vision.py) with its processor; what the
+a 2-layer projector, a 2-layer Llama; tests/support/vision.py) with its processor; what the
 demo shows is the pipeline, not a capable model:
 
 1. build the tiny LLaVA and its processor, and 4 images made on the fly (PIL: a colour each)
@@ -11,6 +11,8 @@ demo shows is the pipeline, not a capable model:
    projector trained with the language model, the vision encoder frozen), the loss falling
 4. the HF export answers each image through transformers' own LlavaForConditionalGeneration and
    processor (greedy), before and after
+
+Run from the checkout's root as a module (it imports tests.support): `python -m scripts.demo_vision`.
 """
 
 from __future__ import annotations
@@ -113,8 +115,7 @@ def ask(model_dir: Path, imgs: dict[str, Path]) -> dict[str, str]:
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.path.insert(0, str(REPO))
-    from horizon_cli.testing.vision import tiny_llava
+    from tests.support.vision import tiny_llava
 
     shutil.rmtree(WORK, ignore_errors=True)
     shutil.rmtree(RUN, ignore_errors=True)

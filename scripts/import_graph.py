@@ -5,7 +5,7 @@
 
 Every `import` counts, at module level or inside a function (a deferred import that hides a cycle
 is still a cycle). The layers below are the architecture: a package may import its own modules and
-those of lower layers, never a higher one; docs/engine.md draws them. tests/test_structure.py runs
+those of lower layers, never a higher one; docs/engine.md draws them. tests/repo/test_structure.py runs
 the same checks.
 """
 
@@ -43,7 +43,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("train",),
     ("api",),
     ("cli", "__main__"),
-    ("testing",),  # what tests, scripts/ and benchmarks/ share; nothing in the package imports it
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -1,10 +1,13 @@
 """Write tests/fixtures/nf4-legacy/: NF4 stores as horizon wrote them before the bitsandbytes layout
 (manifest versions 3 and 4, torchao's NF4Tensor arithmetic), with the dequantized tensors' SHA-256.
 
-    PYTHONPATH=<checkout at 669754a (or any commit before store version 5)>:tests \
+    PYTHONPATH=<checkout at 669754a (or any commit before store version 5)>:<this checkout> \
         .venv/bin/python scripts/nf4_legacy_fixtures.py tests/fixtures/nf4-legacy
 
-It must run against an older horizon: the current one writes version 5. tests/test_nf4_legacy.py
+(run by its path, not with -m: the older checkout's horizon_cli must come first on the path, this
+checkout's root second, for tests.support)
+
+It must run against an older horizon: the current one writes version 5. tests/quant/test_nf4_legacy.py
 opens the stores with the current horizon and checks that every tensor dequantizes to exactly the
 bytes the older horizon gave (`expected.json`, written here by that older horizon's Store.tensor).
 
@@ -25,7 +28,7 @@ import torch
 
 from horizon_cli.convert import convert
 from horizon_cli.store import Store, packed
-from horizon_cli.testing.tiny import make_model, save
+from tests.support.tiny import make_model, save
 
 
 def digest(store: Store) -> dict[str, str]:

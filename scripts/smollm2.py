@@ -18,7 +18,7 @@ when its output exists:
 5. check that greedy generation answers "What is the capital of France?" with Paris.
 
 OUT defaults to .cache/smollm2/hf in the checkout, or $HORIZON_SMOLLM2_DIR. The wheel and the
-GGUF are kept beside it (OUT/..). `tests/test_smollm2.py` (pytest -m smollm2) uses OUT.
+GGUF are kept beside it (OUT/..). `tests/convert/test_smollm2.py` (pytest -m smollm2) uses OUT.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # engine.dtype: auto computes in bf16 only on a CPU with AVX-512 BF16 or AMX (runtime/dtype.py);
 # the suite takes every CPU as one, so what a test that leaves the dtype to `auto` trains with does
 # not depend on the machine (an AVX2-only CPU runs those tests in bf16, slower, as before auto);
-# tests/test_dtype_auto.py takes this away to test the detection itself
+# tests/runtime/test_dtype_auto.py takes this away to test the detection itself
 os.environ["HORIZON_CPU_BF16"] = "1"
 # rich wraps at the inherited terminal width (COLUMNS), and hard-wraps a word longer than it (a
 # long tmp path, as under pytest-xdist): one fixed width for this process and every CLI it starts,
@@ -36,8 +36,8 @@ def store_with_tokenizer(root: Path, family: str = "llama", chat_template: bool 
     """A tiny `family` model (vocab 400, 128 positions; `over`: more config) saved with the tiny
     tokenizer (with its chat template, or without) under root/hf and converted to fp32 at root/store."""
     from horizon_cli.convert import convert
-    from horizon_cli.testing.tiny import make_model, save
-    from horizon_cli.testing.tokenizer import make_tokenizer
+    from tests.support.tiny import make_model, save
+    from tests.support.tokenizer import make_tokenizer
 
     save(make_model(family, **{"vocab_size": 400, "max_position_embeddings": 128, **over}), root / "hf")
     make_tokenizer(root / "hf", chat_template=chat_template)
@@ -54,7 +54,7 @@ def tiny_store(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tok():
     """The tiny tokenizer, with its chat template (one per test module, as each module had)."""
-    from horizon_cli.testing.tokenizer import make_tokenizer
+    from tests.support.tokenizer import make_tokenizer
 
     return make_tokenizer()
 
@@ -62,7 +62,7 @@ def tok():
 @pytest.fixture(scope="module")
 def tok_plain():
     """The tiny tokenizer without a chat template."""
-    from horizon_cli.testing.tokenizer import make_tokenizer
+    from tests.support.tokenizer import make_tokenizer
 
     return make_tokenizer(chat_template=False)
 

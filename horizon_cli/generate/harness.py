@@ -9,7 +9,7 @@ engine, on the machine that trained it.
 
 Tokenization follows lm-eval's `hf` model rule for rule (its own helpers: BOS handling, the
 prefix token of an empty context, trailing spaces moved to the continuation, left truncation), so
-the scores are those of `--model hf` on the run's export (tests/test_harness.py).
+the scores are those of `--model hf` on the run's export (tests/generate/test_harness.py).
 
 lm-eval has no plugin discovery: the model is registered when this module is imported.
 `horizon eval SRC [lm_eval arguments]` does that and runs lm-eval's command line;

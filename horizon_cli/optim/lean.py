@@ -1,7 +1,7 @@
 """Lean AdamW state (`optim.memory: lean`): what is kept per element, and the reference update.
 
 Pure-torch reference of kernels/adamw.cpp's `adamw_lean` (optimize stage); both are bitwise equal
-(tests/test_lean.py). Per element of a matrix, 3 bytes of optimizer state beside the bf16 streaming
+(tests/optim/test_lean.py). Per element of a matrix, 3 bytes of optimizer state beside the bf16 streaming
 copy and its bf16 gradient (7.125 B/param in all with the block scales):
 
   hi   bf16   the streaming copy = the master rounded to nearest bf16

@@ -3,7 +3,7 @@
 Same calls as the pure-torch reference in optim.adamw, over the same flat buffers, one pass per
 element. The moments come out bitwise equal to the reference's; the master differs from it by a few
 ulps at most, only because the kernel's sqrt is correctly rounded and torch's (MKL) is not (see
-tests/test_kernel_adamw.py). Nothing here raises on a machine that cannot build the kernel:
+tests/optim/test_kernel_adamw.py). Nothing here raises on a machine that cannot build the kernel:
 `available()` says whether it loaded and `reason()` why not, and callers fall back to optim.adamw.
 
 The extension is compiled once with torch.utils.cpp_extension and cached under

@@ -137,7 +137,7 @@ def layer_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int, 
 
 def native_tiled_bytes(spec: ArchSpec, tokens: int, T: int, item: int, t: int, per_tok: int) -> int:
     """The native layer in tiles of t positions of a row (model.tiled_layer), as its backward
-    holds it at its peak (tests/test_seq_tile_plan.py measures it):
+    holds it at its peak (tests/planning/test_seq_tile_plan.py measures it):
 
       whole      the layer's output and input gradient (tokens x H); one row's K, V, dK, dV and
                  the tile's K/V gradients (6 kv per position); grouped-query K/V repeated per
@@ -216,7 +216,7 @@ def kept_graph_bytes(
                the above less the MLP's 4 I, plus the block's tiles' outputs, their
                concatenation and its input's gradient (3 H), no dense mask (rows per tile)
 
-    tests/test_keep.py checks both against what real layers save (autograd's saved tensors)."""
+    tests/engine/test_keep.py checks both against what real layers save (autograd's saved tensors)."""
     H = spec.hidden
     tiled = 0 < tile < tokens
     if spec.generic is not None:

@@ -4,7 +4,7 @@ The arithmetic of `bitsandbytes.functional.quantize_4bit(w, blocksize=64, quant_
 compress_statistics=True)` and of `dequantize_4bit` on the CPU (bitsandbytes 0.50), which is how
 `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)`
 quantizes a linear weight: a QLoRA adapter trained on such a store meets the same base as peft on
-a bitsandbytes 4-bit base. tests/test_nf4.py checks every part bitwise against bitsandbytes.
+a bitsandbytes 4-bit base. tests/quant/test_nf4.py checks every part bitwise against bitsandbytes.
 
   * the weight (in the store dtype, as bitsandbytes receives it) goes to fp32 and is cut into
     blocks of BLOCK = 64 elements; each element times 1/absmax of its block (clamped to [-1, 1])

@@ -1,7 +1,7 @@
 """NF4 as horizon wrote it before store version 5 (torchao's NF4Tensor arithmetic): read only.
 
 Stores of versions 3 and 4 hold their NF4 tensors in this layout; they still open, check and
-dequantize exactly as they were written (tests/test_nf4_legacy.py: the bytes the older horizon
+dequantize exactly as they were written (tests/quant/test_nf4_legacy.py: the bytes the older horizon
 gave, from tests/fixtures/nf4-legacy). New stores are written as bitsandbytes does (nf4_bnb.py).
 
   * blocks of BLOCK = 64 elements, each element the index of the nearest of the 16 NF4 code

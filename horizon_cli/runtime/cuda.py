@@ -17,7 +17,7 @@ torch's pinned allocator, after clearing the error cudaHostRegister leaves as th
 error" (torch checks that after every kernel launch and would report it there). Every registered
 buffer is unregistered exactly once, and the result is checked.
 
-All CUDA calls go through `TorchCuda`, so tests can stand in a fake (tests/fake_cuda.py) that
+All CUDA calls go through `TorchCuda`, so tests can stand in a fake (tests/support/fake_cuda.py) that
 checks stream ordering, the current device of every thread and the error state on the CPU.
 """
 

@@ -1,0 +1,1 @@
+"""Tests of the Python API (horizon_cli/api.py)."""

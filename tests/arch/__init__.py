@@ -1,0 +1,1 @@
+"""Tests of architecture descriptions (horizon_cli/arch/)."""

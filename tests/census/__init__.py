@@ -1,0 +1,1 @@
+"""Tests of the census of transformers' model types (scripts/census.py)."""

@@ -1,0 +1,1 @@
+"""Tests of the command line as a user meets it (cli.py, quiet.py)."""

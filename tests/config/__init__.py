@@ -1,0 +1,1 @@
+"""Tests of the shipped configs (configs/, horizon_cli/config/)."""

@@ -1,0 +1,1 @@
+"""Tests of records, formats, sources, packing and batches (horizon_cli/data/)."""

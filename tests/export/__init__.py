@@ -1,0 +1,1 @@
+"""Tests of export to HF checkpoints (horizon_cli/export/)."""

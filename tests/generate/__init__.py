@@ -1,0 +1,1 @@
+"""Tests of generation (horizon_cli/generate/)."""

@@ -1,0 +1,1 @@
+"""Tests of LoRA and QLoRA (horizon_cli/lora/)."""

@@ -1,0 +1,1 @@
+"""Tests of AdamW kernels, lean, schedules (horizon_cli/optim/, kernels/)."""

@@ -1,0 +1,1 @@
+"""Tests of memory plans and the ladder (horizon_cli/planning/)."""

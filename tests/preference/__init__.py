@@ -1,0 +1,1 @@
+"""Tests of preference training: DPO and its kin, KTO (data, losses, runs)."""

@@ -1,0 +1,1 @@
+"""Tests of `horizon profile` (horizon_cli/profile/)."""

@@ -1,0 +1,1 @@
+"""Tests of NF4 stores (horizon_cli/quant/)."""

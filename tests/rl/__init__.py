@@ -1,0 +1,1 @@
+"""Tests of online RL: GRPO (horizon_cli/rl/)."""

@@ -1,0 +1,1 @@
+"""Tests of transports and device choice (horizon_cli/runtime/)."""

@@ -1,0 +1,1 @@
+"""Tests of the parameter store (horizon_cli/store/)."""

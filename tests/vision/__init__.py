@@ -1,0 +1,1 @@
+"""Tests of images (horizon_cli/vision/)."""
