@@ -38,7 +38,7 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -n auto --dist loadfile -m 'slow or not slow and not gpu and not smollm2'
 
-# the mutation audit (scripts/mutation_audit.py): each row's mutant against its tests, one at a time
+# the mutation audit (scripts/mutation_audit.py, its rows in scripts/mutation_audit.yaml): each row's mutant against its tests, one at a time
 # (hours on a laptop); rows whose anchor no longer applies are listed as stale, not failed
 audit: install
 	$(BIN)/python scripts/mutation_audit.py --json bench_out/mutation_audit.json

@@ -24,7 +24,7 @@ def test_the_anchors_resolve_against_todays_code():
     stale = {m.id: p for m in AUDIT.MUTATIONS if (p := AUDIT.problems(m))}
     if stale:
         warnings.warn(
-            f"{len(stale)} stale rows in scripts/mutation_audit.py (make audit skips them): {stale}",
+            f"{len(stale)} stale rows in scripts/mutation_audit.yaml (make audit skips them): {stale}",
             stacklevel=1,
         )
     assert len(stale) < len(ids)  # the resolver finds the package's code at all
