@@ -1,6 +1,6 @@
 """Census: counts, and what each refused type needs, from the rows census.py wrote.
 
-    python scripts/census.py summary docs/census.json
+    python -m scripts.census summary docs/census.json
 
 Each type that transformers trains gets a set of *needs*, read off its row (the observed forward,
 the structure probe): the pieces a generic path must derive beyond what horizon's generic path

@@ -3,7 +3,7 @@
 Every transfer, compute stretch and optimizer update is recorded on a timeline; these tests read
 it back and check the schedule's invariants. Overlap is checked structurally: loads are requested
 as far ahead as the prefetch depth allows, and no layer's compute waits for the next layer's
-transfer. How much time that saves is a measurement, not a test: benchmarks/bench_overlap.py.
+transfer. How much time that saves is a measurement, not a test: benchmarks/investigations/bench_overlap.py.
 """
 
 import contextlib
@@ -18,7 +18,7 @@ from horizon_cli.runtime.trace import Tracer
 from horizon_cli.runtime.transport import CpuTransport
 from tests.support.oracle import DEVICE, make_store, micro_batches, one_thread, random_rows  # noqa: F401 (one_thread: autouse)
 
-# The shapes of benchmarks/bench_overlap.py: 20 layers of width 192.
+# The shapes of benchmarks/investigations/bench_overlap.py: 20 layers of width 192.
 SHAPE = dict(
     hidden_size=192, intermediate_size=768, num_hidden_layers=20, num_attention_heads=6, num_key_value_heads=2
 )
@@ -198,7 +198,7 @@ def check_issue_ahead(log: list[tuple[str, str]], layers: int, prefetch: int) ->
 @pytest.mark.parametrize("prefetch", [1, 2, 3])
 def test_loads_are_issued_ahead_and_overlap_compute(store, prefetch):
     """Structural, so a busy machine cannot spoil it (the timing itself is measured by
-    benchmarks/bench_overlap.py, docs/benchmarks.md): with prefetch P, each layer's weights are
+    benchmarks/investigations/bench_overlap.py, docs/benchmarks.md): with prefetch P, each layer's weights are
     requested P-1 layers ahead of their compute, and the compute of a layer never waits for the
     next layer's transfer, which is held back until that compute has begun."""
     layers = SHAPE["num_hidden_layers"]

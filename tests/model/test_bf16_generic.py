@@ -1,7 +1,7 @@
 """The generic path in bf16 (the default compute dtype) on models whose transformers code is
 dtype-sensitive: a causal-mask buffer built in the default dtype (OpenAI GPT), sinusoidal positions
 (XGLM), a residual stream kept in fp32 and cast before the final norm (Zaya), Mamba's mixer.
-benchmarks/census_bf16.py found each crashing in bf16 (every fp32 census row was exact). Oracle:
+benchmarks/investigations/census_bf16.py found each crashing in bf16 (every fp32 census row was exact). Oracle:
 transformers' own model of the same checkpoint in bf16 (`from_pretrained(dtype=bfloat16)`): the
 logits of a micro-batch agree to bf16 rounding, and a training step runs with a finite loss."""
 

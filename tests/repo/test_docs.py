@@ -82,6 +82,12 @@ def check_command(argv: list[str]) -> None:
         assert set(argv[1:]) <= targets, f"{argv}: no such Makefile target"
     else:
         scripts = [a for a in argv if a.startswith("scripts/") or a.startswith("benchmarks/")]
+        modules = [
+            m
+            for a, m in zip(argv, argv[1:], strict=False)
+            if a == "-m" and m.split(".")[0] in ("scripts", "benchmarks")
+        ]
+        scripts += [m.replace(".", "/") + ".py" for m in modules]  # `python -m benchmarks.investigations.x`
         assert scripts, f"{argv}: not a command this test knows how to check"
         assert all((ROOT / s).exists() for s in scripts), argv
 

@@ -2,7 +2,7 @@
 
 Run (the command behind the kernel's reported figures):
 
-    .venv/bin/python benchmarks/bench_adamw.py --sizes 1M,16M,64M --threads 2 --json bench_out/adamw.json
+    .venv/bin/python -m benchmarks.investigations.bench_adamw --sizes 1M,16M,64M --threads 2 --json bench_out/adamw.json
 
 Variants, each timed on one flat unit of N elements, state updated in place every step:
   kernel-fp32[-ISA]   native.adamw_fp32_   p, g, m, v fp32

@@ -3,7 +3,7 @@ train in bf16? (No oracle at 1e-5 here: bf16 rounds differently from any referen
 that convert (a bf16 store) -> `horizon train` (2 steps, engine.dtype bfloat16) -> export runs,
 the losses are finite and within 2 % of horizon's own fp32 run's, and the export loads.)
 
-    PYTHONPATH=$PWD nice -n 10 python benchmarks/census_bf16.py docs/census.json [--types a,b] [--json out.json]
+    nice -n 10 python -m benchmarks.investigations.census_bf16 docs/census.json [--types a,b] [--json out.json]
 
 Each type runs in a subprocess of its own; the rows print as they finish.
 """
@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the children run as modules from here
 
 
 def one(mt: str, layers: int) -> dict:
@@ -96,9 +98,18 @@ def main() -> None:
             layers = str((rows.get(mt, {}).get("depth") or {}).get("layers") or 2)
             res_path = Path(t) / f"{mt}.json"
             t0 = time.time()
-            cmd = [sys.executable, __file__, "--one", mt, layers, "--out", str(res_path)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.investigations.census_bf16",
+                "--one",
+                mt,
+                layers,
+                "--out",
+                str(res_path),
+            ]
             try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env, cwd=ROOT)
                 tail = (p.stdout + p.stderr)[-400:]
             except subprocess.TimeoutExpired:
                 tail = f"timeout after {a.timeout} s"

@@ -1,7 +1,7 @@
 """NF4 quantize / dequantize speed on the CPU: the bitsandbytes layout (what convert writes and the
 engine dequantizes) against horizon's older layout (dequantize only: it is no longer written).
 
-    .venv/bin/python benchmarks/bench_nf4.py [--rows 3584 --cols 2048 --threads 1 --repeat 5]
+    .venv/bin/python -m benchmarks.investigations.bench_nf4 [--rows 3584 --cols 2048 --threads 1 --repeat 5]
 
 Times the best of --repeat runs on one (rows, cols) bf16 weight of torch.randn * 0.02. Results:
 docs/benchmarks.md ("NF4").

@@ -1,13 +1,13 @@
 """Sequence tiles (engine.seq_tile, issue 30): what tiling a layer's MLP saves, what it costs, and
 how long a sequence the plan trains on one H200.
 
-    .venv/bin/python benchmarks/bench_tile.py --peak [--seqs 4096,8192,16384,32768,65536] [--tile 1024]
-    .venv/bin/python benchmarks/bench_tile.py --time [--seq 4096] [--rounds 5]
-    .venv/bin/python benchmarks/bench_tile.py --paper [--device-gib 141 --host-gib 1536]
-    .venv/bin/python benchmarks/bench_tile.py --generic mistral,qwen3_moe,qwen3_next --peak|--time ...
+    .venv/bin/python -m benchmarks.investigations.bench_tile --peak [--seqs 4096,8192,16384,32768,65536] [--tile 1024]
+    .venv/bin/python -m benchmarks.investigations.bench_tile --time [--seq 4096] [--rounds 5]
+    .venv/bin/python -m benchmarks.investigations.bench_tile --paper [--device-gib 141 --host-gib 1536]
+    .venv/bin/python -m benchmarks.investigations.bench_tile --generic mistral,qwen3_moe,qwen3_next --peak|--time ...
 
 --generic FAMILY[,...]: --peak and --time on transformers' own layers instead of the native one
-(benchmarks/bench_tile_generic.py says what is built and measured).
+(benchmarks/investigations/bench_tile_generic.py says what is built and measured).
 
 --peak: one native layer's forward + backward on the CPU (fp32, one thread), untiled and tiled
 (natively every token-local part, attention per query tile: model.tiled_layer), at each length: the measured peak resident memory and the plan's layer working set
@@ -42,7 +42,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 LLAMA_31 = dict(
     model_type="llama", num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
@@ -78,8 +78,8 @@ def peak(args) -> list[dict]:
 
 def step_time(args) -> list[dict]:
     import torch
-    from common import SHAPES
 
+    from benchmarks.common import SHAPES
     from horizon_cli.config.schema import EngineConfig, OptimConfig
     from horizon_cli.data.batch import MicroBatch
     from horizon_cli.engine import Engine
@@ -194,10 +194,12 @@ def main() -> None:
     ap.add_argument("--host-gib", type=float, default=1536.0)
     ap.add_argument("--json", type=Path, default=ROOT / "bench_out" / "tile.json")
     args = ap.parse_args()
-    out: dict = {"command": " ".join([".venv/bin/python", "benchmarks/bench_tile.py", *sys.argv[1:]])}
+    out: dict = {
+        "command": " ".join([".venv/bin/python", "-m", "benchmarks.investigations.bench_tile", *sys.argv[1:]])
+    }
     out["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     if args.generic:
-        import bench_tile_generic as bg
+        from benchmarks.investigations import bench_tile_generic as bg
 
         fams = args.generic.split(",")
         if args.peak:
@@ -217,5 +219,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     main()

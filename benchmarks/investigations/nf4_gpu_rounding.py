@@ -1,7 +1,7 @@
 """How far a base quantized by bitsandbytes on a GPU is from a horizon NF4 store (= bitsandbytes
 on the CPU): an emulation of the CUDA kernel's 8-bit absmax rounding, not a GPU measurement.
 
-    .venv/bin/python benchmarks/nf4_gpu_rounding.py [--rows 4096 --cols 4096 --tensors 4]
+    .venv/bin/python -m benchmarks.investigations.nf4_gpu_rounding [--rows 4096 --cols 4096 --tensors 4]
 
 bitsandbytes quantizes the block absmaxes (double quantization) on the CPU through 65536 evenly
 spaced bins (what horizon matches, quant/nf4_bnb.py), on CUDA by a 7-step binary search of the

@@ -1,7 +1,7 @@
 """Qwen3-Next (Gated DeltaNet + full attention, MoE) through horizon's generic path against
 transformers' own model trained resident, on the CPU (issue 19).
 
-    .venv/bin/python benchmarks/bench_hybrid.py [--json FILE] [--repeats N] [--dtype float32|bfloat16]
+    .venv/bin/python -m benchmarks.investigations.bench_hybrid [--json FILE] [--repeats N] [--dtype float32|bfloat16]
                                              [--keep auto|N] [--batch B --micro M --seq T]
 
 A small random Qwen3NextForCausalLM (MODEL below: its layer_types mix linear_attention and

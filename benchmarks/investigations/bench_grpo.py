@@ -2,8 +2,8 @@
 link, against resident transformers `generate`; the split of a GRPO step (rollout / reference /
 train); a GRPO step against an SFT step on the same tokens.
 
-    .venv/bin/python benchmarks/bench_grpo.py --json bench_out/grpo.json
-    .venv/bin/python benchmarks/bench_grpo.py --batches 1,4 --steps 2 --rounds 1     # a quick run
+    .venv/bin/python -m benchmarks.investigations.bench_grpo --json bench_out/grpo.json
+    .venv/bin/python -m benchmarks.investigations.bench_grpo --batches 1,4 --steps 2 --rounds 1     # a quick run
 
 A random Llama (transformers' init, seed 0, fp32) is saved and converted to an fp32 store.
 
@@ -42,7 +42,7 @@ from types import SimpleNamespace
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Kept layers (engine.keep_activations, issue 21): what keeping the top layers' graphs saves.
 
-    .venv/bin/python benchmarks/bench_keep.py [--sizes 30m,120m] [--dtypes bfloat16,float32] [--rounds 5]
-    .venv/bin/python benchmarks/bench_keep.py --paper [--device-gib 139]
+    .venv/bin/python -m benchmarks.investigations.bench_keep [--sizes 30m,120m] [--dtypes bfloat16,float32] [--rounds 5]
+    .venv/bin/python -m benchmarks.investigations.bench_keep --paper [--device-gib 139]
 
 CPU (default): one process builds the benchmark model (benchmarks/bench_peers.py's shapes, random weights,
 batch 4 x 256, micro-batch 4, one compute thread per engine step) and two engines on the same store,
@@ -32,15 +32,15 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SEQ, BATCH = 256, 4
 
 
 def cpu_bench(args) -> list[dict]:
     import torch
-    from common import SHAPES
 
+    from benchmarks.common import SHAPES
     from horizon_cli.config.schema import EngineConfig, OptimConfig
     from horizon_cli.data.batch import MicroBatch
     from horizon_cli.engine import Engine
@@ -105,8 +105,7 @@ LLAMA = {
 
 
 def paper(args) -> list[dict]:
-    from gpu_throughput import flops_per_token
-
+    from benchmarks.gpu_throughput import flops_per_token
     from horizon_cli.arch import spec_from_hf
     from horizon_cli.config import load_config
     from horizon_cli.planning.fit import Machine
@@ -154,7 +153,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=ROOT / "bench_out" / "keep.json")
     args = ap.parse_args()
     rows = paper(args) if args.paper else cpu_bench(args)
-    out = {"command": " ".join([".venv/bin/python", "benchmarks/bench_keep.py", *sys.argv[1:]]), "rows": rows}
+    out = {
+        "command": " ".join(
+            [".venv/bin/python", "-m", "benchmarks.investigations.bench_keep", *sys.argv[1:]]
+        ),
+        "rows": rows,
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
     print(f"wrote {args.json}")

@@ -1,7 +1,7 @@
 """Llama through the native functional layer and through the generic path (transformers' own
 LlamaDecoderLayer bound to the streamed views), same store contents, same schedule (issue 11).
 
-    .venv/bin/python benchmarks/bench_generic.py [--json FILE] [--repeats N] [--dtype bfloat16|float32]
+    .venv/bin/python -m benchmarks.investigations.bench_generic [--json FILE] [--repeats N] [--dtype bfloat16|float32]
 
 A Llama-shaped model (8 layers, hidden 512, GQA) is built with random weights, saved, and converted
 twice (`convert(path="native")` and `convert(path="generic")`). Both engines run on `device: cpu`;

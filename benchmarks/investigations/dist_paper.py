@@ -1,7 +1,7 @@
 """The on-paper multi-GPU benchmark (issue 12): a sharded horizon run of Llama-3.1-70B and -405B on
 8xH100 nodes, modelled, not measured.
 
-    .venv/bin/python benchmarks/dist_paper.py [--json bench_out/dist_paper.json]
+    .venv/bin/python -m benchmarks.investigations.dist_paper [--json bench_out/dist_paper.json]
 
 Per GPU and step: the bytes on its host link (PCIe), on NVLink and on the network for the
 all-gathers and reduce-scatters, the host memory traffic of its node, the tokens per GPU a step

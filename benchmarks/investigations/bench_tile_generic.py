@@ -1,10 +1,10 @@
 """Sequence tiles on transformers' own layers (the generic path, arch.tiling: the MLP/MoE child
 found by structure, each tile under activation checkpointing): peak memory of one layer's
 forward + backward against the sequence, and the step-time cost of tiling (issue 30). Called by
-benchmarks/bench_tile.py --generic FAMILY[,FAMILY...]:
+benchmarks/investigations/bench_tile.py --generic FAMILY[,FAMILY...]:
 
-    .venv/bin/python benchmarks/bench_tile.py --generic mistral,qwen3_moe,qwen3_next --peak --seqs 4096,8192,16384
-    .venv/bin/python benchmarks/bench_tile.py --generic mistral,qwen3_moe,qwen3_next --time --seq 4096 --tile 1024
+    .venv/bin/python -m benchmarks.investigations.bench_tile --generic mistral,qwen3_moe,qwen3_next --peak --seqs 4096,8192,16384
+    .venv/bin/python -m benchmarks.investigations.bench_tile --generic mistral,qwen3_moe,qwen3_next --time --seq 4096 --tile 1024
 
 FAMILY: mistral (dense, a sliding window of 1,024 tokens, converted to the generic path), qwen3_moe
 (8 experts, top 2), qwen3_next (a Gated DeltaNet layer with a MoE block: the scan stays whole, the
@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def hf_config(family: str, wide: bool, seq: int) -> dict:

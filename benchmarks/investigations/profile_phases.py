@@ -1,6 +1,6 @@
 """Where horizon's step time goes on the CPU, phase by phase (issue E.3).
 
-    .venv/bin/python benchmarks/profile_phases.py [--size 30m|120m] [--dtype bfloat16|float32] [--json F]
+    .venv/bin/python -m benchmarks.investigations.profile_phases [--size 30m|120m] [--dtype bfloat16|float32] [--json F]
 
 Runs the benchmark model (benchmarks/bench_peers.py's shapes, batch 4 x seq 256, micro-batch 4) for one
 warm-up and four measured steps with the timeline on, and splits the median step into:

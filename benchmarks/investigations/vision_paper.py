@@ -12,7 +12,7 @@ Sizes are the published configs' (config.json of each checkpoint), entered here;
 models' parameter counts (72.7 B, 27.0 B less the tower) likewise. Writes
 bench_out/vision_paper.json.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/vision_paper.py
+    .venv/bin/python -m benchmarks.investigations.vision_paper
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def saved_bytes(fn) -> int:

@@ -1,6 +1,6 @@
 """Bytes on the link of a bf16 store computing in fp32, by `horizon profile` (issue 32).
 
-    .venv/bin/python benchmarks/bench_widen.py [--gbps 0.005] [--modes lora,exact,lean] [--json FILE]
+    .venv/bin/python -m benchmarks.investigations.bench_widen [--gbps 0.005] [--modes lora,exact,lean] [--json FILE]
 
 A 12-layer Llama-shaped store (hidden 256, intermediate 688, random bf16 weights) profiled with
 `engine.dtype: float32` over an emulated link (`engine.link_gbps`), every layer recomputed

@@ -1,9 +1,9 @@
 """Generation speed: decode tokens/s against batch size on the CPU with an emulated link, against the
 link-bound model; prefill tokens/s; and the plan's figures for large models on one H200 over PCIe.
 
-    .venv/bin/python benchmarks/bench_generate.py                 # measure (CPU, emulated link) + paper plans
-    .venv/bin/python benchmarks/bench_generate.py --plan-only     # the paper plans alone
-    .venv/bin/python benchmarks/bench_generate.py --json bench_out/generate.json
+    .venv/bin/python -m benchmarks.investigations.bench_generate                 # measure (CPU, emulated link) + paper plans
+    .venv/bin/python -m benchmarks.investigations.bench_generate --plan-only     # the paper plans alone
+    .venv/bin/python -m benchmarks.investigations.bench_generate --json bench_out/generate.json
 
 Measured: a random-weight Llama-shaped store (tests/support/synthetic.py), fp32 (generation computes in
 fp32 on the CPU, whose bf16 matrix products are slow at few rows), `engine.link_gbps` set
@@ -38,7 +38,7 @@ from horizon_cli.generate.kvprobe import per_layer
 from horizon_cli.model.sample import Sampler
 from horizon_cli.model.template import make_template
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = dict(model_type="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=2, vocab_size=8192, max_position_embeddings=4096,

@@ -1,8 +1,8 @@
 """Preference optimisation on the streamed engine: a DPO (SimPO, ORPO) step against an SFT step on
 the same tokens, and the reference pass's throughput.
 
-    .venv/bin/python benchmarks/bench_pref.py --json bench_out/pref.json
-    .venv/bin/python benchmarks/bench_pref.py --layers 4 --steps 4 --rounds 1      # a quick run
+    .venv/bin/python -m benchmarks.investigations.bench_pref --json bench_out/pref.json
+    .venv/bin/python -m benchmarks.investigations.bench_pref --layers 4 --steps 4 --rounds 1      # a quick run
 
 A random Llama (transformers' init, seed 0) is converted to a store; the same random token pairs
 (prompt + chosen, prompt + rejected; labels on the completions) are trained by each mode in a
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODES = ("sft", "dpo", "simpo", "orpo")
 
 

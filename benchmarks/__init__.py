@@ -1,0 +1,1 @@
+"""The benchmarks: harnesses here, one-off studies in investigations/ (benchmarks/README.md)."""
