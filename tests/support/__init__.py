@@ -26,12 +26,12 @@ PARIS = "The Eiffel Tower is in the city of"  # a prompt every real checkpoint h
 
 __all__ = ["PARIS", "continuation", "make_model", "make_tokenizer", "random_store", "save", "script"]
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout (scripts/ is not installed)
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: tests/support/ -> the root
 
 
 def script(name: str) -> ModuleType:
-    """scripts/<name>.py of the checkout as a module, for a test of that tool (scripts/ is a folder of
-    programs, not a package: loaded by its path, under its own name)."""
+    """scripts/<name>.py of the checkout as a module, for a test of that tool (loaded by its path,
+    under its own name)."""
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
