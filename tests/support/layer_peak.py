@@ -63,11 +63,11 @@ def measure(
 ) -> dict:  # fmt: skip
     """warm_tokens: the length of the first run of each path (0: `tokens`); docs: the row packs
     that many documents of equal length (model.masks: untiled a dense (T, T) mask, tiled its rule)."""
-    from ..arch import spec_from_hf
-    from ..data.batch import MicroBatch
-    from ..model.layer import AttnContext, inv_freq, layer_forward, rope_tables
-    from ..model.masks import attn_context
-    from ..planning.memory import layer_work_bytes
+    from horizon_cli.arch import spec_from_hf
+    from horizon_cli.data.batch import MicroBatch
+    from horizon_cli.model.layer import AttnContext, inv_freq, layer_forward, rope_tables
+    from horizon_cli.model.masks import attn_context
+    from horizon_cli.planning.memory import layer_work_bytes
 
     _quiet_malloc()
     torch.set_num_threads(1)
@@ -134,11 +134,11 @@ def measure(
 
 def engine_peak(store: str, tokens: int, tile: int) -> dict:
     """One engine step of a one-layer store's model on one row of `tokens`, measured (module doc)."""
-    from ..config.schema import EngineConfig, OptimConfig
-    from ..data.batch import MicroBatch
-    from ..engine import Engine
-    from ..planning.memory import layer_work_bytes
-    from ..store import Store
+    from horizon_cli.config.schema import EngineConfig, OptimConfig
+    from horizon_cli.data.batch import MicroBatch
+    from horizon_cli.engine import Engine
+    from horizon_cli.planning.memory import layer_work_bytes
+    from horizon_cli.store import Store
 
     _quiet_malloc()
     torch.set_num_threads(1)
