@@ -244,8 +244,7 @@ def test_lora_on_the_cuda_transport_equals_the_cpu_one(tmp_path, quantize="nf4")
     """The CUDA transport's logic through the fake CUDA (tests/support/fake_cuda.py): adapters riding with
     their layer's load and NF4 layers dequantized on the compute stream, in stream order, bitwise
     as on the CPU."""
-    import test_cuda_transport as tc
-
+    from tests.runtime import test_cuda_transport as tc
     from tests.support.fake_cuda import FakeCuda
 
     model, store = make_store(

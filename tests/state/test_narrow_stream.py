@@ -84,8 +84,7 @@ def test_a_bf16_base_crosses_the_link_as_stored_and_trains_as_before(tmp_path, t
 def test_the_cuda_transport_upcasts_on_the_compute_stream(tmp_path):
     """Through the fake CUDA (tests/support/fake_cuda.py): the bf16 base and lean's bf16 weight upcast on
     the compute stream in stream order, bitwise as on the CPU without a link."""
-    import test_cuda_transport as tc
-
+    from tests.runtime import test_cuda_transport as tc
     from tests.support.fake_cuda import FakeCuda
 
     model, store = make_store(tmp_path, "llama", True, dtype="bfloat16", **SHAPE)
