@@ -125,7 +125,7 @@ def run_engine(job: dict) -> dict:
     objective = None
     if job.get("preference"):  # rows 2k, 2k + 1 a pair: the second half of each row its completion
         from horizon_cli.config.schema import PreferenceConfig
-        from horizon_cli.engine.pref_loss import PairObjective
+        from horizon_cli.recipes.preference.loss import PairObjective
 
         objective = PairObjective(PreferenceConfig(loss=job["preference"]))
     keep = plan_for(cfg, store, run_rung(cfg, store), lora, where=local_machine(cfg)).kept  # as `train`

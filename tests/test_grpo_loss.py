@@ -29,8 +29,8 @@ from oracle import check_grads, make_store, one_thread, rel_err  # noqa: F401
 from horizon_cli.config.schema import EngineConfig, OptimConfig, RLConfig
 from horizon_cli.data.batch import IGNORE, MicroBatch
 from horizon_cli.engine import Engine
-from horizon_cli.engine.grpo_loss import GRPOObjective
-from horizon_cli.rl.advantages import advantages
+from horizon_cli.recipes.grpo.advantages import advantages
+from horizon_cli.recipes.grpo.loss import GRPOObjective
 
 trl = pytest.importorskip("trl")
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402

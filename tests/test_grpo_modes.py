@@ -20,7 +20,7 @@ from oracle import one_thread, rel_err  # noqa: F401
 from test_grpo_train import _rollouts, _run
 
 from horizon_cli.config.schema import RLConfig
-from horizon_cli.rl.advantages import advantages
+from horizon_cli.recipes.grpo.advantages import advantages
 
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")

@@ -17,7 +17,7 @@ from oracle import one_thread, rel_err  # noqa: F401
 from test_train_cli import one_error_line
 
 from horizon_cli.config.schema import RLConfig
-from horizon_cli.rl.advantages import advantages
+from horizon_cli.recipes.grpo.advantages import advantages
 
 trl = pytest.importorskip("trl")
 from test_grpo_loss import trl_stub  # noqa: E402
@@ -286,7 +286,7 @@ def test_the_rl_section_is_part_of_the_trajectory(tmp_path, tiny_store):
 def test_builtin_rewards_and_the_accuracy_extra():
     from horizon_cli.config.schema import RewardConfig
     from horizon_cli.errors import InputError
-    from horizon_cli.rl.rewards import load_rewards
+    from horizon_cli.recipes.grpo.rewards import load_rewards
 
     fmt, length = load_rewards(
         [
@@ -367,7 +367,7 @@ def test_a_slice_of_the_prompts_sampled_alone_gets_the_whole_batchs_completions(
 
     from horizon_cli.config.schema import EngineConfig, OptimConfig
     from horizon_cli.engine import Engine
-    from horizon_cli.rl.rollouts import sample
+    from horizon_cli.recipes.grpo.rollouts import sample
     from horizon_cli.store import Store
 
     prompts = [p["prompt_input_ids"] for p in _prompts(4)]

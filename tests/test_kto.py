@@ -21,8 +21,8 @@ from oracle import check_grads, make_store, one_thread, rel_err  # noqa: F401
 from horizon_cli.config.schema import EngineConfig, OptimConfig, PreferenceConfig
 from horizon_cli.data.unpaired import build_unpaired, collate_unpaired, examples_of
 from horizon_cli.engine import Engine
-from horizon_cli.engine.kto_loss import KTOObjective
 from horizon_cli.errors import InputError
+from horizon_cli.recipes.kto.loss import KTOObjective
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")

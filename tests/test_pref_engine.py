@@ -14,8 +14,8 @@ from oracle import check_grads, make_store, one_thread, rel_err  # noqa: F401
 from horizon_cli.config.schema import DataConfig, EngineConfig, LoraConfig, OptimConfig, PreferenceConfig
 from horizon_cli.data.pairs import as_pairs, build_pairs, collate_pairs
 from horizon_cli.engine import Engine
-from horizon_cli.engine.pref_loss import PairObjective
 from horizon_cli.lora.setup import lora_setup
+from horizon_cli.recipes.preference.loss import PairObjective
 
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")

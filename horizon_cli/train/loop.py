@@ -34,10 +34,10 @@ from ..lora.setup import LoraSetup
 from ..optim.schedules import lr_at
 from ..parallel.comm import Dist
 from ..progress import byte_progress, train_columns
+from ..recipes.preference.batches import make_batches, unlabelled
 from ..store import Store, ckpt
 from ..vision.run import has_images, vision_stage
 from . import checkpoint
-from .batches import make_batches, unlabelled
 from .checkpoint import verify_base
 from .checks import kernel_ready
 from .inputs import load_data
@@ -190,7 +190,7 @@ class Trainer:
 
     def _reference(self, step: int) -> dict:
         """A preference run's reference log-probs: computed on a fresh start, read back on resume."""
-        from .reference import reference
+        from ..recipes.preference.reference import reference
 
         fp = ckpt.model_fingerprint(self.store)
         return reference(

@@ -23,13 +23,13 @@ from ..ladder import HOW, REACH, PlannedModel, best_rung, fit_parts, fits, longe
 from ..planning.fit import Machine
 from ..planning.memory import MemoryPlan
 from ..planning.tiling import note as tiling_note
-from ..rl.plan import rollout_plan
+from ..recipes.grpo.plan import rollout_plan
+from ..recipes.preference.batches import make_batches
+from ..recipes.preference.reference import reference_plan
 from ..runtime.dtype import DtypeChoice
 from ..store import Store
-from .batches import make_batches
 from .checks import before_claim, kernel_ready
 from .inputs import NoTokenizerFiles, load_data
-from .reference import reference_plan
 from .rundir import RunDir
 
 

@@ -36,18 +36,18 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config
-from ..config.schema import OptimConfig
-from ..data import batch_indices
-from ..data.batch import MicroBatch
-from ..data.prompts import model_eos_ids
-from ..engine import Engine
-from ..engine.grpo_loss import GRPOObjective
-from ..errors import InputError
-from ..faults import phase
+from ...config import Config
+from ...config.schema import OptimConfig
+from ...data import batch_indices
+from ...data.batch import MicroBatch
+from ...data.prompts import model_eos_ids
+from ...engine import Engine
+from ...errors import InputError
+from ...faults import phase
 from . import rollouts as ro
 from .advantages import advantages, reward_metrics
 from .logps import token_logps
+from .loss import GRPOObjective
 from .rewards import load_rewards, score
 
 EVAL_SEED = 0x3C6EF372  # eval rollouts: the same seed at every evaluation

@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config.schema import RLConfig
-from ..data.batch import IGNORE, MicroBatch
-from .objective import Head, SequenceObjective, Targets
+from ...config.schema import RLConfig
+from ...data.batch import IGNORE, MicroBatch
+from ...engine.objective import Head, SequenceObjective, Targets
 
 STATS = ("tokens", "kl", "clip_low", "clip_high", "clip_region")
 

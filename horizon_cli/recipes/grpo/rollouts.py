@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from ..data.batch import IGNORE, MicroBatch
-from ..engine import Engine
-from ..fsutil import write_text_atomic
-from ..generate.decode import Generation
-from ..generate.decoder import Decoder, SweepStats, micro_batches
-from ..model.sample import Sampler
+from ...data.batch import IGNORE, MicroBatch
+from ...engine import Engine
+from ...fsutil import write_text_atomic
+from ...generate.decode import Generation
+from ...generate.decoder import Decoder, SweepStats, micro_batches
+from ...model.sample import Sampler
 
 SEED_MIX = 0x5851F42D4C957F2D  # the step's sampling seed: (train.seed, step) mixed
 

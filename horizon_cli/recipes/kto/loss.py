@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config.schema import PreferenceConfig
-from ..data.batch import IGNORE, MicroBatch
-from .objective import SequenceObjective, Targets
+from ...config.schema import PreferenceConfig
+from ...data.batch import IGNORE, MicroBatch
+from ...engine.objective import SequenceObjective, Targets
 
 STATS = (
     "rewards_chosen",

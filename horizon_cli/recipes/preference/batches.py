@@ -21,15 +21,15 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from ..config import Config
-from ..data import PreparedData, batch_indices, batch_rows, collate
-from ..data.batch import IGNORE, MicroBatch
-from ..data.pairs import collate_pairs
-from ..data.unpaired import collate_unpaired
-from ..engine.kto_loss import KTOObjective
-from ..engine.objective import Objective
-from ..engine.pref_loss import STATS, PairObjective
-from ..errors import InputError
+from ...config import Config
+from ...data import PreparedData, batch_indices, batch_rows, collate
+from ...data.batch import IGNORE, MicroBatch
+from ...data.pairs import collate_pairs
+from ...data.unpaired import collate_unpaired
+from ...engine.objective import Objective
+from ...errors import InputError
+from ..kto.loss import KTOObjective
+from .loss import STATS, PairObjective
 
 
 class SftBatches:
@@ -155,7 +155,7 @@ class KTOBatches(PairBatches):
 def make_batches(cfg: Config, data: PreparedData) -> SftBatches:
     """The strategy for this run; preference data and a preference: section go together."""
     if cfg.rl is not None:  # online RL on prompts (rl.batches)
-        from ..rl.batches import GRPOBatches
+        from ..grpo.batches import GRPOBatches
 
         return GRPOBatches(cfg, data)  # type: ignore[return-value]
     kto = cfg.preference is not None and cfg.preference.loss == "kto"

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config.schema import REFERENCED, PreferenceConfig
-from ..data.batch import IGNORE, MicroBatch
-from .objective import SequenceObjective, Targets
+from ...config.schema import REFERENCED, PreferenceConfig
+from ...data.batch import IGNORE, MicroBatch
+from ...engine.objective import SequenceObjective, Targets
 
 STATS = (
     "rewards_chosen",
