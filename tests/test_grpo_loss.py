@@ -30,7 +30,7 @@ from horizon_cli.config.schema import EngineConfig, OptimConfig, RLConfig
 from horizon_cli.data.batch import IGNORE, MicroBatch
 from horizon_cli.engine import Engine
 from horizon_cli.recipes.grpo.advantages import advantages
-from horizon_cli.recipes.grpo.loss import GRPOObjective
+from horizon_cli.recipes.grpo.loss import GRPOObjective, GRPOPayload
 
 trl = pytest.importorskip("trl")
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
@@ -113,11 +113,12 @@ def _ours(s, cfg: RLConfig, trl_in: dict, micro: int) -> list[MicroBatch]:
                 if "ref_per_token_logps" in trl_in:
                     refs.append(trl_in["ref_per_token_logps"][r, : len(c)])
         mb = MicroBatch.from_rows(rows, 0)
-        mb.extras = {"adv": s.adv[a : a + micro].clone(), "rows": torch.tensor(len(rows))}
-        if olds:
-            mb.extras["old"] = torch.cat(olds)
-        if refs:
-            mb.extras["ref"] = torch.cat(refs)
+        mb.payload = GRPOPayload(
+            s.adv[a : a + micro].clone(),
+            len(rows),
+            torch.cat(olds) if olds else None,
+            torch.cat(refs) if refs else None,
+        )
         mbs.append(mb)
     return mbs
 

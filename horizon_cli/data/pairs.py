@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -196,8 +197,21 @@ def collate_pairs(
     off = 0
     for mb in mbs:
         b = mb.input_ids.shape[0]
-        mb.extras = {k: torch.tensor(float(v)) for k, v in counts.items()}
-        if flat is not None:
-            mb.extras["ref"] = flat[off : off + b]
+        mb.payload = PairPayload(**counts, ref=None if flat is None else flat[off : off + b])
         off += b
     return mbs
+
+
+@dataclass(frozen=True)
+class PairPayload:
+    """A micro-batch of pairs' payload (recipes.preference.loss reads it): the global batch's pairs,
+    its chosen completions' label tokens (sft_weight's mean) and its chosen rows' predicted tokens
+    (orpo's NLL mean); the rows' reference log-probs (b,) fp32 (dpo, cdpo, ipo), else None."""
+
+    pairs: int
+    chosen_tokens: int
+    chosen_seq_tokens: int
+    ref: torch.Tensor | None = None
+
+    def unlabelled(self) -> PairPayload:
+        return self  # the global batch's counts stay: the filler's pairs are invalid, adding nothing

@@ -32,6 +32,7 @@ from ...fsutil import write_text_atomic
 from ...generate.decode import Generation
 from ...generate.decoder import Decoder, SweepStats, micro_batches
 from ...model.sample import Sampler
+from .loss import GRPOPayload
 
 SEED_MIX = 0x5851F42D4C957F2D  # the step's sampling seed: (train.seed, step) mixed
 
@@ -91,7 +92,7 @@ def micro_batches_of(
     rollouts: list[Rollout], adv: torch.Tensor, size: int, pad_id: int, mask_truncated: bool
 ) -> list[MicroBatch]:
     """Rows prompt + completion, labels on the completion (none for a masked truncated one), the
-    advantage of each row in extras["adv"] and its real row count in extras["rows"]."""
+    advantage of each row and its real row count in its GRPOPayload."""
     out = []
     for a in range(0, len(rollouts), size):
         part = rollouts[a : a + size]
@@ -100,7 +101,7 @@ def micro_batches_of(
             lab = [IGNORE] * len(r.ids) if mask_truncated and r.truncated else r.ids
             rows.append((r.prompt_ids + r.ids, [IGNORE] * len(r.prompt_ids) + lab))
         mb = MicroBatch.from_rows(rows, pad_id)
-        mb.extras = {"adv": adv[a : a + size].clone().float(), "rows": torch.tensor(len(part))}
+        mb.payload = GRPOPayload(adv[a : a + size].clone().float(), len(part))
         out.append(mb)
     return out
 

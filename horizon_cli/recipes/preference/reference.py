@@ -178,4 +178,4 @@ def _ranks(engine) -> tuple[int, int]:
 
 def _unlabelled(mb: MicroBatch) -> MicroBatch:
     """A rank short of a micro-batch runs a copy without labels (every rank must sweep alike)."""
-    return replace(mb, labels=torch.full_like(mb.labels, IGNORE), extras={})
+    return replace(mb, labels=torch.full_like(mb.labels, IGNORE), payload=None)
