@@ -166,7 +166,7 @@ BUILTIN_REWARDS = ("accuracy", "format", "length")
 
 @dataclass
 class RewardConfig:
-    """One reward function of an `rl:` run (rl/rewards.py): a built-in name, "file.py:name" or
+    """One reward function of an `rl:` run (recipes/grpo/rewards.py): a built-in name, "file.py:name" or
     "module:name" (TRL's calling convention), and its weight in the summed reward."""
 
     function: str = _f("")
@@ -242,6 +242,13 @@ class Config:
         """Sequences per counted example: a preference pair is two (chosen, rejected); an rl run's
         micro-batches count completions (one sequence each)."""
         return 2 if self.preference is not None else 1
+
+    @property
+    def dropout_off(self) -> str:
+        """Why the run's method trains without the model's dropout ("": it trains with it): TRL's
+        DPO, KTO, CPO (SimPO) and ORPO trainers disable it (`disable_dropout: true`), and horizon's
+        preference losses are TRL's."""
+        return "a preference run, as TRL's trainers (disable_dropout)" if self.preference is not None else ""
 
     @property
     def step_sequences(self) -> int:
