@@ -149,7 +149,7 @@ REFERENCED = ("dpo", "cdpo", "ipo")  # the pair losses with a reference model (k
 @dataclass
 class PreferenceConfig:
     """Present: preference optimisation on (prompt, chosen, rejected) pairs; each loss as TRL defines it
-    (cdpo: conservative DPO, which TRL 1.16's DPOTrainer no longer has; see engine/pref_loss.py)."""
+    (cdpo: conservative DPO, which TRL 1.16's DPOTrainer no longer has; see recipes/preference/loss.py)."""
 
     loss: str = _f("dpo", choices=PREF_LOSSES)
     beta: float = _f(0.1, gt=0.0)  # DPO/IPO/SimPO's beta; ORPO's lambda
@@ -180,7 +180,7 @@ class RewardConfig:
 
 @dataclass
 class RLConfig:
-    """Present: online RL (rl/): each step samples num_generations completions per prompt on the
+    """Present: online RL (recipes/grpo/): each step samples num_generations completions per prompt on the
     current weights, scores them, and trains with TRL 1.16's GRPO loss. Defaults: GRPOConfig's."""
 
     algorithm: str = _f("grpo", choices=("grpo",))

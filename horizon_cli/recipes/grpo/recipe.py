@@ -13,6 +13,7 @@ from ...arch.spec import ArchSpec
 from ...config import Config
 from ...data import PreparedData, pad_id_of
 from ...data.prompt_only import prepare_prompts
+from ...parallel.shard import check_completions
 from ..recipe import PlanModel, PlanTerms
 from .batches import GRPOBatches
 from .plan import rollout_plan
@@ -33,6 +34,15 @@ class Grpo:
 
     def refusal(self, cfg: Config, data: PreparedData) -> str:
         return f"rl: trains on prompts; data.path {cfg.data.path} is format {data.format}"
+
+    def check_ranks(self, cfg: Config, world: int) -> None:
+        """A step's batch_size x G completions, which one process splits freely, make the same
+        number of micro-batches on every rank."""
+        assert cfg.rl is not None
+        if world > 1:
+            check_completions(
+                cfg.train.batch_size * cfg.rl.num_generations, cfg.train.micro_batch_size, world
+            )
 
     def batches(self, cfg: Config, data: PreparedData) -> GRPOBatches:
         return GRPOBatches(cfg, data)

@@ -11,6 +11,7 @@ from rich.console import Console
 from ...arch.spec import ArchSpec
 from ...config import Config
 from ...data import PreparedData
+from ...parallel.shard import check_world
 from ..recipe import PlanModel, PlanTerms
 from .batches import SftBatches
 
@@ -30,6 +31,10 @@ class Sft:
 
     def refusal(self, cfg: Config, data: PreparedData) -> str:
         return ""
+
+    def check_ranks(self, cfg: Config, world: int) -> None:
+        """train.batch_size examples split into whole micro-batches, the same number on every rank."""
+        check_world(cfg.train.batch_size, cfg.train.micro_batch_size, world)
 
     def batches(self, cfg: Config, data: PreparedData) -> SftBatches:
         return SftBatches(cfg, data)
