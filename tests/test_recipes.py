@@ -161,3 +161,22 @@ def test_a_recipe_added_to_the_registry_alone_trains(tmp_path, tiny_store, monke
         assert "nll_mean" not in a and b["nll_mean"] == pytest.approx(b["loss"], rel=1e-6)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+def test_a_dry_run_builds_the_methods_batches(tmp_path, tiny_store):
+    """The dry run checks what the start builds: an rl run's reward functions are loaded (one line, exit 2)."""
+    from conftest import horizon
+
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"say {w}"} for w in "abcd"])
+    (tmp_path / "rw.py").write_text("def g(completions, **kw):\n    return [0.0] * len(completions)\n")
+    rl = {
+        "num_generations": 2,
+        "max_completion_length": 4,
+        "rewards": [{"function": f"{tmp_path / 'rw.py'}:f"}],
+    }
+    cfg = write_config(
+        tmp_path / "c.yaml", tiny_store, data, tmp_path / "run", rl=rl, train={"batch_size": 2}
+    )
+    r = horizon("train", cfg, "--dry-run")
+    assert r.exit_code == 2, r.output
+    assert "error: rl.rewards[0].function: " in r.output and "rw.py has no function 'f'" in r.output

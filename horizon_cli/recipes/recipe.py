@@ -68,7 +68,10 @@ class PlanModel:
 class Batches(Protocol):
     """What a run's steps train on, decided once (Recipe.batches)."""
 
-    objective: LossObjective | None  # None: the engine's default, token cross-entropy
+    @property
+    def objective(self) -> LossObjective | None:
+        """What the engine's head computes (None: its default, token cross-entropy)."""
+        ...
 
     def attach(self, run: Attached) -> None:
         """Once the engine is built: what a strategy that drives it needs (grpo: the sampler)."""

@@ -24,7 +24,7 @@ from ..planning.fit import Machine
 from ..planning.memory import MemoryPlan
 from ..planning.tiling import note as tiling_note
 from ..recipes.recipe import PlanModel
-from ..recipes.registry import checked, recipe_for
+from ..recipes.registry import batches_for, recipe_for
 from ..runtime.dtype import DtypeChoice
 from ..store import Store
 from .checks import before_claim, kernel_ready
@@ -119,7 +119,7 @@ def check_data(cfg: Config, model: Store | PlannedModel, console: Console) -> Pr
             raise
         console.print(f"data: {cfg.data.path} not tokenized ({why})", highlight=False)
         return None
-    checked(cfg, data)  # the data goes with the config's training method (recipes.registry)
+    batches_for(cfg, data)  # the data goes with the config's method, which builds (rl: loads its rewards)
     return data
 
 

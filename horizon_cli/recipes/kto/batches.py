@@ -6,6 +6,7 @@ mismatched one) -> micro-batches of micro_batch_size whole examples, with their 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import numpy as np
 
@@ -27,11 +28,11 @@ class KTOBatches(PairBatches):
     def step(self, step: int) -> tuple[list[MicroBatch], int]:
         t = self.cfg.train
         idx = batch_indices(len(self.data.train), step, t.batch_size, t.seed, self.cfg.data.shuffle)
-        return self._collate(self.data.train, idx, "train")
+        return self._collate(cast(PairSet, self.data.train), idx, "train")  # the recipe's form: unpaired
 
     def _eval(self, idx: np.ndarray) -> list[MicroBatch]:
         assert self.data.eval is not None
-        return self._collate(self.data.eval, idx, "eval")[0]
+        return self._collate(cast(PairSet, self.data.eval), idx, "eval")[0]
 
     def _collate(self, rows: PairSet, idx: np.ndarray, name: str) -> tuple[list[MicroBatch], int]:
         got = rows.rows(idx)
