@@ -3,7 +3,7 @@
 The loss: TRL's `GRPOTrainer._compute_loss` and `_get_per_token_logps_and_entropies` called on a
 stub trainer (the attributes they read, set as GRPOConfig would) over the model patched with
 TRL's `add_fused_lm_head` (temperature-scaled log-probs, as GRPOTrainer patches it); horizon's
-GRPOObjective (engine.grpo_loss) through the streamed engine, the batch split over micro-batches.
+GRPOObjective (recipes.grpo.loss) through the streamed engine, the batch split over micro-batches.
 For every loss_type, beta 0 and > 0 (k3 KL to a reference's log-probs), num_iterations 1 (old =
 the policy, detached) and > 1 (old log-probs away from the policy: the clipped path, both sides),
 truncated completions masked or not, temperature 1 and not: one step's loss and every gradient

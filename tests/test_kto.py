@@ -1,7 +1,7 @@
 """KTO (unpaired preference) against TRL 1.16's KTOTrainer: its own dataset preparation (tokens and
 the rotated KL completions), its precomputed reference log-probs, its `_compute_loss` on its own
 collator's batch; horizon's rows (data.unpaired), streamed reference pass and objective
-(engine.kto_loss) through the engine: one step's loss, every gradient and the logged metrics (fp32,
+(recipes.kto.loss) through the engine: one step's loss, every gradient and the logged metrics (fp32,
 1e-5), with desirable/undesirable weights != 1 and a batch of desirable examples only. Both record
 forms (TRL's label, LLaMA-Factory's kto_tag) give the same examples; bad values stop with one line;
 `horizon train` equals KTOTrainer's loss + AdamW over three shuffled steps, and resumes bitwise.

@@ -1,4 +1,4 @@
-"""Preference losses on the streamed engine against TRL's own code (engine/pref_loss.py).
+"""Preference losses on the streamed engine against TRL's own code (recipes/preference/loss.py).
 
 DPO, IPO and DPO + sft_weight against DPOTrainer.compute_loss on batches its own collator made
 from its own tokenization of the same records (and DPOTrainer loss_type sigmoid given a

@@ -7,10 +7,11 @@
                    `preference`) and the counts the data summary gives
     PairSet        a TokenSet seen as pairs: len() counts pairs, rows(pairs) gives both rows of each,
                    select(pairs) a split, so the sampler and the eval split never part a pair
-    collate_pairs  a global batch of pairs -> micro-batches of whole pairs, with what the pair
-                   objective reads (engine.pref_loss): `ref` (b,) the reference log-probs, and the
-                   global batch's `pairs`, `chosen_tokens` (completion labels of the chosen rows)
-                   and `chosen_seq_tokens` (every predicted position of the chosen rows, ORPO's NLL)
+    collate_pairs  a global batch of pairs -> micro-batches of whole pairs, each with what the
+                   pair objective reads (recipes.preference.loss), its PairPayload: `ref` (b,) the
+                   reference log-probs, and the global batch's `pairs`, `chosen_tokens` (completion
+                   labels of the chosen rows) and `chosen_seq_tokens` (every predicted position of
+                   the chosen rows, ORPO's NLL)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Unpaired preference (KTO): a record -> (prompt, completion, desirable) token ids, as TRL's
 KTOTrainer tokenizes them (trl/trainer/kto_trainer.py, `_prepare_dataset`), and the rows the KTO
-objective (engine.kto_loss) reads.
+objective (recipes.kto.loss) reads.
 
     TRL unpaired        prompt, completion: strings (the tokenizer's EOS appended to a completion
                         that does not end with it) or message lists (the chat template renders the

@@ -7,7 +7,7 @@ batch is sampled, scored and given advantages here before the engine trains on i
                  (rl.rewards), advantages over the whole batch (rl.advantages), the rollout
                  policy's log-probs (num_iterations > 1) and the reference's (beta > 0)
                  from forward-only sweeps (rl.logps), rollouts/step-N.jsonl written; then
-                 micro-batches of train.micro_batch_size completions for engine.grpo_loss
+                 micro-batches of train.micro_batch_size completions for recipes.grpo.loss
     eval         the held-out prompts sampled alike (a fixed seed), scored: eval_reward, ...
     ranks        under torchrun each rank samples and scores its contiguous part of the prompts
                  (engine.ranks.part: a group whole on one rank, rows seeded by their place in the

@@ -1,6 +1,6 @@
 """One step's rollouts: batch_size prompts x num_generations completions sampled by the streamed
 engine on the current host weights (generate.decoder: every completion shares each sweep of the
-weights), as micro-batches for the loss (engine.grpo_loss), and written to the run dir.
+weights), as micro-batches for the loss (recipes.grpo.loss), and written to the run dir.
 
 Sampling is seeded by (train.seed, the step) and each completion's place in the batch (prompt p's
 generation j is row p x G + j; model.sample draws each row from a generator of its own), so a
