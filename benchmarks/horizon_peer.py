@@ -125,7 +125,7 @@ def run_engine(job: dict) -> dict:
     objective = None
     if job.get("preference"):  # rows 2k, 2k + 1 a pair: the second half of each row its completion
         from horizon_cli.config.schema import PreferenceConfig
-        from horizon_cli.engine.pref_loss import PairObjective
+        from horizon_cli.recipes.preference.loss import PairObjective
 
         objective = PairObjective(PreferenceConfig(loss=job["preference"]))
     keep = plan_for(cfg, store, run_rung(cfg, store), lora, where=local_machine(cfg)).kept  # as `train`
@@ -184,6 +184,7 @@ def _pairs(engine, mbs):
     import torch
 
     from horizon_cli.data.batch import IGNORE
+    from horizon_cli.data.pairs import PairPayload
 
     for mb in mbs:
         mb.labels = mb.input_ids.clone()
@@ -194,8 +195,7 @@ def _pairs(engine, mbs):
     chosen = sum(int((mb.labels[0::2, 1:] != IGNORE).sum()) for mb in mbs)
     seq = sum(mb.input_ids.shape[0] // 2 * (mb.input_ids.shape[1] - 1) for mb in mbs)
     for mb, lp in zip(mbs, ref, strict=True):
-        counts = {"pairs": pairs, "chosen_tokens": chosen, "chosen_seq_tokens": seq}
-        mb.extras = {"ref": lp, **{k: torch.tensor(float(v)) for k, v in counts.items()}}
+        mb.payload = PairPayload(pairs=pairs, chosen_tokens=chosen, chosen_seq_tokens=seq, ref=lp)
     return mbs
 
 

@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("vision",),  # images: the processor's data, the tower on the device, the merge before layer 0
     ("preflight", "inspect"),
     ("profile", "generate"),
-    ("rl",),  # online RL: rewards, advantages, rollouts from generate, the loop's strategy for train
+    ("recipes",),  # training methods: one folder each (sft, preference, kto, grpo), one registry
     ("train",),
     ("api",),
     ("cli", "__main__"),

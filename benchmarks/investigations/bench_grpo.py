@@ -97,7 +97,7 @@ def link_for(store_path: Path, sweep_ms: float) -> tuple[float, int]:
 def horizon_rollout(store_path: Path, prompts: list[list[int]], new: int, link: float) -> dict:
     from horizon_cli.config.schema import EngineConfig, OptimConfig
     from horizon_cli.engine import Engine
-    from horizon_cli.rl.rollouts import sample, speed
+    from horizon_cli.recipes.grpo.rollouts import sample, speed
     from horizon_cli.store import Store
 
     eng = Engine(Store.open(store_path), EngineConfig(device="cpu", dtype="float32", link_gbps=link), OptimConfig(),

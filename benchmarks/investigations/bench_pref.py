@@ -102,7 +102,7 @@ def child(a) -> dict:
     from horizon_cli.data import collate
     from horizon_cli.data.pairs import collate_pairs
     from horizon_cli.engine import Engine
-    from horizon_cli.engine.pref_loss import PairObjective
+    from horizon_cli.recipes.preference.loss import PairObjective
     from horizon_cli.store import Store
 
     torch.set_num_threads(a.threads)

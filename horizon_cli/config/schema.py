@@ -149,7 +149,7 @@ REFERENCED = ("dpo", "cdpo", "ipo")  # the pair losses with a reference model (k
 @dataclass
 class PreferenceConfig:
     """Present: preference optimisation on (prompt, chosen, rejected) pairs; each loss as TRL defines it
-    (cdpo: conservative DPO, which TRL 1.16's DPOTrainer no longer has; see engine/pref_loss.py)."""
+    (cdpo: conservative DPO, which TRL 1.16's DPOTrainer no longer has; see recipes/preference/loss.py)."""
 
     loss: str = _f("dpo", choices=PREF_LOSSES)
     beta: float = _f(0.1, gt=0.0)  # DPO/IPO/SimPO's beta; ORPO's lambda
@@ -166,7 +166,7 @@ BUILTIN_REWARDS = ("accuracy", "format", "length")
 
 @dataclass
 class RewardConfig:
-    """One reward function of an `rl:` run (rl/rewards.py): a built-in name, "file.py:name" or
+    """One reward function of an `rl:` run (recipes/grpo/rewards.py): a built-in name, "file.py:name" or
     "module:name" (TRL's calling convention), and its weight in the summed reward."""
 
     function: str = _f("")
@@ -180,7 +180,7 @@ class RewardConfig:
 
 @dataclass
 class RLConfig:
-    """Present: online RL (rl/): each step samples num_generations completions per prompt on the
+    """Present: online RL (recipes/grpo/): each step samples num_generations completions per prompt on the
     current weights, scores them, and trains with TRL 1.16's GRPO loss. Defaults: GRPOConfig's."""
 
     algorithm: str = _f("grpo", choices=("grpo",))
@@ -242,6 +242,13 @@ class Config:
         """Sequences per counted example: a preference pair is two (chosen, rejected); an rl run's
         micro-batches count completions (one sequence each)."""
         return 2 if self.preference is not None else 1
+
+    @property
+    def dropout_off(self) -> str:
+        """Why the run's method trains without the model's dropout ("": it trains with it): TRL's
+        DPO, KTO, CPO (SimPO) and ORPO trainers disable it (`disable_dropout: true`), and horizon's
+        preference losses are TRL's."""
+        return "a preference run, as TRL's trainers (disable_dropout)" if self.preference is not None else ""
 
     @property
     def step_sequences(self) -> int:

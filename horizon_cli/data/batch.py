@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
 IGNORE = -100  # label value that contributes no loss (transformers' convention)
+
+
+class Payload(Protocol):
+    """What a recipe's objective reads beside the tokens, one typed value per micro-batch: each
+    training method its own dataclass (data.pairs.PairPayload, data.unpaired.KTOPayload,
+    recipes.grpo.loss.GRPOPayload), read only by that method's objective."""
+
+    def unlabelled(self) -> Payload:
+        """The payload of a copy of its micro-batch without labels (an eval rank's filler)."""
+        ...
 
 
 @dataclass
@@ -24,9 +35,10 @@ class MicroBatch:
                  the right (MoE router statistics); None when no row is padded
     media        the rows' image tensors by name (the processor's pixel_values, image sizes or grids),
                  the rows' concatenated along dim 0 as the processor batches them; None: no images
-    extras       what an objective reads beside the tokens, by name (engine.objective): per row
-                 (b,) or per global batch (0-d). Preference pairs (data.pairs): rows 2j and
-                 2j + 1 are pair j's chosen and rejected; `ref` (b,) fp32 their reference log-probs
+    payload      what the recipe's objective reads beside the tokens (a Payload: per row (b,)
+                 tensors, the global batch's counts); None for SFT. Preference pairs (data.pairs):
+                 rows 2j and 2j + 1 are pair j's chosen and rejected, PairPayload.ref (b,) fp32
+                 their reference log-probs
     token_types  (b, T) int64, 1 on image tokens, for a model whose attention reads them (Gemma 3:
                  bidirectional within each image's block, model.token_masks); set by the image
                  stage (vision.embed), None otherwise
@@ -37,7 +49,7 @@ class MicroBatch:
     position_ids: torch.Tensor
     doc_ids: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    payload: Payload | None = None
     media: dict[str, torch.Tensor] | None = None
     token_types: torch.Tensor | None = None
 
@@ -45,6 +57,12 @@ class MicroBatch:
     def label_tokens(self) -> int:
         """Tokens that carry loss after the shift by one."""
         return int((self.labels[:, 1:] != IGNORE).sum())
+
+    def unlabelled(self) -> MicroBatch:
+        """A copy with no labels: a rank short of an eval micro-batch runs it and adds nothing (its
+        payload's own counts, an rl micro-batch's rows, zero too)."""
+        payload = None if self.payload is None else self.payload.unlabelled()
+        return replace(self, labels=torch.full_like(self.labels, IGNORE), payload=payload)
 
     @staticmethod
     def from_rows(rows: list[tuple[list[int], list[int]]], pad_id: int) -> MicroBatch:

@@ -7,16 +7,18 @@
                    `preference`) and the counts the data summary gives
     PairSet        a TokenSet seen as pairs: len() counts pairs, rows(pairs) gives both rows of each,
                    select(pairs) a split, so the sampler and the eval split never part a pair
-    collate_pairs  a global batch of pairs -> micro-batches of whole pairs, with what the pair
-                   objective reads (engine.pref_loss): `ref` (b,) the reference log-probs, and the
-                   global batch's `pairs`, `chosen_tokens` (completion labels of the chosen rows)
-                   and `chosen_seq_tokens` (every predicted position of the chosen rows, ORPO's NLL)
+    collate_pairs  a global batch of pairs -> micro-batches of whole pairs, each with what the
+                   pair objective reads (recipes.preference.loss), its PairPayload: `ref` (b,) the
+                   reference log-probs, and the global batch's `pairs`, `chosen_tokens` (completion
+                   labels of the chosen rows) and `chosen_seq_tokens` (every predicted position of
+                   the chosen rows, ORPO's NLL)
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -196,8 +198,21 @@ def collate_pairs(
     off = 0
     for mb in mbs:
         b = mb.input_ids.shape[0]
-        mb.extras = {k: torch.tensor(float(v)) for k, v in counts.items()}
-        if flat is not None:
-            mb.extras["ref"] = flat[off : off + b]
+        mb.payload = PairPayload(**counts, ref=None if flat is None else flat[off : off + b])
         off += b
     return mbs
+
+
+@dataclass(frozen=True)
+class PairPayload:
+    """A micro-batch of pairs' payload (recipes.preference.loss reads it): the global batch's pairs,
+    its chosen completions' label tokens (sft_weight's mean) and its chosen rows' predicted tokens
+    (orpo's NLL mean); the rows' reference log-probs (b,) fp32 (dpo, cdpo, ipo), else None."""
+
+    pairs: int
+    chosen_tokens: int
+    chosen_seq_tokens: int
+    ref: torch.Tensor | None = None
+
+    def unlabelled(self) -> PairPayload:
+        return self  # the global batch's counts stay: the filler's pairs are invalid, adding nothing

@@ -1,6 +1,6 @@
 """Unpaired preference (KTO): a record -> (prompt, completion, desirable) token ids, as TRL's
 KTOTrainer tokenizes them (trl/trainer/kto_trainer.py, `_prepare_dataset`), and the rows the KTO
-objective (engine.kto_loss) reads.
+objective (recipes.kto.loss) reads.
 
     TRL unpaired        prompt, completion: strings (the tokenizer's EOS appended to a completion
                         that does not end with it) or message lists (the chat template renders the
@@ -34,7 +34,7 @@ from ..errors import InputError
 from . import templates
 from .batch import IGNORE, MicroBatch
 from .fields import Unread, unread_columns
-from .pairs import collate_pairs
+from .pairs import PairPayload, collate_pairs
 from .records import chat_record, instruction_record, text_of, tools_of, turns_of
 from .tokset import Row, RowBuilder, TokenSet
 
@@ -194,17 +194,31 @@ def collate_unpaired(
     rows: list[Row], desirable, micro: int, pad_id: int, ref: np.ndarray | None = None
 ) -> list[MicroBatch]:
     """Rows of a global batch of examples (completion, mismatched, ...) -> micro-batches of
-    `micro` whole examples; extras: `ref` (b,) (the reference's log-prob of each row),
-    `desirable` (b/2,) bool, and the global batch's `examples` (each has one mismatched row)."""
+    `micro` whole examples, each with its KTOPayload."""
     mbs = collate_pairs(rows, micro, pad_id, ref)
     flags = torch.as_tensor(np.asarray(desirable, dtype=bool))
     off = 0
     for mb in mbs:
         k = mb.input_ids.shape[0] // 2
-        mb.extras["desirable"] = flags[off : off + k]
-        mb.extras["examples"] = torch.tensor(float(len(rows) // 2))
+        pairs = mb.payload
+        assert isinstance(pairs, PairPayload)
+        mb.payload = KTOPayload(ref=pairs.ref, desirable=flags[off : off + k], examples=len(rows) // 2)
         off += k
     return mbs
+
+
+@dataclass(frozen=True)
+class KTOPayload:
+    """A micro-batch of KTO examples' payload (recipes.kto.loss reads it): the rows' reference
+    log-probs (b,) fp32 (None before the reference pass), whether each example is desirable (b/2,)
+    bool, and the global batch's examples (each has one mismatched row)."""
+
+    ref: torch.Tensor | None
+    desirable: torch.Tensor
+    examples: int
+
+    def unlabelled(self) -> KTOPayload:
+        return self  # the global batch's count stays: the filler's examples are invalid, adding nothing
 
 
 def _value(v, what: str, where: str):

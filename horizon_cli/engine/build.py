@@ -65,7 +65,7 @@ def check_fit(planned: Planned, where: Machine) -> None:
 
 def step_tokens(cfg: Config, store: Store, world: int = 1) -> int:
     """The most tokens one rank's step holds (it sizes the buffers for saved inputs once)."""
-    seqs = cfg.step_sequences  # preference: two sequences a pair; rl: G completions a prompt
+    seqs = cfg.step_sequences  # a method's sequences per example (two a pair, G completions a prompt)
     return seqs * min(cfg.data.max_seq_len, store.arch.max_positions) // world
 
 
@@ -95,10 +95,9 @@ def build_engine(
 
 def dropout_seed(cfg: Config) -> int | None:
     """The seed of the run's dropout masks (engine.dropout): train.seed, or None (off) when
-    `model.dropout: 0` turns the model's dropout and router noise off, and in a preference run:
-    TRL's DPO, KTO, CPO (SimPO) and ORPO trainers disable the model's dropout by default
-    (`disable_dropout: true`), and horizon's preference losses are TRL's."""
-    return None if cfg.model.dropout == 0 or cfg.preference is not None else cfg.train.seed
+    `model.dropout: 0` turns the model's dropout and router noise off, and when the run's method
+    trains without it (config.Config.dropout_off)."""
+    return None if cfg.model.dropout == 0 or cfg.dropout_off else cfg.train.seed
 
 
 def dropout_line(cfg: Config, arch) -> str | None:
@@ -109,8 +108,6 @@ def dropout_line(cfg: Config, arch) -> str | None:
     said = ", ".join(f"{k} {v:g}" for k, v in keys)
     if cfg.model.dropout == 0:
         return f"dropout: off (model.dropout: 0; the model's config sets {said})"
-    if cfg.preference is not None:
-        return (
-            f"dropout: off in a preference run, as TRL's trainers (disable_dropout); the config sets {said}"
-        )
+    if cfg.dropout_off:
+        return f"dropout: off in {cfg.dropout_off}; the config sets {said}"
     return f"dropout: on as the model's config sets it ({said}), masks seeded by train.seed; model.dropout: 0 turns it off"

@@ -7,7 +7,7 @@ assembles them; every implementation is chosen once, at build time).
     Params         what is trained (engine.params: FullParams, LoraParams, FrozenParams)
     HeadGrads      whether and how the head and the embedding get gradients (engine.headgrad)
     Reduce         where gradients go (engine.reduce: LocalReduce, ShardedReduce)
-    LossObjective  what the loss head computes (engine.objective, engine.pref_loss)
+    LossObjective  what the loss head computes (engine.objective; each recipe's loss, recipes/)
     LayerPass      what one call of a layer does in a sweep (engine.passes, generate.decode)
 
 The template's per-micro-batch context, its generation cache and what a kept layer's forward

@@ -11,8 +11,8 @@ functions in this same order, so a dry run stops exactly where the start would, 
                    config may resume it. A run dir trained to train.steps stops here (nothing to
                    train; it is only finished), without the two checks below
     the data       read and tokenized (start: through <run>/cache; dry run: not cached), and
-                   whether it goes with the config (train/batches.make_batches: preference pairs
-                   and a preference: section only together)
+                   whether it goes with the config's training method (recipes.registry.checked:
+                   e.g. preference pairs and a preference: section only together)
     kernel_ready   the native AdamW kernel: built now, as a phase of its own, when this machine has
                    no build yet (a minute, once), so the build is never part of a step's time or
                    the ETA; `optim.kernel: native` on a machine that cannot build it stops here

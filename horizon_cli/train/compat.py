@@ -18,6 +18,7 @@ run dir's checkpoint reached it is refused always: those steps are trained.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import yaml
@@ -56,7 +57,8 @@ FREE = (
 # accepted. engine.dtype is refused before this (RunDir: the model and state checks).
 STATE = ("optim.memory", "lora.r")
 
-OPTIONAL = ("lora", "preference", "rl")  # sections that may be null: switching one on or off changes the run
+# sections that may be null (lora, a method's: preference, rl): switching one on or off changes the run
+OPTIONAL = tuple(f.name for f in fields(Config) if f.default is None)
 
 
 def flat(tree: dict, prefix: str = "") -> dict[str, Any]:

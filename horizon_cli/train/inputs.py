@@ -13,6 +13,7 @@ from ..config import Config
 from ..data import PreparedData, prepare_data
 from ..data.encode import ONLY_TOKENS, NoTokenizer
 from ..errors import InputError
+from ..recipes.registry import recipe_for
 
 
 class ModelFiles(Protocol):
@@ -68,20 +69,9 @@ def load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: C
 def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: Console) -> PreparedData:
     from ..vision.run import image_data
 
-    if cfg.rl is not None:  # prompts only (data.prompt_only), read whole: nothing to cache
-        from ..data.collate import pad_id_of
-        from ..data.prompt_only import prepare_prompts
-
-        tok = load_tokenizer(store, "auto")  # prompt_input_ids need none
-        a = store.arch
-        train, ev = prepare_prompts(
-            cfg.data, tok, a.vocab, a.max_positions, cfg.rl.max_completion_length, cfg.train.seed
-        )
-        console.print(
-            f"data: {len(train):,} prompts" + (f", {len(ev):,} held out" if ev is not None else ""),
-            highlight=False,
-        )
-        return PreparedData(train, ev, "prompt", pad_id_of(tok, a.vocab))  # type: ignore[arg-type]
+    own = recipe_for(cfg).read_data(cfg, lambda fmt: load_tokenizer(store, fmt), store.arch, console)
+    if own is not None:  # the recipe's own data form (rl: prompts, read whole: nothing to cache)
+        return own
     return prepare_data(
         cfg.data,
         load_tokenizer(store, cfg.data.format),

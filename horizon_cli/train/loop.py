@@ -34,10 +34,11 @@ from ..lora.setup import LoraSetup
 from ..optim.schedules import lr_at
 from ..parallel.comm import Dist
 from ..progress import byte_progress, train_columns
+from ..recipes.recipe import Attached
+from ..recipes.registry import batches_for
 from ..store import Store, ckpt
 from ..vision.run import has_images, vision_stage
 from . import checkpoint
-from .batches import make_batches, unlabelled
 from .checkpoint import verify_base
 from .checks import kernel_ready
 from .inputs import load_data
@@ -85,16 +86,16 @@ class Trainer:
             self.rd.begin()
             return self._finish(self.rd.resume_step)
         self.data = self._load_data()
-        self.batches = make_batches(self.cfg, self.data)  # rows (SFT) or pairs (preference)
+        self.batches = batches_for(self.cfg, self.data)  # the run's recipe (recipes.registry)
         kernel_ready(self.cfg.optim.kernel, self.console)  # a build is its own phase, not step 1's
         try:
             state = self._resume()
             # the trackers start before the run dir changes: one that cannot start fails the start
             trackers = Trackers(self.cfg, self.run_dir, state["step"], self.console) if self.main else None
             try:
-                self.batches.attach(self.engine, self.store, self.run_dir, self.console, self.main)
+                self.batches.attach(Attached(self.engine, self.store, self.run_dir, self.console, self.main))
                 self.rd.begin()  # everything is checked and loaded: from here on the run dir changes
-                self.batches.prepare(lambda: self._reference(state["step"]))  # dpo/ipo: before step 1
+                self.batches.prepare(state["step"])  # preference, kto: the reference pass before step 1
                 self.bad = state.get("bad_steps", 0)
                 if self.samples is not None and self.main:
                     keep_until(self.run_dir, state["step"])
@@ -168,7 +169,7 @@ class Trainer:
             calls=len(spec_sequence(self.store.arch)),
         )  # fmt: skip
         with byte_progress(self.console, "load weights", src.nbytes()) as advance:
-            obj = self.batches.objective  # None: SFT's TokenCE; preference: the pair objective
+            obj = self.batches.objective  # None: SFT's TokenCE; else the recipe's own
             engine = build_engine(
                 self.cfg, src, lora=self.lora, dist=self.dist, progress=advance, objective=obj, keep=keep,
                 stage=vision_stage(src, self.cfg.train.vision, self.lora) if self._images() else None,
@@ -187,15 +188,6 @@ class Trainer:
             f"AdamW kernel {engine.optimizer.kernel_name}, host state {fmt_bytes(host)}{what}"
         )
         return engine
-
-    def _reference(self, step: int) -> dict:
-        """A preference run's reference log-probs: computed on a fresh start, read back on resume."""
-        from .reference import reference
-
-        fp = ckpt.model_fingerprint(self.store)
-        return reference(
-            self.engine, self.data, self.cfg, self.run_dir, self.console, step == 0, fp, self.main
-        )
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self, start: int) -> int:
@@ -312,7 +304,7 @@ class Trainer:
     def _eval_share(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
         """Micro-batches dealt round-robin; a rank short of one gets a copy of the first with no
         labels (every rank must run the same loads and collectives; it adds nothing)."""
-        return self.ranks.eval_share(mbs, unlabelled)
+        return self.ranks.eval_share(mbs, MicroBatch.unlabelled)
 
     def save(self, step: int) -> Path:
         trainer = {

@@ -32,13 +32,12 @@ from ..planning.ladder import (
 )
 from ..planning.memory import MemoryPlan
 from ..planning.tiling import note as tiling_note
-from ..rl.plan import rollout_plan
+from ..recipes.recipe import PlanModel
+from ..recipes.registry import batches_for, recipe_for
 from ..runtime.dtype import DtypeChoice
 from ..store import Store
-from .batches import make_batches
 from .checks import before_claim, kernel_ready
 from .inputs import NoTokenizerFiles, load_data
-from .reference import reference_plan
 from .rundir import RunDir
 
 
@@ -92,18 +91,16 @@ def dry_run_report(
         report["dtype"] = dtype.record()
     if drop:
         report["dropout"] = drop
-    ref = reference_plan(cfg, data, model.arch.n_layers)  # dpo/ipo: the pass before step 1
-    if ref is not None:
-        console.print(ref.pop("text"), highlight=False)
-        report["reference"] = ref
-    # the rollout runs between steps: the kept layers' graphs and weights (held from a step's
-    # forward to its backward) are not on the device then, so their room is the KV cache's
+    # what runs between steps (rl's rollouts): the kept layers' graphs and weights (held from a
+    # step's forward to its backward) are not on the device then, so their room is free
     free = None if where.device is None else max(0, where.device - (plan.device_total - plan.kept_bytes))
     quant = "nf4" if chosen == "qlora" else ""
-    roll = rollout_plan(cfg, data, model.arch, cfg.engine.dtype, quant, free, planned.world.size)
-    if roll is not None:  # rl: one step's rollouts on paper
-        console.print(roll.pop("text"), highlight=False)
-        report["rollouts"] = roll
+    terms = recipe_for(cfg).plan(
+        cfg, data, PlanModel(model.arch, cfg.engine.dtype, quant, free, planned.world.size)
+    )
+    for key, term in terms.items():  # the recipe's own (a reference pass, rollouts)
+        console.print(term.pop("text"), highlight=False)
+        report[key] = term
     if json_out is not None:
         write_json(json_out, report)
     if refused is not None:
@@ -131,7 +128,7 @@ def check_data(cfg: Config, model: Store | PlannedModel, console: Console) -> Pr
             raise
         console.print(f"data: {cfg.data.path} not tokenized ({why})", highlight=False)
         return None
-    make_batches(cfg, data)  # a preference: section and preference data go together
+    batches_for(cfg, data)  # the data goes with the config's method, which builds (rl: loads its rewards)
     return data
 
 

@@ -26,9 +26,9 @@ from ..errors import InputError
 from ..faults import phase
 from ..lora.setup import lora_for
 from ..parallel.launch import joined, rank_device, world_from_env
-from ..parallel.shard import check_completions, check_world
 from ..parallel.topology import world_for
 from ..planning.ladder import open_model
+from ..recipes.registry import recipe_for
 from ..runtime.dtype import with_dtype
 from ..store import DTYPES, Store
 from ..vision.adapters import projector_targets
@@ -123,12 +123,9 @@ def rank_cfg(cfg: Config) -> Config:
 
 
 def check_split(cfg: Config, world: int) -> None:
-    """The global batch splits into the same number of micro-batches on every rank (rl: its
-    batch_size x G completions, which one process splits freely)."""
-    if cfg.rl is None:
-        check_world(cfg.train.batch_size, cfg.train.micro_batch_size, world)
-    elif world > 1:
-        check_completions(cfg.train.batch_size * cfg.rl.num_generations, cfg.train.micro_batch_size, world)
+    """The global batch splits into the same number of micro-batches on every rank (as the run's
+    recipe counts it: rl, batch_size x G completions)."""
+    recipe_for(cfg).check_ranks(cfg, world)
 
 
 def join_world(cfg: Config, console: Console) -> tuple[Config, Console]:

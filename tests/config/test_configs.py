@@ -88,7 +88,7 @@ def test_llama70b_grpo_plans_its_rollouts_on_paper():
     """The GRPO config's plan (rl/plan.py, what its dry run prints): it fits like SFT of the same
     tokens, and its rollout on paper is what the config's header says (link-bound, the KV cache of
     128 completions on the device)."""
-    from horizon_cli.rl.plan import rollout_plan
+    from horizon_cli.recipes.grpo.plan import rollout_plan
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "llama70b-grpo.yaml")
     spec = spec_from_hf(LLAMA_31_70B)

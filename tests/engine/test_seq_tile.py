@@ -20,7 +20,7 @@ from horizon_cli.convert import convert
 from horizon_cli.data.batch import IGNORE, MicroBatch
 from horizon_cli.data.pairs import collate_pairs
 from horizon_cli.engine import Engine
-from horizon_cli.engine.pref_loss import PairObjective
+from horizon_cli.recipes.preference.loss import PairObjective
 from horizon_cli.store import Store
 from tests.preference.test_pref_engine import RECORDS, pairs_of
 from tests.support.oracle import (  # noqa: F401

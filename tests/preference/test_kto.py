@@ -1,7 +1,7 @@
 """KTO (unpaired preference) against TRL 1.16's KTOTrainer: its own dataset preparation (tokens and
 the rotated KL completions), its precomputed reference log-probs, its `_compute_loss` on its own
 collator's batch; horizon's rows (data.unpaired), streamed reference pass and objective
-(engine.kto_loss) through the engine: one step's loss, every gradient and the logged metrics (fp32,
+(recipes.kto.loss) through the engine: one step's loss, every gradient and the logged metrics (fp32,
 1e-5), with desirable/undesirable weights != 1 and a batch of desirable examples only. Both record
 forms (TRL's label, LLaMA-Factory's kto_tag) give the same examples; bad values stop with one line;
 `horizon train` equals KTOTrainer's loss + AdamW over three shuffled steps, and resumes bitwise.
@@ -20,8 +20,8 @@ import torch
 from horizon_cli.config.schema import EngineConfig, OptimConfig, PreferenceConfig
 from horizon_cli.data.unpaired import build_unpaired, collate_unpaired, examples_of
 from horizon_cli.engine import Engine
-from horizon_cli.engine.kto_loss import KTOObjective
 from horizon_cli.errors import InputError
+from horizon_cli.recipes.kto.loss import KTOObjective
 from tests.support.oracle import check_grads, make_store, one_thread, rel_err  # noqa: F401
 
 trl = pytest.importorskip("trl")

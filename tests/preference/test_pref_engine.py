@@ -13,8 +13,8 @@ import torch
 from horizon_cli.config.schema import DataConfig, EngineConfig, LoraConfig, OptimConfig, PreferenceConfig
 from horizon_cli.data.pairs import as_pairs, build_pairs, collate_pairs
 from horizon_cli.engine import Engine
-from horizon_cli.engine.pref_loss import PairObjective
 from horizon_cli.lora.setup import lora_setup
+from horizon_cli.recipes.preference.loss import PairObjective
 from tests.support.oracle import check_grads, make_store, one_thread, rel_err  # noqa: F401
 
 trl = pytest.importorskip("trl")

@@ -1,4 +1,4 @@
-"""Preference losses on the streamed engine against TRL's own code (engine/pref_loss.py).
+"""Preference losses on the streamed engine against TRL's own code (recipes/preference/loss.py).
 
 DPO, IPO and DPO + sft_weight against DPOTrainer.compute_loss on batches its own collator made
 from its own tokenization of the same records (and DPOTrainer loss_type sigmoid given a
@@ -21,7 +21,7 @@ import torch
 from horizon_cli.config.schema import DataConfig, EngineConfig, OptimConfig, PreferenceConfig
 from horizon_cli.data.pairs import as_pairs, build_pairs, collate_pairs
 from horizon_cli.engine import Engine
-from horizon_cli.engine.pref_loss import PairObjective
+from horizon_cli.recipes.preference.loss import PairObjective
 from tests.support.oracle import check_grads, make_store, one_thread, rel_err  # noqa: F401
 
 trl = pytest.importorskip("trl")

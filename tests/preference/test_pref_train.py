@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
-import horizon_cli.train.reference as reference
+import horizon_cli.recipes.preference.reference as reference
 from horizon_cli.errors import InputError
 from horizon_cli.train import run_training
 from horizon_cli.train.metrics import read_metrics

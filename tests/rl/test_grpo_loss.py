@@ -3,7 +3,7 @@
 The loss: TRL's `GRPOTrainer._compute_loss` and `_get_per_token_logps_and_entropies` called on a
 stub trainer (the attributes they read, set as GRPOConfig would) over the model patched with
 TRL's `add_fused_lm_head` (temperature-scaled log-probs, as GRPOTrainer patches it); horizon's
-GRPOObjective (engine.grpo_loss) through the streamed engine, the batch split over micro-batches.
+GRPOObjective (recipes.grpo.loss) through the streamed engine, the batch split over micro-batches.
 For every loss_type, beta 0 and > 0 (k3 KL to a reference's log-probs), num_iterations 1 (old =
 the policy, detached) and > 1 (old log-probs away from the policy: the clipped path, both sides),
 truncated completions masked or not, temperature 1 and not: one step's loss and every gradient
@@ -28,8 +28,8 @@ import torch
 from horizon_cli.config.schema import EngineConfig, OptimConfig, RLConfig
 from horizon_cli.data.batch import IGNORE, MicroBatch
 from horizon_cli.engine import Engine
-from horizon_cli.engine.grpo_loss import GRPOObjective
-from horizon_cli.rl.advantages import advantages
+from horizon_cli.recipes.grpo.advantages import advantages
+from horizon_cli.recipes.grpo.loss import GRPOObjective, GRPOPayload
 from tests.support.oracle import check_grads, make_store, one_thread, rel_err  # noqa: F401
 
 trl = pytest.importorskip("trl")
@@ -113,11 +113,12 @@ def _ours(s, cfg: RLConfig, trl_in: dict, micro: int) -> list[MicroBatch]:
                 if "ref_per_token_logps" in trl_in:
                     refs.append(trl_in["ref_per_token_logps"][r, : len(c)])
         mb = MicroBatch.from_rows(rows, 0)
-        mb.extras = {"adv": s.adv[a : a + micro].clone(), "rows": torch.tensor(len(rows))}
-        if olds:
-            mb.extras["old"] = torch.cat(olds)
-        if refs:
-            mb.extras["ref"] = torch.cat(refs)
+        mb.payload = GRPOPayload(
+            s.adv[a : a + micro].clone(),
+            len(rows),
+            torch.cat(olds) if olds else None,
+            torch.cat(refs) if refs else None,
+        )
         mbs.append(mb)
     return mbs
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from horizon_cli.config.schema import RLConfig
-from horizon_cli.rl.advantages import advantages
+from horizon_cli.recipes.grpo.advantages import advantages
 from tests.rl.test_grpo_train import _rollouts, _run
 from tests.support.oracle import one_thread, rel_err  # noqa: F401
 

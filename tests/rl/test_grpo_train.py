@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from horizon_cli.config.schema import RLConfig
-from horizon_cli.rl.advantages import advantages
+from horizon_cli.recipes.grpo.advantages import advantages
 from tests.conftest import horizon, write_config, write_jsonl
 from tests.support.oracle import one_thread, rel_err  # noqa: F401
 from tests.train.test_train_cli import one_error_line
@@ -287,7 +287,7 @@ def test_the_rl_section_is_part_of_the_trajectory(tmp_path, tiny_store):
 def test_builtin_rewards_and_the_accuracy_extra():
     from horizon_cli.config.schema import RewardConfig
     from horizon_cli.errors import InputError
-    from horizon_cli.rl.rewards import load_rewards
+    from horizon_cli.recipes.grpo.rewards import load_rewards
 
     fmt, length = load_rewards(
         [
@@ -368,7 +368,7 @@ def test_a_slice_of_the_prompts_sampled_alone_gets_the_whole_batchs_completions(
 
     from horizon_cli.config.schema import EngineConfig, OptimConfig
     from horizon_cli.engine import Engine
-    from horizon_cli.rl.rollouts import sample
+    from horizon_cli.recipes.grpo.rollouts import sample
     from horizon_cli.store import Store
 
     prompts = [p["prompt_input_ids"] for p in _prompts(4)]

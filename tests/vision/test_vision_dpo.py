@@ -21,7 +21,7 @@ from horizon_cli.convert import convert
 from horizon_cli.data import prepare_data
 from horizon_cli.data.pairs import PairSet, collate_pairs
 from horizon_cli.engine import Engine
-from horizon_cli.engine.pref_loss import PairObjective
+from horizon_cli.recipes.preference.loss import PairObjective
 from horizon_cli.store import Store
 from horizon_cli.vision.run import image_data, vision_stage
 from tests.conftest import horizon, write_config

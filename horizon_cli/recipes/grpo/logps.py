@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from ..data.batch import MicroBatch
-from ..engine import Engine
-from ..engine.grpo_loss import scaled_head
-from ..engine.objective import Targets
-from ..model.head import label_index
+from ...data.batch import MicroBatch
+from ...engine import Engine
+from ...engine.objective import Targets
+from ...model.head import label_index
+from .loss import scaled_head
 
 
 def token_logps(

@@ -18,9 +18,9 @@ The link: engine.link_gbps when set, else 50 GB/s, a PCIe 5.0 x16 host-to-device
 
 from __future__ import annotations
 
-from ..fmt import fmt_bytes
-from ..generate.budget import weights_per_sweep
-from ..planning.memory import ITEM
+from ...fmt import fmt_bytes
+from ...generate.budget import weights_per_sweep
+from ...planning.memory import ITEM
 
 ASSUMED_GBPS = 50.0
 

@@ -32,13 +32,13 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ..config.schema import REFERENCED
-from ..data import PreparedData
-from ..data.batch import IGNORE, MicroBatch
-from ..data.pairs import PairSet, collate_pairs
-from ..errors import InputError
-from ..faults import phase
-from ..fsutil import atomic_dir, read_json
+from ...config.schema import REFERENCED
+from ...data import PreparedData
+from ...data.batch import IGNORE, MicroBatch
+from ...data.pairs import PairSet, collate_pairs
+from ...errors import InputError
+from ...faults import phase
+from ...fsutil import atomic_dir, read_json
 
 
 def reference(
@@ -178,4 +178,4 @@ def _ranks(engine) -> tuple[int, int]:
 
 def _unlabelled(mb: MicroBatch) -> MicroBatch:
     """A rank short of a micro-batch runs a copy without labels (every rank must sweep alike)."""
-    return replace(mb, labels=torch.full_like(mb.labels, IGNORE), extras={})
+    return replace(mb, labels=torch.full_like(mb.labels, IGNORE), payload=None)

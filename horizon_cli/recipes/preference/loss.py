@@ -3,7 +3,7 @@ a function of per-token log-probs, with TRL's formulas.
 
 A micro-batch holds whole pairs: rows 2j and 2j + 1 are pair j's prompt + chosen and prompt +
 rejected, labels on the completions (data.pairs). With pi = a completion's summed log-prob, n its
-predicted tokens, ref the reference's pi (MicroBatch.extras["ref"], engine.infer's reference pass):
+predicted tokens, ref the reference's pi (data.pairs.PairPayload.ref, engine.infer's reference pass):
 
     dpo    DPOTrainer loss_type sigmoid: x = (pi_c - ref_c) - (pi_r - ref_r); -log s(beta x)
            (TRL 1.16's sigmoid ignores label_smoothing; config.preference refuses it with dpo)
@@ -20,7 +20,7 @@ predicted tokens, ref the reference's pi (MicroBatch.extras["ref"], engine.infer
 
 plus sft_weight x the chosen completions' mean NLL (a token mean over the global batch; TRL's
 rpo_alpha, DPOTrainer loss_type sft). The step loss is the mean over the global batch's pairs;
-the global token counts come with the batch (extras), so micro-batches and ranks add up to it.
+the global token counts come with the batch (PairPayload), so micro-batches and ranks add up to it.
 
 Stats (sums over this rank's pairs, as TRL logs them): rewards_chosen / _rejected = beta (pi -
 ref) (reference-free losses: beta a), rewards_margin, rewards_accuracy (chosen's reward above
@@ -34,9 +34,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config.schema import REFERENCED, PreferenceConfig
-from ..data.batch import IGNORE, MicroBatch
-from .objective import SequenceObjective, Targets
+from ...config.schema import REFERENCED, PreferenceConfig
+from ...data.batch import IGNORE, MicroBatch
+from ...data.pairs import PairPayload
+from ...engine.objective import SequenceObjective, Targets
 
 STATS = (
     "rewards_chosen",
@@ -89,7 +90,8 @@ class PairObjective(SequenceObjective):
             real = torch.arange(T - 1)[None, :] < (n - 1)[:, None]
             want = comp | (real & (torch.arange(b) % 2 == 0)[:, None])
         idx = want.reshape(-1).nonzero().squeeze(1)
-        ref = mb.extras.get("ref")
+        pay = mb.payload if isinstance(mb.payload, PairPayload) else None
+        ref = None if pay is None else pay.ref
         if self.needs_reference and ref is None:
             raise ValueError(f"preference.loss {self.cfg.loss} needs reference log-probs in the batch")
         host = PairTargets(
@@ -101,10 +103,12 @@ class PairObjective(SequenceObjective):
             n_comp=(mb.labels != IGNORE).sum(1).float(),
             valid=_valid(mb.labels),
             ref=None if ref is None else ref.float(),
-            counts={
-                k: float(mb.extras[k])
-                for k in ("pairs", "chosen_tokens", "chosen_seq_tokens")
-                if k in mb.extras
+            counts={}
+            if pay is None
+            else {
+                "pairs": float(pay.pairs),
+                "chosen_tokens": float(pay.chosen_tokens),
+                "chosen_seq_tokens": float(pay.chosen_seq_tokens),
             },
         )
         return _to(host, device)

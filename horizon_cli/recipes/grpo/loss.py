@@ -4,8 +4,8 @@
 A micro-batch holds whole completions: each row a prompt and one sampled completion, labels on
 the completion's tokens (rl.rollouts; a truncated completion under mask_truncated_completions has
 none). Per labelled token, with lp its log-prob under the policy (logits / rl.temperature, as
-TRL scores them), old the rollout policy's (extras["old"]; lp itself, detached, when
-num_iterations is 1, as TRL does) and A its completion's advantage (extras["adv"]):
+TRL scores them), old the rollout policy's (GRPOPayload.old; lp itself, detached, when
+num_iterations is 1, as TRL does) and A its completion's advantage (GRPOPayload.adv):
 
     coef_1 = exp(lp - old),  coef_2 = clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
     loss_t = -min(coef_1 A, coef_2 A)  + beta (exp(ref - lp) - (ref - lp) - 1)   (k3, when beta > 0)
@@ -29,11 +29,32 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config.schema import RLConfig
-from ..data.batch import IGNORE, MicroBatch
-from .objective import Head, SequenceObjective, Targets
+from ...config.schema import RLConfig
+from ...data.batch import IGNORE, MicroBatch
+from ...engine.objective import Head, SequenceObjective, Targets
 
 STATS = ("tokens", "kl", "clip_low", "clip_high", "clip_region")
+
+
+@dataclass
+class GRPOPayload:
+    """A micro-batch of completions' payload: each row's advantage (b,) fp32 and the real rows (an
+    eval rank's filler: 0); per labelled token the rollout policy's log-probs (num_iterations > 1)
+    and the reference's (beta > 0), filled in after the rollout (recipes.grpo.batches), else None."""
+
+    adv: torch.Tensor
+    rows: int
+    old: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+
+    def unlabelled(self) -> GRPOPayload:
+        return replace(self, rows=0)
+
+
+def payload_of(mb: MicroBatch) -> GRPOPayload:
+    if not isinstance(mb.payload, GRPOPayload):
+        raise ValueError("an rl micro-batch carries its completions' advantages (GRPOPayload)")
+    return mb.payload
 
 
 @dataclass
@@ -57,7 +78,7 @@ class GRPOObjective(SequenceObjective):
         self.eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
 
     def divisor(self, mbs: list[MicroBatch]) -> int:
-        rows = sum(int(mb.extras["rows"]) for mb in mbs)
+        rows = sum(payload_of(mb).rows for mb in mbs)
         if self.cfg.loss_type == "grpo":
             return rows
         if self.cfg.loss_type == "dr_grpo":
@@ -72,8 +93,9 @@ class GRPOObjective(SequenceObjective):
             idx = lab.reshape(-1).nonzero().squeeze(1)
             seq = idx // max(T - 1, 1)
             per_row = lab.sum(1).clamp(min=1).float()
-            old, ref = mb.extras.get("old"), mb.extras.get("ref")
-            if not idx.numel():  # no labels (an eval rank's pad, train.batches.unlabelled): no log-probs
+            pay = payload_of(mb)
+            old, ref = pay.old, pay.ref
+            if not idx.numel():  # no labels (an eval rank's pad, MicroBatch.unlabelled): no log-probs
                 old, ref = (None if v is None else v[:0] for v in (old, ref))
             if self.cfg.beta > 0 and ref is None:
                 raise ValueError("rl.beta > 0 needs the reference's log-probs in the batch")
@@ -81,7 +103,7 @@ class GRPOObjective(SequenceObjective):
                 GRPOTargets(
                     idx=idx.to(device),
                     tgt=mb.input_ids[:, 1:].reshape(-1)[idx].to(device),
-                    adv=mb.extras["adv"].float()[seq].to(device),
+                    adv=pay.adv.float()[seq].to(device),
                     row_len=per_row[seq].to(device),
                     old=None if old is None else old.float().to(device),
                     ref=None if ref is None or self.cfg.beta == 0 else ref.float().to(device),

@@ -3,7 +3,7 @@ formula (trl/trainer/kto_trainer.py, `_compute_loss`, loss_type "kto").
 
 A micro-batch holds whole examples: rows 2j and 2j + 1 are example j's prompt + its completion and
 its prompt + a mismatched completion (data.unpaired), labels on the completions. With pi a row's
-summed log-prob and ref the reference's (MicroBatch.extras["ref"], the streamed reference pass):
+summed log-prob and ref the reference's (data.unpaired.KTOPayload.ref, the streamed reference pass):
 
     kl     = max(0, mean over the global batch's mismatched rows of (pi - ref)), detached: TRL
              computes those rows under no_grad, averages them per device, gathers the devices'
@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config.schema import PreferenceConfig
-from ..data.batch import IGNORE, MicroBatch
-from .objective import SequenceObjective, Targets
+from ...config.schema import PreferenceConfig
+from ...data.batch import IGNORE, MicroBatch
+from ...data.unpaired import KTOPayload
+from ...engine.objective import SequenceObjective, Targets
 
 STATS = (
     "rewards_chosen",
@@ -78,9 +79,10 @@ class KTOObjective(SequenceObjective):
             b, T = mb.input_ids.shape
             if b % 2:
                 raise ValueError("a micro-batch of KTO examples has an even number of rows")
-            ref = mb.extras.get("ref")
-            if ref is None:
+            pay = mb.payload
+            if not isinstance(pay, KTOPayload) or pay.ref is None:
                 raise ValueError("preference.loss kto needs reference log-probs in the batch")
+            ref = pay.ref
             idx = (mb.labels[:, 1:] != IGNORE).reshape(-1).nonzero().squeeze(1)
             valid = _valid(mb.labels)
             t = KTOTargets(
@@ -88,9 +90,9 @@ class KTOObjective(SequenceObjective):
                 tgt=mb.input_ids[:, 1:].reshape(-1)[idx].to(device),
                 seq=(idx // max(T - 1, 1)).to(device),
                 ref=ref.float().to(device),
-                desirable=mb.extras["desirable"].bool().to(device),
+                desirable=pay.desirable.bool().to(device),
                 valid=valid.to(device),
-                examples=float(mb.extras["examples"]),
+                examples=float(pay.examples),
             )
             out.append(t)
         return out

@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config.schema import RewardConfig
-from ..errors import InputError
+from ...config.schema import RewardConfig
+from ...errors import InputError
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The train loop's strategy for an `rl:` run (train.batches.make_batches chooses it): each step's
+"""The train loop's strategy for an `rl:` run (recipes.registry chooses it): each step's
 batch is sampled, scored and given advantages here before the engine trains on it.
 
     step s       the group of steps g = s - s mod num_iterations reuses one batch of rollouts:
@@ -7,7 +7,7 @@ batch is sampled, scored and given advantages here before the engine trains on i
                  (rl.rewards), advantages over the whole batch (rl.advantages), the rollout
                  policy's log-probs (num_iterations > 1) and the reference's (beta > 0)
                  from forward-only sweeps (rl.logps), rollouts/step-N.jsonl written; then
-                 micro-batches of train.micro_batch_size completions for engine.grpo_loss
+                 micro-batches of train.micro_batch_size completions for recipes.grpo.loss
     eval         the held-out prompts sampled alike (a fixed seed), scored: eval_reward, ...
     ranks        under torchrun each rank samples and scores its contiguous part of the prompts
                  (engine.ranks.part: a group whole on one rank, rows seeded by their place in the
@@ -30,24 +30,25 @@ adapters the base, the adapters off.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from ..config import Config
-from ..config.schema import OptimConfig
-from ..data import batch_indices
-from ..data.batch import MicroBatch
-from ..data.prompts import model_eos_ids
-from ..engine import Engine
-from ..engine.grpo_loss import GRPOObjective
-from ..errors import InputError
-from ..faults import phase
+from ...config import Config
+from ...config.schema import OptimConfig
+from ...data import batch_indices
+from ...data.batch import MicroBatch
+from ...data.prompts import model_eos_ids
+from ...engine import Engine
+from ...errors import InputError
+from ...faults import phase
+from ..recipe import Attached, Metrics
 from . import rollouts as ro
 from .advantages import advantages, reward_metrics
 from .logps import token_logps
+from .loss import GRPOObjective, payload_of
 from .rewards import load_rewards, score
 
 EVAL_SEED = 0x3C6EF372  # eval rollouts: the same seed at every evaluation
@@ -67,8 +68,9 @@ class GRPOBatches:
         self.ref_engine: Engine | None = None
 
     # -- the loop's hooks ----------------------------------------------------------------------
-    def attach(self, engine: Engine, store, run_dir: Path, console, main: bool) -> None:
-        self.engine, self.store, self.run_dir, self.console, self.main = engine, store, run_dir, console, main
+    def attach(self, run: Attached) -> None:
+        engine, store = self.engine, self.store = run.engine, run.store
+        self.run_dir, self.console, self.main = run.run_dir, run.console, run.main
         self.ranks = engine.ranks
         hf = getattr(store, "hf_dir", None) or store.root / "hf"
         self.tokenizer = self.data.train.tokenizer
@@ -93,7 +95,7 @@ class GRPOBatches:
             self.ref_engine.close()
             self.ref_engine = None
 
-    def prepare(self, reference) -> None:
+    def prepare(self, start: int) -> None:
         """Nothing before step 1: the reference is scored per step."""
 
     def step(self, step: int) -> tuple[list[MicroBatch], int]:
@@ -132,7 +134,7 @@ class GRPOBatches:
             for k, v in sums.items()
         }
 
-    def metrics(self, stats: dict[str, float], n: int, prefix: str = "") -> dict:
+    def metrics(self, stats: dict[str, float], n: int, prefix: str = "") -> Metrics:
         out = dict(self.eval_rows) if prefix else dict(self.group[2]) if self.group else {}
         if not prefix and not self.fresh:
             out |= {"rollout_s": 0.0, "reference_s": 0.0, "rollout_tokens_per_s": None}
@@ -144,7 +146,7 @@ class GRPOBatches:
                 out[f"clip_ratio/{k}_mean"] = stats[f"clip_{k}"] / toks if toks else None
         return {prefix + k: v for k, v in out.items()}
 
-    def show(self, row: dict) -> str:
+    def show(self, row: Mapping[str, object]) -> str:
         r = row.get("reward")
         split = f"{row.get('rollout_s', 0):.1f}/{row.get('reference_s', 0):.1f}/{row.get('engine_s', 0):.1f}"
         return (
@@ -234,11 +236,15 @@ class GRPOBatches:
                      max(step, 0), where)  # fmt: skip
 
     def _logps(self, engine: Engine, mbs: list[MicroBatch], key: str, adapters: bool) -> None:
-        """extras[key]: each micro-batch's per-token log-probs (rl.logps). Each rank sweeps the same
+        """GRPOPayload.old or .ref (key): each micro-batch's per-token log-probs (rl.logps). Each rank sweeps the same
         number of them (micro-batches dealt round-robin, a short rank padding with a copy whose
         result is dropped), then the ranks' results are gathered."""
         W = self.ranks.world
         got = self.ranks.gather(token_logps(engine, self.ranks.eval_share(mbs, lambda mb: mb), self.rl.temperature,
                                             adapters))  # fmt: skip
         for j, mb in enumerate(mbs):
-            mb.extras[key] = got[j % W][j // W]
+            pay = payload_of(mb)
+            if key == "old":
+                pay.old = got[j % W][j // W]
+            else:
+                pay.ref = got[j % W][j // W]

@@ -1,6 +1,6 @@
 """One step's rollouts: batch_size prompts x num_generations completions sampled by the streamed
 engine on the current host weights (generate.decoder: every completion shares each sweep of the
-weights), as micro-batches for the loss (engine.grpo_loss), and written to the run dir.
+weights), as micro-batches for the loss (recipes.grpo.loss), and written to the run dir.
 
 Sampling is seeded by (train.seed, the step) and each completion's place in the batch (prompt p's
 generation j is row p x G + j; model.sample draws each row from a generator of its own), so a
@@ -26,12 +26,13 @@ from pathlib import Path
 
 import torch
 
-from ..data.batch import IGNORE, MicroBatch
-from ..engine import Engine
-from ..fsutil import write_text_atomic
-from ..generate.decode import Generation
-from ..generate.decoder import Decoder, SweepStats, micro_batches
-from ..model.sample import Sampler
+from ...data.batch import IGNORE, MicroBatch
+from ...engine import Engine
+from ...fsutil import write_text_atomic
+from ...generate.decode import Generation
+from ...generate.decoder import Decoder, SweepStats, micro_batches
+from ...model.sample import Sampler
+from .loss import GRPOPayload
 
 SEED_MIX = 0x5851F42D4C957F2D  # the step's sampling seed: (train.seed, step) mixed
 
@@ -91,7 +92,7 @@ def micro_batches_of(
     rollouts: list[Rollout], adv: torch.Tensor, size: int, pad_id: int, mask_truncated: bool
 ) -> list[MicroBatch]:
     """Rows prompt + completion, labels on the completion (none for a masked truncated one), the
-    advantage of each row in extras["adv"] and its real row count in extras["rows"]."""
+    advantage of each row and its real row count in its GRPOPayload."""
     out = []
     for a in range(0, len(rollouts), size):
         part = rollouts[a : a + size]
@@ -100,7 +101,7 @@ def micro_batches_of(
             lab = [IGNORE] * len(r.ids) if mask_truncated and r.truncated else r.ids
             rows.append((r.prompt_ids + r.ids, [IGNORE] * len(r.prompt_ids) + lab))
         mb = MicroBatch.from_rows(rows, pad_id)
-        mb.extras = {"adv": adv[a : a + size].clone().float(), "rows": torch.tensor(len(part))}
+        mb.payload = GRPOPayload(adv[a : a + size].clone().float(), len(part))
         out.append(mb)
     return out
 

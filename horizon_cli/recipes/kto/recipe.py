@@ -1,0 +1,36 @@
+"""KTO (a `preference:` section with loss kto): unpaired examples as data (data.unpaired, each
+with a mismatched completion), the KTO objective (loss), the reference pass before step 1 and its
+term in the dry run's plan (recipes.preference.reference, as the referenced pair losses)."""
+
+from __future__ import annotations
+
+from ...config import Config
+from ...data import PreparedData
+from ..preference.recipe import Preference
+from .batches import KTOBatches
+
+
+class Kto(Preference):
+    name = "kto"
+    form: str | None = "unpaired"
+
+    def wants(self, cfg: Config) -> bool:
+        return cfg.preference is not None and cfg.preference.loss == "kto"
+
+    def hint(self, cfg: Config) -> str:
+        return (
+            f"data.path: {cfg.data.path} holds unpaired preference examples (label or kto_tag); train them "
+            "with preference: {loss: kto}"
+        )
+
+    def refusal(self, cfg: Config, data: PreparedData) -> str:
+        return (
+            f"preference.loss: kto trains on unpaired preference examples (label or kto_tag); "
+            f"data.path {cfg.data.path} is format {data.format}"
+        )
+
+    def batches(self, cfg: Config, data: PreparedData) -> KTOBatches:
+        return KTOBatches(cfg, data)
+
+
+KTO = Kto()

@@ -1,0 +1,1 @@
+"""Supervised fine-tuning: token rows, the engine's cross-entropy (batches, recipe)."""

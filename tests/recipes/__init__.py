@@ -1,0 +1,1 @@
+"""Tests of horizon_cli/recipes/: the registry and the seam between a training method and the engine."""
