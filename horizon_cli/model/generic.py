@@ -58,6 +58,7 @@ from ..data.batch import DecodeBatch, MicroBatch
 from .call import LayerCall
 from .generic_call import CallSlot, tile_blocks
 from .junction import Junctions
+from .layer import Weights
 from .moe import RouterStats, experts_fallback
 from .side import SideState, plus
 from .token_masks import has_media, owner_inputs
@@ -210,7 +211,7 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
         self.junctions.add_side_grads(j, dx, ctxs)
 
     # -- layers ------------------------------------------------------------------------------
-    def _call(self, w, x: torch.Tensor, ctx: GenericContext, call: LayerCall) -> torch.Tensor:
+    def _call(self, w: Weights, x: torch.Tensor, ctx: GenericContext, call: LayerCall) -> torch.Tensor:
         """Call j of the sequence (`calls`): layer calls[j] (without a loop, j is the layer)."""
         j, i = call.call, self.calls[call.call]
         if i not in self.called:
@@ -285,12 +286,12 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
             ctx.carry.setdefault(i, {})[k] = v.detach()
             ctx.side.produced(i, k, v)
 
-    def forward(self, w, x: torch.Tensor, ctx: GenericContext, call: LayerCall) -> torch.Tensor:
+    def forward(self, w: Weights, x: torch.Tensor, ctx: GenericContext, call: LayerCall) -> torch.Tensor:
         """x (b, T, H) -> (b, T, H) (the first layer: x is the embedding rows); records router statistics."""
         return self.forward_held(w, x, ctx, call)[0]
 
     def forward_held(
-        self, w, x: torch.Tensor, ctx: GenericContext, call: LayerCall
+        self, w: Weights, x: torch.Tensor, ctx: GenericContext, call: LayerCall
     ) -> tuple[torch.Tensor, tuple[int, torch.Tensor | None]]:
         """`forward`, and what a kept layer's backward needs for its share of the auxiliary loss
         and its side inputs' producer term: (i, the router logits, with their graph when run under
@@ -321,7 +322,7 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
         ctx.side.give(i, grads)
 
     def objective(
-        self, w, x: torch.Tensor, ctx: GenericContext, call: LayerCall
+        self, w: Weights, x: torch.Tensor, ctx: GenericContext, call: LayerCall
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Recompute under autograd: (output, extra scalar whose gradient is this layer's share of
         the auxiliary loss and of its side inputs' consumers' (model.side), or None)."""

@@ -167,8 +167,7 @@ def layer_forward(
     def block(h: torch.Tensor, lora: Lora) -> torch.Tensor:
         return h + mlp(w, rms_norm(h, w["mlp_norm"], spec.rms_eps), lora)
 
-    if not call.tile:
-        return block(h, lora)
+    # untiled (tile 0, or no more tokens than a tile): the block once, as it is
     return tiled_native(block, h, call, _leaves(w, call.lora, BLOCK) if call.deferred else None)
 
 
