@@ -76,7 +76,10 @@ class ForwardPass:
         """Call j (of layer i) over this rank's micro-batch m, as the template is handed it."""
         p = self.p
         drops = self.train and p.dropout.active  # the model's own dropout draws in this call
-        return LayerCall(j, i, self.mb_base + m, p.adam_step, self.train, drops, p.tmpl.seq_tile, lora=lora)
+        mb, tile = self.mb_base + m, p.tmpl.seq_tile
+        return LayerCall(
+            call=j, layer=i, mb=mb, step=p.adam_step, train=self.train, dropout=drops, tile=tile, lora=lora
+        )
 
     def scope(self, c: LayerCall) -> contextlib.AbstractContextManager[None]:
         """The call's dropout scope: a training pass's (engine.dropout), nothing for a forward-only
