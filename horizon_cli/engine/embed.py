@@ -1,6 +1,6 @@
 """The embedding stage of a step: the input rows at its start, the embedding's gradient at its end.
 
-Two kinds, chosen once (engine.parts):
+Two tables (engine.seams.EmbeddingTable), chosen once (engine.parts):
 
     HostEmbedding     one rank. forward: rows gathered on the host from the streaming copy (the
                       table never crosses the link) and sent as the step's first activations
@@ -13,17 +13,19 @@ Two kinds, chosen once (engine.parts):
                       summed densely on the device and reduce-scattered (engine.sharded)
 
 Families that scale the embedding output (Gemma: by sqrt(hidden)) scale both directions alike.
+
+The engine's parts hold the stage before layer 0 (engine.seams.Embedding): `TextStage`, the table
+with nothing in front of it, or a stage that wraps the table (vision.embed.VisionEmbedding).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
 from ..arch import ArchSpec
-from ..data.batch import DecodeBatch, MicroBatch
+from ..data.batch import MicroBatch
 from ..optim.adamw import AdamWHyper
 from ..runtime.events import READY, Event
 from ..runtime.loader import Load, Loader
@@ -31,14 +33,14 @@ from ..runtime.transport import Transport
 from ..state.frozen import FrozenUnit
 from ..state.host import HostState, UnitState
 from .grads import GradSums, sumsq64
+from .seams import B, EmbeddingTable
 from .sharded import ShardedGrads
 
 Units = dict[str, UnitState | FrozenUnit]  # every unit's streaming copy
-B = TypeVar("B", MicroBatch, DecodeBatch)  # a training micro-batch or a generation's
 
 
-class Embedding:
-    """What both kinds share: the family's scale, and the rows' split into micro-batches."""
+class TableEmbedding:
+    """What both tables share: the family's scale, and the rows' split into micro-batches."""
 
     ahead = 1  # loads begun before the embedding's rows are sent (layer 0's)
 
@@ -63,44 +65,6 @@ class Embedding:
     def reserve(self, numel: int, grad: bool) -> None:
         """Size any host staging once (grad: the embedding is trained)."""
 
-    def positioned(self, mb: B) -> B:
-        """The micro-batch as its layer context is built from: the stage's own position ids for
-        it (a vision tower's multimodal rotary ids: vision.embed), or itself."""
-        return mb
-
-    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
-        """The input rows per micro-batch, (b, T, H) on the device (not yet scaled)."""
-        raise NotImplementedError
-
-    def backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float:
-        """The input gradient into the embedding's gradient; returns what its squared norm adds
-        on the host; `ready["embed"]` is set to the gradient having landed there."""
-        raise NotImplementedError
-
-    # the stage trains something besides the table (a vision tower's projector adapters, on a
-    # frozen base: layer 0 then computes its input gradient and the head calls stage_backward)
-    stage_trained = False
-
-    def stage_backward(self, dx: list[torch.Tensor]) -> float:
-        """The gradient of what the stage trains from the rows' gradient dx, the table's skipped
-        (a frozen base); what it adds to the squared norm."""
-        return 0.0
-
-    def across_ranks(self, sharded: ShardedGrads) -> None:
-        """A sharded run: what the stage trains besides the units is whole on every rank (a vision
-        tower's trained part: vision.embed), its gradients summed over the ranks."""
-
-    def update(self, h: AdamWHyper) -> None:
-        """The update of what the stage trains besides the units (a vision tower's: vision.embed);
-        the embedding table itself is a unit, updated by the optimizer worker."""
-
-    def save_state(self, ck: Path) -> dict[str, int]:
-        """Such trained state into checkpoint dir `ck` (-> the CRC32s of the files written)."""
-        return {}
-
-    def load_state(self, ck: Path, sums: dict) -> None:
-        """Such trained state from checkpoint `ck`."""
-
     def scale(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
         """Families that scale the embedding output (Gemma: by sqrt(hidden), in the compute dtype)
         scale its gradient by the same factor."""
@@ -117,7 +81,7 @@ class Embedding:
         return out
 
 
-class HostEmbedding(Embedding):
+class HostEmbedding(TableEmbedding):
     """One rank: host staging for the rows and their gradient."""
 
     def __init__(
@@ -176,7 +140,7 @@ class HostEmbedding(Embedding):
         return sumsq64(st.grad)
 
 
-class ShardedEmbedding(Embedding):
+class ShardedEmbedding(TableEmbedding):
     """Several ranks: the table gathered on the device, its gradient reduce-scattered."""
 
     ahead = 2  # the table's gather and layer 0's
@@ -214,6 +178,50 @@ class ShardedEmbedding(Embedding):
         embed_grad(self.host["embed"].views(embed_g)["embed"], ids, rows, self.spec.padding_idx)
         ready["embed"] = self.sharded.reduce("embed", embed_g, "embed")
         return 0.0
+
+
+class TextStage:
+    """The stage before layer 0 with nothing in front of the table (no images): the table's rows
+    and gradient as they are, the micro-batch's own positions, nothing else trained or saved."""
+
+    stage_trained = False
+
+    def __init__(self, table: EmbeddingTable) -> None:
+        self.table = table
+        self.ahead = table.ahead
+
+    def loads(self) -> list[Load]:
+        return self.table.loads()
+
+    def reserve(self, numel: int, grad: bool) -> None:
+        self.table.reserve(numel, grad)
+
+    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        return self.table.forward(mbs)
+
+    def backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float:
+        return self.table.backward(dx, mbs, ready)
+
+    def scale(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.table.scale(x)
+
+    def positioned(self, mb: B) -> B:
+        return mb
+
+    def stage_backward(self, dx: list[torch.Tensor]) -> float:
+        return 0.0  # nothing trained besides the table
+
+    def across_ranks(self, sharded: ShardedGrads) -> None:
+        pass  # nothing to sum over the ranks
+
+    def update(self, h: AdamWHyper) -> None:
+        pass  # the table is a unit: the optimizer worker updates it
+
+    def save_state(self, ck: Path) -> dict[str, int]:
+        return {}
+
+    def load_state(self, ck: Path, sums: dict[str, int]) -> None:
+        pass
 
 
 def embed_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

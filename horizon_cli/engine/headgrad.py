@@ -15,10 +15,9 @@ import torch
 from ..data.batch import MicroBatch
 from ..runtime.events import Event
 from ..state.host import HostState
-from .embed import Embedding
 from .grads import GradSums
 from .objective import Head
-from .seams import LayerTemplate, Reduce
+from .seams import Embedding, LayerTemplate, Reduce
 
 
 class TrainedHead:

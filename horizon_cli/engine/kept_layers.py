@@ -22,7 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..lora.linear import LayerLora
 from .parts import Parts
+from .seams import Context, LayerCall, Weights
+
+Calls = Callable[[int, LayerLora | None], LayerCall]  # micro-batch m, the adapters -> the call over it
 
 
 @dataclass
@@ -45,10 +49,17 @@ class KeptLayers:
         return i >= self.first
 
     def forward(
-        self, i: int, w, extras, x: list[torch.Tensor], ctxs, mb_base: int, dropout
+        self,
+        i: int,
+        w: Weights,
+        extras: list[torch.Tensor],
+        x: list[torch.Tensor],
+        ctxs: list[Context],
+        calls: Calls,
     ) -> list[torch.Tensor]:
-        """Layer i over every micro-batch under autograd, each in its dropout scope (engine.dropout:
-        the masks its held graph keeps); the graphs are held, the outputs detached."""
+        """Layer i over every micro-batch m under autograd as `calls(m, adapters)`, each in its
+        dropout scope (engine.dropout: the masks its held graph keeps); the graphs are held, the
+        outputs detached."""
         p = self.p
         w, lora, leaves, names = p.params.leaves(i, p.params.weights(i, w), extras, p.adam_step)
         want_dx = p.params.wants_dx(i) or p.embedding.stage_trained
@@ -56,10 +67,9 @@ class KeptLayers:
         with torch.enable_grad():
             for m, (xm, c) in enumerate(zip(x, ctxs, strict=True)):
                 xi = xm.detach().requires_grad_(want_dx)
-                if lora is not None:
-                    lora.mb = mb_base + m  # the global micro-batch: dropout masks as on one rank
-                with dropout.scope(p.adam_step, i, mb_base + m):
-                    y, held = p.tmpl.forward_held(i, w, xi, c, lora)
+                call = calls(m, lora)  # its global micro-batch: dropout masks as on one rank
+                with p.dropout.scope(call.step, call.call, call.mb):
+                    y, held = p.tmpl.forward_held(w, xi, c, call)
                 graphs.append((xi, y, held))
                 out.append(y.detach())
         self.held[i] = Held(graphs, leaves, names, want_dx)

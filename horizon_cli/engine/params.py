@@ -38,10 +38,9 @@ from ..state.frozen import FrozenState, FrozenUnit
 from ..state.host import HostState, UnitState
 from ..state.widen import Widen
 from ..store import Store
-from .embed import Embedding
 from .grads import GradSums
 from .headgrad import FrozenHead, TrainedHead
-from .seams import HeadGrads, LayerTemplate, Params, Reduce
+from .seams import Embedding, HeadGrads, LayerTemplate, Params, Reduce
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
 

@@ -29,7 +29,6 @@ from ..config.schema import EngineConfig, OptimConfig
 from ..errors import InputError
 from ..lora.setup import LoraSetup
 from ..model.template import make_template
-from ..model.tiling import set_tile
 from ..parallel.comm import Dist
 from ..runtime.device import make_transport
 from ..runtime.dtype import grad_dtype_for
@@ -41,16 +40,25 @@ from ..state.optimizer import OptimizerWorker
 from ..store import DTYPES, Store
 from ..store.manifest import DTYPE_NAMES
 from .dropout import NoDropout, SeededDropout, dropout_for
-from .embed import Embedding, HostEmbedding, ShardedEmbedding
+from .embed import HostEmbedding, ShardedEmbedding, TextStage
 from .grads import GradSums
 from .objective import TokenCE
 from .params import make_params
 from .ranks import Ranks, ranks_for
 from .reduce import LocalReduce, ShardedReduce
-from .seams import HeadGrads, LayerTemplate, LossObjective, Params, Reduce, Transport
+from .seams import (
+    Embedding,
+    EmbeddingTable,
+    HeadGrads,
+    LayerTemplate,
+    LossObjective,
+    Params,
+    Reduce,
+    Transport,
+)
 from .sharded import ShardedGrads
 
-Stage = Callable[[Embedding, Transport, torch.dtype], Embedding]  # the embedding, wrapped
+Stage = Callable[[EmbeddingTable, Transport, torch.dtype], Embedding]  # a stage around the table
 
 
 @dataclass
@@ -70,7 +78,7 @@ class Parts:
     tmpl: LayerTemplate  # model.template.NativeTemplate or model.generic.GenericTemplate
     grads: GradSums
     reduce: Reduce  # engine.reduce: LocalReduce or ShardedReduce
-    embedding: Embedding
+    embedding: Embedding  # the stage before layer 0: the table alone (TextStage) or a vision stage
     objective: LossObjective
     head: HeadGrads  # the head's and the embedding's gradients, or none (engine.headgrad)
     ranks: Ranks  # one process, or this rank of a sharded run (engine.ranks)
@@ -137,8 +145,8 @@ def assemble(
     )
     optimizer = OptimizerWorker(params.host, optim.kernel, tracer, t.thread_init)
     # native functional layer, or transformers' own (with LoRA hooks on its linear modules)
-    tmpl: LayerTemplate = make_template(spec, t.device, lora.targets if lora else None, dtype)
-    set_tile(tmpl, engine.seq_tile if isinstance(engine.seq_tile, int) else 0)  # auto: the plan's (train)
+    tile = engine.seq_tile if isinstance(engine.seq_tile, int) else 0  # auto: the plan's (train)
+    tmpl: LayerTemplate = make_template(spec, t.device, lora.targets if lora else None, dtype, tile)
     calls = tmpl.calls  # the layer of each call (arch.calls: a loop calls some more than once)
     if is_loop(calls):
         name = f"{spec.family} runs its layers in a loop ({len(calls)} calls for {spec.n_layers} layers)"
@@ -155,22 +163,21 @@ def assemble(
         full=params.trains_head, embed_on_device=tied or dist is not None, repeated=repeated,
     )  # fmt: skip
     t.memory.set("grad_acc", grads.nbytes() + (sharded.nbytes() if sharded else 0))
-    embedding: Embedding
+    table: EmbeddingTable
     if sharded is None:
         reduce: Reduce = LocalReduce(t, params.host, grads, tied)
-        embedding = HostEmbedding(t, loader, params.units, params.host, spec, dtype, tmpl.embed_scale)
+        table = HostEmbedding(t, loader, params.units, params.host, spec, dtype, tmpl.embed_scale)
     else:
         reduce = ShardedReduce(sharded)
-        embedding = ShardedEmbedding(
+        table = ShardedEmbedding(
             t, loader, params.units, params.host, spec, dtype, tmpl.embed_scale, sharded, grads
         )
-        moe = getattr(tmpl, "moe", None)  # MoE router statistics: the global batch's
-        if moe is not None:
-            moe.reduce = sharded.all_sum_tensor
+        tmpl.across_ranks(sharded.all_sum_tensor)  # MoE router statistics: the global batch's
         if objective is not None:  # a statistic of the global batch (KTO's KL estimate)
             objective.across_ranks(sharded.all_sum_tensor)
+    embedding: Embedding = TextStage(table)
     if stage is not None:  # the tower whole on every rank; a trained part's gradients summed over them
-        embedding = stage(embedding, t, dtype)
+        embedding = stage(table, t, dtype)
         if sharded is not None:
             embedding.across_ranks(sharded)
     kept = params.layers[len(params.layers) - keep :] if keep else []

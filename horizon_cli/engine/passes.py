@@ -14,10 +14,12 @@ A feature's own pass subclasses one of these in its package: generation's `Decod
 Each answers `extras(i)` (what its forward load carries beyond the params' extras),
 `backward_load(j)` (its backward's load, or None), `run(j, i, x, ctxs)` (call j of layer i over
 every micro-batch) and, for a training pass, `backward(j, dx, ctxs, gv)` (call j's input gradient
-into dx, its leaves' gradients added into gv). mb_base: the global index of this rank's first micro-batch, so dropout masks
-are those of one rank. A training pass runs each call over each micro-batch in its dropout scope
-(engine.dropout: the generators seeded by step, call and global micro-batch), its recompute in the
-same scope, so the backward sees the forward's masks.
+into dx, its leaves' gradients added into gv). Each call over each micro-batch is handed to the
+template as a value (`call`: model.call.LayerCall, its global micro-batch counted from mb_base, the
+index of this rank's first one, so dropout masks are those of one rank). A training pass runs each
+call over each micro-batch in its dropout scope (engine.dropout: the generators seeded by step, call
+and global micro-batch), its recompute in the same scope with an equal value, so the backward sees
+the forward's masks.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from collections.abc import Callable
 
 import torch
 
+from ..lora.linear import LayerLora
 from ..runtime.events import Event, Promise
 from ..runtime.loader import Load
 from .kept_layers import KeptLayers
 from .parts import Parts
-from .seams import Context, LayerTemplate, Weights
+from .seams import Context, LayerCall, LayerTemplate, Weights
 
 Graph = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # a micro-batch's input, output, extra term
 
@@ -69,11 +72,19 @@ class ForwardPass:
     def after(self, i: int) -> None:
         pass
 
-    def scope(self, j: int, mb: int):
-        """Call j's dropout scope over global micro-batch mb: a training pass's (engine.dropout),
-        nothing for a forward-only one (dropout off)."""
+    def call(self, j: int, i: int, m: int, lora: LayerLora | None) -> LayerCall:
+        """Call j (of layer i) over this rank's micro-batch m, as the template is handed it."""
         p = self.p
-        return p.dropout.scope(p.adam_step, j, mb) if self.train else contextlib.nullcontext()
+        drops = self.train and p.dropout.active  # the model's own dropout draws in this call
+        mb, tile = self.mb_base + m, p.tmpl.seq_tile
+        return LayerCall(
+            call=j, layer=i, mb=mb, step=p.adam_step, train=self.train, dropout=drops, tile=tile, lora=lora
+        )
+
+    def scope(self, c: LayerCall) -> contextlib.AbstractContextManager[None]:
+        """The call's dropout scope: a training pass's (engine.dropout), nothing for a forward-only
+        one (dropout off)."""
+        return self.p.dropout.scope(c.step, c.call, c.mb) if self.train else contextlib.nullcontext()
 
     def compute(
         self, j: int, i: int, w: dict[str, torch.Tensor], extras: list[torch.Tensor],
@@ -85,10 +96,9 @@ class ForwardPass:
             lora = p.params.layer_lora(i, extras, p.adam_step, train=self.train)
             out = []
             for m, (xm, c) in enumerate(zip(x, ctxs, strict=True)):
-                if lora is not None:  # a loop's later calls: dropout masks of their own
-                    lora.mb = self.mb_base + m if j == i else (self.mb_base + m, j)
-                with self.scope(j, self.mb_base + m):
-                    out.append(p.tmpl.forward(j, w, xm, c, lora))
+                call = self.call(j, i, m, lora)
+                with self.scope(call):
+                    out.append(p.tmpl.forward(w, xm, c, call))
         return out
 
 
@@ -140,10 +150,9 @@ class SavePass(ForwardPass):
 
             def graph(m: int) -> Graph:
                 xi = saved[offs[m] : offs[m + 1]].view(ins[m]).detach().requires_grad_(want_dx)
-                if lora is not None:  # the global micro-batch: dropout masks as on one rank (and per call)
-                    lora.mb = self.mb_base + m if j == i else (self.mb_base + m, j)
-                with self.scope(j, self.mb_base + m):  # the forward's masks (engine.dropout)
-                    y, extra = p.tmpl.objective(j, w, xi, ctxs[m], lora)
+                call = self.call(j, i, m, lora)  # the forward's: its masks (engine.dropout, LoRA's)
+                with self.scope(call):
+                    y, extra = p.tmpl.objective(w, xi, ctxs[m], call)
                 return xi, y, extra
 
             if want_dx or leaves:
@@ -155,6 +164,7 @@ class KeptPass(ForwardPass):
     """A kept layer: its forward's load and graph are held (engine.kept_layers) until its backward."""
 
     kept = True
+    train = True  # dropout on, as in SavePass
 
     def __init__(self, p: Parts, keep: KeptLayers, mb_base: int):
         super().__init__(p, mb_base)
@@ -164,7 +174,7 @@ class KeptPass(ForwardPass):
         p = self.p
         w, extras = p.loader.acquire(f"f{j}")
         with p.t.compute_span(f"fwd {j} kept", kept=True):
-            return self.keep.forward(j, w, extras, x, ctxs, self.mb_base, self.p.dropout)
+            return self.keep.forward(j, w, extras, x, ctxs, lambda m, lora: self.call(j, i, m, lora))
 
     def backward(self, j: int, dx: list[torch.Tensor], ctxs: list[Context], gv: Weights) -> None:
         """The graph the forward held, then the forward's load is released (held until now)."""

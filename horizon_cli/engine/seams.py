@@ -3,7 +3,12 @@ assembles them; every implementation is chosen once, at build time).
 
     Transport      the device: copies, events, memory (runtime.transport; CPU and CUDA)
     LayerTemplate  the layer template: one architecture's layer, head and step hooks
-                   (model.template.NativeTemplate, model.generic.GenericTemplate)
+                   (model.template.NativeTemplate, model.generic.GenericTemplate), tiled by its
+                   `seq_tile` (engine.seq_tile, given when it is made)
+    LayerCall      one call of a layer over one micro-batch, handed to the template as a frozen
+                   value (model.call: call, layer, micro-batch, step, train or eval, tile, adapters)
+    EmbeddingTable the embedding's rows and gradient (engine.embed: HostEmbedding, ShardedEmbedding)
+    Embedding      the stage before layer 0 (engine.embed.TextStage; vision.embed.VisionEmbedding)
     Params         what is trained (engine.params: FullParams, LoraParams, FrozenParams)
     HeadGrads      whether and how the head and the embedding get gradients (engine.headgrad)
     Reduce         where gradients go (engine.reduce: LocalReduce, ShardedReduce)
@@ -21,30 +26,45 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Protocol
+from pathlib import Path
+from typing import Protocol, TypeVar
 
 import torch
 
 from ..data.batch import DecodeBatch, MicroBatch
 from ..lora.linear import LayerLora
 from ..lora.setup import LoraSetup
+from ..model.call import LayerCall
 from ..model.head import LM
+from ..optim.adamw import AdamWHyper
 from ..runtime.events import Event
 from ..runtime.loader import Load
 from ..runtime.transport import Transport
 from ..state.frozen import FrozenState, FrozenUnit
 from ..state.host import HostState, UnitState
-from .embed import Embedding
 from .grads import GradSums
 from .objective import Head, HeadOut, Targets
+from .sharded import ShardedGrads
 
-__all__ = ["Transport", "LayerTemplate", "Params", "HeadGrads", "Reduce", "LossObjective", "LayerPass"]
+__all__ = [
+    "Transport",
+    "LayerTemplate",
+    "LayerCall",
+    "Embedding",
+    "EmbeddingTable",
+    "Params",
+    "HeadGrads",
+    "Reduce",
+    "LossObjective",
+    "LayerPass",
+]
 
 Weights = dict[str, torch.Tensor]  # a loaded unit's tensors by name
 Context = object  # per micro-batch: the template's positions, masks, rotary tables
 Cache = object  # per micro-batch: the template's generation cache (transformers' Cache)
 Held = object  # what a kept layer's forward holds for its backward (the template's)
 Stats = dict[str, torch.Tensor]  # an objective's sums over this rank's data
+B = TypeVar("B", MicroBatch, DecodeBatch)  # a training micro-batch or a generation's
 
 
 class LayerTemplate(Protocol):
@@ -52,21 +72,21 @@ class LayerTemplate(Protocol):
     embed_scale: float | None
     stochastic: bool  # its model drops (or adds router noise) in train mode (engine.dropout)
     dropout_on: bool  # this run trains with it: set once by engine.dropout
+    seq_tile: int  # tokens per tile of its layers' token-local parts (engine.seq_tile; 0: untiled)
 
     def train_mode(self, on: bool, call: int) -> None: ...  # inside a training call's dropout scope
+    def across_ranks(self, all_sum: Callable[[torch.Tensor], None]) -> None: ...  # sharded: sum in place
 
     def context(self, mb: MicroBatch, dtype: torch.dtype, device: torch.device) -> Context: ...
     def gen_context(
         self, db: DecodeBatch, cache: Cache, dtype: torch.dtype, device: torch.device
     ) -> Context: ...
-    def forward(
-        self, i: int, w: Weights, x: torch.Tensor, ctx: Context, lora: LayerLora | None = None
-    ) -> torch.Tensor: ...
+    def forward(self, w: Weights, x: torch.Tensor, ctx: Context, call: LayerCall) -> torch.Tensor: ...
     def objective(
-        self, i: int, w: Weights, x: torch.Tensor, ctx: Context, lora: LayerLora | None = None
+        self, w: Weights, x: torch.Tensor, ctx: Context, call: LayerCall
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
     def forward_held(
-        self, i: int, w: Weights, x: torch.Tensor, ctx: Context, lora: LayerLora | None = None
+        self, w: Weights, x: torch.Tensor, ctx: Context, call: LayerCall
     ) -> tuple[torch.Tensor, Held]: ...
     def held_objective(self, held: Held, ctx: Context) -> torch.Tensor | None: ...
     def add_side_grads(self, j: int, dx: list[torch.Tensor], ctxs: list[Context]) -> None: ...
@@ -80,6 +100,33 @@ class LayerTemplate(Protocol):
     def head_tensors(self, w: Weights, embed: torch.Tensor | None) -> tuple[Weights, LM]: ...
     def final_norm(self, h: torch.Tensor, w: Weights) -> torch.Tensor: ...
     def logits(self, x: torch.Tensor, lm: LM) -> torch.Tensor: ...
+
+
+class EmbeddingTable(Protocol):
+    """The embedding's rows at a step's start and its gradient at its end (engine.embed)."""
+
+    ahead: int  # loads begun before the rows are sent (layer 0's; a sharded table's gather first)
+
+    def loads(self) -> list[Load]: ...  # loads before layer 0's (a sharded table's gather)
+    def reserve(self, numel: int, grad: bool) -> None: ...  # host staging, sized once
+    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]: ...  # (b, T, H) each, not yet scaled
+    def backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float: ...
+    def scale(self, x: list[torch.Tensor]) -> list[torch.Tensor]: ...  # the family's (Gemma: sqrt(H))
+
+
+class Embedding(EmbeddingTable, Protocol):
+    """The stage before layer 0: the table's rows and gradient, and what a stage in front of
+    layer 0 adds (engine.embed.TextStage: nothing; vision.embed.VisionEmbedding: the image merge,
+    its positions, its trained part), so neither the sweep nor the step asks which it is."""
+
+    stage_trained: bool  # it trains something besides the table (layer 0 computes its input gradient)
+
+    def positioned(self, mb: B) -> B: ...  # the micro-batch its layer context is built from
+    def stage_backward(self, dx: list[torch.Tensor]) -> float: ...  # a frozen base: its trained part's
+    def across_ranks(self, sharded: ShardedGrads) -> None: ...  # its trained part summed over ranks
+    def update(self, h: AdamWHyper) -> None: ...  # its trained part's AdamW step
+    def save_state(self, ck: Path) -> dict[str, int]: ...  # ... into a checkpoint (-> CRC32s)
+    def load_state(self, ck: Path, sums: dict[str, int]) -> None: ...
 
 
 class HeadGrads(Protocol):

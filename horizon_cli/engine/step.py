@@ -166,7 +166,7 @@ class TrainStep:
         p.t.memory.set("activations", 2 * acts)
         rows, T = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
         tok = max(sh[0] * sh[1] for sh in shapes)
-        tile = getattr(p.tmpl, "seq_tile", 0)  # engine.seq_tile (model.tiling)
+        tile = p.tmpl.seq_tile  # engine.seq_tile (model.tiling)
         work = layer_work_bytes(p.spec, tok, rows, T, item, tile) + p.params.work_bytes(tok, item)
         p.t.memory.set("layer_work", work)
         p.t.memory.set("head_work", head_work_bytes(p.spec, tok, p.cfg.loss_chunk, item))

@@ -2,7 +2,9 @@
 
 PEFT's Linear.forward: y = base(x) + lora_B(lora_A(dropout(x))) * scaling, with scaling = alpha / r
 (alpha / sqrt(r) with use_rslora). Dropout masks come from a generator seeded by (seed, optimizer
-step, layer, micro-batch, target), so the backward recompute draws the same masks as the forward.
+step, layer, micro-batch, target), so the backward recompute draws the same masks as the forward:
+the micro-batch (with a loop's call and a tile's first token: model.call.LayerCall.key) is the
+key the adapters are bound to for one call (`at`), a value, never written after.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..model.call import MaskKey
 from .setup import LoraSetup
 from .targets import Target
 
@@ -23,11 +26,17 @@ class LayerLora:
         scaling: float,
         dropout: float = 0.0,
         seed: int | None = None,
-    ):
-        """ab: weight name -> (A (r, in), B (out, r)); seed None: no dropout (evaluation)."""
+        mb: MaskKey = 0,
+    ) -> None:
+        """ab: weight name -> (A (r, in), B (out, r)); seed None: no dropout (evaluation); mb: the
+        key of the call these adapters compute for (`at`)."""
         self.ab, self.scaling, self.p, self.seed = ab, scaling, dropout, seed
         self.order = {name: k for k, name in enumerate(ab)}
-        self.mb: int | tuple = 0  # the micro-batch being computed (the step sets it; a loop: with the call)
+        self.mb = mb  # the call's key (model.call.LayerCall.key): its masks' name
+
+    def at(self, key: MaskKey) -> LayerLora:
+        """The same adapters (the same tensors), their dropout masks those of the call `key`."""
+        return LayerLora(self.ab, self.scaling, self.p, self.seed, key)
 
     def __call__(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         pair = self.ab.get(name)
@@ -45,9 +54,15 @@ class LayerLora:
         return x * keep.to(x.dtype) * (1.0 / (1.0 - self.p))
 
     @staticmethod
-    def from_views(views: dict[str, torch.Tensor], targets: list[Target], **kw) -> LayerLora:
+    def from_views(
+        views: dict[str, torch.Tensor],
+        targets: list[Target],
+        scaling: float,
+        dropout: float,
+        seed: int | None,
+    ) -> LayerLora:
         ab = {t.weight: (views[f"{t.weight}.lora_A"], views[f"{t.weight}.lora_B"]) for t in targets}
-        return LayerLora(ab, **kw)
+        return LayerLora(ab, scaling, dropout, seed)
 
 
 def layer_lora(

@@ -30,6 +30,7 @@ backward. Router outputs are caught with forward hooks on the router modules (mo
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +55,10 @@ from ..arch.generic import stored_model
 from ..arch.generic_arch import GenericArch, Moe, Stack
 from ..arch.probe import probe
 from ..data.batch import DecodeBatch, MicroBatch
+from .call import LayerCall
+from .generic_call import CallSlot, tile_blocks
 from .junction import Junctions
+from .layer import Weights
 from .moe import RouterStats, experts_fallback
 from .side import SideState, plus
 from .token_masks import has_media, owner_inputs
@@ -93,7 +97,9 @@ def structure(g: GenericArch) -> Stack:
 class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.train_mode)
     embed_scale: float | None = None  # the owner's own code scales its embedding (first layer)
 
-    def __init__(self, spec: ArchSpec, device: torch.device, lora_targets=None, dtype=torch.float32):
+    def __init__(
+        self, spec: ArchSpec, device: torch.device, lora_targets=None, dtype=torch.float32, tile: int = 0
+    ):
         g = spec.generic
         assert g is not None
         self.g, self.device, self.s, self.dtype = g, device, structure(g), dtype
@@ -127,23 +133,15 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
         self._head = {e.name: e.hf for e in g.units.head}
         self._head_w = f"{s.head}.weight"
         self.moe = RouterStats(g.moe) if g.moe else None
-        self._caught: dict[int, tuple] = {}
+        self._caught: dict[int, tuple[torch.Tensor, ...]] = {}
         if g.moe is not None:
             self._hook_routers(g.moe)
-        self._lora = None  # the adapters of the layer being computed (lora.linear.LayerLora)
-        for targets in lora_targets or []:
+        self._slot = CallSlot()  # the call being computed, for the modules' hooks (model.generic_call)
+        for targets in lora_targets or []:  # LoRA: a hook on each adapted linear module
             for t in targets:
-                self._hook_linear(t.layer, t.rel, t.weight)
-
-    def _hook_linear(self, i: int, rel: str, weight: str) -> None:
-        """LoRA on transformers' own linear module: a forward hook adds the adapter's output (the
-        module runs with the streamed weights through functional_call, the hook stays)."""
-        mod = self.layers[i].get_submodule(rel)
-
-        def adapt(_mod, inp, out, weight=weight):
-            return out if self._lora is None else self._lora(weight, inp[0], out)
-
-        mod.register_forward_hook(adapt)
+                self._slot.hook(self.layers[t.layer].get_submodule(t.rel), t.weight)
+        self.seq_tile = tile  # tokens per tile of the layers' token-local blocks (engine.seq_tile)
+        tile_blocks(g, self.layers, tile, self._slot, self._caught)
 
     def _hook_routers(self, moe: Moe) -> None:
         for i in moe.layers:
@@ -204,14 +202,18 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
             return {j: (args, kwargs) for j, (_, args, kwargs) in enumerate(log)}
         return {i: (args, kwargs) for i, args, kwargs in log}
 
+    def across_ranks(self, all_sum: Callable[[torch.Tensor], None]) -> None:
+        if self.moe is not None:  # sharded: the router statistics are the global batch's (model.moe)
+            self.moe.reduce = all_sum
+
     def add_side_grads(self, j: int, dx: list[torch.Tensor], ctxs: list) -> None:
         """Before call j's backward: the gradients a loop's later calls sent its output (arch.calls)."""
         self.junctions.add_side_grads(j, dx, ctxs)
 
     # -- layers ------------------------------------------------------------------------------
-    def _call(self, j: int, w, x: torch.Tensor, ctx: GenericContext, lora=None) -> torch.Tensor:
+    def _call(self, w: Weights, x: torch.Tensor, ctx: GenericContext, call: LayerCall) -> torch.Tensor:
         """Call j of the sequence (`calls`): layer calls[j] (without a loop, j is the layer)."""
-        i = self.calls[j]
+        j, i = call.call, self.calls[call.call]
         if i not in self.called:
             return x  # the owner skips this layer
         grad = torch.is_grad_enabled()
@@ -237,11 +239,8 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
         lw = {k: v for k, v in w.items() if not k.startswith("@")}
         for k, dt in self._ints[self.g.layer_kinds[i]].items():
             lw[k] = lw[k].to(dt)
-        self._lora = lora
-        try:
+        with self._slot.bound(call):
             out = functional_call(self.layers[i], {**self._buffers[i], **lw}, args, kwargs, strict=True)
-        finally:
-            self._lora = None
         ctx.side.shared_out(i, shared)
         if isinstance(out, (tuple, list)):
             self._passed_out(i, out, ctx)
@@ -287,19 +286,18 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
             ctx.carry.setdefault(i, {})[k] = v.detach()
             ctx.side.produced(i, k, v)
 
-    def forward(self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None) -> torch.Tensor:
-        """x (b, T, H) -> (b, T, H) (the first layer: x is the embedding rows); records router
-        statistics."""
-        return self.forward_held(i, w, x, ctx, lora)[0]
+    def forward(self, w: Weights, x: torch.Tensor, ctx: GenericContext, call: LayerCall) -> torch.Tensor:
+        """x (b, T, H) -> (b, T, H) (the first layer: x is the embedding rows); records router statistics."""
+        return self.forward_held(w, x, ctx, call)[0]
 
     def forward_held(
-        self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None
+        self, w: Weights, x: torch.Tensor, ctx: GenericContext, call: LayerCall
     ) -> tuple[torch.Tensor, tuple[int, torch.Tensor | None]]:
         """`forward`, and what a kept layer's backward needs for its share of the auxiliary loss
         and its side inputs' producer term: (i, the router logits, with their graph when run under
         autograd; None for a dense layer)."""
-        y = self._call(i, w, x, ctx, lora)
-        i = self.calls[i]  # the layer (a loop's MoE is refused at convert: one call per layer)
+        y = self._call(w, x, ctx, call)
+        i = self.calls[call.call]  # the layer (a loop's MoE is refused at convert: one call per layer)
         if self.moe is None or i not in self._caught:
             return y, (i, None)
         out = self._caught.pop(i)
@@ -324,12 +322,12 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
         ctx.side.give(i, grads)
 
     def objective(
-        self, i: int, w, x: torch.Tensor, ctx: GenericContext, lora=None
+        self, w: Weights, x: torch.Tensor, ctx: GenericContext, call: LayerCall
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Recompute under autograd: (output, extra scalar whose gradient is this layer's share of
         the auxiliary loss and of its side inputs' consumers' (model.side), or None)."""
-        y = self._call(i, w, x, ctx, lora)
-        i = self.calls[i]
+        y = self._call(w, x, ctx, call)
+        i = self.calls[call.call]
         aux = None
         if self.moe is not None and i in self._caught:
             out = self._caught.pop(i)

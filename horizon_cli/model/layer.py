@@ -9,7 +9,6 @@ match it to rounding and bf16 runs to bf16 rounding.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +17,15 @@ import torch.nn.functional as F
 
 from ..arch import ArchSpec
 from .attend import BlockMask, Mask, RowMask, attend, causal_rows, rows_mask
+from .call import LayerCall
+from .call import Lora as Adapters
 from .tiled_layer import Stages, run_layer
 from .tiling import tiled_native
 
 Weights = dict[str, torch.Tensor]
-# LoRA (lora.linear.LayerLora): (weight name, linear input, linear output) -> adapted output
-Lora = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None
+# LoRA (lora.linear.LayerLora, keyed for the call): (weight name, linear input, linear output) -> adapted output
+Lora = Adapters | None
+UNTILED = LayerCall()  # a call of its own: untiled, no adapters, no dropout (a layer run alone)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -144,45 +146,45 @@ def layer_forward(
     ctx: AttnContext,
     spec: ArchSpec,
     window: int | None,
-    lora: Lora = None,
-    layer: int = 0,
-    tile: int = 0,
-    deferred: bool = False,
-    dropout: float = 0.0,
+    call: LayerCall = UNTILED,
 ) -> torch.Tensor:
-    """One pre-norm decoder layer: x (b, T, H) -> (b, T, H). lora: adapters on its linear layers;
-    layer: its index (in a generation's KV cache); tile: tokens per tile (model.tiled_layer: every
-    token-local part, the attention per query tile), 0: untiled; deferred: the backward's
-    recompute, whose output values are not read (the tiled layer then runs in the backward);
-    dropout: the attention's (training only). With a KV cache, attention dropout or a flex block
-    mask (CUDA: packed rows, windows) only the MLP block is tiled (model.tiling)."""
+    """One pre-norm decoder layer: x (b, T, H) -> (b, T, H), for `call` (model.call): its adapters,
+    its layer's index (in a generation's KV cache), its tile (tokens per tile: every token-local
+    part tiled, the attention per query tile, model.tiled_layer; 0: untiled), whether it is the
+    backward's recompute, whose output values are not read (`deferred`: the tiled layer then runs
+    in the backward), and whether the attention drops (training with the model's dropout). With a
+    KV cache, attention dropout or a flex block mask (CUDA: packed rows, windows) only the MLP
+    block is tiled (model.tiling)."""
+    dropout = spec.attn_dropout if call.dropout else 0.0
     whole = ctx.cache is not None or dropout or isinstance(ctx.masks.get(window), BlockMask)
-    if 0 < tile < x.numel() // x.shape[-1] and not whole:
-        stages = _stages(w, ctx, spec, window, lora)
-        return run_layer(stages, x, tile, lora, _leaves(w, lora, None), deferred)
-    h = x + attention(w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window, lora, layer, dropout)
+    if 0 < call.tile < x.numel() // x.shape[-1] and not whole:
+        return run_layer(_stages(w, ctx, spec, window), x, call, _leaves(w, call.lora, None))
+    lora = call.adapters
+    h = x + attention(
+        w, rms_norm(x, w["attn_norm"], spec.rms_eps), ctx, spec, window, lora, call.layer, dropout
+    )
 
-    def block(h: torch.Tensor) -> torch.Tensor:
+    def block(h: torch.Tensor, lora: Lora) -> torch.Tensor:
         return h + mlp(w, rms_norm(h, w["mlp_norm"], spec.rms_eps), lora)
 
-    if not tile:
-        return block(h)
-    return tiled_native(block, h, tile, lora, _leaves(w, lora, BLOCK) if deferred else None)
+    # untiled (tile 0, or no more tokens than a tile): the block once, as it is
+    return tiled_native(block, h, call, _leaves(w, call.lora, BLOCK) if call.deferred else None)
 
 
-def _leaves(w: Weights, lora: Lora, names) -> list[torch.Tensor]:
+def _leaves(w: Weights, lora: Lora, names: tuple[str, ...] | None) -> list[torch.Tensor]:
     """What the (tiled) part computes with: its weights (names; None: all) and their adapters."""
     keys = list(w) if names is None else [k for k in names if k in w]
-    ab = getattr(lora, "ab", {}) if lora is not None else {}
+    ab = lora.ab if lora is not None else {}
     return [w[k] for k in keys] + [t for k in keys if k in ab for t in ab[k]]
 
 
-def _stages(w: Weights, ctx: AttnContext, spec: ArchSpec, window: int | None, lora: Lora) -> Stages:
-    """The layer's token-local passes for model.tiled_layer: per row r and positions [s, e)."""
+def _stages(w: Weights, ctx: AttnContext, spec: ArchSpec, window: int | None) -> Stages:
+    """The layer's token-local passes for model.tiled_layer: per row r and positions [s, e), with
+    the tile's adapters."""
     eps, rule = spec.rms_eps, ctx.masks.get(window)
     doc, win = (rule.doc, rule.window) if isinstance(rule, RowMask) else (None, window)
 
-    def kv(r: int, s: int, e: int, xt: torch.Tensor):
+    def kv(r: int, s: int, e: int, xt: torch.Tensor, lora: Lora) -> tuple[torch.Tensor, torch.Tensor]:
         xn, cos, sin = rms_norm(xt, w["attn_norm"], eps), ctx.cos[r : r + 1, s:e], ctx.sin[r : r + 1, s:e]
         return _heads(w, xn, spec, "k", cos, sin, lora), _heads(w, xn, spec, "v", cos, sin, lora)
 
@@ -204,7 +206,9 @@ def _stages(w: Weights, ctx: AttnContext, spec: ArchSpec, window: int | None, lo
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         return attend(q, k, v, m, spec.head_dim**-0.5)
 
-    def out(r: int, s: int, e: int, xt: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def out(
+        r: int, s: int, e: int, xt: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lora: Lora
+    ) -> torch.Tensor:
         cos, sin = ctx.cos[r : r + 1, s:e], ctx.sin[r : r + 1, s:e]
         q = _heads(w, rms_norm(xt, w["attn_norm"], eps), spec, "q", cos, sin, lora)  # (1, heads, t, hd)
         if q.is_cuda or doc is not None or isinstance(rule, torch.Tensor):

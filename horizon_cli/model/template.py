@@ -5,8 +5,9 @@
   generic  transformers' own decoder-layer modules (model.generic), for every other family
 
 The schedule calls the same methods on either (per micro-batch `context`; per layer `forward` and,
-in the backward recompute, `objective`, which may add a per-layer auxiliary term, both with the
-layer's LoRA adapters when there are; for a kept layer, whose forward's graph serves its backward,
+in the backward recompute, `objective`, which may add a per-layer auxiliary term, both handed the
+call as a value (model.call.LayerCall: the call, its micro-batch and step, train or eval, its
+tile, the layer's LoRA adapters when there are); for a kept layer, whose forward's graph serves its backward,
 `forward_held` under autograd and, in the backward, `held_objective` for the auxiliary term (natively passed down to each linear layer, on the generic
 path applied by forward hooks on transformers' linear modules); the head's
 `final_norm` and `logits`; the step hooks `begin_step` / `end_forward` / `step_stats`).
@@ -14,12 +15,15 @@ path applied by forward hooks on transformers' linear modules); the head's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from ..arch import ArchSpec
 from ..data.batch import DecodeBatch, MicroBatch
-from .layer import AttnContext, Lora, inv_freq, layer_forward, rms_norm
+from .call import LayerCall
+from .layer import AttnContext, Weights, inv_freq, layer_forward, rms_norm
 from .masks import attn_context, cached_context
 
 
@@ -27,17 +31,15 @@ class NativeTemplate:
     embed_scale: float | None = None
     dropout_on = False  # a run trains with the attention's dropout (engine.dropout sets it)
 
-    def __init__(self, spec: ArchSpec, device: torch.device):
+    def __init__(self, spec: ArchSpec, device: torch.device, tile: int = 0) -> None:
         self.spec = spec
         self.inv = inv_freq(spec).to(device)
         self.calls = list(range(spec.n_layers))  # the layer of each call: every layer once, in order
-        self.seq_tile = 0  # tokens per tile of each layer's MLP block (engine.seq_tile; 0: untiled)
+        self.seq_tile = tile  # tokens per tile of each layer (engine.seq_tile; 0: untiled)
         self.stochastic = spec.attn_dropout > 0  # the only dropout of the native layer
-        self._drop = 0.0  # the attention dropout of the call being computed (train mode only)
 
     def train_mode(self, on: bool, call: int) -> None:
-        """Inside a training call's dropout scope (engine.dropout): the attention drops."""
-        self._drop = self.spec.attn_dropout if on else 0.0
+        """Nothing to switch: a training call's attention drops by its LayerCall (`dropout`)."""
 
     def context(self, mb: MicroBatch, dtype: torch.dtype, device) -> AttnContext:
         # flex_attention has no dropout: a dropping run's masks are dense ones; tiled: their rules
@@ -45,10 +47,8 @@ class NativeTemplate:
         rows = 0 < self.seq_tile < mb.input_ids.numel()  # the layers run it tiled (model.layer)
         return attn_context(mb, self.spec, self.inv, dtype, device, fused, rows=rows)
 
-    def forward(self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None) -> torch.Tensor:
-        return layer_forward(
-            w, x, ctx, self.spec, self.spec.windows[i], lora, i, self.seq_tile, dropout=self._drop
-        )
+    def forward(self, w: Weights, x: torch.Tensor, ctx: AttnContext, call: LayerCall) -> torch.Tensor:
+        return layer_forward(w, x, ctx, self.spec, self.spec.windows[call.layer], call)
 
     # -- generation --------------------------------------------------------------------------
     def new_cache(self):
@@ -66,19 +66,21 @@ class NativeTemplate:
         return cached_context(db, self.spec, self.inv, dtype, device, cache)
 
     def objective(
-        self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None
+        self, w: Weights, x: torch.Tensor, ctx: AttnContext, call: LayerCall
     ) -> tuple[torch.Tensor, None]:
         """The backward's recompute (its output is only differentiated: a tiled block is deferred)."""
-        spec = self.spec
-        return layer_forward(w, x, ctx, spec, spec.windows[i], lora, i, self.seq_tile, True, self._drop), None
+        return layer_forward(w, x, ctx, self.spec, self.spec.windows[call.layer], call.recompute()), None
 
     def forward_held(
-        self, i: int, w, x: torch.Tensor, ctx: AttnContext, lora: Lora = None
+        self, w: Weights, x: torch.Tensor, ctx: AttnContext, call: LayerCall
     ) -> tuple[torch.Tensor, None]:
-        return self.forward(i, w, x, ctx, lora), None
+        return self.forward(w, x, ctx, call), None
 
     def held_objective(self, held, ctx: AttnContext) -> None:
         return None
+
+    def across_ranks(self, all_sum: Callable[[torch.Tensor], None]) -> None:
+        pass  # no statistic of the global batch (no router)
 
     def add_side_grads(self, j: int, dx: list[torch.Tensor], ctxs: list) -> None:
         pass  # no loop (arch.calls): nothing reaches a layer's output but the next layer's gradient
@@ -110,11 +112,14 @@ class NativeTemplate:
         return F.linear(x, lm)
 
 
-def make_template(spec: ArchSpec, device: torch.device, lora_targets=None, dtype=torch.float32):
+def make_template(
+    spec: ArchSpec, device: torch.device, lora_targets=None, dtype=torch.float32, tile: int = 0
+):
     """lora_targets: per layer, the adapted linear layers (lora.targets.Target), or None; dtype:
-    the compute dtype (transformers' model of that dtype builds its buffers in it)."""
+    the compute dtype (transformers' model of that dtype builds its buffers in it); tile: tokens
+    per tile of each layer's token-local parts (engine.seq_tile; 0: untiled)."""
     if spec.generic is None:
-        return NativeTemplate(spec, device)
+        return NativeTemplate(spec, device, tile)
     from .generic import GenericTemplate
 
-    return GenericTemplate(spec, device, lora_targets, dtype)
+    return GenericTemplate(spec, device, lora_targets, dtype, tile)

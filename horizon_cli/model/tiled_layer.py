@@ -22,79 +22,70 @@ untiled layer's (the order weight gradients of different tiles are summed in dif
 rounding). The attention kernel runs as often as untiled (forward sweep, recompute, backward);
 the K/V projections once more (the kv pass of the backward).
 
-LoRA dropout draws a mask per tile (its first token, counted over the rows, names it), the same
-in the forward and the backward.
+LoRA dropout draws a mask per tile (its first token, counted over the rows, names it: the tile's
+call, model.call.LayerCall.in_tile, whose adapters the stages are given), the same in the forward
+and the backward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from . import tiling
+from .call import LayerCall, Lora
+
+Adapters = Lora | None
 
 
 class Stages(NamedTuple):
-    """The layer's token-local passes, for one row r and positions [s, e):
-    kv(r, s, e, x (1, t, H)) -> k, v (1, kv_heads, t, hd); keys(s, e) -> lo, the first key the
-    tile's queries can see; out(r, s, e, x (1, t, H), k, v (1, kv_heads, e - lo, hd)) -> (1, t, H)."""
+    """The layer's token-local passes, for one row r and positions [s, e) with the tile's adapters:
+    kv(r, s, e, x (1, t, H), lora) -> k, v (1, kv_heads, t, hd); keys(s, e) -> lo, the first key
+    the tile's queries can see; out(r, s, e, x (1, t, H), k, v (1, kv_heads, e - lo, hd), lora) ->
+    (1, t, H)."""
 
-    kv: Callable[[int, int, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    kv: Callable[[int, int, int, torch.Tensor, Adapters], tuple[torch.Tensor, torch.Tensor]]
     keys: Callable[[int, int], int]
-    out: Callable[[int, int, int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    out: Callable[[int, int, int, torch.Tensor, torch.Tensor, torch.Tensor, Adapters], torch.Tensor]
     kv_heads: int
     head_dim: int
 
 
-def run_layer(
-    st: Stages, x: torch.Tensor, tile: int, lora: Any, leaves: list[torch.Tensor], deferred: bool
-) -> torch.Tensor:
-    """x (b, T, H) -> the layer's output (b, T, H). leaves: the tensors it computes with (weights,
-    adapters); under autograd the backward differentiates them (_Layer)."""
+def run_layer(st: Stages, x: torch.Tensor, call: LayerCall, leaves: list[torch.Tensor]) -> torch.Tensor:
+    """x (b, T, H) -> the layer's output (b, T, H) in tiles of call.tile tokens. leaves: the tensors
+    it computes with (weights, adapters); under autograd the backward differentiates them (_Layer)."""
     if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in leaves)):
-        base = lora.mb if lora is not None else None
-        return _Layer.apply(x, (st, tile, lora, base, deferred), *leaves)
-    return _forward(st, x, tile, lora, lora.mb if lora is not None else None)
+        return _Layer.apply(x, (st, call), *leaves)
+    return _forward(st, x, call)
 
 
-@contextmanager
-def _seeded(lora: Any, base: Any, flat: int):
-    """LoRA dropout's masks for the tile whose first token is `flat` (over the rows)."""
-    if lora is None:
-        yield
-        return
-    lora.mb = (base, "tile", flat)
-    try:
-        yield
-    finally:
-        lora.mb = base
+def _tile(call: LayerCall, r: int, T: int, s: int) -> Adapters:
+    """LoRA's adapters for the tile of row r whose first position is s (named over the rows)."""
+    return call.in_tile(r * T + s).adapters
 
 
-def _kv(st: Stages, x: torch.Tensor, r: int, tile: int, lora: Any, base: Any):
+def _kv(st: Stages, x: torch.Tensor, r: int, call: LayerCall) -> tuple[torch.Tensor, torch.Tensor]:
     """The kv pass of row r without autograd: K, V (1, kv_heads, T, hd)."""
     T = x.shape[1]
     K = x.new_empty(1, st.kv_heads, T, st.head_dim)
     V = torch.empty_like(K)
     with torch.no_grad():
-        for s, e in tiling.tiles(T, tile):
-            with _seeded(lora, base, r * T + s):
-                K[:, :, s:e], V[:, :, s:e] = st.kv(r, s, e, x[r : r + 1, s:e])
+        for s, e in tiling.tiles(T, call.tile):
+            K[:, :, s:e], V[:, :, s:e] = st.kv(r, s, e, x[r : r + 1, s:e], _tile(call, r, T, s))
     return K, V
 
 
-def _forward(st: Stages, x: torch.Tensor, tile: int, lora: Any, base: Any) -> torch.Tensor:
+def _forward(st: Stages, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
     b, T, _ = x.shape
     y = torch.empty_like(x)
     with torch.no_grad():
         for r in range(b):
-            K, V = _kv(st, x, r, tile, lora, base)
-            for s, e in tiling.tiles(T, tile):
-                lo = st.keys(s, e)
-                with _seeded(lora, base, r * T + s):
-                    y[r : r + 1, s:e] = st.out(r, s, e, x[r : r + 1, s:e], K[:, :, lo:e], V[:, :, lo:e])
+            K, V = _kv(st, x, r, call)
+            for s, e in tiling.tiles(T, call.tile):
+                lo, lora = st.keys(s, e), _tile(call, r, T, s)
+                y[r : r + 1, s:e] = st.out(r, s, e, x[r : r + 1, s:e], K[:, :, lo:e], V[:, :, lo:e], lora)
             del K, V
     return y
 
@@ -104,16 +95,17 @@ class _Layer(torch.autograd.Function):
     values are never read), the backward tile by tile (module doc)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, job: tuple, *leaves: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        st, tile, lora, base, deferred = job
+    def forward(ctx, x: torch.Tensor, job: tuple[Stages, LayerCall], *leaves: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        st, call = job
         ctx.save_for_backward(x)
         ctx.job, ctx.leaves = job, leaves
-        return torch.empty_like(x) if deferred else _forward(st, x, tile, lora, base)
+        return torch.empty_like(x) if call.deferred else _forward(st, x, call)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         (x,) = ctx.saved_tensors
-        st, tile, lora, base, _ = ctx.job
+        st, call = ctx.job
+        tile = call.tile
         leaves: tuple[torch.Tensor, ...] = ctx.leaves
         need = [i for i, t in enumerate(leaves) if t.requires_grad]
         acc: list[torch.Tensor | None] = [None] * len(leaves)
@@ -128,15 +120,15 @@ class _Layer(torch.autograd.Function):
         b, T, _ = x.shape
         dx = torch.empty_like(x)
         for r in range(b):
-            K, V = _kv(st, x, r, tile, lora, base)
+            K, V = _kv(st, x, r, call)
             dK, dV = torch.zeros_like(K), torch.zeros_like(V)
             for s, e in tiling.tiles(T, tile):  # out pass: dx, the weights', dK/dV
                 lo = st.keys(s, e)
                 xt = x[r : r + 1, s:e].detach().requires_grad_(True)
                 kt = K[:, :, lo:e].detach().requires_grad_(True)
                 vt = V[:, :, lo:e].detach().requires_grad_(True)
-                with _seeded(lora, base, r * T + s), torch.enable_grad():
-                    yt = st.out(r, s, e, xt, kt, vt)
+                with torch.enable_grad():
+                    yt = st.out(r, s, e, xt, kt, vt, _tile(call, r, T, s))
                     g = torch.autograd.grad(
                         yt, [xt, kt, vt, *(leaves[i] for i in need)], dy[r : r + 1, s:e], allow_unused=True
                     )
@@ -149,8 +141,8 @@ class _Layer(torch.autograd.Function):
             del K, V
             for s, e in tiling.tiles(T, tile):  # kv pass: dx, the K/V weights'
                 xt = x[r : r + 1, s:e].detach().requires_grad_(True)
-                with _seeded(lora, base, r * T + s), torch.enable_grad():
-                    k, v = st.kv(r, s, e, xt)
+                with torch.enable_grad():
+                    k, v = st.kv(r, s, e, xt, _tile(call, r, T, s))
                     g = torch.autograd.grad(
                         [k, v],
                         [xt, *(leaves[i] for i in need)],

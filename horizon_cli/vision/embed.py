@@ -2,9 +2,9 @@
 features in the placeholders' places before layer 0, and give the gradient back through the same
 merge.
 
-`VisionEmbedding` wraps the run's embedding (engine.embed.HostEmbedding) as one more strategy of
-the engine's parts (engine.parts: `stage`), so the sweep, the step and the passes never ask
-whether a batch holds images:
+`VisionEmbedding` is a stage before layer 0 (engine.seams.Embedding) around the run's embedding
+table (engine.embed.HostEmbedding), one more strategy of the engine's parts (engine.parts: `stage`),
+so the sweep, the step and the passes never ask whether a batch holds images:
 
     forward   the text rows (scaled as the family scales them: transformers scales the token
               embeddings before it merges the images; on the generic path the embedding module's
@@ -34,21 +34,22 @@ from pathlib import Path
 import torch
 
 from ..data.batch import DecodeBatch, MicroBatch
-from ..engine.embed import B, Embedding
 from ..engine.grads import sumsq64
+from ..engine.seams import B, EmbeddingTable
 from ..engine.sharded import ShardedGrads
 from ..optim.adamw import AdamWHyper
 from ..runtime.events import Event
+from ..runtime.loader import Load
 from .tower import VisionTower
 from .trained import TowerState
 
 
-class VisionEmbedding(Embedding):
-    """An Embedding (engine.embed) with the image merge in front of layer 0."""
+class VisionEmbedding:
+    """The stage before layer 0 (engine.seams.Embedding) that merges the images into the rows."""
 
-    def __init__(self, inner: Embedding, tower: VisionTower, trained: TowerState | None = None):
-        """trained: the tower's trained part (train.vision projector | all), or None (frozen).
-        (Embedding's own __init__ is not run: everything else is the wrapped embedding's.)"""
+    def __init__(self, inner: EmbeddingTable, tower: VisionTower, trained: TowerState | None = None) -> None:
+        """inner: the run's embedding table; trained: the tower's trained part (train.vision
+        projector | all), or None (frozen)."""
         self.inner, self.tower, self.trained = inner, tower, trained
         self.stage_trained = trained is not None
         self.ahead = inner.ahead
@@ -58,7 +59,7 @@ class VisionEmbedding(Embedding):
     def across_ranks(self, sharded: ShardedGrads) -> None:
         self.sharded = sharded
 
-    def loads(self):
+    def loads(self) -> list[Load]:
         return self.inner.loads()
 
     def reserve(self, numel: int, grad: bool) -> None:
@@ -171,6 +172,6 @@ class VisionEmbedding(Embedding):
     def save_state(self, ck: Path) -> dict[str, int]:
         return self.trained.save(ck) if self.trained is not None else {}
 
-    def load_state(self, ck: Path, sums: dict) -> None:
+    def load_state(self, ck: Path, sums: dict[str, int]) -> None:
         if self.trained is not None:
             self.trained.load(ck, sums)

@@ -7,6 +7,7 @@ import torch
 from horizon_cli.arch import spec_from_hf
 from horizon_cli.data.batch import MicroBatch
 from horizon_cli.model import attend
+from horizon_cli.model.call import LayerCall
 from horizon_cli.model.layer import inv_freq, layer_forward
 from horizon_cli.model.masks import attn_context
 from tests.support.tiny import BASE
@@ -109,5 +110,5 @@ def test_a_tiled_micro_batch_gets_the_masks_rule_where_flex_would_run(packed, wi
     w = weights(sp)
     with torch.no_grad():
         want = layer_forward(w, x, dense, sp, window)
-        got = layer_forward(w, x, rows, sp, window, tile=9)
+        got = layer_forward(w, x, rows, sp, window, LayerCall(tile=9))
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()

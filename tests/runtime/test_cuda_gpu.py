@@ -101,6 +101,7 @@ def tiled_against_untiled(device: str, packed: bool, window: int | None, tile: i
     tiled by `tile` (engine.seq_tile: masks as their rule, per-query-tile attention; the backward's
     deferred recompute, seeded with dy) against untiled (the default masks: flex's block masks on
     CUDA). Returns the largest error relative to each tensor's largest element."""
+    from horizon_cli.model.call import LayerCall
     from horizon_cli.model.layer import inv_freq, layer_forward
     from horizon_cli.model.masks import attn_context
     from tests.model.test_attention import T, rows_batch, spec, weights
@@ -116,8 +117,8 @@ def tiled_against_untiled(device: str, packed: bool, window: int | None, tile: i
     for t in (0, tile):
         ctx = attn_context(mb, sp, inv, torch.float32, device, rows=t > 0)
         with torch.no_grad():
-            y = layer_forward(w, x, ctx, sp, window, tile=t)
-        r = layer_forward(w, x, ctx, sp, window, tile=t, deferred=True)  # the backward's recompute
+            y = layer_forward(w, x, ctx, sp, window, LayerCall(tile=t))
+        r = layer_forward(w, x, ctx, sp, window, LayerCall(tile=t, deferred=True))  # the backward's recompute
         out.append((y, torch.autograd.grad(r, [x, *w.values()], dy)))
     (y0, g0), (y1, g1) = out
     errs = [((y1 - y0).abs().max() / y0.abs().max()).item()]
@@ -142,6 +143,7 @@ def test_a_tiled_layers_device_peak_is_within_the_plan():
     (planning.memory.layer_work_bytes), the tiled peak below the untiled one."""
     from horizon_cli.arch import spec_from_hf
     from horizon_cli.data.batch import MicroBatch
+    from horizon_cli.model.call import LayerCall
     from horizon_cli.model.layer import inv_freq, layer_forward
     from horizon_cli.model.masks import attn_context
     from horizon_cli.planning.memory import layer_work_bytes
@@ -170,10 +172,10 @@ def test_a_tiled_layers_device_peak_is_within_the_plan():
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
                 with torch.no_grad():
-                    y = layer_forward(w, x, ctx, sp, None, tile=tile)
+                    y = layer_forward(w, x, ctx, sp, None, LayerCall(tile=tile))
                 del y
                 xi = x.detach().requires_grad_(True)
-                r = layer_forward(w, xi, ctx, sp, None, tile=tile, deferred=True)
+                r = layer_forward(w, xi, ctx, sp, None, LayerCall(tile=tile, deferred=True))
                 g = torch.autograd.grad([r], [xi, *w.values()], [dy])
                 del r, g, xi, ctx
                 torch.cuda.synchronize()

@@ -65,6 +65,7 @@ def measure(
     that many documents of equal length (model.masks: untiled a dense (T, T) mask, tiled its rule)."""
     from horizon_cli.arch import spec_from_hf
     from horizon_cli.data.batch import MicroBatch
+    from horizon_cli.model.call import LayerCall
     from horizon_cli.model.layer import AttnContext, inv_freq, layer_forward, rope_tables
     from horizon_cli.model.masks import attn_context
     from horizon_cli.planning.memory import layer_work_bytes
@@ -98,11 +99,11 @@ def measure(
         else:
             ctx.masks = {None: None}
         with torch.no_grad():
-            y = layer_forward(w, x, ctx, spec, None, tile=tile)
+            y = layer_forward(w, x, ctx, spec, None, LayerCall(tile=tile))
         del y
         xi = x.detach().requires_grad_(True)
         with torch.enable_grad():
-            y = layer_forward(w, xi, ctx, spec, None, tile=tile)
+            y = layer_forward(w, xi, ctx, spec, None, LayerCall(tile=tile))
             grads = torch.autograd.grad([y], [xi, *leaves], [dy])
         del y, grads, xi
         ctx.masks = {}
