@@ -20,6 +20,9 @@ from typing import Protocol
 import torch
 
 MaskKey = int | tuple[object, ...]  # what names a dropout mask besides the seed (lora.linear)
+# a tile's part of the key: an int, never a string, since hash() of a str changes with each
+# process (PYTHONHASHSEED) and a resumed run must draw the masks the first process drew
+TILE = -1
 
 
 class Lora(Protocol):
@@ -50,7 +53,7 @@ class LayerCall:
     def key(self) -> MaskKey:
         """What names this call's dropout masks (module doc)."""
         base: MaskKey = self.mb if self.call == self.layer else (self.mb, self.call)
-        return base if self.at is None else (base, "tile", self.at)
+        return base if self.at is None else (base, TILE, self.at)
 
     @cached_property
     def adapters(self) -> Lora | None:

@@ -5,6 +5,8 @@ handed — and an equal value draws the same masks, another tile or micro-batch 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from horizon_cli.config.schema import EngineConfig, LoraConfig, OptimConfig
 from horizon_cli.engine import Engine
 from horizon_cli.lora.linear import LayerLora
 from horizon_cli.lora.setup import lora_setup
-from horizon_cli.model.call import LayerCall
+from horizon_cli.model.call import TILE, LayerCall
 from tests.engine.test_dropout import MODELS, SEED, store_of
 from tests.support.oracle import micro_batches, random_rows
 
@@ -61,7 +63,7 @@ def test_a_step_writes_nothing_onto_the_template_or_the_adapters(tmp_path, monke
         eng.forward_backward(mbs)
         monkeypatch.undo()
         assert written == [], written
-        assert any(isinstance(k, tuple) and "tile" in k for k in keys)  # the tiles' own masks drawn
+        assert any(isinstance(k, tuple) and TILE in k for k in keys)  # the tiles' own masks drawn
     finally:
         eng.close()
 
@@ -80,7 +82,7 @@ def test_a_calls_key_names_its_masks():
 
     call = LayerCall(call=3, layer=3, mb=5, step=2, train=True, tile=4, lora=lora)
     assert call.key == 5 and LayerCall(call=4, layer=3, mb=5).key == (5, 4)
-    assert call.in_tile(8).key == (5, "tile", 8)
+    assert call.in_tile(8).key == (5, TILE, 8)
     assert torch.equal(
         mask(call), mask(LayerCall(call=3, layer=3, mb=5, step=2, train=True, tile=4, lora=lora))
     )
@@ -91,3 +93,24 @@ def test_a_calls_key_names_its_masks():
     ]
     assert all(not torch.equal(mask(call), mask(o)) for o in others)
     assert lora.mb == 0  # the layer's adapters themselves are never re-keyed
+
+
+def test_a_tiles_mask_key_hashes_the_same_in_every_process():
+    """LoRA dropout seeds from hash((seed, key, weight)): a tile's key must hash alike whatever
+    PYTHONHASHSEED a process got, or a run resumed in a new process draws other masks (a str in
+    the key did: str hashes are salted per process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from horizon_cli.model.call import TILE, LayerCall;"
+        "print(hash((7, LayerCall(call=2, layer=2, mb=3).in_tile(64).key, 1)))"
+    )
+    seeds = []
+    for salt in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": salt}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        seeds.append(out.stdout.strip())
+    assert seeds[0] == seeds[1]
