@@ -15,7 +15,7 @@ from oracle import make_engine, make_store, micro_batches, random_rows
 from horizon_cli.errors import InputError
 from horizon_cli.optim import lean, native
 from horizon_cli.optim.adamw import AdamWHyper
-from horizon_cli.state.host import segments
+from horizon_cli.state.layout import segments
 
 H = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=0.37)
 

@@ -14,6 +14,8 @@ path applied by forward hooks on transformers' linear modules); the head's
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,9 @@ from ..arch import ArchSpec
 from ..data.batch import DecodeBatch, MicroBatch
 from .layer import AttnContext, Lora, inv_freq, layer_forward, rms_norm
 from .masks import attn_context, cached_context
+
+if TYPE_CHECKING:
+    from .generic import GenericTemplate
 
 
 class NativeTemplate:
@@ -113,8 +118,18 @@ class NativeTemplate:
 def make_template(spec: ArchSpec, device: torch.device, lora_targets=None, dtype=torch.float32):
     """lora_targets: per layer, the adapted linear layers (lora.targets.Target), or None; dtype:
     the compute dtype (transformers' model of that dtype builds its buffers in it)."""
-    if spec.generic is None:
-        return NativeTemplate(spec, device)
-    from .generic import GenericTemplate
+    return spec.pick(_native, _generic)(spec, device, lora_targets, dtype)
+
+
+def _native(
+    spec: ArchSpec, device: torch.device, lora_targets: list | None, dtype: torch.dtype
+) -> NativeTemplate:
+    return NativeTemplate(spec, device)  # the native layer's adapters and dtype come with each call
+
+
+def _generic(
+    spec: ArchSpec, device: torch.device, lora_targets: list | None, dtype: torch.dtype
+) -> GenericTemplate:
+    from .generic import GenericTemplate  # transformers' modelling code: imported when needed
 
     return GenericTemplate(spec, device, lora_targets, dtype)

@@ -20,6 +20,7 @@ from ..errors import DryRunRefused, InputError
 from ..fmt import fmt_bytes
 from ..fsutil import write_text_atomic
 from ..ladder import HOW, REACH, PlannedModel, best_rung, fit_parts, fits, longest_by_rung, not_applicable
+from ..optim.modes import MODES
 from ..planning.fit import Machine
 from ..planning.memory import MemoryPlan
 from ..planning.tiling import note as tiling_note
@@ -227,8 +228,7 @@ def ladder_table(
 
 
 WHAT = {
-    "exact": "all weights, fp32 state",
-    "lean": "all weights, 8-bit state",
+    **{m.name: m.what for m in MODES.values()},
     "lora": "adapters, base frozen",
     "qlora": "adapters, NF4 base",
 }
