@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..optim.modes import MODES, MemoryMode, memory_mode
+from ..optim.modes import EXACT, MODES, MemoryMode, memory_mode
 
 
 def _f(default, **meta):
@@ -92,7 +92,7 @@ class OptimConfig:
     kernel: str = _f("auto", choices=("auto", "torch", "native"))  # CPU AdamW implementation
     # exact: fp32 master + fp32 moments (= torch.optim.AdamW); lean: bf16 + 8-bit master correction,
     # 8-bit moments (optim/lean.py), <= 8 B/param in all
-    memory: str = _f("exact", choices=tuple(MODES))
+    memory: str = _f(EXACT.name, choices=tuple(MODES))
 
     @property
     def mode(self) -> MemoryMode:
