@@ -124,7 +124,7 @@ def make_template(spec: ArchSpec, device: torch.device, lora_targets=None, dtype
 def _native(
     spec: ArchSpec, device: torch.device, lora_targets: list | None, dtype: torch.dtype
 ) -> NativeTemplate:
-    return NativeTemplate(spec, device)  # the native layer's adapters and dtype come with each call
+    return NativeTemplate(spec, device)  # neither used: adapters and weights arrive with each call
 
 
 def _generic(
