@@ -7,7 +7,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from .arch import ArchSpec
 from .arch.calls import spec_sequence
+from .arch.generic_arch import GenericArch
 from .arch.names import param_split
 from .engine.dropout import model_dropout
 from .fmt import fmt_bytes
@@ -40,7 +42,7 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
                 f"{len(calls)} calls: {' '.join(map(str, calls))} (2 loads each per step)",
             )
         )
-    moe = a.generic.moe if a.generic is not None else None
+    moe = a.kind.moe
     if moe:
         rows += [
             (
@@ -126,16 +128,19 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
     }
 
 
-def _path(a) -> str:
-    if a.generic is None:
-        return "native (horizon's functional layer)"
-    g = a.generic
+def _path(a: ArchSpec) -> str:
+    return a.visit(lambda _: "native (horizon's functional layer)", _generic_path)
+
+
+def _generic_path(g: GenericArch) -> str:
     return f"generic: transformers' {g.layer_class} ({g.family}, {g.attn} attention)"
 
 
-def _flags(a) -> str:
-    if a.generic is not None:
-        return _generic_flags(a)
+def _flags(a: ArchSpec) -> str:
+    return a.pick(_native_flags, _generic_flags)(a)
+
+
+def _native_flags(a: ArchSpec) -> str:
     flags = [
         name
         for name, on in (

@@ -77,13 +77,19 @@ def part_name(entry: TensorRow, k: int) -> str:
 
 def unit_tensors(spec: ArchSpec, unit: str) -> list[TensorName]:
     """The checkpoint tensors a unit holds, in store order."""
-    if spec.generic is not None:
-        return [
-            TensorName(part_name(e, k), p.hf, p.shape)
-            for e in generic_table(spec, unit)
-            for k, p in enumerate(e.parts)
-        ]
+    return spec.pick(_native_unit, _generic_unit)(spec, unit)
+
+
+def _native_unit(spec: ArchSpec, unit: str) -> list[TensorName]:
     return [_on_disk(spec, t) for t in _native_tensors(spec, unit)]
+
+
+def _generic_unit(spec: ArchSpec, unit: str) -> list[TensorName]:
+    return [
+        TensorName(part_name(e, k), p.hf, p.shape)
+        for e in generic_table(spec, unit)
+        for k, p in enumerate(e.parts)
+    ]
 
 
 def _native_tensors(spec: ArchSpec, unit: str) -> list[TensorName]:
@@ -153,9 +159,15 @@ def hf_table(spec: ArchSpec) -> dict[str, tuple[str, TensorName]]:
 def is_ignorable(hf_name: str, spec: ArchSpec) -> bool:
     """Checkpoint entries we may skip: RoPE caches, and a duplicate lm_head of a tied model. A
     generic spec was built from the checkpoint's own names (arch.disk): what it left out is skippable."""
-    if hf_name.endswith(IGNORED_SUFFIXES) or spec.generic is not None:
-        return True
+    return hf_name.endswith(IGNORED_SUFFIXES) or spec.pick(_tied_head, _left_out)(hf_name, spec)
+
+
+def _tied_head(hf_name: str, spec: ArchSpec) -> bool:
     return spec.tie_embeddings and hf_name == "lm_head.weight"
+
+
+def _left_out(hf_name: str, spec: ArchSpec) -> bool:
+    return True
 
 
 def param_split(spec: ArchSpec) -> dict[str, int]:

@@ -17,14 +17,18 @@ sizes, for reports and memory plans).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import InputError
 from ..fsutil import read_json
 from .generic import generic_spec, hf_config, model_class
 from .generic_arch import GenericArch
+from .kind import NATIVE, ArchKind, NativeArch
+
+T = TypeVar("T")
 
 # model_type -> family.  The family picks the HF name table and default flags.
 FAMILIES = {
@@ -80,6 +84,21 @@ class ArchSpec:
     attn_dropout: float = 0.0
 
     @property
+    def kind(self) -> ArchKind:
+        """Native or generic (arch.kind): the one place the two are told apart."""
+        return NATIVE if self.generic is None else self.generic
+
+    def visit(self, native: Callable[[NativeArch], T], generic: Callable[[GenericArch], T]) -> T:
+        """The kind's function called with the kind (a generic description typed as one)."""
+        kind = self.kind
+        return native(kind) if isinstance(kind, NativeArch) else generic(kind)
+
+    def pick(self, native: T, generic: T) -> T:
+        """`native` for a native spec, `generic` for a generic one: each kind's strategy (a
+        function, a class, a value), chosen here so that no caller branches on the kind."""
+        return self.visit(lambda _: native, lambda _: generic)
+
+    @property
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
 
@@ -97,7 +116,7 @@ class ArchSpec:
 
     @property
     def _form(self) -> tuple[int | str, ...] | None:
-        return None if self.generic is None else self.generic.boundary
+        return self.kind.boundary
 
     @property
     def streams(self) -> bool:
@@ -120,10 +139,11 @@ class ArchSpec:
         """The manifest's `arch`; versioned=False: the generic section without its version (what a
         model fingerprint hashes, as for stores converted before it had one)."""
         d = asdict(replace(self, generic=None))
-        if self.generic is None:  # native stores keep the version-1 manifest
+        kind = self.kind
+        if isinstance(kind, NativeArch):  # native stores keep the version-1 manifest
             del d["path"], d["generic"]
         else:
-            d["generic"] = self.generic.to_dict(versioned)
+            d["generic"] = kind.to_dict(versioned)
         if self.padding_idx is None:  # and stores without a padding row, their fingerprint
             del d["padding_idx"]
         if self.hf_names is None:

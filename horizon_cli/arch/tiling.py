@@ -84,11 +84,10 @@ def untiled_kinds(g: GenericArch) -> list[str]:
     return [k for k, found in blocks(g).items() if not found]
 
 
-def note(spec) -> str:
-    """What engine.seq_tile tiles in each layer of this model, in words (inspect, --dry-run)."""
-    if spec.generic is None:
-        return "every layer's MLP block (its norm, SwiGLU and residual)"
-    found = blocks(spec.generic)
+def note(g: GenericArch) -> str:
+    """What engine.seq_tile tiles in each layer of this generic model, in words (inspect, --dry-run;
+    a native model's: planning.tiling.note)."""
+    found = blocks(g)
     by: dict[tuple[str, ...], list[str]] = {}
     for kind, paths in found.items():
         by.setdefault(paths, []).append(kind)
@@ -103,8 +102,6 @@ def note(spec) -> str:
     return "; ".join(parts)
 
 
-def block_prefixes(spec, i: int) -> tuple[str, ...]:
-    """Module paths (with a trailing dot) of layer i's token-local blocks: natively its MLP."""
-    if spec.generic is None:
-        return ("mlp.",)
-    return tuple(f"{b}." for b in blocks(spec.generic).get(spec.generic.layer_kinds[i], ()))
+def block_prefixes(g: GenericArch, i: int) -> tuple[str, ...]:
+    """Module paths (with a trailing dot) of layer i's token-local blocks."""
+    return tuple(f"{b}." for b in blocks(g).get(g.layer_kinds[i], ()))

@@ -21,6 +21,7 @@ import yaml
 
 from .. import utf8
 from ..errors import ConfigError, InputError
+from ..optim.modes import MODES
 from .preference import preference_problems
 from .rl import rl_problems
 from .schema import Config
@@ -290,15 +291,8 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"engine.seq_tile: {tile!r} is not allowed (auto, or tokens per tile >= 0; 0: untiled)")
     if cfg.engine.link_gbps and cfg.engine.device not in ("cpu", "auto"):
         p.append("engine.link_gbps: only emulates a link with engine.device: cpu")
-    if cfg.optim.memory == "lean" and cfg.engine.grad_dtype == "float32":
-        p.append(
-            "optim.memory: lean holds bf16 gradients (<= 8 B/param); engine.grad_dtype: float32 is not allowed with it"
-        )
-    if cfg.optim.memory == "lean" and cfg.lora is not None:
-        p.append(
-            "optim.memory: lean is for full fine-tuning; a lora: run trains its adapters exactly "
-            "(they are small) and its base has no optimizer state: leave optim.memory: exact"
-        )
+    mode = MODES.get(cfg.optim.memory)  # None: refused by its choices already
+    p += mode.problems(cfg.engine.grad_dtype, cfg.lora is not None) if mode else []
     evals = [k for k in ("eval_path", "eval_fraction", "eval_split") if getattr(cfg.data, k)]
     if len(evals) > 1:
         p.append(f"data.{evals[1]}: give one of data.eval_path, eval_fraction and eval_split, not several")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..optim.modes import EXACT, MODES, MemoryMode, memory_mode
+
 
 def _f(default, **meta):
     if isinstance(default, list | dict):
@@ -90,7 +92,12 @@ class OptimConfig:
     kernel: str = _f("auto", choices=("auto", "torch", "native"))  # CPU AdamW implementation
     # exact: fp32 master + fp32 moments (= torch.optim.AdamW); lean: bf16 + 8-bit master correction,
     # 8-bit moments (optim/lean.py), <= 8 B/param in all
-    memory: str = _f("exact", choices=("exact", "lean"))
+    memory: str = _f(EXACT.name, choices=tuple(MODES))
+
+    @property
+    def mode(self) -> MemoryMode:
+        """optim.memory parsed: the mode every later question is asked of (optim/modes.py)."""
+        return memory_mode(self.memory)
 
 
 @dataclass

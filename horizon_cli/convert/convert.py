@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..arch import hf_table, read_hf_config, spec_from_hf, unit_names
+from ..arch import ArchSpec, hf_table, read_hf_config, spec_from_hf, unit_names
 from ..arch.names import is_ignorable, native_disk_names
 from ..errors import InputError
 from ..fsutil import atomic_dir, check_not_inside, io_failures
@@ -63,12 +63,9 @@ def convert(
     spec = spec_from_hf(hf_cfg, where=where, path=path)  # refuses an unsupported model before reading weights
     ckpt = Checkpoint(src)
     disk = {n: tuple(i.shape) for n, i in ckpt.infos.items()}
-    if spec.generic is not None:  # map the checkpoint's own names (per-expert or fused) onto memory
-        spec = spec_from_hf(hf_cfg, where=where, disk=disk, path="generic")
-    elif spec.family != hf_cfg.get("model_type"):  # a native class saved under its own names (EXAONE)
-        spec.hf_names = native_disk_names(spec, hf_cfg, disk, where) or None
+    spec = spec.pick(_native_disk, _generic_disk)(spec, hf_cfg, disk, where)
     plan = check_tensors(ckpt, spec)
-    carried = [ckpt.infos[n] for n in (spec.generic.carried if spec.generic is not None else ())]
+    carried = [ckpt.infos[n] for n in spec.kind.carried]
     total = sum(ckpt.infos[n].nbytes for n in plan) + sum(i.nbytes for i in carried)
     with io_failures(dst), atomic_dir(dst, force=force) as tmp:
         writer = StoreWriter(tmp, spec, dtype, source=source, quant=quantize)
@@ -93,6 +90,18 @@ def convert(
         "dtype": dtype,
         "quant": quantize,
     }
+
+
+def _generic_disk(spec: ArchSpec, cfg: dict, disk: dict[str, tuple[int, ...]], where: str) -> ArchSpec:
+    """The generic description again, mapping the checkpoint's own names (per-expert or fused) onto memory."""
+    return spec_from_hf(cfg, where=where, disk=disk, path="generic")
+
+
+def _native_disk(spec: ArchSpec, cfg: dict, disk: dict[str, tuple[int, ...]], where: str) -> ArchSpec:
+    """The native spec, with the checkpoint's own names where a native class saved under them (EXAONE)."""
+    if spec.family != cfg.get("model_type"):
+        spec.hf_names = native_disk_names(spec, cfg, disk, where) or None
+    return spec
 
 
 def local_source(src: Path, revision: str | None) -> Path:

@@ -78,8 +78,10 @@ class SeededDropout:
 def model_dropout(arch: ArchSpec) -> list[tuple[str, float]]:
     """The model's positive dropout / noise settings by config key (the native layer's: its
     attention's; the generic path's: every such key of its config)."""
-    if arch.generic is not None:
-        return stochastic_keys(dict(arch.generic.config))
+    return arch.visit(lambda _: _native_dropout(arch), lambda g: stochastic_keys(dict(g.config)))
+
+
+def _native_dropout(arch: ArchSpec) -> list[tuple[str, float]]:
     return [("attention_dropout", arch.attn_dropout)] if arch.attn_dropout else []
 
 

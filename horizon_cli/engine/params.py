@@ -33,6 +33,7 @@ from ..lora.linear import LayerLora, layer_lora
 from ..lora.setup import LoraSetup
 from ..lora.sizes import adapter_kept_bytes, adapter_work_bytes
 from ..lora.state import lora_state
+from ..optim.modes import MemoryMode
 from ..runtime.events import READY, Event
 from ..state.frozen import FrozenState, FrozenUnit
 from ..state.host import HostState, UnitState
@@ -52,8 +53,8 @@ class FullParams:
     base: FrozenState | None = None
     trains_head = True
 
-    def __init__(self, store: Store, dtype, grad_dtype, alloc: Alloc, progress, memory: str, shard):
-        self.host = HostState(store, dtype, alloc, progress, grad_dtype, memory, shard)
+    def __init__(self, store: Store, dtype, grad_dtype, alloc: Alloc, progress, mode: MemoryMode, shard):
+        self.host = HostState(store, dtype, alloc, progress, grad_dtype, mode, shard)
         self.widen = Widen(self.host.units, dtype)  # lean computing in fp32: its bf16 weight upcast
         self.layers = [f"layer.{i}" for i in range(store.arch.n_layers)]
         self.trained: list[str | None] = list(self.layers)
@@ -233,7 +234,7 @@ class FrozenParams(_OnFrozenBase):
 
 
 def make_params(
-    store: Store, lora: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, memory, shard,
+    store: Store, lora: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, mode: MemoryMode, shard,
     forward_only: bool = False, narrow: bool = False,
 ) -> Params:  # fmt: skip
     """narrow: a frozen base read from a store narrower than `dtype` stays as stored on the host
@@ -241,5 +242,5 @@ def make_params(
     if forward_only:
         return FrozenParams(store, lora, dtype, grad_dtype, alloc, progress, shard, narrow)
     if lora is None:
-        return FullParams(store, dtype, grad_dtype, alloc, progress, memory, shard)
+        return FullParams(store, dtype, grad_dtype, alloc, progress, mode, shard)
     return LoraParams(store, lora, dtype, grad_dtype, alloc, progress, shard, narrow)

@@ -116,8 +116,8 @@ def assemble(
     the image merge before layer 0)."""
     assert not (forward_only and keep), "a forward-only engine keeps no graphs"
     spec = store.arch
-    dtype = DTYPES[resolve_dtype(engine, optim.memory).dtype]  # resolved already by train/profile
-    grad_dtype = DTYPES[grad_dtype_for(engine.grad_dtype, DTYPE_NAMES[dtype], optim.memory)]
+    dtype = DTYPES[resolve_dtype(engine, optim.mode).dtype]  # resolved already by train/profile
+    grad_dtype = DTYPES[grad_dtype_for(engine.grad_dtype, DTYPE_NAMES[dtype], optim.mode)]
     tracer = tracer or Tracer(enabled=False)
     t = transport or make_transport(engine, tracer)
     dist = dist if dist is not None and dist.world > 1 else None
@@ -126,7 +126,7 @@ def assemble(
     shard = (dist.world, dist.rank) if dist else (1, 0)
     # with a link to cross, a frozen base narrower than the compute dtype crosses it as stored
     params = make_params(
-        store, lora, dtype, grad_dtype, t.host_empty, progress, optim.memory, shard, forward_only,
+        store, lora, dtype, grad_dtype, t.host_empty, progress, optim.mode, shard, forward_only,
         narrow=not t.shares_host,
     )  # fmt: skip
     tied = spec.tie_embeddings

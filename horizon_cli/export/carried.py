@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..arch.generic_arch import GenericArch
 from ..lora.merge import Merge
 from ..store import Store
 from ..store.carried import FILE, SUM, carried_names, write_carried
@@ -19,14 +20,19 @@ from ..store.carried import FILE, SUM, carried_names, write_carried
 def carried_memory_names(store: Store) -> dict[str, str]:
     """In-memory name -> carried (checkpoint) name of every tensor the store carries."""
     names = carried_names(store.root / "hf")
-    if not names or store.arch.generic is None:
+    if not names:
         return {}
+    return store.arch.visit(lambda _: dict[str, str](), lambda g: _memory_names(g, names))
+
+
+def _memory_names(g: GenericArch, names: list[str]) -> dict[str, str]:
+    """The carried names mapped to memory by the model's own renamings (a native model carries none)."""
     from transformers.core_model_loading import rename_source_key
 
     from ..arch.disk import transforms
     from ..arch.generic import stored_model
 
-    renamings, converters = transforms(stored_model(store.arch.generic))
+    renamings, converters = transforms(stored_model(g))
     return {rename_source_key(k, renamings, converters)[0]: k for k in names}
 
 

@@ -58,7 +58,7 @@ def adapter_work_bytes(
     def one(i: int, layer: list[Target]) -> int:
         inside: tuple[str, ...] = ()
         if tile > 0 and spec is not None:  # natively every linear layer is tiled (model.tiled_layer)
-            inside = ("",) if spec.generic is None else block_prefixes(spec, i)
+            inside = spec.visit(lambda _: ("",), lambda g: block_prefixes(g, i))
         blk = sum(r + t.out_features for t in layer if t.rel.startswith(inside))
         return tokens * sum(r + t.out_features for t in layer) - (tokens - min(tile, tokens)) * blk
 

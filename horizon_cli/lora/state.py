@@ -17,8 +17,10 @@ from collections.abc import Callable
 
 import torch
 
+from ..optim.modes import EXACT
 from ..state.frozen import FrozenState
-from ..state.host import HostState, UnitState, exact_state, segments
+from ..state.host import HostState, UnitState
+from ..state.layout import WholeExact, exact_state
 from ..store.layout import ALIGN, Param, Slot, UnitLayout
 from . import peft
 from .setup import LoraSetup
@@ -67,7 +69,7 @@ class AdapterState(HostState):
         alloc: Callable[[int, torch.dtype], torch.Tensor],
         grad_dtype: torch.dtype = torch.float32,
     ):
-        self.dtype, self.grad_dtype, self.memory = dtype, grad_dtype, "exact"
+        self.dtype, self.grad_dtype, self.mode, self.scheme = dtype, grad_dtype, EXACT, WholeExact()
         self.units: dict[str, UnitState] = {}
         for i, targets in enumerate(setup.targets):
             if not targets:
@@ -78,7 +80,7 @@ class AdapterState(HostState):
             grad.zero_()
             state = exact_state(n, dtype == torch.bfloat16)  # adapters are small: always exact
             self.units[lay.name] = UnitState(
-                lay.name, lay, "exact", alloc(n, dtype), grad, segments(lay, "exact"), state
+                lay.name, lay, self.scheme, alloc(n, dtype), grad, self.scheme.segments(lay), state
             )
         self.set_tensors(initial_adapters(setup))
 
@@ -104,7 +106,7 @@ class NoAdapters(AdapterState):
     """A frozen base computed alone (a forward-only engine without adapters): no lora.{i} unit."""
 
     def __init__(self, dtype: torch.dtype, grad_dtype: torch.dtype = torch.float32):
-        self.dtype, self.grad_dtype, self.memory = dtype, grad_dtype, "exact"
+        self.dtype, self.grad_dtype, self.mode, self.scheme = dtype, grad_dtype, EXACT, WholeExact()
         self.units = {}
 
 

@@ -107,7 +107,7 @@ def resolve_targets(
 ) -> list[list[Target]]:
     """Per decoder layer, the adapted linear layers in module order; InputError naming the module
     when a target matches something that is not a decoder layer's linear layer, or nothing."""
-    mods, linear = generic_modules(spec) if spec.generic is not None else native_modules(spec)
+    mods, linear = spec.pick(native_modules, generic_modules)(spec)
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         chosen = [m for m in mods if m.kind == "linear"]
     else:

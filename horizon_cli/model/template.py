@@ -16,6 +16,7 @@ path applied by forward hooks on transformers' linear modules); the head's
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ from ..data.batch import DecodeBatch, MicroBatch
 from .call import LayerCall
 from .layer import AttnContext, Weights, inv_freq, layer_forward, rms_norm
 from .masks import attn_context, cached_context
+
+if TYPE_CHECKING:
+    from .generic import GenericTemplate
 
 
 class NativeTemplate:
@@ -118,8 +122,18 @@ def make_template(
     """lora_targets: per layer, the adapted linear layers (lora.targets.Target), or None; dtype:
     the compute dtype (transformers' model of that dtype builds its buffers in it); tile: tokens
     per tile of each layer's token-local parts (engine.seq_tile; 0: untiled)."""
-    if spec.generic is None:
-        return NativeTemplate(spec, device, tile)
-    from .generic import GenericTemplate
+    return spec.pick(_native, _generic)(spec, device, lora_targets, dtype, tile)
+
+
+def _native(
+    spec: ArchSpec, device: torch.device, lora_targets: list | None, dtype: torch.dtype, tile: int
+) -> NativeTemplate:
+    return NativeTemplate(spec, device, tile)  # adapters and weights arrive with each call
+
+
+def _generic(
+    spec: ArchSpec, device: torch.device, lora_targets: list | None, dtype: torch.dtype, tile: int
+) -> GenericTemplate:
+    from .generic import GenericTemplate  # transformers' modelling code: imported when needed
 
     return GenericTemplate(spec, device, lora_targets, dtype, tile)

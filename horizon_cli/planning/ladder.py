@@ -20,6 +20,7 @@ from ..fmt import fmt_bytes
 from ..lora.setup import LoraSetup
 from ..lora.sizes import adapter_work_bytes, lora_memory_plan
 from ..lora.targets import resolve_targets
+from ..optim.modes import MODES
 from ..parallel.topology import World
 from ..runtime.device import has_link
 from ..runtime.dtype import resolve as resolve_dtype
@@ -106,7 +107,7 @@ def tile_plan(
     plan = _plan(cfg, spec, memory, lora, world)
     rows = cfg.train.micro_batch_size * cfg.rows_per_example
     seq = min(cfg.data.max_seq_len, arch.max_positions)
-    e = resolve_dtype(cfg.engine, cfg.optim.memory)
+    e = resolve_dtype(cfg.engine, cfg.optim.mode)
     item = ITEM[e.dtype]  # activations: the compute dtype (lean's bf16 weight is upcast per layer)
     adapters = None
     if memory in ("lora", "qlora"):
@@ -144,7 +145,7 @@ def base_stream(cfg: Config, model, dtype: str) -> str:
 def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) -> MemoryPlan:
     model = spec
     spec = spec if isinstance(spec, ArchSpec) else spec.arch
-    e = resolve_dtype(cfg.engine, cfg.optim.memory)  # resolved already by train (the dry run's plan)
+    e = resolve_dtype(cfg.engine, cfg.optim.mode)  # resolved already by train (the dry run's plan)
     seq = min(cfg.data.max_seq_len, spec.max_positions)
     rows = cfg.rows_per_example  # a preference pair is two sequences in the same micro-batch (rl: 1)
     if memory in ("lora", "qlora"):
@@ -166,16 +167,17 @@ def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) 
             dropout=lora.cfg.dropout if lora else 0.0,
             stream=base_stream(cfg, model, e.dtype),
         )
+    mode = MODES[memory]
     return memory_plan(  # lean keeps a bf16 weight whatever it computes in (upcast per layer)
         spec,
         e.dtype,
-        e.grad_dtype if memory != "lean" else "auto",
+        mode.rung_grad_dtype(e.grad_dtype),
         batch=cfg.step_sequences,
         micro_batch=cfg.train.micro_batch_size * rows,  # rl: completions
         seq=seq,
         prefetch=e.prefetch,
         loss_chunk=e.loss_chunk,
-        memory=memory,
+        memory=mode,
         world=world.size,
         per_node=world.per_node,
     )
@@ -200,7 +202,7 @@ def not_applicable(model: Store | PlannedModel) -> dict[str, str]:
         return {}
     full = f"a 4-bit ({model.quant}) store cannot be fully fine-tuned"
     lora = f"the store's base is 4-bit ({model.quant}): a lora: section on it runs qlora"
-    return {"exact": full, "lean": full, "lora": lora}
+    return {**dict.fromkeys(MODES, full), "lora": lora}
 
 
 # id(spec) -> (spec, its default adapters): a dry run's longest-sequence search plans the lora rungs
@@ -229,8 +231,7 @@ def _default_adapters(spec: ArchSpec) -> tuple[list, int]:
 
 
 HOW = {
-    "exact": "optim.memory: exact",
-    "lean": "optim.memory: lean",
+    **{m.name: m.how for m in MODES.values()},
     "lora": "a lora: section",
     "qlora": "a lora: section on a `convert --quantize nf4` store",
 }

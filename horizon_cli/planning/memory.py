@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 from ..arch import ArchSpec
 from ..arch.tiling import blocks
+from ..optim.modes import EXACT, MODES, MemoryMode, memory_mode
 from ..parallel.shard import SHARD_ALIGN, padded_numel, shard_range, shard_size
-from ..runtime.dtype import grad_dtype_for
-from ..state.host import kind_numel, segments
+from ..state.layout import StateKind, kind_numel, state_layout
 from ..store import UnitLayout, layouts
 
 ITEM = {"bfloat16": 2, "float32": 4}
@@ -125,8 +125,11 @@ def layer_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int, 
     engine.seq_tile, the tokens a tile's intermediates exist for at a time (0: all of them):
     natively every token-local part (model.tiled_layer: native_tiled_bytes), on transformers'
     layers their MLP/MoE block (model.tiling)."""
-    if spec.generic is not None:
-        return generic_work_bytes(spec, tokens, rows, T, item, tile)
+    return spec.pick(native_work_bytes, generic_work_bytes)(spec, tokens, rows, T, item, tile)
+
+
+def native_work_bytes(spec: ArchSpec, tokens: int, rows: int, T: int, item: int, tile: int) -> int:
+    """layer_work_bytes of the native layer (model/layer.py)."""
     per_tok = 4 * spec.hidden + spec.q_dim + 2 * spec.kv_dim
     if 0 < tile < tokens:
         return native_tiled_bytes(spec, tokens, T, item, min(tile, T), per_tok)
@@ -217,10 +220,22 @@ def kept_graph_bytes(
                concatenation and its input's gradient (3 H), no dense mask (rows per tile)
 
     tests/engine/test_keep.py checks both against what real layers save (autograd's saved tensors)."""
+    return spec.pick(native_graph_bytes, generic_graph_bytes)(spec, tokens, rows, T, item, vectors, tile)
+
+
+def generic_graph_bytes(
+    spec: ArchSpec, tokens: int, rows: int, T: int, item: int, vectors: int, tile: int
+) -> int:
+    """kept_graph_bytes of transformers' layers: their working set and their 1-D tensors' norms."""
+    return layer_work_bytes(spec, tokens, rows, T, item, tile) + tokens * vectors * spec.hidden * 10
+
+
+def native_graph_bytes(
+    spec: ArchSpec, tokens: int, rows: int, T: int, item: int, vectors: int, tile: int
+) -> int:
+    """kept_graph_bytes of the native layer (model/layer.py's ops, model.tiled_layer's)."""
     H = spec.hidden
     tiled = 0 < tile < tokens
-    if spec.generic is not None:
-        return layer_work_bytes(spec, tokens, rows, T, item, tile) + tokens * vectors * H * 10
     q, kv = spec.q_dim, spec.kv_dim
     mlp = 3 * H if tiled else 4 * spec.intermediate
     per_tok = 20 * H + (10 * (q + kv) if spec.qk_norm else 0) + (5 * q + 4 * kv + mlp) * item
@@ -239,7 +254,7 @@ def head_work_bytes(spec: ArchSpec, tokens: int, chunk: int, item: int) -> int:
     return min(chunk, tokens) * spec.vocab * (item + 8) + spec.vocab * spec.hidden * item
 
 
-RUNGS = ("exact", "lean", "lora", "qlora")  # the ladder, most exact first
+RUNGS = (*MODES, "lora", "qlora")  # the ladder, most exact first
 
 
 def memory_plan(
@@ -251,15 +266,17 @@ def memory_plan(
     seq: int = 2048,
     prefetch: int = 2,
     loss_chunk: int = 2048,
-    memory: str = "exact",
+    memory: MemoryMode | str = EXACT,
     world: int = 1,
     per_node: int = 1,
     stream: str = "",
 ) -> MemoryPlan:
-    """Full fine-tuning, memory: exact | lean (LoRA runs: lora/sizes.py), one rank's. dtype: the
-    compute dtype; stream: the streaming copy's ("": dtype; lean: bfloat16 whatever it computes in)."""
+    """Full fine-tuning, memory: the mode, or its word (exact | lean; LoRA runs: lora/sizes.py), one
+    rank's. dtype: the compute dtype; stream: the streaming copy's ("": the mode's for dtype; lean:
+    bfloat16 whatever it computes in)."""
+    mode = memory_mode(memory)
     item = ITEM[dtype]
-    stream = stream or ("bfloat16" if memory == "lean" else dtype)
+    stream = stream or mode.stream_dtype(dtype)
     sitem = ITEM[stream]
     lays = {lay.name: lay for lay in layouts(spec)}
     params = sum(lay.params for lay in lays.values())
@@ -267,8 +284,8 @@ def memory_plan(
     head = lays["head"].numel + (lays["embed"].numel if spec.tie_embeddings else 0)
     acts = rank_batch(batch, world) * seq * spec.boundary_width * item  # one layer's boundary activations
     p = MemoryPlan(params, trainable=params, world=world, per_node=per_node)
-    gitem = ITEM[grad_dtype_for(grad_dtype, dtype, memory)]
-    p.host = trained_host(lays, stream, gitem, memory, world)
+    gitem = ITEM[mode.grad_dtype(grad_dtype, dtype)]
+    p.host = trained_host(lays, stream, gitem, mode, world)
     p.host["saved activations"] = spec.n_layers * acts
     p.host["staging"] = 2 * acts
     p.device["weight buffers"] = (prefetch * layer_max + head) * sitem
@@ -283,7 +300,7 @@ def memory_plan(
     tok = micro_batch * seq
     p.device["layer working set"] = layer_work_bytes(spec, tok, micro_batch, seq, item)
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
-    stack = spec.generic.model if spec.generic is not None else None
+    stack = spec.kind.model
     side = stack.side_width if stack is not None else 0
     if side:  # tensors crossing layers (model.side): recorded per micro-batch, with their gradients
         p.device["side inputs"] = 2 * rank_batch(batch, world) * seq * side * item
@@ -309,7 +326,7 @@ def with_loop(p: MemoryPlan, spec: ArchSpec, acts: int, grad_sum: int) -> Memory
     p.calls = len(calls)
     if len(calls) == spec.n_layers and calls == sorted(calls):
         return p
-    stack = spec.generic.model if spec.generic is not None else None
+    stack = spec.kind.model
     p.loop = f"{len(calls)} calls for {spec.n_layers} layers"
     p.host["saved activations"] = len(calls) * acts
     repeated = len({i for i in calls if calls.count(i) > 1})
@@ -344,41 +361,34 @@ def sharded_device(
     return out
 
 
-def trained_host(lays: dict, dtype: str, gitem: int, memory: str, world: int = 1) -> dict[str, int]:
-    """Host state of full fine-tuning, one rank's pieces: exact (fp32 master + moments) or lean
-    (state/host.py)."""
-    item = ITEM[dtype]
+def trained_host(lays: dict, dtype: str, gitem: int, mode: MemoryMode, world: int = 1) -> dict[str, int]:
+    """Host state of full fine-tuning, one rank's pieces: the streaming copy, the mode's optimizer
+    state (exact: fp32 master + moments; lean: state/layout.py) and its gradients."""
     numel = sum(piece(lay.numel, world) for lay in lays.values())
     embed = piece(lays["embed"].numel, world)
-    grads = (numel - embed) * gitem + embed * 4
-    host = {"weights (streaming copy)": numel * item}
-    if memory == "lean":
-        kinds = [rank_kinds(lay, world) for lay in lays.values()]
-        n_lean = sum(k[0] for k in kinds)
-        n_exact = sum(k[1] for k in kinds)
-        host["master correction (int8)"] = n_lean
-        host["moments (8-bit + block scales)"] = n_lean * 2 + n_lean // 64 * 8
-        host["1-D tensors: master remainder + fp32 moments"] = n_exact * 10
-    else:
-        if dtype == "bfloat16":
-            host["master remainder (int16)"] = numel * 2
-        host["AdamW moments (fp32)"] = numel * 8
-    host[f"gradients ({'bf16' if gitem == 2 else 'fp32'})"] = grads
+
+    def kinds() -> tuple[int, int]:
+        counts = [rank_kinds(lay, world, mode) for lay in lays.values()]
+        return sum(k[0] for k in counts), sum(k[1] for k in counts)
+
+    host = {"weights (streaming copy)": numel * ITEM[dtype], **mode.state_bytes(numel, dtype, kinds)}
+    host[f"gradients ({'bf16' if gitem == 2 else 'fp32'})"] = mode.grad_bytes(numel, embed, gitem)
     return host
 
 
-def rank_kinds(lay: UnitLayout, world: int) -> tuple[int, int]:
-    """(lean, exact) trained elements in the piece of a lean unit that costs a rank the most
+def rank_kinds(lay: UnitLayout, world: int, mode: MemoryMode) -> tuple[int, int]:
+    """(lean, exact) trained elements in the piece of a packed unit that costs a rank the most
     host bytes (exact elements: 10 B of state, lean ones ~3.1 B)."""
-    segs = segments(lay, "lean")
+    segs = state_layout(mode).segments(lay)
     if world == 1:
-        return kind_numel(segs, "lean"), kind_numel(segs, "exact")
+        return kind_numel(segs, StateKind.LEAN), kind_numel(segs, StateKind.EXACT)
     best = (0, 0)
     for r in range(world):
         a, b = shard_range(lay.numel, world, r, SHARD_ALIGN)
-        n = {"lean": 0, "exact": 0}
+        n = dict.fromkeys(StateKind, 0)
         for s in segs:
             n[s.kind] += max(0, min(b, s.end) - max(a, s.start))
-        if n["lean"] * 25 + n["exact"] * 80 > best[0] * 25 + best[1] * 80:  # 8x the bytes
-            best = (n["lean"], n["exact"])
+        lean, exact = n[StateKind.LEAN], n[StateKind.EXACT]
+        if lean * 25 + exact * 80 > best[0] * 25 + best[1] * 80:  # 8x the bytes
+            best = (lean, exact)
     return best

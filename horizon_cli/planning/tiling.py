@@ -94,11 +94,13 @@ def longest(fits_at: Callable[[int], bool], lo: int, hi: int) -> int:
     return a * STEP
 
 
+NATIVE_NOTE = (
+    "every token-local part of every layer (norms, Q/K/V and output projections with RoPE, "
+    "residuals, the MLP block); attention per query tile over its row's K/V (model.tiled_layer)"
+)
+
+
 def note(spec: ArchSpec) -> str:
-    """What engine.seq_tile tiles in each layer of this model, in words (inspect, --dry-run)."""
-    if spec.generic is not None:
-        return block_note(spec)  # transformers' layers: their MLP/MoE blocks (arch.tiling)
-    return (
-        "every token-local part of every layer (norms, Q/K/V and output projections with RoPE, "
-        "residuals, the MLP block); attention per query tile over its row's K/V (model.tiled_layer)"
-    )
+    """What engine.seq_tile tiles in each layer of this model, in words (inspect, --dry-run);
+    transformers' layers: their MLP/MoE blocks (arch.tiling)."""
+    return spec.visit(lambda _: NATIVE_NOTE, block_note)

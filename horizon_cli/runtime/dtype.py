@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..config.schema import Config, EngineConfig
+from ..optim.modes import EXACT, MemoryMode, memory_mode
 from .device import resolve_device
 
 CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # either: bf16 matrix products in hardware
@@ -113,9 +114,10 @@ class DtypeChoice:
         return {"given": self.given, "dtype": self.dtype, "device": self.device, "fast_bf16": self.fast_bf16}
 
 
-def choose(engine: EngineConfig, memory: str = "exact") -> DtypeChoice:
-    """engine.dtype decided for engine.device on this machine. memory: optim.memory (lean keeps a
-    bf16 weight whatever it computes in: the same rule; the reason says what it streams)."""
+def choose(engine: EngineConfig, memory: MemoryMode | str = EXACT) -> DtypeChoice:
+    """engine.dtype decided for engine.device on this machine. memory: optim.memory's mode, or its
+    word (lean keeps a bf16 weight whatever it computes in: the same rule; the reason says what it
+    streams)."""
     device = resolve_device(engine)
     if device.startswith("cuda") and not torch.cuda.is_available():
         # a plan for a GPU this machine lacks (a dry run; a real run is refused by check_device):
@@ -135,20 +137,17 @@ def choose(engine: EngineConfig, memory: str = "exact") -> DtypeChoice:
     dtype = engine.dtype
     if dtype == "auto":
         dtype = "bfloat16" if fast else "float32"
-    if memory == "lean" and dtype == "float32":
-        why += "; optim.memory: lean keeps its bf16 weight, upcast per layer"
+    why += memory_mode(memory).dtype_note(dtype)
     return DtypeChoice(engine.dtype, dtype, device, fast, why)
 
 
-def grad_dtype_for(given: str, dtype: str, memory: str = "exact") -> str:
+def grad_dtype_for(given: str, dtype: str, memory: MemoryMode | str = EXACT) -> str:
     """engine.grad_dtype resolved: `auto` is the compute dtype, and bf16 under lean (it holds
-    bf16 gradients whatever it computes in: <= 8 B/param)."""
-    if given != "auto":
-        return given
-    return "bfloat16" if memory == "lean" else dtype
+    bf16 gradients whatever it computes in: <= 8 B/param). memory: the mode, or its word."""
+    return memory_mode(memory).grad_dtype(given, dtype)
 
 
-def resolve(engine: EngineConfig, memory: str = "exact") -> EngineConfig:
+def resolve(engine: EngineConfig, memory: MemoryMode | str = EXACT) -> EngineConfig:
     """engine with dtype concrete (as it is when it is already)."""
     if engine.dtype != "auto":
         return engine
@@ -157,5 +156,5 @@ def resolve(engine: EngineConfig, memory: str = "exact") -> EngineConfig:
 
 def with_dtype(cfg: Config) -> tuple[Config, DtypeChoice]:
     """The config with engine.dtype resolved for this machine, and the choice (train, profile)."""
-    choice = choose(cfg.engine, cfg.optim.memory)
+    choice = choose(cfg.engine, cfg.optim.mode)
     return replace(cfg, engine=replace(cfg.engine, dtype=choice.dtype)), choice

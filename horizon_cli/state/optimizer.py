@@ -19,7 +19,8 @@ from ..optim.kernel import pick_kernel
 from ..optim.lean import rounding_seed
 from ..runtime.events import Event, FutureEvent
 from ..runtime.trace import Tracer
-from .host import LEAN_BLOCK, HostState, Segment, UnitState
+from .host import HostState, UnitState
+from .layout import LEAN_BLOCK, Segment, StateKind
 
 SLICE = 1 << 22  # elements per update call (16 MiB of fp32)
 
@@ -65,7 +66,7 @@ class OptimizerWorker:
             g = g.float()
         k = seg.at + (a - seg.start)
         q = slice(k, k + b - a)
-        if seg.kind == "lean":
+        if seg.kind == StateKind.LEAN:
             blk = slice(k // LEAN_BLOCK, (k + b - a) // LEAN_BLOCK)
             qm, qw, sm, sw = s["qm"][q], s["qw"][q], s["sm"][blk], s["sw"][blk]
             seed = rounding_seed(st.name, h.step)

@@ -72,8 +72,10 @@ def round_up(n: int, k: int) -> int:
 
 
 def unit_layout(spec: ArchSpec, unit: str) -> UnitLayout:
-    if spec.generic is not None:
-        return _generic_layout(spec, unit)
+    return spec.pick(_native_layout, _generic_layout)(spec, unit)
+
+
+def _native_layout(spec: ArchSpec, unit: str) -> UnitLayout:
     slots, off = [], 0
     for t in unit_tensors(spec, unit):
         n = math.prod(t.shape)

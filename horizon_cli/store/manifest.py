@@ -76,7 +76,7 @@ class Manifest:
     def to_json(self) -> str:
         d = asdict(self)
         d["arch"] = self.arch.to_dict()
-        d["version"] = VERSION_GENERIC if self.arch.generic is not None else VERSION
+        d["version"] = self.arch.pick(VERSION, VERSION_GENERIC)
         if self.quant:
             old = (VERSION_QUANT_V3, VERSION_QUANT_V4)
             d["version"] = self.version if self.version in old else VERSION_QUANT  # written as read

@@ -68,7 +68,7 @@ def kept(spec: ArchSpec, lay: UnitLayout) -> frozenset[str]:
     elements a layer. QLoRA practice agrees: bitsandbytes replaces only nn.Linear modules, and
     transformers 5's routers are their own modules, so they stay in the compute dtype.
     """
-    moe = spec.generic.moe if spec.generic is not None else None
+    moe = spec.kind.moe
     routed = moe is not None and int(lay.name.split(".")[1]) in moe.layers
     keep = set()
     for p in lay.tensors:

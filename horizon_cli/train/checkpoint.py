@@ -39,6 +39,7 @@ from ..engine.ranks import Placement
 from ..errors import HorizonError, InputError
 from ..faults import phase
 from ..fsutil import fsync_tree, read_exact, replace_dir
+from ..optim.modes import OLDEST_FORM
 from ..store import Store, ckpt
 from ..store.writer import tensor_bytes
 from . import sharded_checkpoint
@@ -155,10 +156,10 @@ def load(engine, ck: Path) -> dict:
     The streaming weights come from the checkpoint's store (the engine is built on it)."""
     sums = ckpt.read_sums(ck)
     trainer = ckpt.read_trainer(ck)
-    memory = trainer.get("memory", "exact")  # checkpoints from before optim.memory were exact
-    if memory != engine.host.memory:
+    memory = trainer.get("memory", OLDEST_FORM)  # checkpoints from before optim.memory were exact
+    if not engine.host.mode.reads(memory):
         raise InputError(
-            f"{ck}: trained with optim.memory {memory}, this run has {engine.host.memory}; "
+            f"{ck}: trained with optim.memory {memory}, this run has {engine.host.mode.form}; "
             "its optimizer state cannot be read in another mode"
         )
     engine.tuning.read(engine.host, ck, sums)

@@ -310,7 +310,7 @@ class Trainer:
         trainer = {
             "step": step,
             "adam_step": self.engine.adam_step,
-            "memory": self.cfg.optim.memory,
+            "memory": self.cfg.optim.mode.form,  # which state files it holds
             "bad_steps": self.bad,
             "dtype": self.cfg.engine.dtype,
             "model_fingerprint": ckpt.model_fingerprint(self.store),

@@ -19,6 +19,7 @@ from ..engine.build import Planned, dropout_line
 from ..errors import DryRunRefused, InputError
 from ..fmt import fmt_bytes
 from ..fsutil import write_text_atomic
+from ..optim.modes import MODES
 from ..planning.fit import Machine
 from ..planning.ladder import (
     HOW,
@@ -233,8 +234,7 @@ def ladder_table(
 
 
 WHAT = {
-    "exact": "all weights, fp32 state",
-    "lean": "all weights, 8-bit state",
+    **{m.name: m.what for m in MODES.values()},
     "lora": "adapters, base frozen",
     "qlora": "adapters, NF4 base",
 }

@@ -13,7 +13,7 @@ import torch
 from horizon_cli.errors import InputError
 from horizon_cli.optim import lean, native
 from horizon_cli.optim.adamw import AdamWHyper
-from horizon_cli.state.host import segments
+from horizon_cli.state.layout import segments
 from tests.conftest import chat_rows, write_config, write_jsonl
 from tests.support.oracle import make_engine, make_store, micro_batches, random_rows
 

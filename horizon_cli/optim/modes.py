@@ -1,0 +1,124 @@
+"""Memory modes (`optim.memory`): how a full fine-tuning run holds its trained state in host RAM.
+
+A mode is a value, not a word: the config's word is parsed once (`memory_mode`, at the config's
+edge: `OptimConfig.mode`), and from there on each question that depends on the mode is asked of
+the mode itself, never answered by comparing its name:
+
+  host state layout   `packed`: the optimizer state packed per state kind over segments of a unit
+                      (lean: matrices 8-bit, 1-D tensors exact; state/layout.py) or one exact
+                      segment over the whole unit (exact)
+  dtype rule          the streaming copy's dtype (`stream_dtype`: lean keeps a bf16 weight whatever
+                      it computes in), what `engine.grad_dtype: auto` means (`grad_dtype`), the
+                      note the dtype choice prints (`dtype_note`)
+  plan terms          the host bytes of its optimizer state (`state_bytes`) and of its gradients
+                      (`grad_bytes`), by category, as planning.memory prints them
+  checkpoint form     `form`: what a checkpoint's trainer.json records as `memory`; a run resumes
+                      only from a checkpoint of its own form (`reads`)
+  config checks       what it refuses beside it (`problems`)
+  the ladder          its rung's words (`what`, `how`)
+
+A new memory behaviour is a new `MemoryMode` value (in `MODES`, so the ladder shows its rung) with
+its answers, not a new branch in planning/, state/, train/ or engine/: a mode that releases each
+unit's gradients as soon as its update has run holds fewer gradient bytes (its `grad_bytes`) and
+keeps its base mode's state layout and checkpoint form (`form`), so a run may resume across it.
+
+Host bytes per parameter (bf16 compute, state/layout.py): exact 2 + 2 + 4 + 4 + 2 = 14 (fp32:
+4 + 4 + 4 + 4 = 16); lean 2 + 1 + 1 + 1 + 8/64 + 2 = 7.125.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+BF16, FP32 = "bfloat16", "float32"
+
+
+@dataclass(frozen=True)
+class MemoryMode:
+    """One way of holding full fine-tuning's trained state (module doc). Frozen: compared by value."""
+
+    name: str  # optim.memory's word: the ladder's rung
+    what: str  # the ladder's column: what the rung trains and keeps
+    packed: bool  # optimizer state packed per state kind (lean); else one exact segment per unit
+    bf16_weight: bool  # the streaming copy is bf16 whatever the run computes in (upcast per layer)
+    bf16_grads: bool  # host gradients are bf16 (engine.grad_dtype auto; float32 refused)
+    form: str  # a checkpoint's trainer.json `memory`: which state files it holds
+
+    @property
+    def how(self) -> str:
+        """The config line that picks this rung (the ladder's advice)."""
+        return f"optim.memory: {self.name}"
+
+    def stream_dtype(self, dtype: str) -> str:
+        """The streaming copy's dtype for compute dtype `dtype` (in fp32 exact runs: the master)."""
+        return BF16 if self.bf16_weight else dtype
+
+    def grad_dtype(self, given: str, dtype: str) -> str:
+        """engine.grad_dtype resolved: `auto` is the compute dtype, or bf16 where the mode holds
+        bf16 gradients whatever it computes in."""
+        if given != "auto":
+            return given
+        return BF16 if self.bf16_grads else dtype
+
+    def rung_grad_dtype(self, given: str) -> str:
+        """The engine.grad_dtype this mode's rung is planned with: the config's, or `auto` where
+        the mode fixes its gradients' dtype (another mode's config may name one it refuses)."""
+        return "auto" if self.bf16_grads else given
+
+    def dtype_note(self, dtype: str) -> str:
+        """What the dtype choice adds to its reason for this mode computing in `dtype`."""
+        if self.bf16_weight and dtype == FP32:
+            return f"; {self.how} keeps its bf16 weight, upcast per layer"
+        return ""
+
+    def problems(self, grad_dtype: str, lora: bool) -> list[str]:
+        """The config's settings this mode refuses beside it (config.load's checks)."""
+        out = []
+        if self.bf16_grads and grad_dtype == FP32:
+            out.append(
+                f"{self.how} holds bf16 gradients (<= 8 B/param); engine.grad_dtype: float32 is not allowed with it"
+            )
+        if self.packed and lora:
+            out.append(
+                f"{self.how} is for full fine-tuning; a lora: run trains its adapters exactly "
+                f"(they are small) and its base has no optimizer state: leave {EXACT.how}"
+            )
+        return out
+
+    def state_bytes(self, numel: int, dtype: str, kinds: Callable[[], tuple[int, int]]) -> dict[str, int]:
+        """Host bytes of the optimizer state by category, for `numel` trained elements whose
+        streaming copy is `dtype`. kinds: (lean, exact) elements of the packed layout (asked
+        only by a packed mode: it walks every unit's segments)."""
+        if self.packed:
+            from .lean import BLOCK  # torch's module: config imports this one
+
+            n_lean, n_exact = kinds()
+            return {
+                "master correction (int8)": n_lean,
+                "moments (8-bit + block scales)": n_lean * 2 + n_lean // BLOCK * 8,
+                "1-D tensors: master remainder + fp32 moments": n_exact * 10,
+            }
+        out = {"master remainder (int16)": numel * 2} if dtype == BF16 else {}
+        return {**out, "AdamW moments (fp32)": numel * 8}
+
+    def grad_bytes(self, numel: int, embed: int, item: int) -> int:
+        """Host bytes of the gradients of `numel` trained elements, `embed` of them the embedding's
+        (always fp32: the host accumulates it row by row), the rest `item` bytes each; every
+        unit's whole gradient is held until the clip norm is known."""
+        return (numel - embed) * item + embed * 4
+
+    def reads(self, form: str) -> bool:
+        """Whether a checkpoint of this form holds this mode's state files."""
+        return form == self.form
+
+
+EXACT = MemoryMode("exact", "all weights, fp32 state", False, False, False, form="exact")
+LEAN = MemoryMode("lean", "all weights, 8-bit state", True, True, True, form="lean")
+MODES: dict[str, MemoryMode] = {m.name: m for m in (EXACT, LEAN)}  # the ladder's full rungs, most exact first
+OLDEST_FORM = EXACT.form  # checkpoints written before optim.memory existed hold exact state
+
+
+def memory_mode(memory: MemoryMode | str) -> MemoryMode:
+    """The mode an `optim.memory` word names (the config's schema admits only these), or the mode."""
+    return memory if isinstance(memory, MemoryMode) else MODES[memory]
