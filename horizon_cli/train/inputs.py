@@ -71,12 +71,14 @@ def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: 
     if cfg.rl is not None:  # prompts only (data.prompt_only), read whole: nothing to cache
         from ..data.collate import pad_id_of
         from ..data.prompt_only import prepare_prompts
+        from ..vision.run import prompt_images
 
         tok = load_tokenizer(store, "auto")  # prompt_input_ids need none
         a = store.arch
         train, ev = prepare_prompts(
-            cfg.data, tok, a.vocab, a.max_positions, cfg.rl.max_completion_length, cfg.train.seed
-        )
+            cfg.data, tok, a.vocab, a.max_positions, cfg.rl.max_completion_length, cfg.train.seed,
+            prompt_images(store),
+        )  # fmt: skip
         console.print(
             f"data: {len(train):,} prompts" + (f", {len(ev):,} held out" if ev is not None else ""),
             highlight=False,

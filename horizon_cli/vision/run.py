@@ -28,6 +28,12 @@ class VisionData:
         return self._proc
 
     def build(self, ds, data_cfg, name: str, log, base: Path) -> ImageSet:
+        cols = ds.column_names
+        if "kto_tag" in cols or ("label" in cols and "completion" in cols):  # data.formats' unpaired
+            raise InputError(
+                f"{name}: unpaired preference (KTO) records with images: not built yet, so refused rather "
+                "than trained without them (DPO pairs with images train)"
+            )
         if holds_pairs(ds.column_names):  # preference pairs with images (vision.pairs)
             return build_image_pairs(ds, self.processor(), data_cfg, name, log, base)
         return build_image_set(ds, self.processor(), data_cfg, name, log, base)
@@ -38,6 +44,14 @@ class VisionData:
                 ds, self.processor(), data_cfg, base, lambda r, w, b: image_pair(r, w, b).prompt
             )
         return images_key(ds, self.processor(), data_cfg, base)
+
+    def prompt(self, record: dict, where: str, base: Path):
+        """A prompt-only record with images (GRPO): not built yet, refused in one line."""
+        cls = image_owner(self.store.arch, self.where).cls  # a model that cannot take images: refused first
+        raise InputError(
+            f"{where}: the prompt names images; GRPO with images is not built yet ({cls}), so it is refused "
+            "rather than trained without them"
+        )
 
     def wrap(self, ts, media: dict, offsets: dict) -> ImageSet:
         return ImageSet(
@@ -50,6 +64,18 @@ def image_data(store) -> VisionData | None:
     if getattr(store, "hf_dir", None) is not None or not is_multimodal(store.arch):
         return None  # a dry run's config-only plan reads no images
     return VisionData(store, f"model.path: {store.root}")
+
+
+def prompt_images(store):
+    """data.prompt_only.PromptImages of a store: its image data, or why it reads no images."""
+    from ..data.prompt_only import PromptImages
+
+    if not is_multimodal(store.arch):
+        return PromptImages(None, f"{store.root} takes text only (no vision tower)")
+    data = image_data(store)
+    if data is None:
+        return PromptImages(None, "a dry run from a config reads no images (plan from a converted store)")
+    return PromptImages(data)
 
 
 def has_images(rows) -> bool:
