@@ -42,22 +42,30 @@ PROMPTS = {  # the forms a GRPO prompt names images in
 def _train(root: Path, tmp_path: Path, store: Path, rows: list[dict], **sections):
     data = write_jsonl(root / "data" / f"{tmp_path.name}.jsonl", rows)
     out = tmp_path / "run"
-    cfg = write_config(tmp_path / "c.yaml", store, data, out, train=TRAIN, **sections)
+    cfg = write_config(tmp_path / "c.yaml", store, data, out, **{"train": TRAIN, **sections})
     r = horizon("train", cfg)
     return one_error_line(r), out
-
-
-@pytest.mark.parametrize("form", list(PROMPTS))
-def test_grpo_image_prompts_refused_not_dropped(llava, tmp_path, form):
-    line, out = _train(llava, tmp_path, llava / "store", [PROMPTS[form](i) for i in range(4)], rl=RL)
-    assert "record 0: the prompt names images" in line and "LlavaForConditionalGeneration" in line, line
-    assert not out.exists()
 
 
 def test_grpo_missing_image_file_refused(llava, tmp_path):
     rows = [{"prompt": _user("what?", {"type": "image", "image": "imgs/none.png"})} for _ in range(4)]
     line, out = _train(llava, tmp_path, llava / "store", rows, rl=RL)
-    assert "record 0" in line, line
+    assert "record 0: image" in line and "none.png does not exist" in line, line
+    assert not out.exists()
+
+
+def test_grpo_prompt_ids_with_images_refused(llava, tmp_path):
+    rows = [{"prompt_input_ids": [1, 2, 3], "images": ["imgs/img0.png"]} for _ in range(4)]
+    line, out = _train(llava, tmp_path, llava / "store", rows, rl=RL)
+    assert "prompt_input_ids with images" in line, line
+    assert not out.exists()
+
+
+def test_grpo_held_out_images_without_training_images_refused(llava, tmp_path):
+    ev = write_jsonl(llava / "data" / "ev.jsonl", [PROMPTS["image-part-with-file"](i) for i in range(2)])
+    rows = [{"prompt": [{"role": "user", "content": f"what is {i}?"}]} for i in range(4)]
+    line, out = _train(llava, tmp_path, llava / "store", rows, rl=RL, data={"eval_path": str(ev)})
+    assert "held-out prompts name images and the training prompts none" in line, line
     assert not out.exists()
 
 
@@ -91,3 +99,13 @@ def test_names_images_sees_prompt_parts():
 
     assert names_images(json.loads(json.dumps(PROMPTS["image-part-with-file"](0))))
     assert not names_images({"prompt": [{"role": "user", "content": "what?"}]})
+
+
+def test_grpo_images_lora_projector_reference_refused(llava, tmp_path):
+    rows = [PROMPTS["image-part-with-file"](i) for i in range(4)]
+    line, out = _train(llava, tmp_path, llava / "store", rows, rl={**RL, "beta": 0.04}, lora={"r": 4, "targets": r".*language_model.*\.(q_proj|v_proj)"},
+                       train={**TRAIN, "vision": "projector"})  # fmt: skip
+    assert "rl.beta: a reference for LoRA with train.vision: projector and images is not built yet" in line, (
+        line
+    )
+    assert not out.exists()

@@ -30,7 +30,7 @@ class ImageData(Protocol):
 
     def wrap(self, ts, media: dict, offsets: dict): ...
 
-    def prompt(self, record: dict, where: str, base: Path):
+    def prompt(self, record: dict, where: str, base: Path, data_cfg):
         """A prompt-only record that names images (online RL) -> (ids, media), or an InputError."""
         ...
 

@@ -17,7 +17,7 @@ data.max_seq_len and the model's positions is refused, naming its record.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +38,7 @@ class PromptImages:
 
     data: ImageData | None = None
     reason: str = "the model takes text only (no vision tower)"
+    data_cfg: object = None  # the data: section (its pixel budget), set by prepare_prompts
 
     def encode(self, record: dict, where: str, base: Path):
         if self.data is None:
@@ -45,7 +46,7 @@ class PromptImages:
                 f"{where}: the prompt names images, and {self.reason}; train a multimodal checkpoint, "
                 "or drop the images"
             )
-        return self.data.prompt(record, where, base)
+        return self.data.prompt(record, where, base, self.data_cfg)
 
 
 @dataclass
@@ -131,6 +132,8 @@ def prepare_prompts(
         path, split = src.path, src.split or data_cfg.split
     else:
         path, split = data_cfg.path, data_cfg.split
+    if images is not None:
+        images = replace(images, data_cfg=data_cfg)
     room = min(data_cfg.max_seq_len, max_positions) - completion
     if room < 1:
         raise InputError(
@@ -150,4 +153,9 @@ def prepare_prompts(
             )
         keep, held = sorted(order[:-k].tolist()), sorted(order[-k:].tolist())
         train, ev = (PromptSet(train.take(ix), train.conversational, tokenizer) for ix in (keep, held))
+    if ev is not None and any(r.media for r in ev.rows) and not any(r.media for r in train.rows):
+        raise InputError(
+            "data.eval_path: held-out prompts name images and the training prompts none; the tower runs "
+            "only for a run that trains with images (give the training prompts their images, or drop them)"
+        )
     return train, ev

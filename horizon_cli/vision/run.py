@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..data.prompt_only import PromptSet
 from ..errors import InputError
 from .adapters import ProjectorAdapters, projector_targets
 from .imageset import ImageSet, build_image_set, images_key
 from .pairs import build_image_pairs, holds_pairs, image_pair
+from .prompts import encode_prompt, prompt_record
+from .records import image_example
 from .support import image_owner, is_multimodal
 
 
@@ -45,13 +48,12 @@ class VisionData:
             )
         return images_key(ds, self.processor(), data_cfg, base)
 
-    def prompt(self, record: dict, where: str, base: Path):
-        """A prompt-only record with images (GRPO): not built yet, refused in one line."""
-        cls = image_owner(self.store.arch, self.where).cls  # a model that cannot take images: refused first
-        raise InputError(
-            f"{where}: the prompt names images; GRPO with images is not built yet ({cls}), so it is refused "
-            "rather than trained without them"
-        )
+    def prompt(self, record: dict, where: str, base: Path, data_cfg) -> tuple[list[int], dict]:
+        """A prompt-only record with images (GRPO) -> its ids and image tensors (vision.prompts)."""
+        if record.get("prompt_input_ids") is not None:
+            raise InputError(f"{where}: prompt_input_ids with images: give the prompt as messages")
+        ex = image_example(prompt_record(record), where, base)
+        return encode_prompt(self.processor(), ex, where, data_cfg.max_pixels, data_cfg.min_pixels)
 
     def wrap(self, ts, media: dict, offsets: dict) -> ImageSet:
         return ImageSet(
@@ -79,7 +81,10 @@ def prompt_images(store):
 
 
 def has_images(rows) -> bool:
-    """Training rows with image tensors (an ImageSet, a mixture holding one, or the pairs of one)."""
+    """Training rows with image tensors (an ImageSet, a mixture holding one, or the pairs of one;
+    prompts (data.prompt_only) of which one has images)."""
+    if isinstance(rows, PromptSet):
+        return any(r.media for r in rows.rows)
     parts = getattr(rows, "parts", None)
     if parts is not None:
         return any(has_images(p) for p in parts)
