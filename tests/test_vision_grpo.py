@@ -1,10 +1,12 @@
-"""GRPO with images on a tiny random LLaVA (and Qwen2-VL) with its processor: the prompt's ids are
-TRL's (processor.apply_chat_template with the generation prompt: the image expanded into its
-image tokens), the rollouts' prefill sees the pixels (greedy rollouts equal transformers' generate
-given pixel_values), and three optimizer steps equal TRL 1.16's GRPO loss (its own `_compute_loss`
-on a stub trainer, as test_grpo_train; the policy's, the rollout policy's and the reference's
-log-probs from transformers' model given the pixels) + torch AdamW: the loss, the gradient norm
-and kl of every step, the vision tower frozen and the projector trained (train.vision: projector)."""
+"""GRPO with images on a tiny random LLaVA and Qwen2-VL: the prompt's ids are TRL's (LLaVA: its
+processor's apply_chat_template with the generation prompt, the image expanded into its image
+tokens; Qwen2-VL: a stand-in for Qwen2VLProcessor, which needs torchvision, absent here), the
+rollouts' prefill sees the pixels (greedy rollouts equal transformers' generate given them, and
+differ without), no rollout samples the image token, and three optimizer steps equal TRL 1.16's
+GRPO loss (its own `_compute_loss` on a stub trainer, as test_grpo_train; the policy's, the
+rollout policy's and the reference's log-probs from transformers' model given the pixels, Qwen2-VL's
+prompts left-padded to different lengths) + torch AdamW: the loss, the gradient norm, kl and the
+clip ratio of every step, the tower frozen and the projector (merger) trained."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import copy
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import write_config, write_jsonl
@@ -21,7 +24,14 @@ from PIL import Image
 from horizon_cli.config.schema import RLConfig
 from horizon_cli.convert import convert
 from horizon_cli.rl.advantages import advantages
-from horizon_cli.testing.vision import make_images, tiny_llava
+from horizon_cli.testing.tokenizer import make_tokenizer
+from horizon_cli.testing.vision import (
+    VISION_TEMPLATE,
+    make_images,
+    qwen_image_processor,
+    tiny_llava,
+    tiny_qwen_vl,
+)
 
 trl = pytest.importorskip("trl")
 from test_grpo_loss import trl_stub  # noqa: E402
@@ -34,21 +44,62 @@ def low_ids(completion_ids, **kw):
     """The share of a completion's tokens below 200."""
     return [sum(t < 200 for t in c) / len(c) for c in completion_ids]
 '''
-FAMILIES = {"llava": tiny_llava}
+FAMILIES = {"llava": tiny_llava, "qwen2_vl": tiny_qwen_vl}
+START, IMAGE, END = 397, 399, 398  # the tiny Qwen2-VL's vision start, image and end tokens
+
+
+class QwenProcessor:
+    """Qwen2VLProcessor's work on the tiny Qwen2-VL (the class needs torchvision, absent here): the
+    chat template's `<image>` becomes <vision_start> + one image token per 2 x 2 patches of the
+    image's grid + <vision_end>; the pixels are Qwen2VLImageProcessor's (testing.vision)."""
+
+    def __init__(self):
+        self.tokenizer = make_tokenizer(chat_template=VISION_TEMPLATE)
+        self.image_processor = qwen_image_processor()
+        self.chat_template, self.image_token_id = VISION_TEMPLATE, IMAGE
+
+    def apply_chat_template(self, messages, **kw):
+        return self.tokenizer.apply_chat_template(messages, **kw)
+
+    def __call__(self, text, images, return_tensors="np", **kw):
+        out = self.image_processor(images, return_tensors=return_tensors)
+        pieces = text[0].split("<image>")
+        ids = self.tokenizer(pieces[0], add_special_tokens=False)["input_ids"]
+        for grid, piece in zip(out["image_grid_thw"], pieces[1:], strict=True):
+            ids += [START] + [IMAGE] * (int(grid.prod()) // 4) + [END]
+            ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        return {"input_ids": np.array([ids]), **out}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def vlm(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     model = FAMILIES[request.param](root / "hf")
+    if request.param == "qwen2_vl":
+        QwenProcessor().tokenizer.save_pretrained(root / "hf")
     convert(root / "hf", root / "store", dtype="float32")
     make_images(root / "data" / "imgs")
     return root, model.float().eval()
 
 
+@pytest.fixture
+def proc(vlm, monkeypatch):
+    """The model's processor (Qwen2-VL's stand-in given to the run as its own: vision.encode)."""
+    from transformers import AutoProcessor
+
+    root, model = vlm
+    if type(model).__name__.startswith("Llava"):
+        return AutoProcessor.from_pretrained(root / "hf")
+    from horizon_cli.vision import encode
+
+    p = QwenProcessor()
+    monkeypatch.setattr(encode, "load_processor", lambda *a: p)
+    return p
+
+
 def records(n: int = 4) -> list[dict]:
-    """Image i % 4 and "what is i?": every prompt the same length (TRL left-pads prompts, and the
-    positions it gives them do not skip the padding), told apart by its ids."""
+    """Image i % 4 and "what is i?", told apart by their ids; LLaVA's prompts are all the same
+    length (TRL left-pads prompts, and the positions it gives LLaVA's do not skip the padding)."""
     out = []
     for i in range(n):
         part = {"type": "image", "image": f"imgs/img{i % 4}.png"} if i % 2 else {"type": "image"}
@@ -91,6 +142,10 @@ def trl_prompt(root: Path, proc, i: int) -> dict:
             "content": [{"type": "image", "image": image}, {"type": "text", "text": f"what is {i}?"}],
         }
     ]
+    if isinstance(proc, QwenProcessor):
+        text = proc.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        got = {k: torch.as_tensor(v) for k, v in proc([text], [image]).items()}
+        return got | {"mm_token_type_ids": (got["input_ids"] == IMAGE).long()}
     got = proc.apply_chat_template(
         conversation=[msgs], add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
     )
@@ -117,23 +172,19 @@ def prompts_of(root: Path, proc) -> dict:
     return out
 
 
-def test_greedy_rollouts_see_the_image(vlm, tmp_path):
+def test_greedy_rollouts_see_the_image(vlm, proc, tmp_path):
     """top_k 1: each rollout is transformers' greedy generate given the pixels (and not the one
     without them), and its prompt ids are TRL's."""
-    from transformers import AutoProcessor
-
     root, model = vlm
-    proc = AutoProcessor.from_pretrained(root / "hf")
     prompts = prompts_of(root, proc)
     rs = step_rows(run(root, tmp_path, {"top_k": 1}, 1), 1)
     assert len(rs) == B * G and all(tuple(r["prompt_ids"]) in prompts for r in rs)
     for r in rs:
         p = prompts[tuple(r["prompt_ids"])]
-        kw = {k: v for k, v in p.items() if k != "mm_token_type_ids"}
         with torch.no_grad():
-            want = model.generate(**kw, do_sample=False, max_new_tokens=6, eos_token_id=None)
+            want = model.generate(**p, do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
             blind = model.generate(
-                input_ids=p["input_ids"], do_sample=False, max_new_tokens=6, eos_token_id=None
+                input_ids=p["input_ids"], do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0
             )
         n = p["input_ids"].shape[1]
         assert r["completion_ids"] == want[0, n:].tolist()[: len(r["completion_ids"])]
@@ -144,9 +195,7 @@ CASES = {"beta-mu1": dict(beta=0.04), "mu2-clipped": dict(loss_type="grpo", num_
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_three_steps_equal_trl_loss_with_adamw(vlm, tmp_path, case):
-    from transformers import AutoProcessor
-
+def test_three_steps_equal_trl_loss_with_adamw(vlm, proc, tmp_path, case):
     from horizon_cli.train.metrics import read_metrics
 
     root, model = vlm
@@ -155,14 +204,13 @@ def test_three_steps_equal_trl_loss_with_adamw(vlm, tmp_path, case):
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert len(rows) == 3
     cfg = RLConfig(max_completion_length=6, num_generations=G, **rlkw)
-    proc = AutoProcessor.from_pretrained(root / "hf")
     prompts = prompts_of(root, proc)
     policy, ref = (
         copy.deepcopy(model).train(),
         copy.deepcopy(model),
     )  # train(): TRL logs "train" metrics (no dropout here)
     for n, p in policy.named_parameters():  # train.vision: projector: the tower frozen
-        p.requires_grad_("visual" not in n.replace("merger", "") and "vision_tower" not in n)
+        p.requires_grad_(not ("visual" in n or "vision_tower" in n) or "merger" in n)
     add_fused_lm_head(policy, temperature=cfg.temperature, outputs=("log_probs", "entropy"))
     add_fused_lm_head(ref, temperature=cfg.temperature)
     stub = trl_stub(cfg, policy)
@@ -172,18 +220,27 @@ def test_three_steps_equal_trl_loss_with_adamw(vlm, tmp_path, case):
     for k, row in enumerate(rows):
         g = k - k % cfg.num_iterations
         rs = step_rows(run_dir, g + 1)
+        image = IMAGE if isinstance(proc, QwenProcessor) else proc.tokenizer.convert_tokens_to_ids("<image>")
+        assert not any(image in r["completion_ids"] for r in rs)  # never sampled (rl.images)
         C = max(len(r["completion_ids"]) for r in rs)
         cid = torch.zeros(len(rs), C, dtype=torch.long)
         cmask = torch.zeros(len(rs), C, dtype=torch.long)
         for i, r in enumerate(rs):
             cid[i, : len(r["completion_ids"])] = torch.tensor(r["completion_ids"])
             cmask[i, : len(r["completion_ids"])] = 1
-        pid = torch.tensor([r["prompt_ids"] for r in rs])
-        ids, am = torch.cat([pid, cid], 1), torch.cat([torch.ones_like(pid), cmask], 1)
+        P = max(len(r["prompt_ids"]) for r in rs)  # TRL left-pads prompts (Qwen2-VL's positions skip it)
+        pid = torch.zeros(len(rs), P, dtype=torch.long)
+        pmask = torch.zeros(len(rs), P, dtype=torch.long)
+        for i, r in enumerate(rs):
+            pid[i, P - len(r["prompt_ids"]) :] = torch.tensor(r["prompt_ids"])
+            pmask[i, P - len(r["prompt_ids"]) :] = 1
+        ids, am = torch.cat([pid, cid], 1), torch.cat([pmask, cmask], 1)
         adv, _, _ = advantages(torch.tensor([[r["rewards"]["low_ids"]] for r in rs]), torch.ones(1), G,
                                cfg.scale_rewards)  # fmt: skip
         media = media_for(rs, prompts)
-        inputs = {"prompt_ids": pid, "prompt_mask": torch.ones_like(pid), "completion_ids": cid,
+        if isinstance(proc, QwenProcessor):  # TRL: the prompt's token types, zeros on the completion
+            media["mm_token_type_ids"] = (ids == IMAGE).long() * am
+        inputs = {"prompt_ids": pid, "prompt_mask": pmask, "completion_ids": cid,
                   "completion_mask": cmask, "advantages": adv, "num_items_in_batch": cmask.sum(), **media}  # fmt: skip
         with torch.no_grad():
             if cfg.num_iterations > 1 and k == g:  # the rollout policy: the weights that sampled them

@@ -96,7 +96,7 @@ def read_prompts(
         as_kind = (
             "input_ids" if kind == "prompt_input_ids" else "messages" if isinstance(value, list) else "prompt"
         )
-        if as_kind != "input_ids" and tokenizer is None:
+        if as_kind != "input_ids" and tokenizer is None and not names_images(rec):  # the processor's
             raise InputError(
                 f"{at}: a text prompt needs a tokenizer, and the model has none: give prompt_input_ids"
             )

@@ -47,7 +47,7 @@ from ..errors import InputError
 from ..faults import phase
 from . import rollouts as ro
 from .advantages import advantages, reward_metrics
-from .images import check_images, reference_stage
+from .images import ImageSafeSampler, check_images, image_tokens, reference_stage
 from .logps import token_logps
 from .rewards import load_rewards, score
 
@@ -77,6 +77,7 @@ class GRPOBatches:
             [self.tokenizer.eos_token_id] if getattr(self.tokenizer, "eos_token_id", None) is not None else []
         )
         check_images(self.cfg, self.data)
+        self.banned = image_tokens(self.data, store)  # the image token: never sampled
         self.ref_adapters = True
         if self.rl.beta > 0 and engine.lora is not None:
             if not engine.tuning.reference_on_base:
@@ -181,8 +182,11 @@ class GRPOBatches:
         # a rank without prompts (a short eval batch) samples the first one, unused: it joins each sweep
         mine = [p.ids for p in prompts[lo:hi]] or [prompts[0].ids]
         pics = [p.media for p in prompts[lo:hi]] or [prompts[0].media]
+        pick = (
+            ImageSafeSampler(rl.temperature, rl.top_p, rl.top_k, seed, self.banned) if self.banned else None
+        )
         outs = ro.sample(self.engine, mine, G, rl, seed, self.eos, self.tokenizer, self.cfg.engine.kv_cache,
-                         on_sweep=on_sweep, first=lo, media=pics)  # fmt: skip
+                         on_sweep=on_sweep, first=lo, media=pics, sampler=pick)  # fmt: skip
         outs = [replace(o, prompt=o.prompt + lo) for o in outs] if hi > lo else []
         t1 = time.perf_counter()
         try:

@@ -72,17 +72,19 @@ def device_kv(engine: Engine, rows: list[tuple[int, list[int]]], max_new: int, k
 def sample(
     engine: Engine, prompts: list[list[int]], G: int, rl, seed: int, eos: list[int], tokenizer, kv: str,
     on_sweep=lambda s: None, first: int = 0, media: list[dict | None] | None = None,
+    sampler: Sampler | None = None,
 ) -> list[Rollout]:  # fmt: skip
     """G completions of each prompt, in order (prompt p's generation j at p x G + j). `first`: the
     first prompt's place in the step's whole batch; rows are seeded by their place in it, so a
     slice of the prompts sampled alone gets the completions the whole batch gives it. media: each
-    prompt's image tensors (or None), merged at the prefill of each of its G rows."""
+    prompt's image tensors (or None), merged at the prefill of each of its G rows; sampler: in
+    place of rl's (rl.images: one that never samples the image token)."""
     engine.wait()  # the optimizer's queued updates land in the host store first
     rows = [((first + p) * G + j, ids) for p, ids in enumerate(prompts) for j in range(G)]
     media = media or [None] * len(prompts)
     pixels = {r: media[r // G - first] for r, _ in rows if media[r // G - first]}
     dec = Decoder(
-        engine, Sampler(rl.temperature, rl.top_p, rl.top_k, seed), max_new_tokens=rl.max_completion_length,
+        engine, sampler or Sampler(rl.temperature, rl.top_p, rl.top_k, seed), max_new_tokens=rl.max_completion_length,
         eos_ids=eos, tokenizer=tokenizer, host_kv=not device_kv(engine, rows, rl.max_completion_length, kv),
         on_sweep=on_sweep, media=pixels,
     )  # fmt: skip
