@@ -32,6 +32,7 @@ from horizon_cli.testing.vision import (
     tiny_llava,
     tiny_qwen_vl,
 )
+from horizon_cli.testing.vision_families import tiny_vlm
 
 trl = pytest.importorskip("trl")
 from test_grpo_loss import trl_stub  # noqa: E402
@@ -44,7 +45,13 @@ def low_ids(completion_ids, **kw):
     """The share of a completion's tokens below 200."""
     return [sum(t < 200 for t in c) / len(c) for c in completion_ids]
 '''
-FAMILIES = {"llava": tiny_llava, "qwen2_vl": tiny_qwen_vl}
+FAMILIES = {
+    "llava": tiny_llava,
+    "qwen2_vl": tiny_qwen_vl,
+    "qwen2_5_vl": lambda root: tiny_qwen_vl(root, "qwen2_5_vl"),  # window attention in the tower
+    "gemma3": lambda root: tiny_vlm(root, "gemma3")[0],  # token types: the image blocks' masks
+    "idefics3": lambda root: tiny_vlm(root, "idefics3")[0],  # a per-row image stack and its mask
+}
 START, IMAGE, END = 397, 399, 398  # the tiny Qwen2-VL's vision start, image and end tokens
 
 
@@ -75,7 +82,7 @@ class QwenProcessor:
 def vlm(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     model = FAMILIES[request.param](root / "hf")
-    if request.param == "qwen2_vl":
+    if request.param.startswith("qwen"):
         QwenProcessor().tokenizer.save_pretrained(root / "hf")
     convert(root / "hf", root / "store", dtype="float32")
     make_images(root / "data" / "imgs")
@@ -88,7 +95,7 @@ def proc(vlm, monkeypatch):
     from transformers import AutoProcessor
 
     root, model = vlm
-    if type(model).__name__.startswith("Llava"):
+    if not type(model).__name__.startswith("Qwen2"):
         return AutoProcessor.from_pretrained(root / "hf")
     from horizon_cli.vision import encode
 
@@ -157,10 +164,23 @@ def step_rows(run_dir: Path, step: int) -> list[dict]:
 
 
 def media_for(rs: list[dict], prompts: dict) -> dict:
-    """Each completion row's prompt tensors, back to back, and TRL's num_images."""
+    """Each completion row's prompt tensors, back to back (Idefics3's per-row image stacks padded
+    with empty images to the longest, as its processor batches them), and TRL's num_images."""
     got = [prompts[tuple(r["prompt_ids"])] for r in rs]
-    keys = [k for k in got[0] if k not in ("input_ids", "mm_token_type_ids")]
-    return {k: torch.cat([g[k] for g in got]) for k in keys} | {"num_images": [1] * len(rs)}
+    keys = [k for k in got[0] if k not in ("input_ids", "mm_token_type_ids", "token_type_ids")]
+    out = {}
+    for k in keys:
+        vs = [g[k] for g in got]
+        if vs[0].ndim >= 4 and k in ("pixel_values", "pixel_attention_mask"):
+            n = max(v.shape[1] for v in vs)
+            vs = [torch.cat([v, v.new_zeros(v.shape[0], n - v.shape[1], *v.shape[2:])], 1) for v in vs]
+        out[k] = torch.cat(vs)
+    return out | {"num_images": [1] * len(rs)}
+
+
+def image_id(model) -> int:
+    cfg = model.config
+    return getattr(cfg, "image_token_id", None) or cfg.image_token_index
 
 
 def prompts_of(root: Path, proc) -> dict:
@@ -182,10 +202,11 @@ def test_greedy_rollouts_see_the_image(vlm, proc, tmp_path):
     for r in rs:
         p = prompts[tuple(r["prompt_ids"])]
         with torch.no_grad():
-            want = model.generate(**p, do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
-            blind = model.generate(
-                input_ids=p["input_ids"], do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0
-            )
+            # the image token suppressed, as rl.images masks it (Qwen2.5-VL's greedy picks it here)
+            kw = dict(do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0,
+                      suppress_tokens=[image_id(model)])  # fmt: skip
+            want = model.generate(**p, **kw)
+            blind = model.generate(input_ids=p["input_ids"], **kw)
         n = p["input_ids"].shape[1]
         assert r["completion_ids"] == want[0, n:].tolist()[: len(r["completion_ids"])]
         assert blind[0, n:].tolist() != want[0, n:].tolist()  # the image changes the answer
@@ -210,7 +231,7 @@ def test_three_steps_equal_trl_loss_with_adamw(vlm, proc, tmp_path, case):
         copy.deepcopy(model),
     )  # train(): TRL logs "train" metrics (no dropout here)
     for n, p in policy.named_parameters():  # train.vision: projector: the tower frozen
-        p.requires_grad_(not ("visual" in n or "vision_tower" in n) or "merger" in n)
+        p.requires_grad_(not any(t in n for t in ("visual", "vision_tower", "vision_model")) or "merger" in n)
     add_fused_lm_head(policy, temperature=cfg.temperature, outputs=("log_probs", "entropy"))
     add_fused_lm_head(ref, temperature=cfg.temperature)
     stub = trl_stub(cfg, policy)
@@ -220,7 +241,7 @@ def test_three_steps_equal_trl_loss_with_adamw(vlm, proc, tmp_path, case):
     for k, row in enumerate(rows):
         g = k - k % cfg.num_iterations
         rs = step_rows(run_dir, g + 1)
-        image = IMAGE if isinstance(proc, QwenProcessor) else proc.tokenizer.convert_tokens_to_ids("<image>")
+        image = image_id(model)
         assert not any(image in r["completion_ids"] for r in rs)  # never sampled (rl.images)
         C = max(len(r["completion_ids"]) for r in rs)
         cid = torch.zeros(len(rs), C, dtype=torch.long)
@@ -238,8 +259,9 @@ def test_three_steps_equal_trl_loss_with_adamw(vlm, proc, tmp_path, case):
         adv, _, _ = advantages(torch.tensor([[r["rewards"]["low_ids"]] for r in rs]), torch.ones(1), G,
                                cfg.scale_rewards)  # fmt: skip
         media = media_for(rs, prompts)
-        if isinstance(proc, QwenProcessor):  # TRL: the prompt's token types, zeros on the completion
-            media["mm_token_type_ids"] = (ids == IMAGE).long() * am
+        for key in ("mm_token_type_ids", "token_type_ids"):  # TRL: the prompt's, zeros on the completion
+            if key in prompts[tuple(rs[0]["prompt_ids"])]:
+                media[key] = (ids == image_id(model)).long() * am
         inputs = {"prompt_ids": pid, "prompt_mask": pmask, "completion_ids": cid,
                   "completion_mask": cmask, "advantages": adv, "num_items_in_batch": cmask.sum(), **media}  # fmt: skip
         with torch.no_grad():
@@ -256,12 +278,14 @@ def test_three_steps_equal_trl_loss_with_adamw(vlm, proc, tmp_path, case):
         loss = GRPOTrainer._compute_loss(stub, policy, inputs)
         loss.backward()
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in policy.named_parameters()
-                   if "projector" in n or "merger" in n)  # fmt: skip
+                   if any(t in n for t in ("projector", "merger", "connector")))  # fmt: skip
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         metrics = {m: v[-1] for m, v in stub._metrics["train"].items()}
         assert row["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7), k
-        assert row["grad_norm"] == pytest.approx(norm.item(), rel=1e-5), k
+        # after an update, 1e-4: AdamW turns the fp32 rounding of a gradient element near zero into an
+        # lr-sized update of either sign (m / sqrt(v)), as test_grpo_train says of its weights
+        assert row["grad_norm"] == pytest.approx(norm.item(), rel=1e-5 if k == 0 else 1e-4), k
         if cfg.beta > 0:
             assert row["kl"] == pytest.approx(metrics["kl"], rel=1e-3, abs=1e-7), k
         if cfg.num_iterations > 1:
