@@ -82,7 +82,10 @@ def sample(
     engine.wait()  # the optimizer's queued updates land in the host store first
     rows = [((first + p) * G + j, ids) for p, ids in enumerate(prompts) for j in range(G)]
     media = media or [None] * len(prompts)
-    pixels = {r: media[r // G - first] for r, _ in rows if media[r // G - first]}
+    pixels: dict[int, dict] = {}  # the Decoder's: row -> its prompt's tensors
+    for r, _ in rows:
+        if (m := media[r // G - first]) is not None:
+            pixels[r] = m
     dec = Decoder(
         engine, sampler or Sampler(rl.temperature, rl.top_p, rl.top_k, seed), max_new_tokens=rl.max_completion_length,
         eos_ids=eos, tokenizer=tokenizer, host_kv=not device_kv(engine, rows, rl.max_completion_length, kv),
