@@ -15,7 +15,7 @@ from typing import Protocol
 from ..errors import InputError
 
 IMAGE_TYPES = ("image", "image_url")
-TURNS = ("messages", "conversations", "chosen", "rejected")
+TURNS = ("messages", "conversations", "chosen", "rejected", "prompt", "completion")  # TRL: prompt too
 
 
 class ImageData(Protocol):
@@ -29,6 +29,10 @@ class ImageData(Protocol):
         ...
 
     def wrap(self, ts, media: dict, offsets: dict): ...
+
+    def prompt(self, record: dict, where: str, base: Path, data_cfg):
+        """A prompt-only record that names images (online RL) -> (ids, media), or an InputError."""
+        ...
 
 
 def names_images(record: dict) -> bool:

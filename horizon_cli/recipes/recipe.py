@@ -38,6 +38,8 @@ from ..store import Store
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from ..data.prompt_only import PromptImages
+
 Metrics = dict[str, float | None]  # a step's (or an evaluation's) entries of the metrics row
 PlanTerms = dict[str, dict[str, object]]  # the dry run's: key in --json -> the term ("text": printed)
 
@@ -120,4 +122,5 @@ class Recipe(Protocol):
         tokenizer: Callable[[str], PreTrainedTokenizerBase | None],
         arch: ArchSpec,
         console: Console,
+        images: Callable[[], PromptImages],
     ) -> PreparedData | None: ...

@@ -14,6 +14,7 @@ from ..data import PreparedData, prepare_data
 from ..data.encode import ONLY_TOKENS, NoTokenizer
 from ..errors import InputError
 from ..recipes.registry import recipe_for
+from ..vision.run import prompt_images
 
 
 class ModelFiles(Protocol):
@@ -69,7 +70,9 @@ def load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: C
 def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: Console) -> PreparedData:
     from ..vision.run import image_data
 
-    own = recipe_for(cfg).read_data(cfg, lambda fmt: load_tokenizer(store, fmt), store.arch, console)
+    own = recipe_for(cfg).read_data(
+        cfg, lambda fmt: load_tokenizer(store, fmt), store.arch, console, lambda: prompt_images(store)
+    )
     if own is not None:  # the recipe's own data form (rl: prompts, read whole: nothing to cache)
         return own
     return prepare_data(

@@ -35,13 +35,26 @@ def image_prompts(store, records: list[tuple[dict, str]], base: Path, max_pixels
     out = {}
     for k in which:
         rec, at = records[k]
-        ex = image_example(rec, at, base)
-        if ex.messages and ex.messages[-1]["role"] == "assistant":
-            raise InputError(f"{at}: a prompt ends with a user turn (the model answers it)")
-        text = proc.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True)
-        images = [open_image(p, at, max_pixels, min_pixels) for p in ex.images]
-        got = proc(text=[text], images=images, add_special_tokens=False, return_tensors="np")
-        ids = [int(t) for t in np.asarray(got["input_ids"][0])]
-        media = {n: torch.from_numpy(v) for n, v in media_of(got, image_token_id(proc), at).items()}
-        out[k] = (ids, media)
+        out[k] = encode_prompt(proc, image_example(rec, at, base), at, max_pixels, min_pixels)
     return out
+
+
+def encode_prompt(proc, ex, at: str, max_pixels: int, min_pixels: int) -> tuple[list[int], dict]:
+    """One prompt's example -> (ids, media): its messages rendered with the generation prompt (as
+    TRL's GRPOTrainer and transformers' generate do), tokenized with its images by the processor."""
+    if ex.messages and ex.messages[-1]["role"] == "assistant":
+        raise InputError(f"{at}: a prompt ends with a user turn (the model answers it)")
+    text = proc.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True)
+    images = [open_image(p, at, max_pixels, min_pixels) for p in ex.images]
+    got = proc(text=[text], images=images, add_special_tokens=False, return_tensors="np")
+    ids = [int(t) for t in np.asarray(got["input_ids"][0])]
+    media = {n: torch.from_numpy(v) for n, v in media_of(got, image_token_id(proc), at).items()}
+    return ids, media
+
+
+def prompt_record(record: dict) -> dict:
+    """A prompt-only record (TRL: `prompt` as messages or text, images in its parts or in an
+    `image` / `images` column) -> an image record (vision.records) of its messages."""
+    prompt = record.get("prompt")
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return {"images": record.get("images") or record.get("image"), "messages": msgs}

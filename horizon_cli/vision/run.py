@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..data.prompt_only import PromptSet
 from ..errors import InputError
 from .adapters import ProjectorAdapters, projector_targets
 from .imageset import ImageSet, build_image_set, images_key
 from .pairs import build_image_pairs, holds_pairs, image_pair
+from .prompts import encode_prompt, prompt_record
+from .records import image_example
 from .support import image_owner, is_multimodal
 
 
@@ -28,6 +31,12 @@ class VisionData:
         return self._proc
 
     def build(self, ds, data_cfg, name: str, log, base: Path) -> ImageSet:
+        cols = ds.column_names
+        if "kto_tag" in cols or ("label" in cols and "completion" in cols):  # data.formats' unpaired
+            raise InputError(
+                f"{name}: unpaired preference (KTO) records with images: not built yet, so refused rather "
+                "than trained without them (DPO pairs with images train)"
+            )
         if holds_pairs(ds.column_names):  # preference pairs with images (vision.pairs)
             return build_image_pairs(ds, self.processor(), data_cfg, name, log, base)
         return build_image_set(ds, self.processor(), data_cfg, name, log, base)
@@ -38,6 +47,13 @@ class VisionData:
                 ds, self.processor(), data_cfg, base, lambda r, w, b: image_pair(r, w, b).prompt
             )
         return images_key(ds, self.processor(), data_cfg, base)
+
+    def prompt(self, record: dict, where: str, base: Path, data_cfg) -> tuple[list[int], dict]:
+        """A prompt-only record with images (GRPO) -> its ids and image tensors (vision.prompts)."""
+        if record.get("prompt_input_ids") is not None:
+            raise InputError(f"{where}: prompt_input_ids with images: give the prompt as messages")
+        ex = image_example(prompt_record(record), where, base)
+        return encode_prompt(self.processor(), ex, where, data_cfg.max_pixels, data_cfg.min_pixels)
 
     def wrap(self, ts, media: dict, offsets: dict) -> ImageSet:
         return ImageSet(
@@ -52,8 +68,23 @@ def image_data(store) -> VisionData | None:
     return VisionData(store, f"model.path: {store.root}")
 
 
+def prompt_images(store):
+    """data.prompt_only.PromptImages of a store: its image data, or why it reads no images."""
+    from ..data.prompt_only import PromptImages
+
+    if not is_multimodal(store.arch):
+        return PromptImages(None, f"{store.root} takes text only (no vision tower)")
+    data = image_data(store)
+    if data is None:
+        return PromptImages(None, "a dry run from a config reads no images (plan from a converted store)")
+    return PromptImages(data)
+
+
 def has_images(rows) -> bool:
-    """Training rows with image tensors (an ImageSet, a mixture holding one, or the pairs of one)."""
+    """Training rows with image tensors (an ImageSet, a mixture holding one, or the pairs of one;
+    prompts (data.prompt_only) of which one has images)."""
+    if isinstance(rows, PromptSet):
+        return any(r.media for r in rows.rows)
     parts = getattr(rows, "parts", None)
     if parts is not None:
         return any(has_images(p) for p in parts)

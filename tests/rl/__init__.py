@@ -1,1 +1,1 @@
-"""Tests of online RL: GRPO (horizon_cli/rl/)."""
+"""Tests of online RL: GRPO (horizon_cli/recipes/grpo/)."""

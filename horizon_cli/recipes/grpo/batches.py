@@ -47,6 +47,7 @@ from ...faults import phase
 from ..recipe import Attached, Metrics
 from . import rollouts as ro
 from .advantages import advantages, reward_metrics
+from .images import ImageSafeSampler, check_images, image_tokens, reference_stage
 from .logps import token_logps
 from .loss import GRPOObjective, payload_of
 from .rewards import load_rewards, score
@@ -77,6 +78,8 @@ class GRPOBatches:
         self.eos = model_eos_ids(hf) or (
             [self.tokenizer.eos_token_id] if getattr(self.tokenizer, "eos_token_id", None) is not None else []
         )
+        check_images(self.cfg, self.data)
+        self.banned = image_tokens(self.data, store)  # the image token: never sampled
         self.ref_adapters = True
         if self.rl.beta > 0 and engine.lora is not None:
             if not engine.tuning.reference_on_base:
@@ -87,8 +90,9 @@ class GRPOBatches:
         elif self.rl.beta > 0:
             # sharded like the policy: every rank holds its slice, layers all-gathered per sweep
             self.ref_engine = Engine(
-                store, self.cfg.engine, OptimConfig(), forward_only=True, dist=engine.p.dist
-            )
+                store, self.cfg.engine, OptimConfig(), forward_only=True, dist=engine.p.dist,
+                stage=reference_stage(self.cfg, self.data, store),
+            )  # fmt: skip
 
     def close(self) -> None:
         if self.ref_engine is not None:
@@ -179,8 +183,12 @@ class GRPOBatches:
 
         # a rank without prompts (a short eval batch) samples the first one, unused: it joins each sweep
         mine = [p.ids for p in prompts[lo:hi]] or [prompts[0].ids]
+        pics = [p.media for p in prompts[lo:hi]] or [prompts[0].media]
+        pick = (
+            ImageSafeSampler(rl.temperature, rl.top_p, rl.top_k, seed, self.banned) if self.banned else None
+        )
         outs = ro.sample(self.engine, mine, G, rl, seed, self.eos, self.tokenizer, self.cfg.engine.kv_cache,
-                         on_sweep=on_sweep, first=lo)  # fmt: skip
+                         on_sweep=on_sweep, first=lo, media=pics, sampler=pick)  # fmt: skip
         outs = [replace(o, prompt=o.prompt + lo) for o in outs] if hi > lo else []
         t1 = time.perf_counter()
         try:

@@ -21,6 +21,8 @@ from .plan import rollout_plan
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from ...data.prompt_only import PromptImages
+
 
 class Grpo:
     name = "grpo"
@@ -58,13 +60,15 @@ class Grpo:
         tokenizer: Callable[[str], PreTrainedTokenizerBase | None],
         arch: ArchSpec,
         console: Console,
+        images: Callable[[], PromptImages],
     ) -> PreparedData | None:
         """The prompts (data.prompt_only), read whole: nothing to cache."""
         assert cfg.rl is not None
         tok = tokenizer("auto")  # prompt_input_ids need none
         train, ev = prepare_prompts(
-            cfg.data, tok, arch.vocab, arch.max_positions, cfg.rl.max_completion_length, cfg.train.seed
-        )
+            cfg.data, tok, arch.vocab, arch.max_positions, cfg.rl.max_completion_length, cfg.train.seed,
+            images(),
+        )  # fmt: skip
         console.print(
             f"data: {len(train):,} prompts" + (f", {len(ev):,} held out" if ev is not None else ""),
             highlight=False,

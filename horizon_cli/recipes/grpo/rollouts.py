@@ -44,6 +44,9 @@ class Rollout:
     ids: list[int]  # completion ids, the EOS included when one was sampled
     text: str | None
     truncated: bool
+    media: dict | None = (
+        None  # the prompt's image tensors (vision.prompts): in its prefill and every log-prob pass
+    )
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -69,22 +72,30 @@ def device_kv(engine: Engine, rows: list[tuple[int, list[int]]], max_new: int, k
 
 def sample(
     engine: Engine, prompts: list[list[int]], G: int, rl, seed: int, eos: list[int], tokenizer, kv: str,
-    on_sweep=lambda s: None, first: int = 0,
+    on_sweep=lambda s: None, first: int = 0, media: list[dict | None] | None = None,
+    sampler: Sampler | None = None,
 ) -> list[Rollout]:  # fmt: skip
     """G completions of each prompt, in order (prompt p's generation j at p x G + j). `first`: the
     first prompt's place in the step's whole batch; rows are seeded by their place in it, so a
-    slice of the prompts sampled alone gets the completions the whole batch gives it."""
+    slice of the prompts sampled alone gets the completions the whole batch gives it. media: each
+    prompt's image tensors (or None), merged at the prefill of each of its G rows; sampler: in
+    place of rl's (rl.images: one that never samples the image token)."""
     engine.wait()  # the optimizer's queued updates land in the host store first
     rows = [((first + p) * G + j, ids) for p, ids in enumerate(prompts) for j in range(G)]
+    media = media or [None] * len(prompts)
+    pixels: dict[int, dict] = {}  # the Decoder's: row -> its prompt's tensors
+    for r, _ in rows:
+        if (m := media[r // G - first]) is not None:
+            pixels[r] = m
     dec = Decoder(
-        engine, Sampler(rl.temperature, rl.top_p, rl.top_k, seed), max_new_tokens=rl.max_completion_length,
+        engine, sampler or Sampler(rl.temperature, rl.top_p, rl.top_k, seed), max_new_tokens=rl.max_completion_length,
         eos_ids=eos, tokenizer=tokenizer, host_kv=not device_kv(engine, rows, rl.max_completion_length, kv),
-        on_sweep=on_sweep,
+        on_sweep=on_sweep, media=pixels,
     )  # fmt: skip
     out = []
     for c in dec.run(rows):
         p = c.index // G - first
-        out.append(Rollout(p, prompts[p], list(c.ids), c.text, c.finish != "eos"))
+        out.append(Rollout(p, prompts[p], list(c.ids), c.text, c.finish != "eos", media[p]))
     return out
 
 
@@ -101,9 +112,16 @@ def micro_batches_of(
             lab = [IGNORE] * len(r.ids) if mask_truncated and r.truncated else r.ids
             rows.append((r.prompt_ids + r.ids, [IGNORE] * len(r.prompt_ids) + lab))
         mb = MicroBatch.from_rows(rows, pad_id)
+        mb.media = media_of(part)
         mb.payload = GRPOPayload(adv[a : a + size].clone().float(), len(part))
         out.append(mb)
     return out
+
+
+def media_of(rollouts: list[Rollout]) -> dict | None:
+    """The rows' image tensors back to back, as the processor batches them (data.collate); None: none."""
+    got = [r.media for r in rollouts if r.media]
+    return {n: torch.cat([m[n] for m in got]) for n in got[0]} if got else None
 
 
 def write(run_dir: Path, step: int, rollouts: list[Rollout], names: list[str], per_func: torch.Tensor,

@@ -18,6 +18,8 @@ from .batches import SftBatches
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from ...data.prompt_only import PromptImages
+
 
 class Sft:
     name = "sft"
@@ -48,6 +50,7 @@ class Sft:
         tokenizer: Callable[[str], PreTrainedTokenizerBase | None],
         arch: ArchSpec,
         console: Console,
+        images: Callable[[], PromptImages],
     ) -> PreparedData | None:
         return None  # records as data.prepare reads them
 
