@@ -290,6 +290,10 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"engine.seq_tile: {tile!r} is not allowed (auto, or tokens per tile >= 0; 0: untiled)")
     if cfg.engine.link_gbps and cfg.engine.device not in ("cpu", "auto"):
         p.append("engine.link_gbps: only emulates a link with engine.device: cpu")
+    if cfg.engine.link_chaos and cfg.engine.device not in ("cpu", "auto"):
+        p.append("engine.link_chaos: is a CPU transport; it needs engine.device: cpu (or auto)")
+    if cfg.engine.link_chaos and cfg.engine.link_gbps:
+        p.append("engine.link_chaos: its copies have random delays; leave engine.link_gbps at 0 with it")
     if cfg.optim.memory == "lean" and cfg.engine.grad_dtype == "float32":
         p.append(
             "optim.memory: lean holds bf16 gradients (<= 8 B/param); engine.grad_dtype: float32 is not allowed with it"
