@@ -4,9 +4,9 @@ must give bitwise the same losses and weights.
     python3 benchmarks/gpu_race.py --device cuda|cpu [--json FILE] [--layers 2] [--steps 3]
 
     plain       the engine's own transport (CUDA: copy streams; CPU: copies on a worker per direction)
-    serialized  every copy starts on an idle device (CUDA: the device synchronized once its
-                dependencies are met; run under CUDA_LAUNCH_BLOCKING=1, so each compute kernel
-                completes before the next is issued; CPU: one copy at a time, either direction)
+    serialized  every copy starts on an idle device (CUDA: each copy's request waits for the
+                compute issued before it, and the copy worker synchronizes the device once the
+                copy's dependencies are met; CPU: one copy at a time, either direction)
     delayed     random (seeded) delays before each copy (CUDA: torch.cuda._sleep on the copy
                 stream; CPU: the chaos transport, runtime/chaos.py)
 
@@ -52,6 +52,11 @@ def cuda_transports():
     from horizon_cli.runtime.cuda import CudaTransport
 
     class Serialized(CudaTransport):
+        def record(self):  # a copy's request (and any event): the compute issued so far completes
+            ev = super().record()
+            ev.host_wait()
+            return ev
+
         def _stream_wait(self, stream, ev):
             super()._stream_wait(stream, ev)
             if any(stream == s for s in self.streams.values()):  # a copy: on an idle device
