@@ -4,7 +4,7 @@ at small sizes, so a GPU slot is never spent on a typo):
     python3 benchmarks/gpu_stages.py env|bandwidth|layer|throughput --device cuda|cpu --json FILE
 
     env         torch, CUDA, transformers, the GPU (name, capability, memory), the driver, host RAM
-    bandwidth   pinned host <-> device copies of 1 GB (CPU: 64 MB): H2D, D2H, and both at once on
+    bandwidth   pinned host <-> device copies of 1 GB (CPU: 16 MB): H2D, D2H, and both at once on
                 two streams (the duplex the pipeline relies on), GB/s, best of 3
     layer       one Llama-3.1-8B-shaped layer (32K vocabulary) trained one step in bf16 against
                 fp32 from the same store: the loss and the layer's gradient, relative errors
@@ -72,7 +72,7 @@ def env(device: str) -> dict:
 
 # -- bandwidth -------------------------------------------------------------------------------------
 def bandwidth(device: str) -> dict:
-    n = (1 << 30) if device == "cuda" else (64 << 20)
+    n = (1 << 30) if device == "cuda" else (16 << 20)
     return _cuda_bandwidth(n) if device == "cuda" else _cpu_bandwidth(n)
 
 
