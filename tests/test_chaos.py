@@ -204,18 +204,29 @@ def test_grpo_rollouts_and_steps_equal_the_plain_transport(tmp_path, tiny_store)
 @pytest.mark.parametrize(
     "over,says",
     [
-        (["engine.device=cuda"], "engine.link_chaos: is a CPU transport; it needs engine.device: cpu (or auto)"),
-        (["engine.link_gbps=10"], "engine.link_chaos: its copies have random delays; leave engine.link_gbps at 0"),
+        (
+            ["engine.device=cuda"],
+            "engine.link_chaos: is a CPU transport; it needs engine.device: cpu (or auto)",
+        ),
+        (
+            ["engine.link_gbps=10"],
+            "engine.link_chaos: its copies have random delays; leave engine.link_gbps at 0",
+        ),
     ],
 )
 def test_chaos_with_a_gpu_or_an_emulated_link_is_refused(over, says):
+    import re
+
     from horizon_cli.config.load import load_config
     from horizon_cli.errors import InputError
 
-    import re
-
     def base():
-        return {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "output": {"dir": "o"}, "engine": {"link_chaos": True}}
+        return {
+            "model": {"path": "m"},
+            "data": {"path": "d.jsonl"},
+            "output": {"dir": "o"},
+            "engine": {"link_chaos": True},
+        }
 
     with pytest.raises(InputError, match=re.escape(says)):
         load_config(None, over, base=base())
