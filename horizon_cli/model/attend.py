@@ -42,15 +42,15 @@ Mask = torch.Tensor | BlockMask | RowMask | None  # None: plain causal attention
 _compiled = None
 # flex_attention compiled for any sequence length: without dynamic shapes each new (T, documents)
 # compiled again, and past dynamo's recompile limit flex ran eagerly, materialising the scores
-FLEX_COMPILE = {"dynamic": True}
+FLEX_DYNAMIC = True
 # the variants that remain (grad mode; window or none; documents or none; one key block or more)
 FLEX_RECOMPILES = 32
 BLOCK = 128  # flex_attention's block size: its kernels evaluate mask_mod on whole blocks
 
 
-def compile_flex(**kw):
-    """torch.compile(flex_attention) with horizon's options (kw: a test's backend)."""
-    return torch.compile(flex_attention, **FLEX_COMPILE, **kw)
+def compile_flex(backend="inductor"):
+    """torch.compile(flex_attention) with horizon's options (backend: a test's counter)."""
+    return torch.compile(flex_attention, dynamic=FLEX_DYNAMIC, backend=backend)
 
 
 def _flex():
