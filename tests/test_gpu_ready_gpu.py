@@ -52,7 +52,8 @@ def test_flex_compiles_once_across_lengths_and_never_falls_back():
         out.float().sum().backward()
         dense = attend.attend(q.detach(), k, k, attend.dense_mask(doc, None, 1, T, "cuda"), 128**-0.5)
         assert (out.detach().float() - dense.float()).abs().max() < 2e-2
-    assert du.counters["stats"]["unique_graphs"] <= 4
+    # flex's own (grad mode; one or more blocks) and the compiled block masks' builders
+    assert du.counters["stats"]["unique_graphs"] <= 8
 
 
 def test_sumsq_is_one_launch_per_buffer_on_cuda():

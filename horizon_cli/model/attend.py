@@ -13,7 +13,8 @@
                  a RowMask keeps only the rule's inputs
 
 Grouped-query K/V are shared across query heads inside the kernel (`enable_gqa`), never
-expanded by copying (but for CUDA's masked query tiles). `enable_gqa` and flex_attention need
+expanded by copying (but on CUDA under a dense mask, where no fused kernel takes both: expands_kv,
+and CUDA's masked query tiles). `enable_gqa` and flex_attention need
 torch >= 2.5 (pyproject's floor).
 """
 
