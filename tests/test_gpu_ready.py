@@ -156,3 +156,30 @@ def test_auto_keep_leaves_a_margin_on_a_gpu():
     k = auto_keep(p, Machine(host=1 << 45, device=free, what="cuda:0"))
     assert 0 < k < 30
     assert free - (p.device_total + k * sum(p.kept_layer)) >= 0.1 * free + RESERVE
+
+
+def test_the_embedding_gradient_is_the_last_backwards_alone(tmp_path):
+    """The untied embedding's gradient zeroes only the rows the previous backward wrote (issue 42
+    item 7); after a backward over batch A and one over batch B it is bitwise B's alone."""
+    from oracle import make_engine, make_store, micro_batches, random_rows
+
+    model, store = make_store(tmp_path, "llama", False)
+    V = model.config.vocab_size
+    a, b = (micro_batches(random_rows(4, V, seed=s), 2) for s in (1, 2))
+
+    def grad_after(*batches):
+        eng = make_engine(store)
+        try:
+            for mbs in batches:
+                eng.forward_backward(mbs)
+            eng.wait()
+            return eng.host.units["embed"].grad.clone()
+        finally:
+            eng.close()
+
+    only_b, after_a = grad_after(b), grad_after(a, b)
+    assert torch.equal(after_a, only_b)
+    rows_a = torch.cat([mb.input_ids.reshape(-1) for mb in a]).unique()
+    rows_b = torch.cat([mb.input_ids.reshape(-1) for mb in b]).unique()
+    stale = rows_a[~torch.isin(rows_a, rows_b)]
+    assert len(stale) and float(grad_after(a).view(V, -1)[stale].abs().sum()) > 0  # A wrote rows B does not
