@@ -291,6 +291,10 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"engine.seq_tile: {tile!r} is not allowed (auto, or tokens per tile >= 0; 0: untiled)")
     if cfg.engine.link_gbps and cfg.engine.device not in ("cpu", "auto"):
         p.append("engine.link_gbps: only emulates a link with engine.device: cpu")
+    if cfg.engine.link_chaos and cfg.engine.device not in ("cpu", "auto"):
+        p.append("engine.link_chaos: is a CPU transport; it needs engine.device: cpu (or auto)")
+    if cfg.engine.link_chaos and cfg.engine.link_gbps:
+        p.append("engine.link_chaos: its copies have random delays; leave engine.link_gbps at 0 with it")
     mode = MODES.get(cfg.optim.memory)  # None: refused by its choices already
     p += mode.problems(cfg.engine.grad_dtype, cfg.lora is not None) if mode else []
     evals = [k for k in ("eval_path", "eval_fraction", "eval_split") if getattr(cfg.data, k)]

@@ -119,6 +119,9 @@ class EngineConfig:
     )  # gradients on the link and host (auto: dtype)
     prefetch: int = _f(2, min=1, max=8)  # weight buffers in flight (2 = double buffering)
     link_gbps: float = _f(0.0, min=0.0)  # device: cpu only — emulate a host<->device link (0: off)
+    # device: cpu only, for tests and debugging — every copy on a thread of its own after a random
+    # delay, ordered only by the engine's events (runtime/chaos.py): a missing wait shows as wrong numbers
+    link_chaos: bool = _f(False)
     loss_chunk: int = _f(2048, min=16)  # label tokens per logits chunk in the loss head
     compute_threads: int = _f(0, min=0)  # torch intra-op threads (0: leave torch's default)
     # the last K layers keep their autograd graph and weights on the device from forward to backward

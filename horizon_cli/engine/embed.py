@@ -90,6 +90,7 @@ class HostEmbedding(TableEmbedding):
     ):  # fmt: skip
         super().__init__(transport, loader, units, host, spec, dtype, scale)
         self.staging: dict[str, torch.Tensor] = {}
+        self.touched: torch.Tensor | None = None  # the rows the last backward added into (untied)
 
     def reserve(self, numel: int, grad: bool) -> None:
         self._stage("embed_rows", numel, self.units["embed"].stream.dtype)
@@ -132,12 +133,22 @@ class HostEmbedding(TableEmbedding):
         if self.spec.tie_embeddings:
             ready.get("embed", READY).host_wait()  # the LM head's dense grad came first
         else:
-            st.grad.zero_()
+            self._zero(st)
         ev.host_wait()
         ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
         embed_grad(st.views(st.grad)["embed"], ids, host_dx.view(-1, self.spec.hidden), self.spec.padding_idx)
+        self.touched = None if self.spec.tie_embeddings else ids.unique()
         ready["embed"] = READY
         return sumsq64(st.grad)
+
+    def _zero(self, st) -> None:
+        """The untied gradient zeroed: only the rows the last backward wrote (the rest are zero
+        already, so the result is bitwise the same) where the unit is the table alone; a step
+        touches a few thousand of a vocabulary's 10^5 rows (issue 42: the full-vocabulary zero)."""
+        if self.touched is None or len(st.layout.tensors) != 1:
+            st.grad.zero_()
+        else:
+            st.views(st.grad)["embed"].index_fill_(0, self.touched, 0.0)
 
 
 class ShardedEmbedding(TableEmbedding):

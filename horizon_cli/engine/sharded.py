@@ -113,9 +113,13 @@ class ShardedGrads:
 
     def sum_all(self, values) -> list[float]:
         """The sums over ranks of `values()` (evaluated on the collective thread, after every
-        collective queued before: the squared norms are all in by then). One all-reduce."""
+        collective queued before: the squared norms are all in by then). One all-reduce. The
+        collective thread's stream does not follow the compute stream: `values()` reads device
+        results (the loss sum) only once the compute issued before this call has completed."""
+        made = self.t.record()
 
         def job() -> list[float]:
+            made.host_wait()
             vec = torch.tensor(values(), dtype=torch.float64, device=self.out[0].device)
             self.d.all_reduce_sum(vec)
             return vec.tolist()

@@ -52,10 +52,13 @@ class KVCache:
         return [self.caches[m] for m in self.active]
 
     def keep_only(self, active: list[int]) -> None:
-        """Stop carrying the micro-batches that finished (their caches are dropped)."""
+        """Stop carrying the micro-batches that finished (their caches are dropped). A buffer is
+        unpinned and dropped only once its layer's last write-back has landed: the D2H may still
+        be in flight (on CUDA: DMA into pages already unregistered, or freed)."""
         for m in set(self.active) - set(active):
             self.caches[m] = None
             for key in [k for k in self._buf if k[1] == m]:
+                self._written.get(key[0], READY).host_wait()
                 self.t.host_release(self._buf.pop(key))
                 self._shape.pop(key, None)
         self.active = list(active)

@@ -13,7 +13,8 @@
                  a RowMask keeps only the rule's inputs
 
 Grouped-query K/V are shared across query heads inside the kernel (`enable_gqa`), never
-expanded by copying (but for CUDA's masked query tiles). `enable_gqa` and flex_attention need
+expanded by copying (but on CUDA under a dense mask, where no fused kernel takes both: expands_kv,
+and CUDA's masked query tiles). `enable_gqa` and flex_attention need
 torch >= 2.5 (pyproject's floor).
 """
 
@@ -40,6 +41,17 @@ class RowMask:
 Mask = torch.Tensor | BlockMask | RowMask | None  # None: plain causal attention is exact
 
 _compiled = None
+# flex_attention compiled for any sequence length: without dynamic shapes each new (T, documents)
+# compiled again, and past dynamo's recompile limit flex ran eagerly, materialising the scores
+FLEX_DYNAMIC = True
+# the variants that remain (grad mode; window or none; documents or none; one key block or more)
+FLEX_RECOMPILES = 32
+BLOCK = 128  # flex_attention's block size: its kernels evaluate mask_mod on whole blocks
+
+
+def compile_flex(backend="inductor"):
+    """torch.compile(flex_attention) with horizon's options (backend: a test's counter)."""
+    return torch.compile(flex_attention, dynamic=FLEX_DYNAMIC, backend=backend)
 
 
 def _flex():
@@ -47,8 +59,18 @@ def _flex():
     it is only ever run compiled; on the CPU (tests) eagerly, forward only."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(flex_attention)
+        import torch._dynamo.config as dynamo
+
+        dynamo.recompile_limit = max(dynamo.recompile_limit, FLEX_RECOMPILES)
+        _compiled = compile_flex()
     return _compiled
+
+
+def expands_kv(device: torch.device, masked: bool, gqa: bool) -> bool:
+    """Whether grouped K/V are repeated per query head before SDPA: on CUDA with a mask, where
+    no fused kernel takes both a mask and `enable_gqa` (the math kernel would run, holding the
+    (b, heads, T, S) fp32 scores); the repeated K/V are (b, heads, S, hd), far smaller."""
+    return device.type == "cuda" and masked and gqa
 
 
 def attend(
@@ -66,6 +88,9 @@ def attend(
         assert not dropout, "flex_attention has no dropout"
         fn = _flex() if q.is_cuda else flex_attention
         return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    if expands_kv(q.device, mask is not None, gqa):
+        n = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1), False
     return F.scaled_dot_product_attention(
         q,
         k,
@@ -141,8 +166,15 @@ def allowed(doc: torch.Tensor | None, window: int | None):
 
 
 def block_mask(doc: torch.Tensor | None, window: int | None, b: int, T: int, device) -> BlockMask:
-    """The flex block mask of `allowed` for a (b, T) micro-batch (shared by every head)."""
-    return create_block_mask(allowed(doc, window), b if doc is not None else None, None, T, T, device=device)
+    """The flex block mask of `allowed` for a (b, T) micro-batch (shared by every head). The
+    kernels evaluate mask_mod on whole blocks, past T when T is not a multiple of BLOCK: the
+    documents are padded past T to whole blocks (with -1, no document). On CUDA the mask is built by a
+    compiled kernel, block by block, not from an eager (b, T, T) evaluation."""
+    if doc is not None:  # always longer than T: a length equal to T would be another compile's guard
+        doc = F.pad(doc, (0, BLOCK - T % BLOCK), value=-1)
+    compiled = torch.device(device).type == "cuda"
+    rows = b if doc is not None else None
+    return create_block_mask(allowed(doc, window), rows, None, T, T, device=device, _compile=compiled)
 
 
 def dense_mask(doc: torch.Tensor | None, window: int | None, b: int, T: int, device) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch import ArchSpec
+from . import fused
 from .attend import BlockMask, Mask, RowMask, attend, causal_rows, rows_mask
 from .call import LayerCall
 from .call import Lora as Adapters
@@ -30,6 +31,12 @@ UNTILED = LayerCall()  # a call of its own: untiled, no adapters, no dropout (a 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """(..., D) -> (..., D); statistics in fp32, as transformers does."""
+    if fused.enabled(x):  # HORIZON_FUSED=1 on CUDA (model.fused; off by default)
+        return fused.compiled(eager_rms_norm)(x, w, eps)
+    return eager_rms_norm(x, w, eps)
+
+
+def eager_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -72,6 +79,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (b, heads, T, hd); cos/sin (b, T, hd)."""
+    if fused.enabled(x):
+        return fused.compiled(eager_rope)(x, cos, sin)
+    return eager_rope(x, cos, sin)
+
+
+def eager_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + _rotate_half(x) * sin
 
@@ -137,7 +150,17 @@ def attention(
 def mlp(w: Weights, x: torch.Tensor, lora: Lora = None) -> torch.Tensor:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
     gate, up = _linear(x, w, "w_gate", "b_gate", lora), _linear(x, w, "w_up", "b_up", lora)
-    return _linear(F.silu(gate) * up, w, "w_down", "b_down", lora)
+    return _linear(swiglu(gate, up), w, "w_down", "b_down", lora)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if fused.enabled(gate):
+        return fused.compiled(eager_swiglu)(gate, up)
+    return eager_swiglu(gate, up)
+
+
+def eager_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 def layer_forward(

@@ -11,7 +11,7 @@ It holds, from its forward to its backward (planning.memory and lora.sizes size 
 and it needs no saved input on the host. `auto` keeps the largest K whose bytes fit what the
 K = 0 plan leaves free:
 
-    CUDA      the device's free memory - the plan's device bytes - RESERVE
+    CUDA      90 % of the device's free memory (planning.transients) - the plan's device bytes - RESERVE
     CPU       the host memory this process may allocate - the plan's host and device bytes (both
               in RAM) - RESERVE, shared by the node's ranks
 
@@ -26,6 +26,7 @@ from dataclasses import replace
 from ..errors import InputError
 from .fit import RESERVE, Machine
 from .memory import MemoryPlan
+from .transients import KEEP_MARGIN
 
 WEIGHTS = "kept layers: weights"
 GRAPHS = "kept layers: graphs"
@@ -36,7 +37,7 @@ def room(plan: MemoryPlan, where: Machine) -> int:
     if where.device is None:
         free = where.host - plan.node_host_total - plan.node_device_total - RESERVE
         return max(0, free) // plan.per_node
-    return max(0, where.device - plan.device_total - RESERVE)
+    return max(0, int(where.device * (1 - KEEP_MARGIN)) - plan.device_total - RESERVE)
 
 
 def auto_keep(plan: MemoryPlan, where: Machine | None) -> int:

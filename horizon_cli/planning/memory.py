@@ -28,6 +28,7 @@ from ..optim.modes import EXACT, MODES, MemoryMode, memory_mode
 from ..parallel.shard import SHARD_ALIGN, padded_numel, shard_range, shard_size
 from ..state.layout import StateKind, kind_numel, state_layout
 from ..store import UnitLayout, layouts
+from .transients import backward_transient_bytes
 
 ITEM = {"bfloat16": 2, "float32": 4}
 
@@ -299,6 +300,7 @@ def memory_plan(
     p.device["activations"] = 2 * acts
     tok = micro_batch * seq
     p.device["layer working set"] = layer_work_bytes(spec, tok, micro_batch, seq, item)
+    p.device["backward transients"] = backward_transient_bytes(spec, tok, layer_max, item)
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
     stack = spec.kind.model
     side = stack.side_width if stack is not None else 0

@@ -43,13 +43,34 @@ def _libcudart():
     """The libcudart.so torch loaded: its per-thread error state is the one torch checks."""
     try:
         with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+            paths = {line.split()[-1] for line in f if "libcudart" in line and ".so" in line}
     except OSError:
         return None
-    for path in sorted(paths):
+    for path in cudart_candidates(paths, os.path.dirname(torch.__file__), torch.version.cuda):
         with contextlib.suppress(OSError):
             return ctypes.CDLL(path)
     return None
+
+
+def cudart_candidates(paths, torch_dir: str, cuda: str | None) -> list[str]:
+    """The libcudart copies mapped in this process, torch's most likely first: one inside torch's
+    own package (a bundled libcudart-<hash>.so), then the pip wheel torch depends on
+    (site-packages/nvidia/cuda_runtime), then one whose major version is torch's CUDA's, then
+    the rest. Another library may have loaded another libcudart first (an older toolkit's, a
+    conda one); its error state is not the one torch checks."""
+    major = f".so.{cuda.split('.')[0]}" if cuda else None
+    site = os.path.dirname(torch_dir)
+
+    def rank(path: str) -> tuple[int, str]:
+        if path.startswith(torch_dir + os.sep):
+            return 0, path
+        if path.startswith(os.path.join(site, "nvidia") + os.sep):
+            return 1, path
+        if major is not None and major in path:
+            return 2, path
+        return 3, path
+
+    return sorted(paths, key=rank)
 
 
 class TorchCuda:

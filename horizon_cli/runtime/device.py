@@ -1,6 +1,7 @@
 """The device the engine computes on: `engine.device` resolved, checked, and its transport made.
 
-`auto` is CUDA when present, unless a link is to be emulated (`engine.link_gbps`, CPU only). On the
+`auto` is CUDA when present, unless a link is to be emulated (`engine.link_gbps` or
+`engine.link_chaos`, CPU only). On the
 CPU the "device" is host memory and copies are copies (runtime.transport); on CUDA they run on copy
 streams (runtime.cuda).
 """
@@ -18,14 +19,14 @@ def resolve_device(cfg: EngineConfig) -> str:
     """engine.device with `auto` decided: CUDA when present, unless a link is to be emulated."""
     if cfg.device != "auto":
         return cfg.device
-    return "cuda" if torch.cuda.is_available() and not cfg.link_gbps else "cpu"
+    return "cuda" if torch.cuda.is_available() and not (cfg.link_gbps or cfg.link_chaos) else "cpu"
 
 
 def has_link(cfg: EngineConfig) -> bool:
     """Whether host and device are apart (CUDA, or an emulated link): a load then copies bytes
     across, and a narrow streaming copy crosses as held (state.widen); on the CPU without an
     emulated link the loader lends the host's buffers instead."""
-    return resolve_device(cfg).startswith("cuda") or cfg.link_gbps > 0
+    return resolve_device(cfg).startswith("cuda") or cfg.link_gbps > 0 or cfg.link_chaos
 
 
 def check_device(cfg: EngineConfig) -> str:
@@ -60,6 +61,10 @@ def make_transport(cfg: EngineConfig, tracer: Tracer):
         from .cuda import CudaTransport
 
         return CudaTransport(torch.device(dev), tracer=tracer)
+    if cfg.link_chaos:
+        from .chaos import ChaosTransport
+
+        return ChaosTransport(tracer=tracer)
     from .transport import CpuTransport
 
     return CpuTransport(cfg.link_gbps, tracer=tracer)

@@ -42,6 +42,7 @@ FREE = (
     "engine.prefetch",
     "engine.compute_threads",
     "engine.link_gbps",
+    "engine.link_chaos",  # a transport for tests: the same arithmetic, bitwise
     "engine.loss_chunk",
     "engine.keep_activations",  # kept or recomputed, the same arithmetic (the graph recompute would build)
     "engine.kv_cache",

@@ -7,6 +7,7 @@ really saves, and a run killed with K > 0 resumes bitwise."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -280,6 +281,13 @@ def tiny_cfg(keep) -> object:
     return load_config(None, base=base)
 
 
+def on_gpu(need: float) -> int:
+    """The free GPU memory whose share `auto` fills (planning.transients.KEEP_MARGIN) is `need`."""
+    from horizon_cli.planning.transients import KEEP_MARGIN
+
+    return math.ceil(need / (1 - KEEP_MARGIN))
+
+
 def test_auto_keeps_what_the_budget_holds(tmp_path):
     """auto: the most whole layers whose bytes fit the room the K = 0 plan leaves (a CUDA device:
     free memory less the plan and the reserve; the CPU: RAM less host and device plans and the
@@ -291,16 +299,17 @@ def test_auto_keeps_what_the_budget_holds(tmp_path):
     assert p0.kept == 0 and per > 0 and p0.layers == L
     host = 1 << 40
     for n in (0, 1, 3, L, L + 2):
-        where = Machine(host, p0.device_total + RESERVE + n * per + per // 2, "a device")
+        where = Machine(host, on_gpu(p0.device_total + RESERVE + n * per + per // 2), "a device")
         p = plan_for(tiny_cfg("auto"), spec, "exact", where=where)
         assert p.kept == min(n, L) and p.kept_bytes == p.kept * per, n
         assert p.device_total == p0.device_total + p.kept_bytes and fit_parts(p, where)[2]
         assert p.host["saved activations"] == (L - p.kept) * p0.saved_layer
-    short = Machine(host, p0.device_total + RESERVE + per - 1, "a device")
+    short = Machine(host, on_gpu(p0.device_total + RESERVE + per) - 2, "a device")
     assert plan_for(tiny_cfg("auto"), spec, "exact", where=short).kept == 0
     assert plan_for(tiny_cfg("auto"), spec, "exact").kept == 0  # no machine to fit to
-    p2 = plan_for(tiny_cfg(2), spec, "exact", where=short)
-    assert p2.kept == 2 and not fit_parts(p2, short)[2]  # a number is kept as given: the fit check judges it
+    tight = Machine(host, p0.device_total + RESERVE + per - 1, "a device")  # the fit check: no margin
+    p2 = plan_for(tiny_cfg(2), spec, "exact", where=tight)
+    assert p2.kept == 2 and not fit_parts(p2, tight)[2]  # a number is kept as given: the fit check judges it
     assert plan_for(tiny_cfg(99), spec, "exact").kept == L
     cpu = Machine(p0.node_host_total + p0.node_device_total + RESERVE + 2 * per, None, "RAM")
     assert plan_for(tiny_cfg("auto"), spec, "exact", where=cpu).kept == 2
@@ -312,7 +321,9 @@ def test_dry_run_shows_k_and_its_bytes(tiny_store, tmp_path):
         tmp_path / "cfg.yaml", tiny_store, data, tmp_path / "run", engine={"keep_activations": 0}
     )
     p0 = plan_for(load_config(cfg), Store.open(tiny_store), "exact")
-    budget = p0.device_total + RESERVE + 1.5 * sum(p0.kept_layer)  # room for one kept layer and a half
+    budget = on_gpu(
+        p0.device_total + RESERVE + 1.5 * sum(p0.kept_layer)
+    )  # room for one kept layer and a half
     out = tmp_path / "plan.json"
     r = CliRunner().invoke(
         app, ["train", str(cfg), "engine.keep_activations=auto", "--dry-run", "--json", str(out),
@@ -326,9 +337,10 @@ def test_dry_run_shows_k_and_its_bytes(tiny_store, tmp_path):
     assert "1 of 2, 3 layer loads per step" in r.output
     # two kept layers do not fit there: the start's fit check (train/checks.py) stops the dry run
     # with its line, exit 2, after the plan is printed and written
+    tight = p0.device_total + RESERVE + 1.5 * sum(p0.kept_layer)  # the fit check counts no margin
     r = CliRunner().invoke(
         app, ["train", str(cfg), "engine.keep_activations=2", "--dry-run", "--json", str(out),
-              "--host-gib", "64", "--device-gib", str(budget / 2**30)],
+              "--host-gib", "64", "--device-gib", str(tight / 2**30)],
     )  # fmt: skip
     assert r.exit_code == 2, r.output
     assert "this plan keeps 2 layers" in r.output and "engine.keep_activations" in r.output
