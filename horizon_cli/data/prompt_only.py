@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
+from .encode import NoTokenizer
 from .formats import is_prompt_only
 from .prompts import _ids
 from .source import load_records, open_source
@@ -69,10 +70,8 @@ def read_prompts(path: str, what: str, tokenizer, vocab: int, room: int, split: 
         as_kind = (
             "input_ids" if kind == "prompt_input_ids" else "messages" if isinstance(value, list) else "prompt"
         )
-        if as_kind != "input_ids" and tokenizer is None:
-            raise InputError(
-                f"{at}: a text prompt needs a tokenizer, and the model has none: give prompt_input_ids"
-            )
+        if as_kind != "input_ids" and tokenizer is None:  # train.inputs names the model's files
+            raise NoTokenizer("prompt", f" ({at}: or give prompt_input_ids)")
         ids = _ids({as_kind: value}, as_kind, tokenizer, vocab, at)
         if not ids:
             raise InputError(f"{at}: the prompt is empty (0 tokens)")

@@ -33,6 +33,7 @@ import torch
 from ..errors import InputError
 from . import templates
 from .batch import IGNORE, MicroBatch
+from .encode import NoTokenizer
 from .fields import Unread, unread_columns
 from .pairs import collate_pairs
 from .records import chat_record, instruction_record, text_of, tools_of, turns_of
@@ -116,6 +117,8 @@ def examples_of(ds, tok, name: str, adapt=None, ignore: frozenset = frozenset())
     form = unpaired_form(list(ds.column_names))
     if form is None:
         raise InputError(f"{name}: no unpaired preference records (label or kto_tag with a completion)")
+    if tok is None:  # train.inputs names the model's files
+        raise NoTokenizer("unpaired")
     read = [c for c in ds.column_names if c in FORMS[form]]
     unread_columns(ds, read, Unread("unpaired", name, ignore))
     out, i = [], 0

@@ -61,7 +61,7 @@ def load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: C
         return _load_data(cfg, store, cache_dir, console)
     except NoTokenizer as e:  # data.format auto found a format that needs one
         raise NoTokenizerFiles(
-            f"{no_tokenizer(store)}, and format {e.fmt!r} needs a tokenizer{ONLY_TOKENS}"
+            f"{no_tokenizer(store)}, and format {e.fmt!r} needs a tokenizer{e.hint}"
         ) from None
 
 
