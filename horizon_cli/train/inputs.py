@@ -3,6 +3,7 @@ data set (through the run's cache), with one line when a format needs a tokenize
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -82,8 +83,10 @@ def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: 
             highlight=False,
         )
         return PreparedData(train, ev, "prompt", pad_id_of(tok, a.vocab))  # type: ignore[arg-type]
+    kto = cfg.preference is not None and cfg.preference.loss == "kto" and cfg.data.format == "auto"
+    data_cfg = replace(cfg.data, format="unpaired") if kto else cfg.data  # pairs too: TRL unpairs them
     return prepare_data(
-        cfg.data,
+        data_cfg,
         load_tokenizer(store, cfg.data.format),
         seed=cfg.train.seed,
         model_max_len=store.arch.max_positions,
