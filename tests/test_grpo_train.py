@@ -217,7 +217,7 @@ def test_bad_rl_values_are_one_line_exit_2(tmp_path, tiny_store, rl, msg):
 BAD = {
     "raises": ("    raise ValueError('boom')\n", "raised ValueError: boom on completion"),
     "count": ("    return [1.0]\n", "returned 1 values for 8 completions (step 3)"),
-    "nan": ("    return [float('nan')] * len(completions)\n", "returned NaN for completion 0 of"),
+    "nan": ("    return [float('nan')] * len(completions)\n", "returned NaN for completion 1 of"),
     "text": ("    return ['good'] * len(completions)\n", "returned 'good' (not a number) for completion 0"),
 }  # fmt: skip
 

@@ -137,7 +137,10 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
             values[name], sub = build_list(item, raw[name], dotted)
             problems += sub
             continue
-        value, err = coerce(raw[name], tp)
+        given = raw[name]
+        if isinstance(given, bool) and "bools" in f.metadata:  # rl.scale_rewards: true/false as TRL maps them
+            given = f.metadata["bools"][given]
+        value, err = coerce(given, tp)
         if err:
             problems.append(f"{dotted}: {err}")
             continue

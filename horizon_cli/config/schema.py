@@ -176,6 +176,7 @@ class RewardConfig:
     target: int | None = _f(None, min=1)  # length: the target completion length in tokens
     tolerance: int = _f(0, min=0)  # length: full reward within target +- tolerance
     column: str | None = _f(None)  # accuracy: the answer column (default: solution, else answer)
+    model: str | None = _f(None)  # a reward model (TRL's reward_funcs take one): refused for now
 
 
 @dataclass
@@ -194,7 +195,8 @@ class RLConfig:
     epsilon: float = _f(0.2, min=0.0)
     epsilon_high: float | None = _f(None, min=0.0)  # None: epsilon
     num_iterations: int = _f(1, min=1)  # optimizer steps per batch of rollouts
-    scale_rewards: str = _f("group", choices=("group", "batch", "none"))
+    # true/false: "group"/"none", as GRPOConfig maps them
+    scale_rewards: str = _f("group", choices=("group", "batch", "none"), bools={True: "group", False: "none"})
     mask_truncated_completions: bool = _f(False)
     rewards: list[RewardConfig] = _f([])
 

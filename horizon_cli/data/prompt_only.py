@@ -62,7 +62,7 @@ def read_prompts(path: str, what: str, tokenizer, vocab: int, room: int, split: 
         )
     rows, conv = [], None
     for n, rec in enumerate(ds.to_list()):
-        at = f"{path} record {n}"
+        at = f"{path}: record {n + 1}"  # from 1, in file order, as every other format
         kind = "prompt_input_ids" if rec.get("prompt_input_ids") is not None else "prompt"
         value = rec.get(kind)
         if value is None:

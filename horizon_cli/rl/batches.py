@@ -29,6 +29,7 @@ adapters the base, the adapters off.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -181,8 +182,9 @@ class GRPOBatches:
                          on_sweep=on_sweep, first=lo)  # fmt: skip
         outs = [replace(o, prompt=o.prompt + lo) for o in outs] if hi > lo else []
         t1 = time.perf_counter()
+        logs: dict = {}  # what the functions passed to log_metric / log_extra (this rank's)
         try:
-            vals, bad = self._score(prompts, outs, step), None
+            vals, bad = self._score(prompts, outs, step, logs), None
         except InputError as e:  # every rank stops with the first failing rank's line
             vals, bad = [], str(e)
         parts = self.ranks.gather((outs, vals, bad))
@@ -202,23 +204,43 @@ class GRPOBatches:
             self._logps(self.ref_engine or self.engine, mbs, "ref", self.ref_adapters)
         t3 = time.perf_counter()
         if write_to is not None:
-            ro.write(write_to, step, outs, [x.name for x in self.rewards], per_func, r, adv)
+            ro.write(
+                write_to, step, outs, [x.name for x in self.rewards], per_func, r, adv, logs.get("extra")
+            )
         lengths = torch.tensor([len(o.ids) for o in outs], dtype=torch.float32)
         trunc = torch.tensor([o.truncated for o in outs])
         term = lengths[~trunc]
-        m = reward_metrics(per_func, [x.name for x in self.rewards], r, zero) | {
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": trunc.float().mean().item(),
-            "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
-            "rollout_s": t1 - t0,
-            "reference_s": t3 - t2,
-            "rollout_tokens_per_s": ro.speed(sweeps),
-        }
+        m = (
+            reward_metrics(per_func, [x.name for x in self.rewards], r, zero)
+            | {
+                "completions/mean_length": lengths.mean().item(),
+                "completions/min_length": lengths.min().item(),
+                "completions/max_length": lengths.max().item(),
+                "completions/clipped_ratio": trunc.float().mean().item(),
+                "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
+                "rollout_s": t1 - t0,
+                "reference_s": t3 - t2,
+                "rollout_tokens_per_s": ro.speed(sweeps),
+            }
+            | {k: sum(v) / len(v) for k, v in logs.get("metrics", {}).items() if v}
+        )  # log_metric: TRL's mean
         return mbs, m
 
-    def _score(self, prompts, outs: list[ro.Rollout], step: int) -> list[list[float]]:
+    def _state(self, step: int):
+        """The TrainerState reward functions get, with TRL's fields (an epoch: the prompts once,
+        each batch trained num_iterations times)."""
+        from transformers import TrainerState
+
+        t = self.cfg.train
+        per_epoch = max(len(self.data.train) / t.batch_size, 1e-9) * self.rl.num_iterations
+        return TrainerState(
+            global_step=step, max_steps=t.steps, epoch=step / per_epoch, num_train_epochs=math.ceil(t.steps / per_epoch),
+            train_batch_size=t.batch_size, logging_steps=self.cfg.log.every, is_world_process_zero=self.main,
+        )  # fmt: skip
+
+    def _score(
+        self, prompts, outs: list[ro.Rollout], step: int, logs: dict | None = None
+    ) -> list[list[float]]:
         """Per reward function, this rank's completions' values (none: no call)."""
         if not outs:
             return [[] for _ in self.rewards]
@@ -228,10 +250,10 @@ class GRPOBatches:
         cols: dict[str, list] = {k: [prompts[o.prompt].columns[k] for o in outs] for k in prompts[0].columns}
 
         def where(k: int) -> str:
-            return f"completion {k % G} of {prompts[outs[k].prompt].where}"
+            return f"completion {k % G + 1} of {prompts[outs[k].prompt].where}"  # from 1, as records
 
         return score(self.rewards, [prompts[o.prompt].prompt for o in outs], comps, [o.ids for o in outs], cols,
-                     max(step, 0), where)  # fmt: skip
+                     max(step, 0), where, self._state(max(step, 0)), logs)  # fmt: skip
 
     def _logps(self, engine: Engine, mbs: list[MicroBatch], key: str, adapters: bool) -> None:
         """extras[key]: each micro-batch's per-token log-probs (rl.logps). Each rank sweeps the same

@@ -106,8 +106,9 @@ def micro_batches_of(
 
 
 def write(run_dir: Path, step: int, rollouts: list[Rollout], names: list[str], per_func: torch.Tensor,
-          reward: torch.Tensor, adv: torch.Tensor) -> Path:  # fmt: skip
-    """rollouts/step-N.jsonl (N = step + 1), written whole or not at all."""
+          reward: torch.Tensor, adv: torch.Tensor, extra: dict | None = None) -> Path:  # fmt: skip
+    """rollouts/step-N.jsonl (N = step + 1), written whole or not at all; extra: columns the reward
+    functions gave log_extra, one value per completion."""
     lines = []
     for k, r in enumerate(rollouts):
         rec = {
@@ -118,6 +119,7 @@ def write(run_dir: Path, step: int, rollouts: list[Rollout], names: list[str], p
             "reward": _num(reward[k]),
             "advantage": float(adv[k]),
             "truncated": r.truncated,
+            **{c: v[k] for c, v in (extra or {}).items() if k < len(v)},
         }
         lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
     path = Path(run_dir) / "rollouts" / f"step-{step + 1}.jsonl"
