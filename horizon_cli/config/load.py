@@ -209,6 +209,12 @@ def coerce(value: Any, tp: Any) -> tuple[Any, str | None]:
                 return None, f"list item {v!r}: {err}"
             out.append(c)
         return out, None
+    if origin is dict:  # data.chat_template_kwargs: a mapping of names to YAML values
+        return (
+            (dict(value), None)
+            if isinstance(value, dict)
+            else (None, f"expected a mapping, got {_kind(value)}")
+        )
     if tp is bool:
         return (
             (value, None)

@@ -76,7 +76,7 @@ def sample(
     engine.wait()  # the optimizer's queued updates land in the host store first
     rows = [((first + p) * G + j, ids) for p, ids in enumerate(prompts) for j in range(G)]
     dec = Decoder(
-        engine, Sampler(rl.temperature, rl.top_p, rl.top_k, seed), max_new_tokens=rl.max_completion_length,
+        engine, Sampler(rl.temperature, rl.top_p, rl.top_k, seed, rl.min_p, rl.repetition_penalty), max_new_tokens=rl.max_completion_length,
         eos_ids=eos, tokenizer=tokenizer, host_kv=not device_kv(engine, rows, rl.max_completion_length, kv),
         on_sweep=on_sweep,
     )  # fmt: skip

@@ -13,6 +13,7 @@ from ..arch import ArchSpec
 from ..config import Config
 from ..data import PreparedData, prepare_data
 from ..data.encode import ONLY_TOKENS, NoTokenizer
+from ..data.templates import configure
 from ..errors import InputError
 
 
@@ -73,7 +74,7 @@ def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: 
         from ..data.collate import pad_id_of
         from ..data.prompt_only import prepare_prompts
 
-        tok = load_tokenizer(store, "auto")  # prompt_input_ids need none
+        tok = configure(load_tokenizer(store, "auto"), cfg.data)  # prompt_input_ids need none
         a = store.arch
         train, ev = prepare_prompts(
             cfg.data, tok, a.vocab, a.max_positions, cfg.rl.max_completion_length, cfg.train.seed
@@ -87,7 +88,7 @@ def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: 
     data_cfg = replace(cfg.data, format="unpaired") if kto else cfg.data  # pairs too: TRL unpairs them
     return prepare_data(
         data_cfg,
-        load_tokenizer(store, cfg.data.format),
+        configure(load_tokenizer(store, cfg.data.format), cfg.data),
         seed=cfg.train.seed,
         model_max_len=store.arch.max_positions,
         vocab_size=store.arch.vocab,
