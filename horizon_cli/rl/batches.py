@@ -19,7 +19,7 @@ batch is sampled, scored and given advantages here before the engine trains on i
                  micro-batches each, their log-probs gathered; rank 0 writes the run dir's files
     metrics      TRL's names: reward, reward_std, rewards/<name>/mean, frac_reward_zero_std,
                  completions/mean_length, completions/clipped_ratio, kl (beta > 0),
-                 clip_ratio/region_mean (num_iterations > 1); and the step's split: rollout_s,
+                 clip_ratio/{low,high,region}_mean, low_min, high_max; and the step's split: rollout_s,
                  reference_s, rollout_tokens_per_s
 
 The reference (beta > 0) is the initial model: for full fine-tuning a forward-only engine on the
@@ -140,17 +140,25 @@ class GRPOBatches:
         toks = stats.get("tokens", 0.0)
         if self.rl.beta > 0:
             out["kl"] = stats["kl"] / toks if toks else None
-        if self.rl.num_iterations > 1 and not prefix:
+        if not prefix:  # at num_iterations 1 too (ratio 1: 0), as TRL logs them
             for k in ("low", "high", "region"):
                 out[f"clip_ratio/{k}_mean"] = stats[f"clip_{k}"] / toks if toks else None
+            # TRL: the least / most of the processes' means; the ranks' counts are summed here (the
+            # whole batch's), so both are the batch's mean
+            out["clip_ratio/low_min"], out["clip_ratio/high_max"] = (
+                out["clip_ratio/low_mean"],
+                out["clip_ratio/high_mean"],
+            )
         return {prefix + k: v for k, v in out.items()}
 
     def show(self, row: dict) -> str:
         r = row.get("reward")
         split = f"{row.get('rollout_s', 0):.1f}/{row.get('reference_s', 0):.1f}/{row.get('engine_s', 0):.1f}"
+        speed = row.get("rollout_tokens_per_s")  # None: the step reused its group's rollouts
+        roll = "rollouts reused" if speed is None else f"rollout {speed:,.0f} tok/s"
         return (
             f"  reward {r:.3f}" if r is not None else "  reward -"
-        ) + f"  rollout {row.get('rollout_tokens_per_s') or 0:,.0f} tok/s  rollout/ref/train {split} s"
+        ) + f"  {roll}  rollout/ref/train {split} s"
 
     # -- one batch of rollouts -----------------------------------------------------------------
     def _rollouts(self, g: int) -> tuple[list[MicroBatch], dict]:
@@ -218,6 +226,8 @@ class GRPOBatches:
                 "completions/max_length": lengths.max().item(),
                 "completions/clipped_ratio": trunc.float().mean().item(),
                 "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
+                "completions/min_terminated_length": term.min().item() if term.numel() else 0.0,
+                "completions/max_terminated_length": term.max().item() if term.numel() else 0.0,
                 "rollout_s": t1 - t0,
                 "reference_s": t3 - t2,
                 "rollout_tokens_per_s": ro.speed(sweeps),
