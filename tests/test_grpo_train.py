@@ -218,7 +218,7 @@ BAD = {
     "raises": ("    raise ValueError('boom')\n", "raised ValueError: boom on completion"),
     "count": ("    return [1.0]\n", "returned 1 values for 8 completions (step 3)"),
     "nan": ("    return [float('nan')] * len(completions)\n", "returned NaN for completion 1 of"),
-    "text": ("    return ['good'] * len(completions)\n", "returned 'good' (not a number) for completion 0"),
+    "text": ("    return ['good'] * len(completions)\n", "returned 'good' (not a number) for completion 1"),
 }  # fmt: skip
 
 
@@ -371,7 +371,7 @@ def test_a_slice_of_the_prompts_sampled_alone_gets_the_whole_batchs_completions(
     from horizon_cli.store import Store
 
     prompts = [p["prompt_input_ids"] for p in _prompts(4)]
-    rl = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_completion_length=8)
+    rl = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_completion_length=8)
     eng = Engine(Store.open(tiny_store), EngineConfig(device="cpu", dtype="float32"), OptimConfig(),
                  forward_only=True)  # fmt: skip
     try:
