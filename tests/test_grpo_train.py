@@ -145,6 +145,7 @@ def test_rollouts_file_and_trls_metric_names(tmp_path, tiny_store):
     run = _run(tmp_path, tiny_store, "run", {"beta": 0.04}, ["train.steps=2"])
     rs = _rollouts(run, 1)
     assert {*rs[0]} == {
+        "prompt",
         "prompt_ids",
         "completion_ids",
         "completion",

@@ -203,6 +203,15 @@ class GRPOBatches:
             [sum((v_r[i] for _, v_r, _ in parts), []) for i in range(len(self.rewards))], dtype=torch.float32
         ).T.contiguous()  # (n, F); fmt: skip
         adv, r, zero = advantages(per_func, self.weights, G, rl.scale_rewards)
+        if write_to is not None and bool(
+            torch.isnan(per_func).all(dim=1).any()
+        ):  # TRL's warning, once a step
+            k = int(torch.isnan(per_func).all(dim=1).nonzero()[0])
+            self.console.print(
+                f"[yellow]warning:[/] All reward functions returned None for completion {k % G + 1} of "
+                f"{prompts[outs[k].prompt].where}; at least one should return a reward",
+                highlight=False,
+            )
         mbs = ro.micro_batches_of(outs, adv, self.cfg.train.micro_batch_size, self.data.pad_id,
                                   rl.mask_truncated_completions)  # fmt: skip
         t2 = time.perf_counter()
@@ -212,9 +221,8 @@ class GRPOBatches:
             self._logps(self.ref_engine or self.engine, mbs, "ref", self.ref_adapters)
         t3 = time.perf_counter()
         if write_to is not None:
-            ro.write(
-                write_to, step, outs, [x.name for x in self.rewards], per_func, r, adv, logs.get("extra")
-            )
+            shown = {"prompt": [prompts[o.prompt].prompt for o in outs]} | logs.get("extra", {})  # as read
+            ro.write(write_to, step, outs, [x.name for x in self.rewards], per_func, r, adv, shown)
         lengths = torch.tensor([len(o.ids) for o in outs], dtype=torch.float32)
         trunc = torch.tensor([o.truncated for o in outs])
         term = lengths[~trunc]
