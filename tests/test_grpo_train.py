@@ -372,7 +372,9 @@ def test_a_slice_of_the_prompts_sampled_alone_gets_the_whole_batchs_completions(
     from horizon_cli.store import Store
 
     prompts = [p["prompt_input_ids"] for p in _prompts(4)]
-    rl = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_completion_length=8)
+    rl = SimpleNamespace(
+        temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_completion_length=8
+    )
     eng = Engine(Store.open(tiny_store), EngineConfig(device="cpu", dtype="float32"), OptimConfig(),
                  forward_only=True)  # fmt: skip
     try:
