@@ -124,7 +124,7 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     try:
         model = meta_model(cfg, attn, cls.__name__)
     except Exception as e:  # noqa: BLE001 (transformers' own checks: a padding id past the vocabulary, ...)
-        why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        why = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
         raise InputError(
             f"{where}: transformers cannot build {cls.__name__} from this config: {why}"
         ) from None
