@@ -98,6 +98,8 @@ def meta_model(cfg_dict: dict, attn: str | None = None, cls_name: str | None = N
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     cfg = hf_config(cfg_dict)
+    for c in (cfg, cfg.get_text_config()):  # a checkpoint's `return_dict: false`: outputs by name still
+        c.return_dict = True
     cls = getattr(transformers, cls_name) if cls_name else None
     kw: dict[str, Any] = {"attn_implementation": attn, **({"dtype": dtype} if dtype is not None else {})}
     with torch.device("meta"):
@@ -119,7 +121,13 @@ def generic_spec(cfg: dict, where: str, disk: dict[str, tuple[int, ...]] | None 
     refuse_config(cfg, where)
     cls = model_class(cfg, where)
     attn = attn_implementation(cls)
-    model = meta_model(cfg, attn, cls.__name__)
+    try:
+        model = meta_model(cfg, attn, cls.__name__)
+    except Exception as e:  # noqa: BLE001 (transformers' own checks: a padding id past the vocabulary, ...)
+        why = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
+        raise InputError(
+            f"{where}: transformers cannot build {cls.__name__} from this config: {why}"
+        ) from None
     s = probe(model, where)
     layers = list(model.get_submodule(s.stack))
     refuse_layers(layers, list(s.calls), cls.__name__, where)

@@ -101,16 +101,18 @@ def _record(
 
 @contextlib.contextmanager
 def _no_packing_check():
-    """transformers' mask functions read values (packed rows in the position ids, padding in the
-    mask) that the meta device has not: they skip those checks when tracing, as the probe says."""
+    """transformers' mask functions and its padding warning (a config with `pad_token_id`: GPT-2
+    fine-tunes) read values (packed rows in the position ids, padding in the mask or the ids) that
+    the meta device has not: they skip those checks when tracing, as the probe says."""
     import transformers.masking_utils as mu
+    import transformers.modeling_utils as mo
 
-    real = mu.is_tracing
-    mu.is_tracing = lambda *a, **k: True
+    real = mu.is_tracing, mo.is_tracing
+    mu.is_tracing = mo.is_tracing = lambda *a, **k: True
     try:
         yield
     finally:
-        mu.is_tracing = real
+        mu.is_tracing, mo.is_tracing = real
 
 
 def _real_returns(layer: nn.Module, call) -> int | None:

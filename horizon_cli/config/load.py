@@ -138,7 +138,10 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
             values[name], sub = build_list(item, raw[name], dotted)
             problems += sub
             continue
-        value, err = coerce(raw[name], tp)
+        given = raw[name]
+        if isinstance(given, bool) and "bools" in f.metadata:  # rl.scale_rewards: true/false as TRL maps them
+            given = f.metadata["bools"][given]
+        value, err = coerce(given, tp)
         if err:
             problems.append(f"{dotted}: {err}")
             continue
@@ -207,6 +210,12 @@ def coerce(value: Any, tp: Any) -> tuple[Any, str | None]:
                 return None, f"list item {v!r}: {err}"
             out.append(c)
         return out, None
+    if origin is dict:  # data.chat_template_kwargs: a mapping of names to YAML values
+        return (
+            (dict(value), None)
+            if isinstance(value, dict)
+            else (None, f"expected a mapping, got {_kind(value)}")
+        )
     if tp is bool:
         return (
             (value, None)

@@ -32,6 +32,13 @@ def rl_problems(cfg: Config) -> list[str]:
         p.append("rl.rewards: give at least one reward function (e.g. [{function: accuracy}])")
     for i, r in enumerate(rl.rewards):
         key = f"rl.rewards[{i}]"
+        if r.model is not None:
+            p.append(
+                f"{key}.model: a reward model as a reward is not supported yet (a sequence-classification "
+                "checkpoint scoring prompt + completion would stream beside the policy, a second model's "
+                "sweep per step); score with a reward function (function: file.py:name) instead"
+            )
+            continue
         p += _function_problems(key, r.function)
         for need in NEEDS.get(r.function, ()):
             if getattr(r, need) is None:

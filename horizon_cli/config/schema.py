@@ -8,6 +8,7 @@ Each field may carry `metadata` used by the loader's validation:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..optim.modes import EXACT, MODES, MemoryMode, memory_mode
 
@@ -49,6 +50,10 @@ class DataConfig:
     packing: bool = _f(False)
     shuffle: bool = _f(True)
     train_on_prompt: bool = _f(False)
+    # the chat template: a Jinja string or a .jinja file (TRL's chat_template_path) instead of the
+    # tokenizer's; kwargs for every rendering (TRL's chat_template_kwargs, e.g. enable_thinking: false)
+    chat_template: str | None = _f(None)
+    chat_template_kwargs: dict[str, Any] = _f({})
     eval_fraction: float = _f(0.0, min=0.0, max=0.5)
     eval_path: str | None = _f(None)
     split: str = _f("train")  # split name for hub datasets / save_to_disk dicts
@@ -186,6 +191,7 @@ class RewardConfig:
     target: int | None = _f(None, min=1)  # length: the target completion length in tokens
     tolerance: int = _f(0, min=0)  # length: full reward within target +- tolerance
     column: str | None = _f(None)  # accuracy: the answer column (default: solution, else answer)
+    model: str | None = _f(None)  # a reward model (TRL's reward_funcs take one): refused for now
 
 
 @dataclass
@@ -200,11 +206,16 @@ class RLConfig:
     temperature: float = _f(1.0, gt=0.0)
     top_p: float = _f(1.0, gt=0.0, max=1.0)
     top_k: int = _f(0, min=0)  # 0: off
+    min_p: float = _f(0.0, min=0.0, max=1.0)  # 0: off (TRL's None)
+    repetition_penalty: float = _f(
+        1.0, gt=0.0
+    )  # 1: off; > 1 discourages the ids so far (prompt + completion)
     beta: float = _f(0.0, min=0.0)  # KL to the initial model (k3); 0: no reference pass
     epsilon: float = _f(0.2, min=0.0)
     epsilon_high: float | None = _f(None, min=0.0)  # None: epsilon
     num_iterations: int = _f(1, min=1)  # optimizer steps per batch of rollouts
-    scale_rewards: str = _f("group", choices=("group", "batch", "none"))
+    # true/false: "group"/"none", as GRPOConfig maps them
+    scale_rewards: str = _f("group", choices=("group", "batch", "none"), bools={True: "group", False: "none"})
     mask_truncated_completions: bool = _f(False)
     rewards: list[RewardConfig] = _f([])
 

@@ -49,9 +49,9 @@ class NoTokenizer(InputError):
     """The data needs a tokenizer and none was given. Worded without knowing what model.path is;
     the caller that does (train.loop.load_data) names it."""
 
-    def __init__(self, fmt: str):
-        self.fmt = fmt
-        super().__init__(f"model.path: no tokenizer files, and format {fmt!r} needs a tokenizer{ONLY_TOKENS}")
+    def __init__(self, fmt: str, hint: str = ""):
+        self.fmt, self.hint = fmt, hint or ONLY_TOKENS  # hint: what works without one
+        super().__init__(f"model.path: no tokenizer files, and format {fmt!r} needs a tokenizer{self.hint}")
 
 
 ONLY_TOKENS = " (only format 'tokens' works without one)"

@@ -107,7 +107,8 @@ def columns_for(fmt: str, columns: list[str]) -> list[str]:
 
 def _has_fields(fmt: str, columns: list[str]) -> bool:
     if fmt == "unpaired":  # LLaMA-Factory's kto_tag on any record, TRL's label with a completion
-        return "kto_tag" in columns or ("label" in columns and "completion" in columns)
+        pairs = "chosen" in columns and "rejected" in columns  # unpaired as TRL's KTOTrainer does
+        return "kto_tag" in columns or ("label" in columns and "completion" in columns) or pairs
     if fmt == "prompt":  # a prompt and no completion of any kind
         return is_prompt_only(columns)
     return all(any(f in columns for f in group) for group in REQUIRED[fmt])

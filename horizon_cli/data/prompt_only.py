@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
+from .encode import NoTokenizer
 from .formats import is_prompt_only
 from .images import ImageData, names_images
 from .prompts import _ids
@@ -88,7 +89,7 @@ def read_prompts(
         )
     rows, conv = [], None
     for n, rec in enumerate(ds.to_list()):
-        at = f"{path} record {n}"
+        at = f"{path}: record {n + 1}"  # from 1, in file order, as every other format
         kind = "prompt_input_ids" if rec.get("prompt_input_ids") is not None else "prompt"
         value = rec.get(kind)
         if value is None:
@@ -97,9 +98,7 @@ def read_prompts(
             "input_ids" if kind == "prompt_input_ids" else "messages" if isinstance(value, list) else "prompt"
         )
         if as_kind != "input_ids" and tokenizer is None and not names_images(rec):  # the processor's
-            raise InputError(
-                f"{at}: a text prompt needs a tokenizer, and the model has none: give prompt_input_ids"
-            )
+            raise NoTokenizer("prompt", f" ({at}: or give prompt_input_ids)")  # train.inputs names the files
         media = None
         if names_images(rec):
             ids, media = (images or PromptImages()).encode(rec, at, base)

@@ -109,9 +109,9 @@ def _entry(name: str, e: dict, root: Path, where: str) -> Entry:
             "read; give file_name (a local file) or hf_hub_url"
         )
     fmt = "preference" if e.get("ranking") else "chat" if formatting == "sharegpt" else "instruction"
-    if not e.get("ranking") and any(h == "kto_tag" for _, h in rename):
-        fmt = "unpaired"  # LLaMA-Factory's KTO data: a kto_tag column (data.unpaired)
     cols = e.get("columns") or {}
+    if not e.get("ranking") and cols.get("kto_tag"):  # mapped to itself too (its own entries)
+        fmt = "unpaired"  # LLaMA-Factory's KTO data: a kto_tag column (data.unpaired)
     # LLaMA-Factory's pre-training entry maps only the prompt ({"columns": {"prompt": "text"}})
     text = (
         str(cols["prompt"]) if fmt == "instruction" and "prompt" in cols and "response" not in cols else None

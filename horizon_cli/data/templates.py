@@ -16,7 +16,9 @@ Instruction records without a chat template use the Alpaca prompt below.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import InputError
 from .records import Chat, Instruction
@@ -37,6 +39,28 @@ class Rendered:
 
     text: str
     spans: list[tuple[int, int]] | None
+
+
+def configure(tokenizer, data_cfg):
+    """The tokenizer with the `data:` section's chat template and template kwargs: every
+    apply_chat_template of the run (SFT, preference, KTO and GRPO prompts) renders with them, as
+    TRL's chat_template_path and chat_template_kwargs do. None stays None."""
+    if tokenizer is None:
+        return None
+    given = data_cfg.chat_template
+    if given is not None:
+        path = Path(given).expanduser()
+        is_file = given.endswith((".jinja", ".j2")) and "{" not in given
+        if is_file and not path.is_file():
+            raise InputError(
+                f"data.chat_template: {given} does not exist (a .jinja file, or the template itself)"
+            )
+        tokenizer.chat_template = path.read_text(encoding="utf-8") if is_file else given
+    kwargs = dict(data_cfg.chat_template_kwargs or {})
+    if kwargs:
+        tokenizer.horizon_template_kwargs = kwargs  # the cache key (data.cache) follows them
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **kwargs)
+    return tokenizer
 
 
 def chat_template_of(tokenizer) -> str | dict | None:

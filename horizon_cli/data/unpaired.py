@@ -33,6 +33,7 @@ import torch
 from ..errors import InputError
 from . import templates
 from .batch import IGNORE, MicroBatch
+from .encode import NoTokenizer
 from .fields import Unread, unread_columns
 from .pairs import PairPayload, collate_pairs
 from .records import chat_record, instruction_record, text_of, tools_of, turns_of
@@ -116,6 +117,8 @@ def examples_of(ds, tok, name: str, adapt=None, ignore: frozenset = frozenset())
     form = unpaired_form(list(ds.column_names))
     if form is None:
         raise InputError(f"{name}: no unpaired preference records (label or kto_tag with a completion)")
+    if tok is None:  # train.inputs names the model's files
+        raise NoTokenizer("unpaired")
     read = [c for c in ds.column_names if c in FORMS[form]]
     unread_columns(ds, read, Unread("unpaired", name, ignore))
     out, i = [], 0
@@ -173,9 +176,33 @@ def kto_rows(ts: TokenSet, max_len: int, group: int) -> TokenSet:
     return rows.build("unpaired", stats)
 
 
+def unpair(ds, name: str):
+    """Preference pairs -> unpaired examples, as trl.data_utils.unpair_preference_dataset (which
+    KTOTrainer applies to pairs): per block of 1,000 records (datasets' batched map) the chosen
+    completions, label true, then the rejected, label false; the prompt and other fields repeated."""
+    if "prompt" not in ds.column_names:
+        raise InputError(
+            f"{name}: KTO on preference pairs reads TRL's form (prompt, chosen, rejected); these pairs "
+            "have no prompt field"
+        )
+
+    def split(b: dict) -> dict:
+        n = len(b["chosen"])
+        out = {k: v + v for k, v in b.items() if k not in ("chosen", "rejected")}
+        return {**out, "completion": b["chosen"] + b["rejected"], "label": [True] * n + [False] * n}
+
+    return ds.map(split, batched=True, batch_size=1000, remove_columns=ds.column_names, keep_in_memory=True)
+
+
 def build_unpaired_set(ds, tok, data_cfg, name: str, log, adapt=None) -> TokenSet:
     """A dataset of unpaired preference records -> its example rows (the cached form), logged."""
     max_len = data_cfg.max_seq_len
+    pairs = len(ds) if {"chosen", "rejected"} <= set(ds.column_names) else 0
+    if pairs:
+        ds = unpair(ds, name)
+        log(
+            f"data: {name}: {pairs} preference pairs unpaired as TRL's KTOTrainer does (chosen desirable, rejected not)"
+        )
     examples = examples_of(ds, tok, name, adapt, frozenset(data_cfg.ignore_fields))
     ts = example_rows(examples, max_len, {"records": len(ds), "form": unpaired_form(list(ds.column_names))})
     des = sum(ts.stats["desirable"])

@@ -38,6 +38,13 @@ def resolve_source(src: Path) -> Path:
             check_given(src)
         return src
     if not src.exists():
+        from ..convert.hub import hub_id
+
+        if hub_id(src) is not None:  # as train says it
+            raise InputError(
+                f"{src}: no local directory, and as a Hugging Face Hub id not a store: convert it first "
+                f"(horizon convert {src} STORE)"
+            )
         raise InputError(f"{src}: not found")
     if (src / "checkpoints").is_dir():
         found = latest_checkpoint(src)  # store.ckpt: the one definition of an intact checkpoint

@@ -87,6 +87,8 @@ class Decoder:
     def run(self, prompts: list[tuple[int, list[int]]]) -> list[Completion]:
         """(index, prompt ids) of one batch -> their completions, in the order given."""
         groups = micro_batches(prompts)
+        for i, ids in prompts:
+            self.sampler.begin(i, ids)
         dbs = [DecodeBatch.left_padded([ids for _, ids in g], self.pad_id) for g in groups]
         for db, g in zip(dbs, groups, strict=True):  # images: each row's tensors, in the rows' order
             got = [self.media[i] for i, _ in g if i in self.media]

@@ -17,16 +17,41 @@ import torch
 
 
 class Sampler:
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0):
+    def __init__(
+        self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+        min_p: float = 0.0, repetition_penalty: float = 1.0,
+    ):  # fmt: skip
         self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
+        self.min_p, self.penalty = min_p, repetition_penalty
         self._gens: dict[int, torch.Generator] = {}
+        self._seen: dict[int, list[int]] = {}  # row -> its ids so far (repetition_penalty)
+
+    def begin(self, row: int, prompt: list[int]) -> None:
+        """A row's prompt, the ids repetition_penalty starts from (the picked ones are added)."""
+        if self.penalty != 1.0:
+            self._seen[row] = list(prompt)
+
+    def _penalized(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """transformers' RepetitionPenaltyLogitsProcessor on the raw logits: a token already in the
+        row's ids has its logit divided by the penalty (multiplied when negative)."""
+        x = logits.clone()
+        for r, i in enumerate(rows):
+            seen = torch.tensor(sorted(set(self._seen.get(i, []))), dtype=torch.long, device=x.device)
+            if seen.numel():
+                v = x[r, seen]
+                x[r, seen] = torch.where(v < 0, v * self.penalty, v / self.penalty)
+        return x
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def warp(self, logits: torch.Tensor) -> torch.Tensor:
-        """(b, V) fp32 logits -> the scores sampling draws from: filtered tokens at -inf."""
+    def warp(self, logits: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """(b, V) fp32 logits (of prompts `rows`) -> the scores sampling draws from: filtered tokens
+        at -inf, in the order of transformers' generate (repetition penalty, temperature, top-k,
+        top-p, min-p)."""
+        if self.penalty != 1.0 and rows is not None:
+            logits = self._penalized(logits, rows)
         x = logits / self.temperature
         if self.top_k and self.top_k < x.shape[-1]:
             kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
@@ -39,17 +64,25 @@ class Sampler:
             drop = cum <= 1.0 - self.top_p
             drop[..., -1] = False
             x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        if self.min_p > 0.0:  # MinPLogitsWarper: below min_p x the top token's probability; the top stays
+            probs = torch.softmax(x, dim=-1)
+            low = probs < self.min_p * probs.amax(dim=-1, keepdim=True)
+            low.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+            x = x.masked_fill(low, float("-inf"))
         return x
 
     def pick(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """(b, V) fp32 logits of prompts `rows` (their indices in the input) -> (b,) int64 tokens."""
         if self.greedy:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(self.warp(logits), dim=-1)
-        out = [
-            torch.multinomial(probs[r], 1, generator=self._gen(i, logits.device)) for r, i in enumerate(rows)
-        ]
-        return torch.cat(out)
+            out = logits.argmax(dim=-1)
+        else:
+            probs = torch.softmax(self.warp(logits, rows), dim=-1)
+            gens = [self._gen(i, logits.device) for i in rows]
+            out = torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(gens)])
+        for r, i in enumerate(rows):
+            if i in self._seen:
+                self._seen[i].append(int(out[r]))
+        return out
 
     def _gen(self, row: int, device) -> torch.Generator:
         g = self._gens.get(row)
@@ -60,6 +93,7 @@ class Sampler:
 
     def forget(self, row: int) -> None:
         self._gens.pop(row, None)
+        self._seen.pop(row, None)
 
 
 class StopText:

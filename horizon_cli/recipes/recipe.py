@@ -16,6 +16,7 @@ given and names none either.
     Recipe.batches(cfg, data)   the run's Batches
     Recipe.plan(cfg, data, model)   the dry run's terms: key -> a JSON-able dict whose "text" is printed
     Recipe.read_data(...)    the data in the method's own form, or None: records as data.prepare reads them
+    Recipe.data_section(cfg)   the `data:` section as data.prepare reads the method's records
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from rich.console import Console
 
 from ..arch.spec import ArchSpec
 from ..config import Config
+from ..config.schema import DataConfig
 from ..data import PreparedData
 from ..data.batch import MicroBatch
 from ..engine import Engine
@@ -124,3 +126,4 @@ class Recipe(Protocol):
         console: Console,
         images: Callable[[], PromptImages],
     ) -> PreparedData | None: ...
+    def data_section(self, cfg: Config) -> DataConfig: ...

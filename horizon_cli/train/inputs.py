@@ -12,6 +12,7 @@ from ..arch import ArchSpec
 from ..config import Config
 from ..data import PreparedData, prepare_data
 from ..data.encode import ONLY_TOKENS, NoTokenizer
+from ..data.templates import configure
 from ..errors import InputError
 from ..recipes.registry import recipe_for
 from ..vision.run import prompt_images
@@ -63,21 +64,22 @@ def load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: C
         return _load_data(cfg, store, cache_dir, console)
     except NoTokenizer as e:  # data.format auto found a format that needs one
         raise NoTokenizerFiles(
-            f"{no_tokenizer(store)}, and format {e.fmt!r} needs a tokenizer{ONLY_TOKENS}"
+            f"{no_tokenizer(store)}, and format {e.fmt!r} needs a tokenizer{e.hint}"
         ) from None
 
 
 def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: Console) -> PreparedData:
     from ..vision.run import image_data
 
-    own = recipe_for(cfg).read_data(
-        cfg, lambda fmt: load_tokenizer(store, fmt), store.arch, console, lambda: prompt_images(store)
-    )
+    recipe = recipe_for(cfg)
+    own = recipe.read_data(
+        cfg, lambda fmt: configure(load_tokenizer(store, fmt), cfg.data), store.arch, console, lambda: prompt_images(store)
+    )  # fmt: skip
     if own is not None:  # the recipe's own data form (rl: prompts, read whole: nothing to cache)
         return own
     return prepare_data(
-        cfg.data,
-        load_tokenizer(store, cfg.data.format),
+        recipe.data_section(cfg),
+        configure(load_tokenizer(store, cfg.data.format), cfg.data),
         seed=cfg.train.seed,
         model_max_len=store.arch.max_positions,
         vocab_size=store.arch.vocab,

@@ -174,9 +174,14 @@ def plan_table(plan: MemoryPlan) -> Table:
     t.add_row("host", f"state bytes per parameter{all_ranks}", f"{plan.bytes_per_param:.2f}")
     for k, v in plan.device.items():
         t.add_row("device", k, fmt_bytes(v))
-        if k == "layer working set" and plan.untiled_work:
-            tile = f"tiles of {plan.seq_tile:,} tokens" if plan.seq_tile else "untiled"
-            t.add_row("device", f"  ({tile}; untiled it would be)", fmt_bytes(plan.untiled_work))
+        if k == "layer working set" and plan.untiled_work and plan.seq_tile:
+            more = v > plan.untiled_work  # a tile's own buffers outweigh what it saves: a hint
+            hint = ", less: a smaller engine.seq_tile or auto plans below it" if more else ""
+            t.add_row(
+                "device",
+                f"  (tiles of {plan.seq_tile:,} tokens; untiled it would be{hint})",
+                fmt_bytes(plan.untiled_work),
+            )
     t.add_row("device", "[bold]peak", f"[bold]{fmt_bytes(plan.device_total)}")
     t.add_row(
         "device",

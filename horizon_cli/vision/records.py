@@ -8,7 +8,9 @@ is a list of text and image parts, and the image files in the order they appear)
              next file of the record's `images` column (TRL's vision datasets)
     alpaca   LLaMA-Factory's instruction / input / output (+ system)
     either   LLaMA-Factory's `images: [PATH, ...]` (also a single `image`) with one `<image>`
-             placeholder in the text per image, in order
+             placeholder in the text per image, in order; TRL's vision form, `images` with string
+             contents and no placeholder: the images before the first user message's text
+             (trl.data_utils.prepare_multimodal_messages)
 
 Local files only (PNG, JPEG, WebP, ...), a relative path taken from the data file's folder. Every
 problem is one InputError naming the data file and the record: a remote URL, placeholders and
@@ -132,6 +134,17 @@ def _content(content, files: _Files, where: str) -> list[dict]:
     return parts
 
 
+def _before_first_user(messages: list[dict], turns: list, files: _Files) -> None:
+    """TRL's vision form (string contents, no placeholder): the `images` go before the text of the
+    first user message written as a string, as trl.data_utils.prepare_multimodal_messages does."""
+    offset = len(messages) - len(turns)  # a record's `system` field comes first
+    for i, turn in enumerate(turns):
+        if messages[offset + i]["role"] == "user" and isinstance(turn.get("content", turn.get("value")), str):
+            images = [{"type": "image", "file": files.next()} for _ in files.listed]
+            messages[offset + i]["content"][:0] = images
+            return
+
+
 def image_example(record: dict, where: str, base: Path) -> ImageExample:
     """One record -> its canonical example; relative files are taken from `base`."""
     if record.get("videos") or record.get("audios"):
@@ -158,6 +171,8 @@ def image_example(record: dict, where: str, base: Path) -> ImageExample:
         messages.append({"role": "assistant", "content": _content(record.get("output") or "", files, where)})
     else:
         raise InputError(f"{where}: an image record needs messages, conversations or instruction/output")
+    if key is not None and files.listed and not files.taken:
+        _before_first_user(messages, record[key], files)
     files.check_all_taken()
     paths = []
     for m in messages:

@@ -146,6 +146,7 @@ def test_rollouts_file_and_trls_metric_names(tmp_path, tiny_store):
     run = _run(tmp_path, tiny_store, "run", {"beta": 0.04}, ["train.steps=2"])
     rs = _rollouts(run, 1)
     assert {*rs[0]} == {
+        "prompt",
         "prompt_ids",
         "completion_ids",
         "completion",
@@ -166,7 +167,7 @@ def test_rollouts_file_and_trls_metric_names(tmp_path, tiny_store):
     for k in ("reward", "reward_std", "rewards/low_ids/mean", "rewards/length/mean", "frac_reward_zero_std",
               "completions/mean_length", "completions/clipped_ratio", "kl", "rollout_s", "rollout_tokens_per_s"):  # fmt: skip
         assert row[k] is not None, k
-    assert "clip_ratio/region_mean" not in row
+    assert row["clip_ratio/region_mean"] == 0.0  # logged at num_iterations 1 too (ratio 1), as TRL
     assert row["reward"] == pytest.approx(sum(r["reward"] for r in rs) / 8, rel=1e-5)
 
 
@@ -218,8 +219,8 @@ def test_bad_rl_values_are_one_line_exit_2(tmp_path, tiny_store, rl, msg):
 BAD = {
     "raises": ("    raise ValueError('boom')\n", "raised ValueError: boom on completion"),
     "count": ("    return [1.0]\n", "returned 1 values for 8 completions (step 3)"),
-    "nan": ("    return [float('nan')] * len(completions)\n", "returned NaN for completion 0 of"),
-    "text": ("    return ['good'] * len(completions)\n", "returned 'good' (not a number) for completion 0"),
+    "nan": ("    return [float('nan')] * len(completions)\n", "returned NaN for completion 1 of"),
+    "text": ("    return ['good'] * len(completions)\n", "returned 'good' (not a number) for completion 1"),
 }  # fmt: skip
 
 
@@ -372,7 +373,9 @@ def test_a_slice_of_the_prompts_sampled_alone_gets_the_whole_batchs_completions(
     from horizon_cli.store import Store
 
     prompts = [p["prompt_input_ids"] for p in _prompts(4)]
-    rl = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_completion_length=8)
+    rl = SimpleNamespace(
+        temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_completion_length=8
+    )
     eng = Engine(Store.open(tiny_store), EngineConfig(device="cpu", dtype="float32"), OptimConfig(),
                  forward_only=True)  # fmt: skip
     try:

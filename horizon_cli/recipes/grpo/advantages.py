@@ -19,13 +19,14 @@ import torch
 
 
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """The sample standard deviation (n - 1) of the non-NaN values."""
+    """The sample standard deviation (n - 1) of the non-NaN values; NaN where fewer than two (TRL's
+    nanstd: not sqrt(0 / -1) = -0.0)."""
     keep = ~torch.isnan(x)
     n = keep.sum() if dim is None else keep.sum(dim)
     mean = torch.nanmean(x) if dim is None else torch.nanmean(x, dim=dim, keepdim=True)
     sq = torch.where(keep, (x - mean) ** 2, 0.0)
     s = sq.sum() if dim is None else sq.sum(dim)
-    return torch.sqrt(s / (n - 1))
+    return torch.where(n > 1, torch.sqrt(s / (n - 1).clamp(min=1)), math.nan)
 
 
 def advantages(

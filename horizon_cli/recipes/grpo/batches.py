@@ -19,7 +19,7 @@ batch is sampled, scored and given advantages here before the engine trains on i
                  micro-batches each, their log-probs gathered; rank 0 writes the run dir's files
     metrics      TRL's names: reward, reward_std, rewards/<name>/mean, frac_reward_zero_std,
                  completions/mean_length, completions/clipped_ratio, kl (beta > 0),
-                 clip_ratio/region_mean (num_iterations > 1); and the step's split: rollout_s,
+                 clip_ratio/{low,high,region}_mean, low_min, high_max; and the step's split: rollout_s,
                  reference_s, rollout_tokens_per_s
 
 The reference (beta > 0) is the initial model: for full fine-tuning a forward-only engine on the
@@ -29,6 +29,7 @@ adapters the base, the adapters off.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -145,17 +146,25 @@ class GRPOBatches:
         toks = stats.get("tokens", 0.0)
         if self.rl.beta > 0:
             out["kl"] = stats["kl"] / toks if toks else None
-        if self.rl.num_iterations > 1 and not prefix:
+        if not prefix:  # at num_iterations 1 too (ratio 1: 0), as TRL logs them
             for k in ("low", "high", "region"):
                 out[f"clip_ratio/{k}_mean"] = stats[f"clip_{k}"] / toks if toks else None
+            # TRL: the least / most of the processes' means; the ranks' counts are summed here (the
+            # whole batch's), so both are the batch's mean
+            out["clip_ratio/low_min"], out["clip_ratio/high_max"] = (
+                out["clip_ratio/low_mean"],
+                out["clip_ratio/high_mean"],
+            )
         return {prefix + k: v for k, v in out.items()}
 
     def show(self, row: Mapping[str, object]) -> str:
         r = row.get("reward")
         split = f"{row.get('rollout_s', 0):.1f}/{row.get('reference_s', 0):.1f}/{row.get('engine_s', 0):.1f}"
+        speed = row.get("rollout_tokens_per_s")  # None: the step reused its group's rollouts
+        roll = "rollouts reused" if speed is None else f"rollout {speed:,.0f} tok/s"
         return (
             f"  reward {r:.3f}" if r is not None else "  reward -"
-        ) + f"  rollout {row.get('rollout_tokens_per_s') or 0:,.0f} tok/s  rollout/ref/train {split} s"
+        ) + f"  {roll}  rollout/ref/train {split} s"
 
     # -- one batch of rollouts -----------------------------------------------------------------
     def _rollouts(self, g: int) -> tuple[list[MicroBatch], dict]:
@@ -185,14 +194,19 @@ class GRPOBatches:
         mine = [p.ids for p in prompts[lo:hi]] or [prompts[0].ids]
         pics = [p.media for p in prompts[lo:hi]] or [prompts[0].media]
         pick = (
-            ImageSafeSampler(rl.temperature, rl.top_p, rl.top_k, seed, self.banned) if self.banned else None
+            ImageSafeSampler(
+                rl.temperature, rl.top_p, rl.top_k, seed, self.banned, rl.min_p, rl.repetition_penalty
+            )
+            if self.banned
+            else None
         )
         outs = ro.sample(self.engine, mine, G, rl, seed, self.eos, self.tokenizer, self.cfg.engine.kv_cache,
                          on_sweep=on_sweep, first=lo, media=pics, sampler=pick)  # fmt: skip
         outs = [replace(o, prompt=o.prompt + lo) for o in outs] if hi > lo else []
         t1 = time.perf_counter()
+        logs: dict = {}  # what the functions passed to log_metric / log_extra (this rank's)
         try:
-            vals, bad = self._score(prompts, outs, step), None
+            vals, bad = self._score(prompts, outs, step, logs), None
         except InputError as e:  # every rank stops with the first failing rank's line
             vals, bad = [], str(e)
         parts = self.ranks.gather((outs, vals, bad))
@@ -203,6 +217,15 @@ class GRPOBatches:
             [sum((v_r[i] for _, v_r, _ in parts), []) for i in range(len(self.rewards))], dtype=torch.float32
         ).T.contiguous()  # (n, F); fmt: skip
         adv, r, zero = advantages(per_func, self.weights, G, rl.scale_rewards)
+        if write_to is not None and bool(
+            torch.isnan(per_func).all(dim=1).any()
+        ):  # TRL's warning, once a step
+            k = int(torch.isnan(per_func).all(dim=1).nonzero()[0])
+            self.console.print(
+                f"[yellow]warning:[/] All reward functions returned None for completion {k % G + 1} of "
+                f"{prompts[outs[k].prompt].where}; at least one should return a reward",
+                highlight=False,
+            )
         mbs = ro.micro_batches_of(outs, adv, self.cfg.train.micro_batch_size, self.data.pad_id,
                                   rl.mask_truncated_completions)  # fmt: skip
         t2 = time.perf_counter()
@@ -212,23 +235,44 @@ class GRPOBatches:
             self._logps(self.ref_engine or self.engine, mbs, "ref", self.ref_adapters)
         t3 = time.perf_counter()
         if write_to is not None:
-            ro.write(write_to, step, outs, [x.name for x in self.rewards], per_func, r, adv)
+            shown = {"prompt": [prompts[o.prompt].prompt for o in outs]} | logs.get("extra", {})  # as read
+            ro.write(write_to, step, outs, [x.name for x in self.rewards], per_func, r, adv, shown)
         lengths = torch.tensor([len(o.ids) for o in outs], dtype=torch.float32)
         trunc = torch.tensor([o.truncated for o in outs])
         term = lengths[~trunc]
-        m = reward_metrics(per_func, [x.name for x in self.rewards], r, zero) | {
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": trunc.float().mean().item(),
-            "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
-            "rollout_s": t1 - t0,
-            "reference_s": t3 - t2,
-            "rollout_tokens_per_s": ro.speed(sweeps),
-        }
+        m = (
+            reward_metrics(per_func, [x.name for x in self.rewards], r, zero)
+            | {
+                "completions/mean_length": lengths.mean().item(),
+                "completions/min_length": lengths.min().item(),
+                "completions/max_length": lengths.max().item(),
+                "completions/clipped_ratio": trunc.float().mean().item(),
+                "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
+                "completions/min_terminated_length": term.min().item() if term.numel() else 0.0,
+                "completions/max_terminated_length": term.max().item() if term.numel() else 0.0,
+                "rollout_s": t1 - t0,
+                "reference_s": t3 - t2,
+                "rollout_tokens_per_s": ro.speed(sweeps),
+            }
+            | {k: sum(v) / len(v) for k, v in logs.get("metrics", {}).items() if v}
+        )  # log_metric: TRL's mean
         return mbs, m
 
-    def _score(self, prompts, outs: list[ro.Rollout], step: int) -> list[list[float]]:
+    def _state(self, step: int):
+        """The TrainerState reward functions get, with TRL's fields (an epoch: the prompts once,
+        each batch trained num_iterations times)."""
+        from transformers import TrainerState
+
+        t = self.cfg.train
+        per_epoch = max(len(self.data.train) / t.batch_size, 1e-9) * self.rl.num_iterations
+        return TrainerState(
+            global_step=step, max_steps=t.steps, epoch=step / per_epoch, num_train_epochs=math.ceil(t.steps / per_epoch),
+            train_batch_size=t.batch_size, logging_steps=self.cfg.log.every, is_world_process_zero=self.main,
+        )  # fmt: skip
+
+    def _score(
+        self, prompts, outs: list[ro.Rollout], step: int, logs: dict | None = None
+    ) -> list[list[float]]:
         """Per reward function, this rank's completions' values (none: no call)."""
         if not outs:
             return [[] for _ in self.rewards]
@@ -238,10 +282,10 @@ class GRPOBatches:
         cols: dict[str, list] = {k: [prompts[o.prompt].columns[k] for o in outs] for k in prompts[0].columns}
 
         def where(k: int) -> str:
-            return f"completion {k % G} of {prompts[outs[k].prompt].where}"
+            return f"completion {k % G + 1} of {prompts[outs[k].prompt].where}"  # from 1, as records
 
         return score(self.rewards, [prompts[o.prompt].prompt for o in outs], comps, [o.ids for o in outs], cols,
-                     max(step, 0), where)  # fmt: skip
+                     max(step, 0), where, self._state(max(step, 0)), logs)  # fmt: skip
 
     def _logps(self, engine: Engine, mbs: list[MicroBatch], key: str, adapters: bool) -> None:
         """GRPOPayload.old or .ref (key): each micro-batch's per-token log-probs (rl.logps). Each rank sweeps the same

@@ -46,8 +46,11 @@ def image_tokens(data, store) -> tuple[int, ...]:
 class ImageSafeSampler(Sampler):
     """model.sample.Sampler with the image token's logit masked (-inf) before it picks."""
 
-    def __init__(self, temperature: float, top_p: float, top_k: int, seed: int, banned: tuple[int, ...]):
-        super().__init__(temperature, top_p, top_k, seed)
+    def __init__(
+        self, temperature: float, top_p: float, top_k: int, seed: int, banned: tuple[int, ...],
+        min_p: float = 0.0, repetition_penalty: float = 1.0,
+    ):  # fmt: skip
+        super().__init__(temperature, top_p, top_k, seed, min_p, repetition_penalty)
         self.banned = list(banned)
 
     def pick(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from ...arch.spec import ArchSpec
 from ...config import Config
+from ...config.schema import DataConfig
 from ...data import PreparedData, pad_id_of
 from ...data.prompt_only import prepare_prompts
 from ...parallel.shard import check_completions
@@ -74,6 +75,9 @@ class Grpo:
             highlight=False,
         )
         return PreparedData(train, ev, "prompt", pad_id_of(tok, arch.vocab))  # type: ignore[arg-type]
+
+    def data_section(self, cfg: Config) -> DataConfig:
+        return cfg.data
 
 
 GRPO = Grpo()

@@ -17,18 +17,24 @@ Built-ins:
     length    1.0 within target +- tolerance tokens, falling linearly to 0 at a distance of
               target beyond the tolerance
 
+A function may be `async def` (the async ones are awaited together, as TRL does), and may take
+`log_metric(name, value)` (the step's metrics get the mean) and `log_extra(column, values)` (a column
+of rollouts/step-N.jsonl); `trainer_state` is a transformers TrainerState (global_step, max_steps,
+epoch, ...). A reward file's own folder is importable (`from helper import score` beside it).
+
 A function that raises, returns the wrong number of values, NaN or a non-number stops the run with
 one line naming it and the sample (InputError, exit 2) before the step trains.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
+import inspect
 import math
 import re
 import sys
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +74,9 @@ def _import(spec: str, key: str) -> Callable:
                 raise InputError(
                     f"{key}.function: {mod} does not exist (a reward file, relative to the working directory)"
                 )
+            folder = str(path.resolve().parent)  # `from helper import x` beside the file, as python rw.py
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
             unit = f"horizon_reward_{abs(hash(str(path.resolve())))}"
             s = importlib.util.spec_from_file_location(unit, path)
             assert s is not None and s.loader is not None
@@ -138,55 +147,90 @@ def _text(c) -> str:
 
 def score(
     rewards: list[Reward], prompts: list, completions: list, completion_ids: list[list[int]],
-    columns: dict[str, list], step: int, where: Callable[[int], str],
+    columns: dict[str, list], step: int, where: Callable[[int], str], state=None, logs: dict | None = None,
 ) -> list[list[float]]:  # fmt: skip
-    """Per reward function, one value per completion (NaN for None). where(k): completion k named."""
-    state = types.SimpleNamespace(global_step=step)
+    """Per reward function, one value per completion (NaN for None). where(k): completion k named.
+    state: the TrainerState the functions get (None: one at `step`); logs: filled with what they
+    pass to log_metric ({"metrics": {name: [values]}}) and log_extra ({"extra": {column: values}}).
+    `async def` functions run together (asyncio.gather), as TRL awaits them."""
+    from transformers import TrainerState
+
+    state = state if state is not None else TrainerState(global_step=step)
+    logs = logs if logs is not None else {}
+    metrics, extra = logs.setdefault("metrics", {}), logs.setdefault("extra", {})
+    hooks = {
+        "log_metric": lambda name, value: metrics.setdefault(name, []).append(value),
+        "log_extra": lambda column, values: extra.setdefault(column, []).extend(values),
+    }
     n = len(completions)
-    out = []
-    for r in rewards:
+    calls, pending = [], {}
+    for i, r in enumerate(rewards):
 
         def call(ks: list[int], r=r):
             return r.fn(
                 prompts=[prompts[k] for k in ks], completions=[completions[k] for k in ks],
-                completion_ids=[completion_ids[k] for k in ks], trainer_state=state,
+                completion_ids=[completion_ids[k] for k in ks], trainer_state=state, **hooks,
                 **{c: [v[k] for k in ks] for c, v in columns.items()},
             )  # fmt: skip
 
-        what = f"{r.key} ({r.name})"
+        calls.append(call)
         try:
             got = call(list(range(n)))
         except Exception as e:
-            bad = _first_failing(call, n)
-            at = f" on {where(bad)}" if bad is not None else f" on the batch of step {step + 1}"
-            raise InputError(f"{what}: raised {type(e).__name__}: {e}{at}") from None
-        try:
-            vals = list(got)
-        except TypeError:
-            raise InputError(f"{what}: returned {type(got).__name__}, not a list of numbers") from None
-        if len(vals) != n:
-            raise InputError(f"{what}: returned {len(vals)} values for {n} completions (step {step + 1})")
-        row = []
-        for k, v in enumerate(vals):
-            if v is None:
-                row.append(math.nan)
-                continue
-            if not hasattr(v, "__float__"):  # int, float, bool, numpy and torch scalars
-                raise InputError(f"{what}: returned {v!r} (not a number) for {where(k)}")
-            f = float(v)
-            if math.isnan(f):
-                raise InputError(f"{what}: returned NaN for {where(k)} (return None for no reward)")
-            if math.isinf(f):
-                raise InputError(f"{what}: returned {f} for {where(k)} (a reward must be finite)")
-            row.append(f)
-        out.append(row)
-    return out
+            _raised(r, e, call, n, step, where)
+        pending[i] = got
+    waiting = [i for i, g in pending.items() if inspect.isawaitable(g)]
+    if waiting:
+        done = asyncio.run(_gather([pending[i] for i in waiting]))
+        for i, got in zip(waiting, done, strict=True):
+            if isinstance(got, Exception):
+                _raised(rewards[i], got, calls[i], n, step, where)
+            pending[i] = got
+    return [_checked(r, pending[i], n, step, where) for i, r in enumerate(rewards)]
+
+
+async def _gather(coros: list) -> list:
+    return await asyncio.gather(*coros, return_exceptions=True)
+
+
+def _raised(r: Reward, e: BaseException, call, n: int, step: int, where) -> None:
+    bad = _first_failing(call, n)
+    at = f" on {where(bad)}" if bad is not None else f" on the batch of step {step + 1}"
+    raise InputError(f"{r.key} ({r.name}): raised {type(e).__name__}: {e}{at}") from None
+
+
+def _checked(r: Reward, got, n: int, step: int, where) -> list[float]:
+    """A function's values checked: n numbers (None -> NaN), finite."""
+    what = f"{r.key} ({r.name})"
+    try:
+        vals = list(got)
+    except TypeError:
+        raise InputError(f"{what}: returned {type(got).__name__}, not a list of numbers") from None
+    if len(vals) != n:
+        raise InputError(f"{what}: returned {len(vals)} values for {n} completions (step {step + 1})")
+    row = []
+    for k, v in enumerate(vals):
+        if v is None:
+            row.append(math.nan)
+            continue
+        if not hasattr(v, "__float__"):  # int, float, bool, numpy and torch scalars
+            raise InputError(f"{what}: returned {v!r} (not a number) for {where(k)}")
+        f = float(v)
+        if math.isnan(f):
+            raise InputError(f"{what}: returned NaN for {where(k)} (return None for no reward)")
+        if math.isinf(f):
+            raise InputError(f"{what}: returned {f} for {where(k)} (a reward must be finite)")
+        row.append(f)
+    return row
 
 
 def _first_failing(call, n: int) -> int | None:
+    """The first completion a function raises on when called on it alone (awaited if async)."""
     for k in range(n):
         try:
-            call([k])
+            got = call([k])
+            if inspect.isawaitable(got) and isinstance(asyncio.run(_gather([got]))[0], Exception):
+                return k
         except Exception:
             return k
     return None

@@ -88,7 +88,7 @@ def sample(
         if (m := media[r // G - first]) is not None:
             pixels[r] = m
     dec = Decoder(
-        engine, sampler or Sampler(rl.temperature, rl.top_p, rl.top_k, seed), max_new_tokens=rl.max_completion_length,
+        engine, sampler or Sampler(rl.temperature, rl.top_p, rl.top_k, seed, rl.min_p, rl.repetition_penalty), max_new_tokens=rl.max_completion_length,
         eos_ids=eos, tokenizer=tokenizer, host_kv=not device_kv(engine, rows, rl.max_completion_length, kv),
         on_sweep=on_sweep, media=pixels,
     )  # fmt: skip
@@ -125,8 +125,9 @@ def media_of(rollouts: list[Rollout]) -> dict | None:
 
 
 def write(run_dir: Path, step: int, rollouts: list[Rollout], names: list[str], per_func: torch.Tensor,
-          reward: torch.Tensor, adv: torch.Tensor) -> Path:  # fmt: skip
-    """rollouts/step-N.jsonl (N = step + 1), written whole or not at all."""
+          reward: torch.Tensor, adv: torch.Tensor, extra: dict | None = None) -> Path:  # fmt: skip
+    """rollouts/step-N.jsonl (N = step + 1), written whole or not at all; extra: columns the reward
+    functions gave log_extra, one value per completion."""
     lines = []
     for k, r in enumerate(rollouts):
         rec = {
@@ -137,6 +138,7 @@ def write(run_dir: Path, step: int, rollouts: list[Rollout], names: list[str], p
             "reward": _num(reward[k]),
             "advantage": float(adv[k]),
             "truncated": r.truncated,
+            **{c: v[k] for c, v in (extra or {}).items() if k < len(v)},
         }
         lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
     path = Path(run_dir) / "rollouts" / f"step-{step + 1}.jsonl"

@@ -4,7 +4,10 @@ term in the dry run's plan (recipes.preference.reference, as the referenced pair
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ...config import Config
+from ...config.schema import DataConfig
 from ...data import PreparedData
 from ..preference.recipe import Preference
 from .batches import KTOBatches
@@ -28,6 +31,11 @@ class Kto(Preference):
             f"preference.loss: kto trains on unpaired preference examples (label or kto_tag); "
             f"data.path {cfg.data.path} is format {data.format}"
         )
+
+    def data_section(self, cfg: Config) -> DataConfig:
+        """data.format auto reads KTO's examples as unpaired, preference pairs too: TRL's KTOTrainer
+        unpairs them (data.unpaired)."""
+        return replace(cfg.data, format="unpaired") if cfg.data.format == "auto" else cfg.data
 
     def batches(self, cfg: Config, data: PreparedData) -> KTOBatches:
         return KTOBatches(cfg, data)

@@ -36,6 +36,7 @@ from ...config.schema import REFERENCED
 from ...data import PreparedData
 from ...data.batch import IGNORE, MicroBatch
 from ...data.pairs import PairSet, collate_pairs
+from ...data.prepare import unit_of
 from ...errors import InputError
 from ...faults import phase
 from ...fsutil import atomic_dir, read_json
@@ -58,7 +59,8 @@ def reference(
     }
     found, why = load(where, meta)
     if found is not None:
-        console.print(f"reference: {where} ({_count(found)} pairs, reused)", highlight=False)
+        unit = unit_of(next(iter(sets.values())))  # KTO: examples
+        console.print(f"reference: {where} ({_count(found)} {unit}, reused)", highlight=False)
         return found
     if not fresh and not base:
         raise InputError(
@@ -86,7 +88,7 @@ def compute(
         TextColumn("[bold]reference"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("pairs"),
+        TextColumn(unit_of(pairs)),  # KTO: examples
         TimeRemainingColumn(),
     )
     with Progress(*cols, console=console, transient=False) as prog:

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from ...arch.spec import ArchSpec
 from ...config import Config
+from ...config.schema import DataConfig
 from ...data import PreparedData
 from ...parallel.shard import check_world
 from ..recipe import PlanModel, PlanTerms
@@ -53,6 +54,9 @@ class Sft:
         images: Callable[[], PromptImages],
     ) -> PreparedData | None:
         return None  # records as data.prepare reads them
+
+    def data_section(self, cfg: Config) -> DataConfig:
+        return cfg.data
 
 
 SFT = Sft()
