@@ -137,7 +137,7 @@ class HostEmbedding(TableEmbedding):
         ev.host_wait()
         ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
         embed_grad(st.views(st.grad)["embed"], ids, host_dx.view(-1, self.spec.hidden), self.spec.padding_idx)
-        self.touched = None if self.spec.tie_embeddings else ids.unique()
+        self.touched = None if self.spec.tie_embeddings else ids.unique().long()  # index_fill_: int64
         ready["embed"] = READY
         return sumsq64(st.grad)
 

@@ -39,11 +39,11 @@ PROMPTS = {  # the forms a GRPO prompt names images in
 }  # fmt: skip
 
 
-def _train(root: Path, tmp_path: Path, store: Path, rows: list[dict], **sections):
+def _train(root: Path, tmp_path: Path, store: Path, rows: list[dict], *flags: str, **sections):
     data = write_jsonl(root / "data" / f"{tmp_path.name}.jsonl", rows)
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "c.yaml", store, data, out, **{"train": TRAIN, **sections})
-    r = horizon("train", cfg)
+    r = horizon("train", cfg, *flags)
     return one_error_line(r), out
 
 
@@ -101,9 +101,11 @@ def test_names_images_sees_prompt_parts():
     assert not names_images({"prompt": [{"role": "user", "content": "what?"}]})
 
 
-def test_grpo_images_lora_projector_reference_refused(llava, tmp_path):
+@pytest.mark.parametrize("flags", [(), ("--dry-run",)])
+def test_grpo_images_lora_projector_reference_refused(llava, tmp_path, flags):
+    """... by a dry run too (it runs every check a start runs), before any weight loads."""
     rows = [PROMPTS["image-part-with-file"](i) for i in range(4)]
-    line, out = _train(llava, tmp_path, llava / "store", rows, rl={**RL, "beta": 0.04}, lora={"r": 4, "targets": r".*language_model.*\.(q_proj|v_proj)"},
+    line, out = _train(llava, tmp_path, llava / "store", rows, *flags, rl={**RL, "beta": 0.04}, lora={"r": 4, "targets": r".*language_model.*\.(q_proj|v_proj)"},
                        train={**TRAIN, "vision": "projector"})  # fmt: skip
     assert "rl.beta: a reference for LoRA with train.vision: projector and images is not built yet" in line, (
         line

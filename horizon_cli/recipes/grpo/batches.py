@@ -61,6 +61,7 @@ class GRPOBatches:
         assert cfg.rl is not None
         self.cfg, self.rl, self.data = cfg, cfg.rl, data
         self.rewards = load_rewards(cfg.rl.rewards)  # before any weight is loaded
+        check_images(cfg, data)  # here, not in attach: the dry run builds the batches too
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
         self.objective = GRPOObjective(cfg.rl)
         self.group: tuple[int, list[MicroBatch], dict] | None = None
@@ -79,7 +80,6 @@ class GRPOBatches:
         self.eos = model_eos_ids(hf) or (
             [self.tokenizer.eos_token_id] if getattr(self.tokenizer, "eos_token_id", None) is not None else []
         )
-        check_images(self.cfg, self.data)
         self.banned = image_tokens(self.data, store)  # the image token: never sampled
         self.ref_adapters = True
         if self.rl.beta > 0 and engine.lora is not None:

@@ -157,7 +157,23 @@ def save_group(run_dir: Path, step: int, state: dict) -> None:
 
 def load_group(run_dir: Path, step: int) -> dict | None:
     path = Path(run_dir) / "rollouts" / f"step-{step + 1}.pt"
-    return torch.load(path, weights_only=False) if path.is_file() else None
+    if not path.is_file():
+        return None
+    got = torch.load(path, weights_only=False)
+    for mb in got["mbs"]:
+        _typed(mb)
+    return got
+
+
+def _typed(mb: MicroBatch) -> None:
+    """A micro-batch saved before the typed payloads (an `extras` dict keyed "adv", "rows", "old",
+    "ref") gets its GRPOPayload, so a run resumed inside a group across the upgrade goes on."""
+    extras = vars(mb).pop("extras", None)
+    if mb.payload is None and extras:
+        rows = extras["rows"]
+        mb.payload = GRPOPayload(
+            extras["adv"].float(), int(rows), extras.get("old"), extras.get("ref")
+        )  # fmt: skip
 
 
 def _num(x: torch.Tensor) -> float | None:
