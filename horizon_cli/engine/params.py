@@ -34,11 +34,13 @@ from ..lora.setup import LoraSetup
 from ..lora.sizes import adapter_kept_bytes, adapter_work_bytes
 from ..lora.state import lora_state
 from ..optim.modes import MemoryMode
+from ..planning.transients import backward_transient_bytes
 from ..runtime.events import READY, Event
 from ..state.frozen import FrozenState, FrozenUnit
 from ..state.host import HostState, UnitState
 from ..state.widen import Widen
 from ..store import Store
+from ..store.layout import layouts
 from .grads import GradSums
 from .headgrad import FrozenHead, TrainedHead
 from .seams import Embedding, HeadGrads, LayerTemplate, Params, Reduce
@@ -56,6 +58,8 @@ class FullParams:
     def __init__(self, store: Store, dtype, grad_dtype, alloc: Alloc, progress, mode: MemoryMode, shard):
         self.host = HostState(store, dtype, alloc, progress, grad_dtype, mode, shard)
         self.widen = Widen(self.host.units, dtype)  # lean computing in fp32: its bf16 weight upcast
+        self.spec = store.arch
+        self.layer_max = max(lay.numel for lay in layouts(store.arch) if lay.name.startswith("layer."))
         self.layers = [f"layer.{i}" for i in range(store.arch.n_layers)]
         self.trained: list[str | None] = list(self.layers)
         self.units: dict[str, UnitState | FrozenUnit] = dict(self.host.units)
@@ -100,6 +104,10 @@ class FullParams:
 
     def work_bytes(self, tokens: int, item: int) -> int:
         return 0
+
+    def transient_bytes(self, tokens: int, item: int, tile: int) -> int:
+        """What a layer's backward holds beside its working set (planning.transients)."""
+        return backward_transient_bytes(self.spec, tokens, self.layer_max, item, tile)
 
     def kept_bytes(self, tokens: int, item: int) -> int:
         return 0
@@ -189,6 +197,9 @@ class _OnFrozenBase:
 
     def order(self) -> list[str]:
         return [u for u in self.trained if u is not None]
+
+    def transient_bytes(self, tokens: int, item: int, tile: int) -> int:
+        return 0  # the plans of a frozen base count none (lora.sizes)
 
     def work_bytes(self, tokens: int, item: int) -> int:
         """The adapters' outputs in a layer's working set, held for the backward."""

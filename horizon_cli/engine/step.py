@@ -169,6 +169,7 @@ class TrainStep:
         tile = p.tmpl.seq_tile  # engine.seq_tile (model.tiling)
         work = layer_work_bytes(p.spec, tok, rows, T, item, tile) + p.params.work_bytes(tok, item)
         p.t.memory.set("layer_work", work)
+        p.t.memory.set("backward transients", p.params.transient_bytes(tok, item, tile))
         p.t.memory.set("head_work", head_work_bytes(p.spec, tok, p.cfg.loss_chunk, item))
         if p.keep:  # each kept layer's graphs of every micro-batch (planning.memory.kept_graph_bytes)
             graphs = sum(

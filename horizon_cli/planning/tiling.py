@@ -25,10 +25,12 @@ from ..arch import ArchSpec
 from ..arch.tiling import note as block_note
 from .fit import RESERVE, Machine
 from .memory import MemoryPlan, kept_graph_bytes, layer_work_bytes
+from .transients import backward_transient_bytes
 
 WORK = "layer working set"
 TILES = tuple(1 << k for k in range(20, 7, -1))  # 1M ... 256 tokens, largest first
 STEP = 1024
+TRANSIENTS = "backward transients"  # planning.memory's row
 
 
 def with_tile(
@@ -46,6 +48,9 @@ def with_tile(
     if adapters is not None:
         cut += adapters(0) - adapters(tile)
     device = {**plan.device, WORK: untiled - cut}
+    if TRANSIENTS in device:  # the native layer's dQ accumulator: one query tile's (planning.transients)
+        layer = device[TRANSIENTS] - backward_transient_bytes(spec, tokens, 0, item)
+        device[TRANSIENTS] = layer + backward_transient_bytes(spec, tokens, 0, item, tile)
     weights, graphs = plan.kept_layer
     if graphs:
         v = plan.kept_vectors

@@ -20,8 +20,11 @@ from ..arch.spec import ArchSpec
 KEEP_MARGIN = 0.1  # the share of a GPU's free memory `auto` does not fill with kept layers
 
 
-def backward_transient_bytes(spec: ArchSpec, tokens: int, layer_numel: int, item: int) -> int:
-    """One micro-batch of `tokens` tokens through a layer of `layer_numel` parameters' backward."""
+def backward_transient_bytes(spec: ArchSpec, tokens: int, layer_numel: int, item: int, tile: int = 0) -> int:
+    """One micro-batch of `tokens` tokens through a layer of `layer_numel` parameters' backward;
+    tile: engine.seq_tile's tokens per tile (0: untiled), the native layer's attention then runs
+    per query tile, its fp32 dQ accumulator one tile's (transformers' layers attend whole)."""
     q = spec.q_dim
     grouped = 2 * q * item if spec.n_heads != spec.n_kv_heads else 0
-    return layer_numel * item + tokens * (4 * q + grouped)
+    queries = spec.pick(tile if 0 < tile < tokens else tokens, tokens)
+    return layer_numel * item + tokens * grouped + queries * 4 * q
