@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..arch import ArchSpec
 from ..config import Config
 from ..lora.setup import LoraSetup
 from ..parallel.comm import Dist
@@ -100,7 +101,7 @@ def dropout_seed(cfg: Config) -> int | None:
     return None if cfg.model.dropout == 0 or cfg.dropout_off else cfg.train.seed
 
 
-def dropout_line(cfg: Config, arch) -> str | None:
+def dropout_line(cfg: Config, arch: ArchSpec) -> str | None:
     """What the run does with its model's dropout (the dry run's line), None: the model has none."""
     keys = model_dropout(arch)
     if not keys:

@@ -141,7 +141,7 @@ class HostEmbedding(TableEmbedding):
         ready["embed"] = READY
         return sumsq64(st.grad)
 
-    def _zero(self, st) -> None:
+    def _zero(self, st: UnitState) -> None:
         """The untied gradient zeroed: only the rows the last backward wrote (the rest are zero
         already, so the result is bitwise the same) where the unit is the table alone; a step
         touches a few thousand of a vocabulary's 10^5 rows (issue 42: the full-vocabulary zero)."""

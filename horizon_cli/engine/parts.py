@@ -97,7 +97,7 @@ def assemble(
     optim: OptimConfig,
     *,
     tracer: Tracer | None = None,
-    progress=lambda n: None,
+    progress: Callable[[int], None] = lambda n: None,
     transport: Transport | None = None,
     lora: LoraSetup | None = None,
     dist: Dist | None = None,

@@ -189,11 +189,11 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
         cut = len(self.s.owner) + 1
         pw = {self._prefix[k][cut:]: v for k, v in w.items() if k in self._prefix}
         log: list = []
-        stop = dict(stop_at=None, stop_call=len(self.calls) - 1) if self.loop else dict(stop_at=self.last)
+        stop_at, stop_call = (None, len(self.calls) - 1) if self.loop else (self.last, None)
         with (
             _reparametrize_module(self.owner, pw, strict=False),
             contextlib.nullcontext() if ctx.embedded else rows_embedding(self.emb, rows),
-            recorders(self.layers, log, self.s.returns, **stop),  # type: ignore[arg-type]
+            recorders(self.layers, log, self.s.returns, stop_at=stop_at, stop_call=stop_call),
             packed_positions(self.owner, ctx.pos) if ctx.packed else contextlib.nullcontext(),
             contextlib.suppress(Stop),
         ):

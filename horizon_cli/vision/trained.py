@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -75,7 +76,7 @@ class TowerState:
             n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in self.params.items()
         }
 
-    def add(self, grads) -> None:
+    def add(self, grads: Sequence[torch.Tensor | None]) -> None:
         for (n, a), g in zip(self.acc.items(), grads, strict=True):
             if g is not None:
                 a.add_(g.float())

@@ -29,7 +29,7 @@ import math
 import re
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,7 +98,7 @@ def _builtin(r: RewardConfig, key: str) -> Callable:
     if r.function == "length":
         target, tol = r.target or 1, r.tolerance
 
-        def length(completion_ids, **kw):
+        def length(completion_ids: list[list[int]], **kw: list) -> list[float]:
             return [max(0.0, 1.0 - max(0, abs(len(c) - target) - tol) / target) for c in completion_ids]
 
         return length
@@ -115,7 +115,7 @@ def _accuracy(column: str | None, key: str) -> Callable:
             f"{key}.function: the accuracy reward needs math-verify: pip install 'horizon-cli[rl]'"
         ) from None
 
-    def accuracy(completions, **kw):
+    def accuracy(completions: list, **kw: list) -> list[float | None]:
         col = column or next((c for c in ("solution", "answer") if c in kw), None)
         if col is None or col not in kw:
             raise ValueError(f"the records have no {column or 'solution or answer'} column")
@@ -132,7 +132,7 @@ def _accuracy(column: str | None, key: str) -> Callable:
     return accuracy
 
 
-def _text(c) -> str:
+def _text(c: str | list[dict[str, str]]) -> str:
     return c[0]["content"] if isinstance(c, list) else c
 
 
@@ -146,7 +146,7 @@ def score(
     out = []
     for r in rewards:
 
-        def call(ks: list[int], r=r):
+        def call(ks: list[int], r: Reward = r) -> Iterable[object]:
             return r.fn(
                 prompts=[prompts[k] for k in ks], completions=[completions[k] for k in ks],
                 completion_ids=[completion_ids[k] for k in ks], trainer_state=state,
@@ -183,7 +183,7 @@ def score(
     return out
 
 
-def _first_failing(call, n: int) -> int | None:
+def _first_failing(call: Callable[[list[int]], object], n: int) -> int | None:
     for k in range(n):
         try:
             call([k])

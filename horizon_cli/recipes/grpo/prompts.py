@@ -1,0 +1,23 @@
+"""GRPO's data as its recipe reads it (recipe.Grpo.read_data): prompt sets (data.prompt_only), in a
+PreparedData whose `train` and `eval` are typed for the token sets the other recipes read."""
+
+from __future__ import annotations
+
+from typing import Protocol, cast
+
+from ...data import PreparedData
+from ...data.prompt_only import PromptSet
+
+
+class PromptData(Protocol):
+    @property
+    def train(self) -> PromptSet: ...
+    @property
+    def eval(self) -> PromptSet | None: ...
+    @property
+    def pad_id(self) -> int: ...
+
+
+def prompt_data(data: PreparedData) -> PromptData:
+    """The prompts of an rl run's data (what Grpo.read_data put there)."""
+    return cast(PromptData, data)
