@@ -33,7 +33,7 @@ from ..runtime.transport import Transport
 from ..state.frozen import FrozenUnit
 from ..state.host import HostState, UnitState
 from .grads import GradSums, sumsq64
-from .seams import B, EmbeddingTable
+from .seams import B, EmbeddingTable, Inputs
 from .sharded import ShardedGrads
 
 Units = dict[str, UnitState | FrozenUnit]  # every unit's streaming copy
@@ -71,7 +71,7 @@ class TableEmbedding:
         s = self._scale
         return x if s is None else [xm * s for xm in x]
 
-    def _split(self, rows: torch.Tensor, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    def _split(self, rows: torch.Tensor, mbs: Inputs) -> list[torch.Tensor]:
         """Rows of every micro-batch, flat or (n, H) -> (b, T, H) per micro-batch."""
         flat, out, off = rows.reshape(-1), [], 0
         for mb in mbs:
@@ -106,7 +106,7 @@ class HostEmbedding(TableEmbedding):
             buf = self.staging[name] = self.t.host_empty(numel, dtype)
         return buf[:numel]
 
-    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    def forward(self, mbs: Inputs) -> list[torch.Tensor]:
         """The input rows per micro-batch, (b, T, H) on the device (not yet scaled): gathered on
         the host (no weight transfer) and sent."""
         self.loader.ready.get("embed", READY).host_wait()
@@ -168,7 +168,7 @@ class ShardedEmbedding(TableEmbedding):
         self.sharded: ShardedGrads = sharded
         self.grads: GradSums = grads
 
-    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    def forward(self, mbs: Inputs) -> list[torch.Tensor]:
         """Pick the input rows from the embedding table all-gathered on the device."""
         w, _ = self.loader.acquire("embed-in")
         ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
@@ -207,7 +207,7 @@ class TextStage:
     def reserve(self, numel: int, grad: bool) -> None:
         self.table.reserve(numel, grad)
 
-    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    def forward(self, mbs: Inputs) -> list[torch.Tensor]:
         return self.table.forward(mbs)
 
     def backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float:

@@ -25,7 +25,7 @@ reports; the engine never builds or reads one, so only the template's own method
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -65,6 +65,7 @@ Cache = object  # per micro-batch: the template's generation cache (transformers
 Held = object  # what a kept layer's forward holds for its backward (the template's)
 Stats = dict[str, torch.Tensor]  # an objective's sums over this rank's data
 B = TypeVar("B", MicroBatch, DecodeBatch)  # a training micro-batch or a generation's
+Inputs = Sequence[MicroBatch | DecodeBatch]  # what a sweep embeds: a step's or a generation's
 
 
 class LayerTemplate(Protocol):
@@ -109,7 +110,7 @@ class EmbeddingTable(Protocol):
 
     def loads(self) -> list[Load]: ...  # loads before layer 0's (a sharded table's gather)
     def reserve(self, numel: int, grad: bool) -> None: ...  # host staging, sized once
-    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]: ...  # (b, T, H) each, not yet scaled
+    def forward(self, mbs: Inputs) -> list[torch.Tensor]: ...  # (b, T, H) each, not yet scaled
     def backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float: ...
     def scale(self, x: list[torch.Tensor]) -> list[torch.Tensor]: ...  # the family's (Gemma: sqrt(H))
 

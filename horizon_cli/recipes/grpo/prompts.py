@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Protocol, cast
 
 from ...data import PreparedData
+from ...data.prepare import RowSet
 from ...data.prompt_only import PromptSet
 
 
@@ -16,6 +17,11 @@ class PromptData(Protocol):
     def eval(self) -> PromptSet | None: ...
     @property
     def pad_id(self) -> int: ...
+
+
+def prepared(train: PromptSet, ev: PromptSet | None, pad_id: int) -> PreparedData:
+    """The prompts as the loop carries a run's data (read back by prompt_data)."""
+    return PreparedData(cast(RowSet, train), cast(RowSet | None, ev), "prompt", pad_id)
 
 
 def prompt_data(data: PreparedData) -> PromptData:

@@ -17,6 +17,7 @@ from ...parallel.shard import check_completions
 from ..recipe import PlanModel, PlanTerms
 from .batches import GRPOBatches
 from .plan import rollout_plan
+from .prompts import prepared
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -73,7 +74,7 @@ class Grpo:
             f"data: {len(train):,} prompts" + (f", {len(ev):,} held out" if ev is not None else ""),
             highlight=False,
         )
-        return PreparedData(train, ev, "prompt", pad_id_of(tok, arch.vocab))  # type: ignore[arg-type]
+        return prepared(train, ev, pad_id_of(tok, arch.vocab))
 
 
 GRPO = Grpo()
