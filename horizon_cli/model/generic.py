@@ -52,8 +52,9 @@ from ..arch.capture import (
     with_hidden,
 )
 from ..arch.generic import stored_model
-from ..arch.generic_arch import GenericArch, Moe, Stack
+from ..arch.generic_arch import GenericArch, Moe
 from ..arch.probe import probe
+from ..arch.structure import Stack
 from ..data.batch import DecodeBatch, MicroBatch
 from .call import LayerCall
 from .generic_call import CallSlot, tile_blocks
