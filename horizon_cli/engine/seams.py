@@ -18,7 +18,7 @@ assembles them; every implementation is chosen once, at build time).
 The template's per-micro-batch context, its generation cache and what a kept layer's forward
 holds are the template's own: the engine only hands them back (`Context`, `Cache`, `Held`, typed
 `object` here). The templates annotate them with their own types (model.layer.AttnContext,
-model.generic.GenericContext), narrower than the protocol's, which a strict structural check
+model.generic_context.GenericContext), narrower than the protocol's, which a strict structural check
 reports; the engine never builds or reads one, so only the template's own methods see them.
 """
 
