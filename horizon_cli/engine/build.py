@@ -88,10 +88,19 @@ def build_engine(
         torch.set_num_threads(cfg.engine.compute_threads)
     world = dist.world if dist is not None else 1
     return Engine(
-        store, cfg.engine, cfg.optim, tracer=tracer, progress=progress, max_tokens=step_tokens(cfg, store, world),
-        lora=lora, dist=dist, objective=objective, keep=keep, dropout_seed=dropout_seed(cfg),
+        store,
+        cfg.engine,
+        cfg.optim,
+        tracer=tracer,
+        progress=progress,
+        max_tokens=step_tokens(cfg, store, world),
+        lora=lora,
+        dist=dist,
+        objective=objective,
+        keep=keep,
+        dropout_seed=dropout_seed(cfg),
         stage=stage,
-    )  # fmt: skip
+    )
 
 
 def dropout_seed(cfg: Config) -> int | None:

@@ -49,9 +49,15 @@ class TableEmbedding:
         return []
 
     def __init__(
-        self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,
-        dtype: torch.dtype, scale: float | None,
-    ):  # fmt: skip
+        self,
+        transport: Transport,
+        loader: Loader,
+        units: Units,
+        host: HostState,
+        spec: ArchSpec,
+        dtype: torch.dtype,
+        scale: float | None,
+    ):
         """units: every unit's streaming copy (LoRA: the frozen base's); host: the trained units'
         state (the embedding's grad, when trained). scale: the family's embedding scale, or None."""
         self.t, self.loader, self.units, self.host = transport, loader, units, host
@@ -85,9 +91,15 @@ class HostEmbedding(TableEmbedding):
     """One rank: host staging for the rows and their gradient."""
 
     def __init__(
-        self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,
-        dtype: torch.dtype, scale: float | None,
-    ):  # fmt: skip
+        self,
+        transport: Transport,
+        loader: Loader,
+        units: Units,
+        host: HostState,
+        spec: ArchSpec,
+        dtype: torch.dtype,
+        scale: float | None,
+    ):
         super().__init__(transport, loader, units, host, spec, dtype, scale)
         self.staging: dict[str, torch.Tensor] = {}
         self.touched: torch.Tensor | None = None  # the rows the last backward added into (untied)
@@ -161,9 +173,17 @@ class ShardedEmbedding(TableEmbedding):
         return [Load("embed-in", "embed")]
 
     def __init__(
-        self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,
-        dtype: torch.dtype, scale: float | None, sharded: ShardedGrads, grads: GradSums,
-    ):  # fmt: skip
+        self,
+        transport: Transport,
+        loader: Loader,
+        units: Units,
+        host: HostState,
+        spec: ArchSpec,
+        dtype: torch.dtype,
+        scale: float | None,
+        sharded: ShardedGrads,
+        grads: GradSums,
+    ):
         super().__init__(transport, loader, units, host, spec, dtype, scale)
         self.sharded: ShardedGrads = sharded
         self.grads: GradSums = grads

@@ -98,10 +98,21 @@ class Engine:
         elif keep is None:
             keep = engine.keep_activations if isinstance(engine.keep_activations, int) else 0
         p = assemble(
-            store, engine, optim, tracer=tracer, progress=progress, transport=transport, lora=lora,
-            dist=dist, objective=objective, step_numel=step_numel, keep=min(keep, store.arch.n_layers),
-            forward_only=forward_only, dropout_seed=dropout_seed, stage=stage,
-        )  # fmt: skip
+            store,
+            engine,
+            optim,
+            tracer=tracer,
+            progress=progress,
+            transport=transport,
+            lora=lora,
+            dist=dist,
+            objective=objective,
+            step_numel=step_numel,
+            keep=min(keep, store.arch.n_layers),
+            forward_only=forward_only,
+            dropout_seed=dropout_seed,
+            stage=stage,
+        )
         self.p = p
         self.tuning = tuning_for(lora)  # what train/ asks of a run's training (engine.tuning)
         self.ranks = p.ranks  # ... and of its processes (engine.ranks)

@@ -87,9 +87,14 @@ class ForwardPass:
         return self.p.dropout.scope(c.step, c.call, c.mb) if self.train else contextlib.nullcontext()
 
     def compute(
-        self, j: int, i: int, w: dict[str, torch.Tensor], extras: list[torch.Tensor],
-        x: list[torch.Tensor], ctxs: list[Context],
-    ) -> list[torch.Tensor]:  # fmt: skip
+        self,
+        j: int,
+        i: int,
+        w: dict[str, torch.Tensor],
+        extras: list[torch.Tensor],
+        x: list[torch.Tensor],
+        ctxs: list[Context],
+    ) -> list[torch.Tensor]:
         p = self.p
         with p.t.compute_span(f"fwd {j}" if j == i else f"fwd {j} (layer {i})"):
             w = p.params.weights(i, w)
@@ -187,9 +192,16 @@ class KeptPass(ForwardPass):
 
 
 def backprop(
-    tmpl: LayerTemplate, i: int, ctxs: list[Context], graph: Callable[[int], Graph], leaves: list[torch.Tensor],
-    names: list[str], dx: list[torch.Tensor], want_dx: bool, gv: Weights | None,
-) -> None:  # fmt: skip
+    tmpl: LayerTemplate,
+    i: int,
+    ctxs: list[Context],
+    graph: Callable[[int], Graph],
+    leaves: list[torch.Tensor],
+    names: list[str],
+    dx: list[torch.Tensor],
+    want_dx: bool,
+    gv: Weights | None,
+) -> None:
     """Backpropagate layer i's graph of each micro-batch (graph(m): input, output, auxiliary
     term or None), in order: the input gradient into dx[m], the leaves' gradients added (fp32)
     into gv, its side inputs' (tensors crossing layers, model.side) back to the template."""

@@ -58,9 +58,16 @@ class ImageSet(TokenSet):
     def select(self, rows: np.ndarray) -> ImageSet:
         view = super().select(rows)
         return ImageSet(
-            view.tokens, view.labels, view.offsets, view.doc_ids, view.format, view.stats, view.index,
-            self.media, self.media_offsets,
-        )  # fmt: skip
+            view.tokens,
+            view.labels,
+            view.offsets,
+            view.doc_ids,
+            view.format,
+            view.stats,
+            view.index,
+            self.media,
+            self.media_offsets,
+        )
 
 
 class MediaBuilder:
@@ -93,8 +100,17 @@ def build_image_set(
             f"data.packing: {name} holds images; rows with images are not packed (set packing: false)"
         )
     enc = ImageEncoder(proc, data_cfg, name)
-    stats = {"records": 0, "examples": 0, "images": 0, "image_tokens": 0, "truncated": 0, "too_long": 0,
-             "no_labels": 0, "cut_tokens": 0, "cut_label_tokens": 0}  # fmt: skip
+    stats = {
+        "records": 0,
+        "examples": 0,
+        "images": 0,
+        "image_tokens": 0,
+        "truncated": 0,
+        "too_long": 0,
+        "no_labels": 0,
+        "cut_tokens": 0,
+        "cut_label_tokens": 0,
+    }
     rows, media = RowBuilder(), MediaBuilder()
     for batch in ds.iter(batch_size=RECORDS_PER_BATCH):
         for rec in (dict(zip(batch, vals, strict=True)) for vals in zip(*batch.values(), strict=True)):

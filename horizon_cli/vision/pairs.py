@@ -141,8 +141,16 @@ def build_image_pairs(
             f"data.packing: {name} holds pairs with images; pairs are not packed (set packing: false)"
         )
     enc = ImageEncoder(proc, data_cfg, name)
-    stats: dict = {"records": 0, "pairs": 0, "truncated": 0, "cut_tokens": 0, "form": "images", "skipped": {},
-                   "images": 0, "image_tokens": 0}  # fmt: skip
+    stats: dict = {
+        "records": 0,
+        "pairs": 0,
+        "truncated": 0,
+        "cut_tokens": 0,
+        "form": "images",
+        "skipped": {},
+        "images": 0,
+        "image_tokens": 0,
+    }
     rows, media = RowBuilder(), MediaBuilder()
     for batch in ds.iter(batch_size=RECORDS_PER_BATCH):
         for rec in (dict(zip(batch, vals, strict=True)) for vals in zip(*batch.values(), strict=True)):

@@ -44,8 +44,11 @@ def trained_names(
     if kids:
         return [n for n in params if any(n.startswith(f"{base}{c}.") for c in kids)]
     # the projector inside the tower (Qwen2-VL's visual.merger): a tower child's child named so
-    inner = [n for n in params if any(n.startswith(f"{base}{c}.") for c in towers)
-             and PROJECTOR.search(n[len(base):].split(".")[1])]  # fmt: skip
+    inner = [
+        n
+        for n in params
+        if any(n.startswith(f"{base}{c}.") for c in towers) and PROJECTOR.search(n[len(base) :].split(".")[1])
+    ]
     if not inner:
         raise InputError(f"train.vision: {mode}: the model has no projector module among {list(towers)}")
     return inner

@@ -67,9 +67,14 @@ class Grpo:
         assert cfg.rl is not None
         tok = tokenizer("auto")  # prompt_input_ids need none
         train, ev = prepare_prompts(
-            cfg.data, tok, arch.vocab, arch.max_positions, cfg.rl.max_completion_length, cfg.train.seed,
+            cfg.data,
+            tok,
+            arch.vocab,
+            arch.max_positions,
+            cfg.rl.max_completion_length,
+            cfg.train.seed,
             images(),
-        )  # fmt: skip
+        )
         console.print(
             f"data: {len(train):,} prompts" + (f", {len(ev):,} held out" if ev is not None else ""),
             highlight=False,

@@ -103,10 +103,15 @@ def sample(
         if (m := media[r // G - first]) is not None:
             pixels[r] = m
     dec = Decoder(
-        engine, sampler or Sampler(rl.temperature, rl.top_p, rl.top_k, seed), max_new_tokens=rl.max_completion_length,
-        eos_ids=eos, tokenizer=tokenizer, host_kv=not device_kv(engine, rows, rl.max_completion_length, kv),
-        on_sweep=on_sweep, media=pixels,
-    )  # fmt: skip
+        engine,
+        sampler or Sampler(rl.temperature, rl.top_p, rl.top_k, seed),
+        max_new_tokens=rl.max_completion_length,
+        eos_ids=eos,
+        tokenizer=tokenizer,
+        host_kv=not device_kv(engine, rows, rl.max_completion_length, kv),
+        on_sweep=on_sweep,
+        media=pixels,
+    )
     out = []
     for c in dec.run(rows):
         p = c.index // G - first
@@ -139,8 +144,15 @@ def media_of(rollouts: list[Rollout]) -> dict | None:
     return {n: torch.cat([m[n] for m in got]) for n in got[0]} if got else None
 
 
-def write(run_dir: Path, step: int, rollouts: list[Rollout], names: list[str], per_func: torch.Tensor,
-          reward: torch.Tensor, adv: torch.Tensor) -> Path:  # fmt: skip
+def write(
+    run_dir: Path,
+    step: int,
+    rollouts: list[Rollout],
+    names: list[str],
+    per_func: torch.Tensor,
+    reward: torch.Tensor,
+    adv: torch.Tensor,
+) -> Path:
     """rollouts/step-N.jsonl (N = step + 1), written whole or not at all."""
     lines = []
     for k, r in enumerate(rollouts):

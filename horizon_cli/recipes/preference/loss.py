@@ -201,7 +201,13 @@ def _ratio(counts: dict[str, float], key: str) -> float:
 
 def _to(t: PairTargets, device: torch.device) -> PairTargets:
     return PairTargets(
-        idx=t.idx.to(device), tgt=t.tgt.to(device), seq=t.seq.to(device), comp=t.comp.to(device),
-        n_pred=t.n_pred.to(device), n_comp=t.n_comp.to(device), valid=t.valid.to(device),
-        ref=None if t.ref is None else t.ref.to(device), counts=t.counts,
-    )  # fmt: skip
+        idx=t.idx.to(device),
+        tgt=t.tgt.to(device),
+        seq=t.seq.to(device),
+        comp=t.comp.to(device),
+        n_pred=t.n_pred.to(device),
+        n_comp=t.n_comp.to(device),
+        valid=t.valid.to(device),
+        ref=None if t.ref is None else t.ref.to(device),
+        counts=t.counts,
+    )
