@@ -33,7 +33,7 @@ from ..lora.linear import LayerLora
 from ..lora.setup import LoraSetup
 from ..lora.state import initial_adapters
 from ..lora.targets import Target
-from .support import image_owner, is_multimodal
+from .support import generic_of, image_owner, is_multimodal
 from .trained import TowerState, trained_names
 
 if TYPE_CHECKING:
@@ -61,8 +61,7 @@ def projector_targets(arch: ArchSpec, vision: str, dropout: float = 0.0) -> list
         )
     from ..arch.generic import stored_model
 
-    assert arch.generic is not None  # a multimodal model is a generic one
-    model = stored_model(arch.generic)
+    model = stored_model(generic_of(arch))
     spec = image_owner(arch, "train.vision: projector", model)
     base = spec.owner + "." if spec.owner else ""
     names = set(trained_names(spec.towers, dict(model.named_parameters()), base, "projector"))

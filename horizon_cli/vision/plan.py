@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import InputError
 from .encode import stacked, unstacked
-from .support import HFModule, image_owner, is_multimodal
+from .support import HFModule, generic_of, image_owner, is_multimodal
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -62,8 +62,7 @@ def measure(store: ModelFiles, cfg: Config, dtype: torch.dtype) -> dict[str, int
     if not is_multimodal(store.arch) or getattr(store, "hf_dir", None) is not None:
         return None
     where = f"model.path: {store.root}"
-    assert store.arch.generic is not None  # a multimodal model is a generic one
-    model = stored_model(store.arch.generic, dtype)
+    model = stored_model(generic_of(store.arch), dtype)
     try:
         spec = image_owner(store.arch, where, model)
         proc = load_processor(Path(store.root) / "hf", where)
@@ -106,8 +105,7 @@ def generation_bytes(
     the batch at once, an upper bound of any prefill micro-batch's)."""
     from ..arch.generic import stored_model
 
-    assert store.arch.generic is not None  # a multimodal model is a generic one
-    model = stored_model(store.arch.generic, dtype)
+    model = stored_model(generic_of(store.arch), dtype)
     spec = image_owner(store.arch, f"model.path: {store.root}", model)
     owner = model.get_submodule(spec.owner) if spec.owner else model
     weights = sum(p.numel() for c in spec.towers for p in owner.get_submodule(c).parameters())

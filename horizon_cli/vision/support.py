@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..arch import ArchSpec
+from ..arch.generic_arch import GenericArch
 from ..errors import InputError
 from ..model.token_masks import reads_token_types
 
@@ -53,6 +54,13 @@ class ImageOwner:
     towers: tuple[str, ...]  # the owner's other children: tower(s) and projector
     rope: bool = False  # the owner computes multimodal rotary position ids (get_rope_index)
     types: bool = False  # its masks read token types (model.token_masks: Gemma 3's image blocks)
+
+
+def generic_of(arch: ArchSpec) -> GenericArch:
+    """A multimodal model's generic description (only a generic model carries a tower)."""
+    kind = arch.kind
+    assert isinstance(kind, GenericArch), "a multimodal model is a generic one"
+    return kind
 
 
 def is_multimodal(arch: ArchSpec) -> bool:

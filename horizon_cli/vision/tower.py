@@ -44,7 +44,7 @@ from ..arch.disk import place
 from ..errors import InputError
 from ..store.carried import FILE, verify_carried
 from .encode import stacked
-from .support import HFModule, ImageOwner, image_owner
+from .support import HFModule, ImageOwner, generic_of, image_owner
 
 if TYPE_CHECKING:
     from ..arch.generic_arch import GenericArch
@@ -53,9 +53,8 @@ if TYPE_CHECKING:
 
 class VisionTower:
     def __init__(self, store: Store, device: torch.device, dtype: torch.dtype, trained: bool = False) -> None:
-        g = store.arch.generic
+        g = generic_of(store.arch)
         where = f"model.path: {store.root}"
-        assert g is not None  # a store with a vision tower is a generic one (vision.support)
         model = build_model(g, dtype)
         self.spec = image_owner(store.arch, where, model)
         self.owner = model.get_submodule(self.spec.owner) if self.spec.owner else model
