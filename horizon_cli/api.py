@@ -127,14 +127,23 @@ def plan(
 
     path, base = _source(config)
     report = run_training(
-        path, list(overrides), dry_run=True, console=_console(console),
-        json_out=Path(json_out) if json_out is not None else None, machine=machine,
-        ranks=(world_size, nproc_per_node), base=base,
-    )  # fmt: skip
+        path,
+        list(overrides),
+        dry_run=True,
+        console=_console(console),
+        json_out=Path(json_out) if json_out is not None else None,
+        machine=machine,
+        ranks=(world_size, nproc_per_node),
+        base=base,
+    )
     return PlanResult(
-        report["fits"], report["memory"], report["host_bytes"], report["device_bytes"],
-        report["host_bytes_per_param"], report,
-    )  # fmt: skip
+        report["fits"],
+        report["memory"],
+        report["host_bytes"],
+        report["device_bytes"],
+        report["host_bytes_per_param"],
+        report,
+    )
 
 
 def train(config: Config, overrides: Sequence[str] = (), *, console: Console | None = None) -> TrainResult:
@@ -146,9 +155,14 @@ def train(config: Config, overrides: Sequence[str] = (), *, console: Console | N
     opt = lambda k: Path(out[k]) if out.get(k) else None  # noqa: E731
     ck = Path(out["checkpoint"])
     return TrainResult(
-        ck.parent.parent, out["step"], ck, out.get("final_loss"), opt("export"), opt("adapter"),
+        ck.parent.parent,
+        out["step"],
+        ck,
+        out.get("final_loss"),
+        opt("export"),
+        opt("adapter"),
         out.get("rank", 0),
-    )  # fmt: skip
+    )
 
 
 def export(
@@ -232,6 +246,9 @@ def profile(
     from .profile import run_profile
 
     return run_profile(
-        Path(config) if config is not None else None, json_out=json_out, trace=trace, plot=plot,
+        Path(config) if config is not None else None,
+        json_out=json_out,
+        trace=trace,
+        plot=plot,
         console=_console(console),
-    )  # fmt: skip
+    )

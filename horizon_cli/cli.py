@@ -182,9 +182,14 @@ def train(
         api.train(config, overrides or [], console=Console())
         return
     api.plan(
-        config, overrides or [], machine=machine, world_size=world_size, nproc_per_node=nproc_per_node,
-        json_out=json_out, console=Console(),
-    )  # fmt: skip
+        config,
+        overrides or [],
+        machine=machine,
+        world_size=world_size,
+        nproc_per_node=nproc_per_node,
+        json_out=json_out,
+        console=Console(),
+    )
 
 
 @app.command()
@@ -209,10 +214,20 @@ def generate(
     from . import api
 
     api.generate(
-        src, prompts=prompt or [], prompts_file=prompts_file, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop or [], batch_size=batch_size,
-        output=output, console=console, echo=typer.echo,
-    )  # fmt: skip
+        src,
+        prompts=prompt or [],
+        prompts_file=prompts_file,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=stop or [],
+        batch_size=batch_size,
+        output=output,
+        console=console,
+        echo=typer.echo,
+    )
 
 
 @app.command(name="eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -99,8 +99,14 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
             "+ the adapters' state (`horizon train CONFIG --dry-run` shows it)"
         )
         scheme = next(iter({p.scheme for p in store.packed.values()}))
-        return {"params": m.params, "path": a.path, "quant": m.quant, "quant_scheme": scheme,
-                "bytes": total, "base_bytes": base}  # fmt: skip
+        return {
+            "params": m.params,
+            "path": a.path,
+            "quant": m.quant,
+            "quant_scheme": scheme,
+            "bytes": total,
+            "base_bytes": base,
+        }
     plans = {d: memory_plan(a, d, batch=0) for d in ("bfloat16", "float32")}
     host = Table(title="host memory to train (excluding activations)", title_justify="left")
     host.add_column("category")

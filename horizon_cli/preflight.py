@@ -48,8 +48,13 @@ def cgroup_headroom(
         if controllers == "":  # v2 unified hierarchy
             out += _limits(root, path, "memory.max", "memory.current", "cgroup memory.max")
         elif "memory" in controllers.split(","):
-            out += _limits(root / "memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes",
-                           "cgroup memory.limit_in_bytes")  # fmt: skip
+            out += _limits(
+                root / "memory",
+                path,
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+                "cgroup memory.limit_in_bytes",
+            )
     return out
 
 

@@ -25,7 +25,8 @@ from torch import nn
 
 from ..errors import InputError
 from .capture import hidden_of
-from .generic_arch import GenericArch, Stack
+from .generic_arch import GenericArch
+from .structure import Stack
 
 
 class Layered(Protocol):

@@ -232,9 +232,11 @@ def packed_positions(owner: nn.Module, pos: torch.Tensor) -> Iterator[None]:
     real = {
         k: f
         for k, f in vars(module).items()
-        if callable(f) and getattr(f, "__module__", "") == mu.__name__ and k.startswith("create_")
+        if callable(f)
+        and getattr(f, "__module__", "") == mu.__name__
+        and k.startswith("create_")
         and "position_ids" in inspect.signature(f).parameters
-    }  # fmt: skip
+    }
 
     def wrap(f):
         def call(*args, **kwargs):

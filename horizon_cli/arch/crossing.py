@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .generic_arch import Crossing, How
+from .structure import Crossing, How
 
 
 def grad_tensors(v) -> bool:

@@ -38,8 +38,9 @@ from ..errors import InputError
 from .calls import is_loop
 from .disk import place
 from .exceptions import refuse_config, refuse_layers, refuse_shared
-from .generic_arch import DiskPart, GenericArch, Moe, Stack, Table, TensorRow, Units
+from .generic_arch import DiskPart, GenericArch, Moe, Table, TensorRow, Units
 from .probe import probe
+from .structure import Stack
 from .workset import measure
 
 RECURRENT = re.compile(

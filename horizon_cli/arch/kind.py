@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .generic_arch import GenericArch, Moe, Stack
+from .generic_arch import GenericArch, Moe
+from .structure import Stack
 
 
 @dataclass(frozen=True)

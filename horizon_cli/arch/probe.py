@@ -33,8 +33,8 @@ from ..errors import InputError
 from .calls import is_loop, junctions
 from .capture import Stop, head_stub, hidden_of, recorders
 from .crossing import side_inputs, side_width
-from .generic_arch import Crossing, Logits, Stack
 from .stack import find_stack, path_of
+from .structure import Crossing, Logits, Stack
 
 T = 4  # probe tokens
 

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from .capture import Stop, recorders
-from .generic_arch import Mixer, Stack
+from .generic_arch import Mixer
 from .probe import _no_packing_check
+from .structure import Stack
 
 LENGTHS = (256, 512)  # multiples of every chunk size in transformers' kernels (64, 128, 256)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

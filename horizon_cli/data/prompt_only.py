@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from .formats import is_prompt_only
 from .images import ImageData, names_images
 from .prompts import _ids
 from .source import load_records, open_source
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 FIELDS = ("prompt", "prompt_input_ids")
 
@@ -63,7 +67,7 @@ class PromptRow:
 class PromptSet:
     rows: list[PromptRow]
     conversational: bool
-    tokenizer: object = None  # what encoded them (rl decodes completions with it)
+    tokenizer: PreTrainedTokenizerBase | None = None  # what encoded them (rl decodes completions with it)
     format: str = "prompt"
 
     def __len__(self) -> int:

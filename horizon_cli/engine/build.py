@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..arch import ArchSpec
 from ..config import Config
 from ..lora.setup import LoraSetup
 from ..parallel.comm import Dist
@@ -87,10 +88,19 @@ def build_engine(
         torch.set_num_threads(cfg.engine.compute_threads)
     world = dist.world if dist is not None else 1
     return Engine(
-        store, cfg.engine, cfg.optim, tracer=tracer, progress=progress, max_tokens=step_tokens(cfg, store, world),
-        lora=lora, dist=dist, objective=objective, keep=keep, dropout_seed=dropout_seed(cfg),
+        store,
+        cfg.engine,
+        cfg.optim,
+        tracer=tracer,
+        progress=progress,
+        max_tokens=step_tokens(cfg, store, world),
+        lora=lora,
+        dist=dist,
+        objective=objective,
+        keep=keep,
+        dropout_seed=dropout_seed(cfg),
         stage=stage,
-    )  # fmt: skip
+    )
 
 
 def dropout_seed(cfg: Config) -> int | None:
@@ -100,7 +110,7 @@ def dropout_seed(cfg: Config) -> int | None:
     return None if cfg.model.dropout == 0 or cfg.dropout_off else cfg.train.seed
 
 
-def dropout_line(cfg: Config, arch) -> str | None:
+def dropout_line(cfg: Config, arch: ArchSpec) -> str | None:
     """What the run does with its model's dropout (the dry run's line), None: the model has none."""
     keys = model_dropout(arch)
     if not keys:

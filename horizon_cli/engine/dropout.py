@@ -29,6 +29,7 @@ import torch
 
 from ..arch import ArchSpec
 from ..arch.exceptions import stochastic_keys
+from .seams import LayerTemplate
 
 TAG = 0x44524F50  # "DROP": the layers' stream, apart from LoRA's (lora.linear seeds without it)
 
@@ -52,7 +53,7 @@ class SeededDropout:
 
     active = True
 
-    def __init__(self, seed: int, tmpl, device: torch.device):
+    def __init__(self, seed: int, tmpl: LayerTemplate, device: torch.device) -> None:
         self.seed, self.tmpl = seed, tmpl
         self.gens = [torch.default_generator]
         if device.type == "cuda":
@@ -85,7 +86,7 @@ def _native_dropout(arch: ArchSpec) -> list[tuple[str, float]]:
     return [("attention_dropout", arch.attn_dropout)] if arch.attn_dropout else []
 
 
-def dropout_for(tmpl, seed: int | None, device: torch.device) -> NoDropout | SeededDropout:
+def dropout_for(tmpl: LayerTemplate, seed: int | None, device: torch.device) -> NoDropout | SeededDropout:
     """SeededDropout when the run trains with dropout (seed: the run's; None: model.dropout: 0)
     and the template's model has any (`tmpl.stochastic`), else NoDropout."""
     if seed is None or not tmpl.stochastic:

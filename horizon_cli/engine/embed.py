@@ -33,7 +33,7 @@ from ..runtime.transport import Transport
 from ..state.frozen import FrozenUnit
 from ..state.host import HostState, UnitState
 from .grads import GradSums, sumsq64
-from .seams import B, EmbeddingTable
+from .seams import B, EmbeddingTable, Inputs
 from .sharded import ShardedGrads
 
 Units = dict[str, UnitState | FrozenUnit]  # every unit's streaming copy
@@ -49,9 +49,15 @@ class TableEmbedding:
         return []
 
     def __init__(
-        self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,
-        dtype: torch.dtype, scale: float | None,
-    ):  # fmt: skip
+        self,
+        transport: Transport,
+        loader: Loader,
+        units: Units,
+        host: HostState,
+        spec: ArchSpec,
+        dtype: torch.dtype,
+        scale: float | None,
+    ):
         """units: every unit's streaming copy (LoRA: the frozen base's); host: the trained units'
         state (the embedding's grad, when trained). scale: the family's embedding scale, or None."""
         self.t, self.loader, self.units, self.host = transport, loader, units, host
@@ -71,7 +77,7 @@ class TableEmbedding:
         s = self._scale
         return x if s is None else [xm * s for xm in x]
 
-    def _split(self, rows: torch.Tensor, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    def _split(self, rows: torch.Tensor, mbs: Inputs) -> list[torch.Tensor]:
         """Rows of every micro-batch, flat or (n, H) -> (b, T, H) per micro-batch."""
         flat, out, off = rows.reshape(-1), [], 0
         for mb in mbs:
@@ -85,9 +91,15 @@ class HostEmbedding(TableEmbedding):
     """One rank: host staging for the rows and their gradient."""
 
     def __init__(
-        self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,
-        dtype: torch.dtype, scale: float | None,
-    ):  # fmt: skip
+        self,
+        transport: Transport,
+        loader: Loader,
+        units: Units,
+        host: HostState,
+        spec: ArchSpec,
+        dtype: torch.dtype,
+        scale: float | None,
+    ):
         super().__init__(transport, loader, units, host, spec, dtype, scale)
         self.staging: dict[str, torch.Tensor] = {}
         self.touched: torch.Tensor | None = None  # the rows the last backward added into (untied)
@@ -106,7 +118,7 @@ class HostEmbedding(TableEmbedding):
             buf = self.staging[name] = self.t.host_empty(numel, dtype)
         return buf[:numel]
 
-    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    def forward(self, mbs: Inputs) -> list[torch.Tensor]:
         """The input rows per micro-batch, (b, T, H) on the device (not yet scaled): gathered on
         the host (no weight transfer) and sent."""
         self.loader.ready.get("embed", READY).host_wait()
@@ -141,7 +153,7 @@ class HostEmbedding(TableEmbedding):
         ready["embed"] = READY
         return sumsq64(st.grad)
 
-    def _zero(self, st) -> None:
+    def _zero(self, st: UnitState) -> None:
         """The untied gradient zeroed: only the rows the last backward wrote (the rest are zero
         already, so the result is bitwise the same) where the unit is the table alone; a step
         touches a few thousand of a vocabulary's 10^5 rows (issue 42: the full-vocabulary zero)."""
@@ -161,14 +173,22 @@ class ShardedEmbedding(TableEmbedding):
         return [Load("embed-in", "embed")]
 
     def __init__(
-        self, transport: Transport, loader: Loader, units: Units, host: HostState, spec: ArchSpec,
-        dtype: torch.dtype, scale: float | None, sharded: ShardedGrads, grads: GradSums,
-    ):  # fmt: skip
+        self,
+        transport: Transport,
+        loader: Loader,
+        units: Units,
+        host: HostState,
+        spec: ArchSpec,
+        dtype: torch.dtype,
+        scale: float | None,
+        sharded: ShardedGrads,
+        grads: GradSums,
+    ):
         super().__init__(transport, loader, units, host, spec, dtype, scale)
         self.sharded: ShardedGrads = sharded
         self.grads: GradSums = grads
 
-    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    def forward(self, mbs: Inputs) -> list[torch.Tensor]:
         """Pick the input rows from the embedding table all-gathered on the device."""
         w, _ = self.loader.acquire("embed-in")
         ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
@@ -207,7 +227,7 @@ class TextStage:
     def reserve(self, numel: int, grad: bool) -> None:
         self.table.reserve(numel, grad)
 
-    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    def forward(self, mbs: Inputs) -> list[torch.Tensor]:
         return self.table.forward(mbs)
 
     def backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +66,7 @@ class Engine:
         optim: OptimConfig,
         *,
         tracer: Tracer | None = None,
-        progress=lambda n: None,
+        progress: Callable[[int], None] = lambda n: None,
         max_tokens: int = 0,
         transport: Transport | None = None,
         lora: LoraSetup | None = None,
@@ -76,7 +76,7 @@ class Engine:
         forward_only: bool = False,
         dropout_seed: int | None = None,
         stage: Stage | None = None,
-    ):
+    ) -> None:
         """max_tokens: the most tokens a step will hold (train.batch_size x data.max_seq_len); the
         buffers for saved inputs are then sized once (0: they grow with the longest step seen).
         transport: one made by the caller (tests), instead of the one engine.device names.
@@ -98,10 +98,21 @@ class Engine:
         elif keep is None:
             keep = engine.keep_activations if isinstance(engine.keep_activations, int) else 0
         p = assemble(
-            store, engine, optim, tracer=tracer, progress=progress, transport=transport, lora=lora,
-            dist=dist, objective=objective, step_numel=step_numel, keep=min(keep, store.arch.n_layers),
-            forward_only=forward_only, dropout_seed=dropout_seed, stage=stage,
-        )  # fmt: skip
+            store,
+            engine,
+            optim,
+            tracer=tracer,
+            progress=progress,
+            transport=transport,
+            lora=lora,
+            dist=dist,
+            objective=objective,
+            step_numel=step_numel,
+            keep=min(keep, store.arch.n_layers),
+            forward_only=forward_only,
+            dropout_seed=dropout_seed,
+            stage=stage,
+        )
         self.p = p
         self.tuning = tuning_for(lora)  # what train/ asks of a run's training (engine.tuning)
         self.ranks = p.ranks  # ... and of its processes (engine.ranks)

@@ -26,6 +26,8 @@ from ..runtime.events import READY, Event
 from ..runtime.transport import Transport
 from ..state.host import HostState
 
+Views = dict[str, torch.Tensor]  # a gradient buffer's views by tensor name
+
 
 class GradSums:
     """The device's fp32 gradient accumulators of a step, and their copies to the host."""
@@ -93,7 +95,7 @@ class GradSums:
         ]
         return sum(g.numel() * g.element_size() for g in own if id(g) not in hosts)
 
-    def buffer(self, unit: str | None, k: int):
+    def buffer(self, unit: str | None, k: int) -> tuple[torch.Tensor | None, Views | None]:
         """A trained unit's fp32 gradient sum (accumulator k, or its host buffer), zeroed, and its
         views by tensor name."""
         if unit is None:
@@ -107,7 +109,7 @@ class GradSums:
             gv = self._views[(k, unit)] = self.host[unit].views(g)
         return g, gv
 
-    def loop_buffer(self, unit: str | None, fresh: bool):
+    def loop_buffer(self, unit: str | None, fresh: bool) -> tuple[torch.Tensor | None, Views | None]:
         """The fp32 gradient sum of a unit a loop calls more than once, and its views: zeroed at
         its first call in the backward (`fresh`), added to by the others."""
         if unit is None:

@@ -22,9 +22,14 @@ from .seams import Embedding, LayerTemplate, Reduce
 
 class TrainedHead:
     def __init__(
-        self, host: HostState, grads: GradSums, tmpl: LayerTemplate, reduce: Reduce, embedding: Embedding,
+        self,
+        host: HostState,
+        grads: GradSums,
+        tmpl: LayerTemplate,
+        reduce: Reduce,
+        embedding: Embedding,
         tied: bool,
-    ):  # fmt: skip
+    ):
         self.host, self.grads, self.tmpl, self.reduce = host, grads, tmpl, reduce
         self.embedding, self.tied = embedding, tied
 

@@ -80,8 +80,9 @@ class Inference:
         out = []
         for xm, (idx, tgt) in zip(x, where, strict=True):
             dev = p.t.device
-            logp, best = token_scores(xm, head.norm, head.norm_w, head.lm, idx.to(dev), tgt.to(dev), head.chunk,
-                                      head.logits)  # fmt: skip
+            logp, best = token_scores(
+                xm, head.norm, head.norm_w, head.lm, idx.to(dev), tgt.to(dev), head.chunk, head.logits
+            )
             out.append((logp.cpu(), best.cpu()))
         self.sweep.release_head()
         return out

@@ -26,6 +26,8 @@ from ..lora.linear import LayerLora
 from .parts import Parts
 from .seams import Context, LayerCall, Weights
 
+Graph = tuple[torch.Tensor, torch.Tensor, object]  # a kept micro-batch's input, output, held
+
 Calls = Callable[[int, LayerLora | None], LayerCall]  # micro-batch m, the adapters -> the call over it
 
 
@@ -33,7 +35,7 @@ Calls = Callable[[int, LayerLora | None], LayerCall]  # micro-batch m, the adapt
 class Held:
     """One kept layer's graphs, from its forward to its backward."""
 
-    graphs: list[tuple[torch.Tensor, torch.Tensor, object]]  # per micro-batch: input, output, held
+    graphs: list[Graph | None]  # per micro-batch: input, output, held (None: given up)
     leaves: list[torch.Tensor]  # what the backward differentiates (as the recompute's leaves)
     names: list[str]
     want_dx: bool
@@ -63,7 +65,8 @@ class KeptLayers:
         p = self.p
         w, lora, leaves, names = p.params.leaves(i, p.params.weights(i, w), extras, p.adam_step)
         want_dx = p.params.wants_dx(i) or p.embedding.stage_trained
-        graphs, out = [], []
+        graphs: list[Graph | None] = []
+        out = []
         with torch.enable_grad():
             for m, (xm, c) in enumerate(zip(x, ctxs, strict=True)):
                 xi = xm.detach().requires_grad_(want_dx)
@@ -75,14 +78,15 @@ class KeptLayers:
         self.held[i] = Held(graphs, leaves, names, want_dx)
         return out
 
-    def take(self, i: int, ctxs) -> tuple[Callable[[int], tuple], Held]:
+    def take(self, i: int, ctxs: list[Context]) -> tuple[Callable[[int], tuple], Held]:
         """Layer i's backward: per micro-batch (input, output, auxiliary term or None), each given
         up once used (autograd.grad frees its graph), and the layer's leaves."""
         h = self.held.pop(i)
 
         def graph(m: int) -> tuple:
-            xi, y, held = h.graphs[m]
-            h.graphs[m] = None  # type: ignore[call-overload]
+            got, h.graphs[m] = h.graphs[m], None
+            assert got is not None, "a kept graph is taken once"
+            xi, y, held = got
             return xi, y, self.p.tmpl.held_objective(held, ctxs[m])
 
         return graph, h

@@ -119,7 +119,7 @@ class HeadOut:
 class Objective(ABC):
     name: str = ""
 
-    def targets(self, mbs: list[MicroBatch], device) -> list[Targets]:
+    def targets(self, mbs: list[MicroBatch], device: torch.device) -> list[Targets]:
         """Labelled positions and their targets per micro-batch, sent to the device."""
         out = []
         for mb in mbs:
@@ -187,7 +187,9 @@ class SequenceObjective(Objective):
         dx = [head.backward(x, t, c) for x, t, c in zip(xs, targets, torch.split(coef, sizes), strict=True)]
         return HeadOut(loss_sum.detach(), dx, {k: v.detach() for k, v in stats.items()})
 
-    def evaluate(self, head: Head, xs: list[torch.Tensor], targets: list[Targets]):
+    def evaluate(
+        self, head: Head, xs: list[torch.Tensor], targets: list[Targets]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The objective's own loss and stats, forward only (one pass over the head)."""
         logps = [head.logps(x, t) for x, t in zip(xs, targets, strict=True)]
         loss_sum, stats = self.loss(logps, targets)

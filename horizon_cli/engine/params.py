@@ -46,6 +46,10 @@ from .headgrad import FrozenHead, TrainedHead
 from .seams import Embedding, HeadGrads, LayerTemplate, Params, Reduce
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
+Progress = Callable[[int], None]  # bytes read so far
+Shard = tuple[int, int]  # (world, rank)
+Weights = dict[str, torch.Tensor]
+Leaves = tuple[Weights, LayerLora | None, list[torch.Tensor], list[str]]
 
 
 class FullParams:
@@ -55,7 +59,16 @@ class FullParams:
     base: FrozenState | None = None
     trains_head = True
 
-    def __init__(self, store: Store, dtype, grad_dtype, alloc: Alloc, progress, mode: MemoryMode, shard):
+    def __init__(
+        self,
+        store: Store,
+        dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        alloc: Alloc,
+        progress: Progress,
+        mode: MemoryMode,
+        shard: Shard,
+    ) -> None:
         self.host = HostState(store, dtype, alloc, progress, grad_dtype, mode, shard)
         self.widen = Widen(self.host.units, dtype)  # lean computing in fp32: its bf16 weight upcast
         self.spec = store.arch
@@ -86,7 +99,7 @@ class FullParams:
     def adapters(self, on: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def leaves(self, i: int, w: dict[str, torch.Tensor], extras: list[torch.Tensor], step: int):
+    def leaves(self, i: int, w: Weights, extras: list[torch.Tensor], step: int) -> Leaves:
         """(weights to compute with, LayerLora or None, autograd leaves, their names): the layer's
         trainable weights as leaves of their own (views of the loaded buffer), frozen ones as
         they are."""
@@ -130,9 +143,16 @@ class _OnFrozenBase:
     trains_head = False
 
     def __init__(
-        self, store: Store, setup: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, shard,
+        self,
+        store: Store,
+        setup: LoraSetup | None,
+        dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        alloc: Alloc,
+        progress: Progress,
+        shard: Shard,
         narrow: bool = False,
-    ):  # fmt: skip
+    ) -> None:
         self.lora = setup
         self.base, self.host, self.trained = lora_state(
             store, setup, dtype, grad_dtype, alloc, progress, shard, narrow
@@ -164,7 +184,9 @@ class _OnFrozenBase:
         assert self.base is not None
         return self.base.weights(unit, w)
 
-    def _lora(self, i: int, extras: list[torch.Tensor], step: int, train: bool, grad: bool):
+    def _lora(
+        self, i: int, extras: list[torch.Tensor], step: int, train: bool, grad: bool
+    ) -> tuple[LayerLora | None, list[torch.Tensor], list[str]]:
         u = self.trained[i]
         if u is None:
             return None, [], []
@@ -186,7 +208,7 @@ class _OnFrozenBase:
         finally:
             self.off = was
 
-    def leaves(self, i: int, w: dict[str, torch.Tensor], extras: list[torch.Tensor], step: int):
+    def leaves(self, i: int, w: Weights, extras: list[torch.Tensor], step: int) -> Leaves:
         """(weights, adapters, their autograd leaves in layout order, their names): the base's
         weights are constants of the recompute."""
         lora, leaves, names = self._lora(i, extras, step, train=True, grad=True)
@@ -231,8 +253,16 @@ class LoraParams(_OnFrozenBase):
     layer and alone get gradients."""
 
     def __init__(
-        self, store: Store, setup: LoraSetup, dtype, grad_dtype, alloc: Alloc, progress, shard, narrow=False
-    ):
+        self,
+        store: Store,
+        setup: LoraSetup,
+        dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        alloc: Alloc,
+        progress: Progress,
+        shard: Shard,
+        narrow: bool = False,
+    ) -> None:
         super().__init__(store, setup, dtype, grad_dtype, alloc, progress, shard, narrow)
 
 
@@ -245,9 +275,17 @@ class FrozenParams(_OnFrozenBase):
 
 
 def make_params(
-    store: Store, lora: LoraSetup | None, dtype, grad_dtype, alloc: Alloc, progress, mode: MemoryMode, shard,
-    forward_only: bool = False, narrow: bool = False,
-) -> Params:  # fmt: skip
+    store: Store,
+    lora: LoraSetup | None,
+    dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    alloc: Alloc,
+    progress: Progress,
+    mode: MemoryMode,
+    shard: Shard,
+    forward_only: bool = False,
+    narrow: bool = False,
+) -> Params:
     """narrow: a frozen base read from a store narrower than `dtype` stays as stored on the host
     and is upcast on the device (state.frozen: where there is a link to cross)."""
     if forward_only:

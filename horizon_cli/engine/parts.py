@@ -97,7 +97,7 @@ def assemble(
     optim: OptimConfig,
     *,
     tracer: Tracer | None = None,
-    progress=lambda n: None,
+    progress: Callable[[int], None] = lambda n: None,
     transport: Transport | None = None,
     lora: LoraSetup | None = None,
     dist: Dist | None = None,
@@ -126,9 +126,17 @@ def assemble(
     shard = (dist.world, dist.rank) if dist else (1, 0)
     # with a link to cross, a frozen base narrower than the compute dtype crosses it as stored
     params = make_params(
-        store, lora, dtype, grad_dtype, t.host_empty, progress, optim.mode, shard, forward_only,
+        store,
+        lora,
+        dtype,
+        grad_dtype,
+        t.host_empty,
+        progress,
+        optim.mode,
+        shard,
+        forward_only,
         narrow=not t.shares_host,
-    )  # fmt: skip
+    )
     tied = spec.tie_embeddings
     extra = params.extra_numel()
     loader = Loader(
@@ -159,9 +167,15 @@ def assemble(
     repeated = sorted({u for i in calls if calls.count(i) > 1 and (u := params.trained[i]) is not None})
     sharded = ShardedGrads(dist, t, params.host, grad_dtype, replicated=lora is not None) if dist else None
     grads = GradSums(
-        t, params.host, params.trained, grad_dtype, world=dist.world if dist else 1,
-        full=params.trains_head, embed_on_device=tied or dist is not None, repeated=repeated,
-    )  # fmt: skip
+        t,
+        params.host,
+        params.trained,
+        grad_dtype,
+        world=dist.world if dist else 1,
+        full=params.trains_head,
+        embed_on_device=tied or dist is not None,
+        repeated=repeated,
+    )
     t.memory.set("grad_acc", grads.nbytes() + (sharded.nbytes() if sharded else 0))
     table: EmbeddingTable
     if sharded is None:
@@ -186,7 +200,26 @@ def assemble(
         # NF4: one layer dequantized on the device (+ each kept one); narrow units: their upcast
         t.memory.set("dequantized layer", n)
     return Parts(
-        spec, engine, optim, dtype, grad_dtype, t, tracer, Poison(), dist, params, loader, optimizer, tmpl,
-        grads, reduce, embedding, objective or TokenCE(), params.head_grads(grads, tmpl, reduce, embedding, tied),
-        ranks_for(dist), keep, 0, dropout_for(tmpl, None if forward_only else dropout_seed, t.device),
-    )  # fmt: skip
+        spec,
+        engine,
+        optim,
+        dtype,
+        grad_dtype,
+        t,
+        tracer,
+        Poison(),
+        dist,
+        params,
+        loader,
+        optimizer,
+        tmpl,
+        grads,
+        reduce,
+        embedding,
+        objective or TokenCE(),
+        params.head_grads(grads, tmpl, reduce, embedding, tied),
+        ranks_for(dist),
+        keep,
+        0,
+        dropout_for(tmpl, None if forward_only else dropout_seed, t.device),
+    )

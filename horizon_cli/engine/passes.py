@@ -55,7 +55,7 @@ class ForwardPass:
     def backward_load(self, j: int) -> Load | None:
         return None
 
-    def backward(self, j: int, dx: list[torch.Tensor], ctxs: list[Context], gv: Weights) -> None:
+    def backward(self, j: int, dx: list[torch.Tensor], ctxs: list[Context], gv: Weights | None) -> None:
         raise AssertionError("a forward-only pass has no backward")
 
     def run(self, j: int, i: int, x: list[torch.Tensor], ctxs: list[Context]) -> list[torch.Tensor]:
@@ -87,9 +87,14 @@ class ForwardPass:
         return self.p.dropout.scope(c.step, c.call, c.mb) if self.train else contextlib.nullcontext()
 
     def compute(
-        self, j: int, i: int, w: dict[str, torch.Tensor], extras: list[torch.Tensor],
-        x: list[torch.Tensor], ctxs: list[Context],
-    ) -> list[torch.Tensor]:  # fmt: skip
+        self,
+        j: int,
+        i: int,
+        w: dict[str, torch.Tensor],
+        extras: list[torch.Tensor],
+        x: list[torch.Tensor],
+        ctxs: list[Context],
+    ) -> list[torch.Tensor]:
         p = self.p
         with p.t.compute_span(f"fwd {j}" if j == i else f"fwd {j} (layer {i})"):
             w = p.params.weights(i, w)
@@ -133,7 +138,7 @@ class SavePass(ForwardPass):
         self.promises[j].set(ev)  # the transport keeps x alive until the copy has read it
         return super().run(j, i, x, ctxs)
 
-    def backward(self, j: int, dx: list[torch.Tensor], ctxs: list[Context], gv: Weights) -> None:
+    def backward(self, j: int, dx: list[torch.Tensor], ctxs: list[Context], gv: Weights | None) -> None:
         """Load call j's layer again with its saved inputs and recompute it under autograd for every
         micro-batch: its input gradient into dx, the leaves' gradients added (fp32) into gv."""
         p = self.p
@@ -176,7 +181,7 @@ class KeptPass(ForwardPass):
         with p.t.compute_span(f"fwd {j} kept", kept=True):
             return self.keep.forward(j, w, extras, x, ctxs, lambda m, lora: self.call(j, i, m, lora))
 
-    def backward(self, j: int, dx: list[torch.Tensor], ctxs: list[Context], gv: Weights) -> None:
+    def backward(self, j: int, dx: list[torch.Tensor], ctxs: list[Context], gv: Weights | None) -> None:
         """The graph the forward held, then the forward's load is released (held until now)."""
         p = self.p
         with p.t.compute_span(f"bwd {j} kept", kept=True):
@@ -187,9 +192,16 @@ class KeptPass(ForwardPass):
 
 
 def backprop(
-    tmpl: LayerTemplate, i: int, ctxs: list[Context], graph: Callable[[int], Graph], leaves: list[torch.Tensor],
-    names: list[str], dx: list[torch.Tensor], want_dx: bool, gv: Weights,
-) -> None:  # fmt: skip
+    tmpl: LayerTemplate,
+    i: int,
+    ctxs: list[Context],
+    graph: Callable[[int], Graph],
+    leaves: list[torch.Tensor],
+    names: list[str],
+    dx: list[torch.Tensor],
+    want_dx: bool,
+    gv: Weights | None,
+) -> None:
     """Backpropagate layer i's graph of each micro-batch (graph(m): input, output, auxiliary
     term or None), in order: the input gradient into dx[m], the leaves' gradients added (fp32)
     into gv, its side inputs' (tensors crossing layers, model.side) back to the template."""
@@ -207,4 +219,5 @@ def backprop(
             dx[m], grads = grads[0], grads[1:]
         for name, gw in zip(names, grads, strict=True):
             if gw is not None:  # None: a tensor this micro-batch never reached (an unrouted expert bias)
+                assert gv is not None  # leaves come with their gradient's views (GradSums.buffer)
                 gv[name].add_(gw)  # fp32 accumulation across micro-batches

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from ..data.batch import MicroBatch
 from ..errors import HorizonError, InputError
@@ -86,7 +86,7 @@ class ShardedRanks:
 
     def gather(self, obj: T) -> list[T]:
         """On the collective thread, after every collective queued before it (a sweep's gathers)."""
-        return self.comm.submit(lambda: self.comm.gather_objects(obj)).result()  # type: ignore[return-value]
+        return cast(list[T], self.comm.submit(lambda: self.comm.gather_objects(obj)).result())
 
     def first(self, fn: Callable[[], T]) -> T:
         return main_first(self.comm, fn)

@@ -18,14 +18,14 @@ assembles them; every implementation is chosen once, at build time).
 The template's per-micro-batch context, its generation cache and what a kept layer's forward
 holds are the template's own: the engine only hands them back (`Context`, `Cache`, `Held`, typed
 `object` here). The templates annotate them with their own types (model.layer.AttnContext,
-model.generic.GenericContext), narrower than the protocol's, which a strict structural check
+model.generic_context.GenericContext), narrower than the protocol's, which a strict structural check
 reports; the engine never builds or reads one, so only the template's own methods see them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -65,6 +65,7 @@ Cache = object  # per micro-batch: the template's generation cache (transformers
 Held = object  # what a kept layer's forward holds for its backward (the template's)
 Stats = dict[str, torch.Tensor]  # an objective's sums over this rank's data
 B = TypeVar("B", MicroBatch, DecodeBatch)  # a training micro-batch or a generation's
+Inputs = Sequence[MicroBatch | DecodeBatch]  # what a sweep embeds: a step's or a generation's
 
 
 class LayerTemplate(Protocol):
@@ -109,7 +110,7 @@ class EmbeddingTable(Protocol):
 
     def loads(self) -> list[Load]: ...  # loads before layer 0's (a sharded table's gather)
     def reserve(self, numel: int, grad: bool) -> None: ...  # host staging, sized once
-    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]: ...  # (b, T, H) each, not yet scaled
+    def forward(self, mbs: Inputs) -> list[torch.Tensor]: ...  # (b, T, H) each, not yet scaled
     def backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float: ...
     def scale(self, x: list[torch.Tensor]) -> list[torch.Tensor]: ...  # the family's (Gemma: sqrt(H))
 
@@ -216,4 +217,6 @@ class LayerPass(Protocol):
     def extras(self, i: int) -> tuple[list[torch.Tensor], list[Event]]: ...
     def backward_load(self, j: int) -> Load | None: ...
     def run(self, j: int, i: int, x: list[torch.Tensor], ctxs: list[Context]) -> list[torch.Tensor]: ...
-    def backward(self, j: int, dx: list[torch.Tensor], ctxs: list[Context], gv: Weights) -> None: ...
+    def backward(
+        self, j: int, dx: list[torch.Tensor], ctxs: list[Context], gv: Weights | None
+    ) -> None: ...  # gv: the trained unit's gradient views (None: the layer trains nothing)

@@ -24,7 +24,7 @@ every rank, so the reduce-scatter sums and never averages.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -54,7 +54,7 @@ class ShardedGrads:
         # a forward-only engine (an rl run's reference) trains nothing: empty buffers
         big = max((per(st.layout.numel) for st in host.units.values()), default=0)
         # reduce-scatter outputs: the two layer ping-pong buffers, the head's and the embedding's
-        self.keys: tuple = (0, 1, "head", "embed")
+        self.keys: tuple[int | str, ...] = (0, 1, "head", "embed")
         self.out = {k: transport.device_empty(big, torch.float32) for k in self.keys}
         narrow = grad_dtype != torch.float32 and not transport.shares_host
         self.wire = {k: transport.device_empty(big, grad_dtype) for k in self.keys} if narrow else {}
@@ -68,7 +68,7 @@ class ShardedGrads:
     def begin_step(self) -> None:
         self.sq = []
 
-    def reduce(self, unit: str, full: torch.Tensor, key, deps: Sequence[Event] = ()) -> Event:
+    def reduce(self, unit: str, full: torch.Tensor, key: int | str, deps: Sequence[Event] = ()) -> Event:
         """Reduce-scatter `full` (the unit's fp32 gradient sum, (world * S,)) and send this rank's
         slice to its host grad; a replicated unit's: all-reduce it in place and send it whole.
         Returns the event of the slice having landed there."""
@@ -111,7 +111,7 @@ class ShardedGrads:
         )
         return loss, sq, dict(zip(keys, vals, strict=True))
 
-    def sum_all(self, values) -> list[float]:
+    def sum_all(self, values: Callable[[], list[float]]) -> list[float]:
         """The sums over ranks of `values()` (evaluated on the collective thread, after every
         collective queued before: the squared norms are all in by then). One all-reduce. The
         collective thread's stream does not follow the compute stream: `values()` reads device
@@ -136,7 +136,7 @@ class ShardedGrads:
 
         self.d.submit(job).result()
 
-    def sum_replicated(self, flat: torch.Tensor, sq) -> None:
+    def sum_replicated(self, flat: torch.Tensor, sq: Callable[[torch.Tensor], float]) -> None:
         """A gradient every rank holds whole (a vision tower's trained part: vision.embed), flat on
         the device: summed over the ranks in place; `sq(flat)` (its squared norm, the sum's) joins
         the step's once, rank 0's, as a replicated unit's does."""

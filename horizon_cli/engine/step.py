@@ -139,7 +139,7 @@ class TrainStep:
             else:  # called more than once: its calls' gradients add up in a buffer of its own
                 g, gv = p.grads.loop_buffer(unit, fresh=j == latest[i])
             self.passes[j].backward(j, dx, ctxs, gv)  # recompute from the saved input, or the kept graph
-            if unit is not None and j == earliest[i]:  # its last call in the backward: the sum is whole
+            if unit is not None and g is not None and j == earliest[i]:  # its last call: the sum is whole
                 ev = p.reduce.layer(unit, g, k, sq)
                 p.grads.free[k] = self.grad_ready[unit] = ev
                 if latest[i] != earliest[i]:
@@ -156,7 +156,7 @@ class TrainStep:
             p.t.host_release(old)
         self.ckpt = [p.t.host_empty(total, p.dtype) for _ in range(self.recomputed)]  # kept: none
 
-    def _account(self, shapes) -> None:
+    def _account(self, shapes: list[tuple[int, ...]]) -> None:
         """Device memory by category for this step's shapes (the CPU has no allocator to ask)."""
         p = self.p
         item = p.dtype.itemsize

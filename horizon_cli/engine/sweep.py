@@ -23,7 +23,7 @@ from ..data.batch import MicroBatch
 from ..runtime.loader import Load
 from .objective import Head
 from .parts import Parts
-from .seams import Context, LayerPass
+from .seams import Context, Inputs, LayerPass
 
 
 class Sweep:
@@ -58,7 +58,7 @@ class Sweep:
                 seq.append(back)
         return seq
 
-    def start(self, mbs: list[MicroBatch], seq: list[Load]) -> list[torch.Tensor]:
+    def start(self, mbs: Inputs, seq: list[Load]) -> list[torch.Tensor]:
         """Begin the step's loads and send the embedded inputs (scaled as the family scales them).
         Layer 0's compute needs only its weights and the embedding rows, so the rows' copy is
         queued right behind W_0, before W_1 (whose load waits for layer 1's update, which the

@@ -97,8 +97,14 @@ def plan_generation(
     lays = {lay.name: lay for lay in layouts(spec)}
     layer_max = max(v for k, v in base.items() if k.startswith("layer."))
     rows = sum(b for b, _, _ in batches)
-    p = GenPlan(rows, weights_per_sweep(spec, dtype, quant, adapter_numel, stream), kv_bytes, "device",
-                link_gbps=link_gbps, device_free=device_free)  # fmt: skip
+    p = GenPlan(
+        rows,
+        weights_per_sweep(spec, dtype, quant, adapter_numel, stream),
+        kv_bytes,
+        "device",
+        link_gbps=link_gbps,
+        device_free=device_free,
+    )
     p.host[f"base weights{' (NF4 layers)' if quant else ''}"] = sum(base.values())
     p.device["weight buffers"] = (
         prefetch * layer_max + base["head"] + (base["embed"] if spec.tie_embeddings else 0)

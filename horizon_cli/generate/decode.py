@@ -113,7 +113,7 @@ class Generation:
             for db, c in zip(dbs, caches, strict=True)
         ]
         passes = [DecodePass(p, kv)] * len(p.tmpl.calls)
-        x = self.sweep.start(dbs, self.sweep.loads(passes))  # type: ignore[arg-type]
+        x = self.sweep.start(dbs, self.sweep.loads(passes))
         x = self.sweep.layers(x, ctxs, passes)
         head = self.sweep.acquire_head()
         if p.spec.streams:  # the modules after the last layer merge the streams, on the newest position

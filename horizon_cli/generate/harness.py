@@ -151,9 +151,12 @@ class HorizonLM(TemplateLM):
 
         def render(history: list[dict[str, str]]) -> str:
             return self.tokenizer.apply_chat_template(
-                history, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=not add_generation_prompt, **self.chat_template_args,
-            )  # fmt: skip
+                history,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt,
+                **self.chat_template_args,
+            )
 
         try:
             return render(chat_history)
@@ -259,8 +262,15 @@ class HorizonLM(TemplateLM):
                 float(kwargs.get("top_p", 1.0)) if sample else 1.0,
                 int(kwargs.get("top_k", 0) or 0) if sample else 0,
             )
-            dec = Decoder(self.engine, sampler, max_new_tokens=new, eos_ids=self.eos_ids, tokenizer=self.tokenizer,
-                          stops=until, host_kv=self.source.engine.kv_cache == "host")  # fmt: skip
+            dec = Decoder(
+                self.engine,
+                sampler,
+                max_new_tokens=new,
+                eos_ids=self.eos_ids,
+                tokenizer=self.tokenizer,
+                stops=until,
+                host_kv=self.source.engine.kv_cache == "host",
+            )
             keep = self.max_length - new
             if keep <= 0:
                 raise InputError(

@@ -110,8 +110,15 @@ def _engine(ecfg: EngineConfig, over: dict | None) -> EngineConfig:
     unknown = sorted(set(over) - set(EngineConfig.__dataclass_fields__))
     if unknown:
         raise InputError(f"engine.{unknown[0]}: not an engine setting")
-    cfg = load_config(None, base={"model": {"path": "-"}, "data": {"path": "-"}, "output": {"dir": "-"},
-                                  "engine": {**_as_dict(ecfg), **over}})  # fmt: skip
+    cfg = load_config(
+        None,
+        base={
+            "model": {"path": "-"},
+            "data": {"path": "-"},
+            "output": {"dir": "-"},
+            "engine": {**_as_dict(ecfg), **over},
+        },
+    )
     return replace(cfg.engine)
 
 

@@ -56,10 +56,19 @@ def plan_batches(
     adapters = adapter_params(source.lora.targets, source.lora.r) if source.lora else 0
     stored = str(source.store.dtype).replace("torch.", "")
     plan = plan_generation(
-        spec, ecfg.dtype, best[1], best[0], quant=source.store.quant, prefetch=ecfg.prefetch,
-        adapter_numel=adapters, link_gbps=link, device_free=free, kv=ecfg.kv_cache,
-        stream=frozen_stream(stored, ecfg.dtype, has_link(ecfg)), tower=tower,
-    )  # fmt: skip
+        spec,
+        ecfg.dtype,
+        best[1],
+        best[0],
+        quant=source.store.quant,
+        prefetch=ecfg.prefetch,
+        adapter_numel=adapters,
+        link_gbps=link,
+        device_free=free,
+        kv=ecfg.kv_cache,
+        stream=frozen_stream(stored, ecfg.dtype, has_link(ecfg)),
+        tower=tower,
+    )
     check_plan(plan)
     return plan
 
@@ -99,12 +108,19 @@ def plan_table(p: GenPlan) -> Table:
     t.add_row("device", "[bold]total", f"[bold]{fmt_bytes(p.device_total)}")
     if p.device_free is not None:
         t.add_row("device", "free", fmt_bytes(p.device_free))
-    t.add_row("link", "per decode sweep (weights" + (" + KV cache in and out)" if p.kv_where == "host" else ")"),
-              fmt_bytes(p.link_bytes))  # fmt: skip
+    t.add_row(
+        "link",
+        "per decode sweep (weights" + (" + KV cache in and out)" if p.kv_where == "host" else ")"),
+        fmt_bytes(p.link_bytes),
+    )
     t.add_row("", f"KV cache on the {p.kv_where}: {p.why}", fmt_bytes(p.kv_bytes))
     if p.sweep_s:
-        t.add_row("", f"link bound at {p.link_gbps:.1f} GB/s: {p.sweep_s:.3g} s per sweep, "
-                      f"{p.bound_tokens_per_s:,.1f} tokens/s for the batch", "")  # fmt: skip
+        t.add_row(
+            "",
+            f"link bound at {p.link_gbps:.1f} GB/s: {p.sweep_s:.3g} s per sweep, "
+            f"{p.bound_tokens_per_s:,.1f} tokens/s for the batch",
+            "",
+        )
     else:
         t.add_row("", "no link to bound the speed (the CPU's memory is shared)", "")
     return t

@@ -150,12 +150,29 @@ def build(source: Source, console: Console, images: bool = False) -> Engine:
     lora = source.lora
     mode = ("projector", lora) if lora is not None and lora.tower else ("frozen", None)  # its adapters on
     with byte_progress(console, "load weights", source.store.nbytes()) as advance:
-        return Engine(source.store, source.engine, OptimConfig(), progress=advance, lora=lora,
-                      forward_only=True, stage=vision_stage(source.store, *mode) if images else None)  # fmt: skip
+        return Engine(
+            source.store,
+            source.engine,
+            OptimConfig(),
+            progress=advance,
+            lora=lora,
+            forward_only=True,
+            stage=vision_stage(source.store, *mode) if images else None,
+        )
 
 
-def generate_all(eng, source, items: list[Prompt], settings: Settings, plan: GenPlan, tokenizer, console,
-                 output, echo, media=None) -> list[dict]:  # fmt: skip
+def generate_all(
+    eng,
+    source,
+    items: list[Prompt],
+    settings: Settings,
+    plan: GenPlan,
+    tokenizer,
+    console,
+    output,
+    echo,
+    media=None,
+) -> list[dict]:
     """Every batch of prompts through the decoder, with progress; the output records."""
     say = echo or (lambda line: console.print(line, highlight=False, markup=False))
     done: list[Completion] = []
@@ -172,11 +189,17 @@ def generate_all(eng, source, items: list[Prompt], settings: Settings, plan: Gen
         status.update(f"generate: {len(done)}/{len(items)} done, {speed.text()}")
 
     decoder = Decoder(
-        eng, Sampler(settings.temperature, settings.top_p, settings.top_k, settings.seed),
-        max_new_tokens=settings.max_new_tokens, eos_ids=source.eos_ids(), tokenizer=tokenizer,
-        stops=list(settings.stop), host_kv=plan.kv_where == "host", on_done=finished, on_sweep=swept,
+        eng,
+        Sampler(settings.temperature, settings.top_p, settings.top_k, settings.seed),
+        max_new_tokens=settings.max_new_tokens,
+        eos_ids=source.eos_ids(),
+        tokenizer=tokenizer,
+        stops=list(settings.stop),
+        host_kv=plan.kv_where == "host",
+        on_done=finished,
+        on_sweep=swept,
         media=media,
-    )  # fmt: skip
+    )
     results: list[Completion] = []
     with console.status("generate: prefill") as status:
         for a in range(0, len(items), settings.batch_size):

@@ -46,9 +46,13 @@ def lora_setup(
     tower: the adapted linear layers outside the decoder stack (LoraSetup.tower)."""
     targets = resolve_targets(cfg.targets, spec)
     setup = LoraSetup(
-        cfg, targets, scale(cfg.alpha, cfg.r, cfg.use_rslora), seed, note=peft_note(spec, targets),
+        cfg,
+        targets,
+        scale(cfg.alpha, cfg.r, cfg.use_rslora),
+        seed,
+        note=peft_note(spec, targets),
         tower=list(tower or []),
-    )  # fmt: skip
+    )
     if read_init:
         load_init(setup)
     return setup

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,38 +51,19 @@ from ..arch.capture import (
     with_hidden,
 )
 from ..arch.generic import stored_model
-from ..arch.generic_arch import GenericArch, Moe, Stack
+from ..arch.generic_arch import GenericArch, Moe
 from ..arch.probe import probe
+from ..arch.structure import Stack
 from ..data.batch import DecodeBatch, MicroBatch
 from .call import LayerCall
 from .generic_call import CallSlot, tile_blocks
+from .generic_context import GenericContext, forward_inputs, generation_context, train_context
 from .junction import Junctions
 from .layer import Weights
 from .moe import RouterStats, experts_fallback
-from .side import SideState, plus
-from .token_masks import has_media, owner_inputs
+from .side import plus
+from .token_masks import owner_inputs
 from .train_mode import ModuleTrainMode
-
-
-@dataclass
-class GenericContext:
-    """Per micro-batch: the owner's inputs, the real-token mask, and every layer's arguments as
-    the owner passed them (filled by the first layer's forward)."""
-
-    ids: torch.Tensor  # (b, T) int64 on the device
-    pos: torch.Tensor  # (b, T) int64
-    att: torch.Tensor | None  # 2-D attention mask (generation: left padding), or None
-    tokens: torch.Tensor  # (b*T,) fp32: 1 for real tokens, 0 for padding
-    cache: Any = None  # generation: the micro-batch's transformers Cache (DynamicCache)
-    packed: bool = False  # rows hold several documents (positions restart at each)
-    types: torch.Tensor | None = None  # (b, T) token types the model's masks read (model.token_masks)
-    embedded: bool = False  # the rows are the embedding module's output (images merged: model.token_masks)
-    calls: dict[int, tuple[tuple, dict]] | None = None
-    carry: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # layer -> its passed outputs
-    # a loop (arch.calls): the outputs of calls a later junction reads, and their gradients so far
-    outs: dict[int, torch.Tensor] = field(default_factory=dict)
-    sinks: dict[int, torch.Tensor] = field(default_factory=dict)
-    side: SideState = field(default_factory=SideState)  # tensors crossing layers with a gradient
 
 
 def structure(g: GenericArch) -> Stack:
@@ -154,34 +134,13 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
 
     # -- per micro-batch ---------------------------------------------------------------------
     def context(self, mb: MicroBatch, dtype: torch.dtype, device) -> GenericContext:
-        tokens = torch.ones(mb.input_ids.shape, dtype=torch.float32)
-        if mb.lengths is not None:
-            tokens = (torch.arange(mb.input_ids.shape[1])[None, :] < mb.lengths[:, None]).float()
-        return GenericContext(
-            mb.input_ids.to(device), mb.position_ids.to(device), None, tokens.reshape(-1).to(device),
-            packed=mb.doc_ids is not None, types=mb.token_types, embedded=has_media(mb),
-        )  # fmt: skip
+        return train_context(mb, device)
 
     def gen_context(self, db: DecodeBatch, cache, dtype: torch.dtype, device) -> GenericContext:
-        """A generation sweep: the 2-D attention mask (left padding) and the cache go to the owner,
-        which builds the masks from them as in transformers' generate; positions as it derives them."""
-        att, ids, pos = db.attention_mask().to(device), db.input_ids.to(device), db.position_ids.to(device)
-        tokens = att[:, db.past :].float().reshape(-1)
-        return GenericContext(ids, pos, att, tokens, cache, types=db.token_types, embedded=has_media(db))
+        return generation_context(db, cache, device)
 
     def _owner_inputs(self, ctx: GenericContext, cache: bool = True) -> dict[str, Any]:
-        names = self.s.owner_kwargs
-        kw: dict[str, Any] = {"input_ids": ctx.ids}
-        if "position_ids" in names:
-            kw["position_ids"] = ctx.pos
-        if ctx.att is not None and cache:  # a junction's re-run (no cache) builds no mask it reads
-            kw["attention_mask"] = ctx.att
-        if ctx.cache is not None and cache:
-            kw["cache" if "cache" in names else "past_key_values"] = ctx.cache
-            kw["use_cache"] = True
-        elif "use_cache" in names:
-            kw["use_cache"] = False
-        return kw
+        return forward_inputs(ctx, self.s.owner_kwargs, cache)
 
     def _capture(self, w: dict[str, torch.Tensor], rows: torch.Tensor, ctx: GenericContext) -> dict:
         """Run the owner's forward up to its last layer on `rows` (b, T, H): every layer's call
@@ -189,11 +148,11 @@ class GenericTemplate(ModuleTrainMode):  # dropout in training calls (model.trai
         cut = len(self.s.owner) + 1
         pw = {self._prefix[k][cut:]: v for k, v in w.items() if k in self._prefix}
         log: list = []
-        stop = dict(stop_at=None, stop_call=len(self.calls) - 1) if self.loop else dict(stop_at=self.last)
+        stop_at, stop_call = (None, len(self.calls) - 1) if self.loop else (self.last, None)
         with (
             _reparametrize_module(self.owner, pw, strict=False),
             contextlib.nullcontext() if ctx.embedded else rows_embedding(self.emb, rows),
-            recorders(self.layers, log, self.s.returns, **stop),  # type: ignore[arg-type]
+            recorders(self.layers, log, self.s.returns, stop_at=stop_at, stop_call=stop_call),
             packed_positions(self.owner, ctx.pos) if ctx.packed else contextlib.nullcontext(),
             contextlib.suppress(Stop),
         ):

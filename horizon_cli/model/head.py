@@ -136,7 +136,7 @@ def _chunked_backward(
         grads = torch.autograd.grad(diff, (x, *_flat(W)) if train else (x,), allow_unused=True)
         dsel[a : a + chunk] = grads[0]
         if g_lm is not None:
-            dest = [g_lm] if isinstance(g_lm, torch.Tensor) else [g_lm[k] for k in W]  # type: ignore[union-attr]
+            dest = [g_lm] if isinstance(g_lm, torch.Tensor) else [g_lm[k] for k in W]
             for g_t, gw in zip(dest, grads[1:], strict=True):
                 if gw is not None:
                     g_t.add_(gw)

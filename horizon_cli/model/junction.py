@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..arch.capture import Stop, hidden_of, packed_positions, recorders, rows_embedding
-from ..arch.generic_arch import Stack
+from ..arch.structure import Stack
 
 
 class _Sink(torch.autograd.Function):

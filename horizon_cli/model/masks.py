@@ -19,9 +19,14 @@ from .layer import AttnContext, rope_tables
 
 
 def attn_context(
-    mb: MicroBatch, spec: ArchSpec, inv: torch.Tensor, dtype: torch.dtype, device, fused: bool | None = None,
+    mb: MicroBatch,
+    spec: ArchSpec,
+    inv: torch.Tensor,
+    dtype: torch.dtype,
+    device,
+    fused: bool | None = None,
     rows: bool = False,
-) -> AttnContext:  # fmt: skip
+) -> AttnContext:
     """fused: block masks for flex_attention (default: on CUDA) rather than dense ones; rows: the
     layers run this micro-batch in sequence tiles (engine.seq_tile), so a mask is a RowMask."""
     device = torch.device(device)

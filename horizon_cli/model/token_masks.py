@@ -63,7 +63,7 @@ def has_media(batch) -> bool:
 
 
 def owner_inputs(kw: dict[str, Any], model, rows: torch.Tensor, ctx) -> dict[str, Any]:
-    """The owner's inputs `kw` for a context (model.generic.GenericContext): rows with images merged
+    """The owner's inputs `kw` for a context (model.generic_context.GenericContext): rows with images merged
     are given as `inputs_embeds`, as a multimodal forward gives its language model (they are the
     embedding module's output already: Gemma 3 scales before it merges); with token types, the
     mask mapping is its attention mask."""

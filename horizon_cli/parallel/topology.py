@@ -35,8 +35,12 @@ def world_for(size: int | None, per_node: int | None, env: Mapping[str, str] | N
     if "WORLD_SIZE" not in env:
         return World()
     n = env_int(env, "WORLD_SIZE")
-    return checked(n, env_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else n,
-                   "WORLD_SIZE", "LOCAL_WORLD_SIZE")  # fmt: skip
+    return checked(
+        n,
+        env_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else n,
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+    )
 
 
 def env_int(env: Mapping[str, str], name: str) -> int:

@@ -34,9 +34,15 @@ TRANSIENTS = "backward transients"  # planning.memory's row
 
 
 def with_tile(
-    plan: MemoryPlan, spec: ArchSpec, tile: int, tokens: int, rows: int, T: int, item: int,
+    plan: MemoryPlan,
+    spec: ArchSpec,
+    tile: int,
+    tokens: int,
+    rows: int,
+    T: int,
+    item: int,
     adapters: Callable[[int], int] | None = None,
-) -> MemoryPlan:  # fmt: skip
+) -> MemoryPlan:
     """The plan (planned untiled) with its layer working set for `tile` tokens per tile, and a
     kept layer's graphs as the tiled layer saves them (planning.memory.kept_graph_bytes; the
     adapters' part of them as untiled). adapters: tile -> the LoRA adapters' share of the working

@@ -212,8 +212,8 @@ class CudaTransport:
         self.register = self.api.can_clear_errors()
         self._registered: dict[int, torch.Tensor] = {}  # data_ptr -> buffer, each unregistered once
         self.fallbacks = 0  # buffers pinned by torch's allocator because registration failed
-        self._timed: list[tuple[str, str, object, object, dict]] = []
-        self._base: tuple[object, float] | None = None
+        self._timed: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event, dict]] = []
+        self._base: tuple[torch.cuda.Event, float] | None = None
 
     def thread_init(self) -> None:
         """Every thread that touches CUDA makes the transport's device current first: a runtime
@@ -349,7 +349,7 @@ class CudaTransport:
         self.synchronize()
         base, t0 = self._base
         for lane, name, a, b, args in self._timed:
-            t_a, t_b = base.elapsed_time(a) / 1e3, base.elapsed_time(b) / 1e3  # type: ignore[attr-defined]
+            t_a, t_b = base.elapsed_time(a) / 1e3, base.elapsed_time(b) / 1e3
             self.tracer.add(lane, name, t0 + t_a, t0 + t_b, **args)
         self._timed.clear()
 

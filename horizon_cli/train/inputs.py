@@ -4,27 +4,17 @@ data set (through the run's cache), with one line when a format needs a tokenize
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
 
 from rich.console import Console
 
-from ..arch import ArchSpec
 from ..config import Config
 from ..data import PreparedData, prepare_data
 from ..data.encode import ONLY_TOKENS, NoTokenizer
 from ..data.templates import configure
 from ..errors import InputError
 from ..recipes.registry import recipe_for
+from ..store.files import ModelFiles
 from ..vision.run import prompt_images
-
-
-class ModelFiles(Protocol):
-    """A store, or a model planned from its config.json (train.run.PlannedModel, dry runs)."""
-
-    @property
-    def root(self) -> Path: ...
-    @property
-    def arch(self) -> ArchSpec: ...
 
 
 class NoTokenizerFiles(InputError):

@@ -165,15 +165,26 @@ class Trainer:
     def _build_engine(self, ck: Path | None) -> Engine:
         src = self.tuning.source(ck, self.store)  # a checkpoint's store, or the frozen base
         keep = kept_layers(
-            self.keep, self.cfg, ck, self.ranks, self.store.arch.n_layers, self.console,
+            self.keep,
+            self.cfg,
+            ck,
+            self.ranks,
+            self.store.arch.n_layers,
+            self.console,
             calls=len(spec_sequence(self.store.arch)),
-        )  # fmt: skip
+        )
         with byte_progress(self.console, "load weights", src.nbytes()) as advance:
             obj = self.batches.objective  # None: SFT's TokenCE; else the recipe's own
             engine = build_engine(
-                self.cfg, src, lora=self.lora, dist=self.dist, progress=advance, objective=obj, keep=keep,
+                self.cfg,
+                src,
+                lora=self.lora,
+                dist=self.dist,
+                progress=advance,
+                objective=obj,
+                keep=keep,
                 stage=vision_stage(src, self.cfg.train.vision, self.lora) if self._images() else None,
-            )  # fmt: skip
+            )
         try:
             verify_base(engine, ck, src)  # sharded: the model's checksums, split over the ranks
         except BaseException:

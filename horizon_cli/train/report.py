@@ -233,8 +233,15 @@ def ladder_table(
         fit = "[green]yes[/]" if ok else "[red]no[/]"
         if rung in (na or {}):
             fit = "[yellow]n/a[/] (4-bit store)"
-        t.add_row(rung + mark, WHAT[rung], f"{p.bytes_per_param:.2f}", fmt_bytes(p.node_host_total),
-                  fmt_bytes(p.device_total), str(p.kept), fit)  # fmt: skip
+        t.add_row(
+            rung + mark,
+            WHAT[rung],
+            f"{p.bytes_per_param:.2f}",
+            fmt_bytes(p.node_host_total),
+            fmt_bytes(p.device_total),
+            str(p.kept),
+            fit,
+        )
     return t
 
 
@@ -257,15 +264,27 @@ def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen:
     def one(p: MemoryPlan, rung: str) -> dict:
         ok, host_ok, dev_ok = fit_parts(p, where)
         why = {"not_applicable": na[rung]} if rung in na else {}
-        return {"params": p.params, "trainable_params": p.trainable, "host_bytes": p.host_total,
-                "host_bytes_per_param": p.bytes_per_param, "device_bytes": p.device_total,
-                "applicable": rung not in na, **why,
-                "fits": ok and rung not in na, "host_fits": host_ok, "device_fits": dev_ok,
-                "host_bytes_per_rank": p.host_total, "device_bytes_per_rank": p.device_total,
-                "host_bytes_per_node": p.node_host_total, "device_bytes_per_node": p.node_device_total,
-                "host_bytes_all_nodes": p.all_host_total,
-                "kept_layers": p.kept, "kept_bytes": p.kept_bytes, "seq_tile": p.seq_tile,
-                "layer_work_untiled_bytes": p.untiled_work}  # fmt: skip
+        return {
+            "params": p.params,
+            "trainable_params": p.trainable,
+            "host_bytes": p.host_total,
+            "host_bytes_per_param": p.bytes_per_param,
+            "device_bytes": p.device_total,
+            "applicable": rung not in na,
+            **why,
+            "fits": ok and rung not in na,
+            "host_fits": host_ok,
+            "device_fits": dev_ok,
+            "host_bytes_per_rank": p.host_total,
+            "device_bytes_per_rank": p.device_total,
+            "host_bytes_per_node": p.node_host_total,
+            "device_bytes_per_node": p.node_device_total,
+            "host_bytes_all_nodes": p.all_host_total,
+            "kept_layers": p.kept,
+            "kept_bytes": p.kept_bytes,
+            "seq_tile": p.seq_tile,
+            "layer_work_untiled_bytes": p.untiled_work,
+        }
 
     plan = rungs[chosen]
     return {

@@ -39,7 +39,7 @@ CACHE = "cache"  # <run>/cache: the run's tokenization cache (train/inputs.py), 
 
 
 class RunDir:
-    def __init__(self, cfg: Config, store: Store, console: Console):
+    def __init__(self, cfg: Config, store: Store | None, console: Console):
         self.cfg, self.store, self.console = cfg, store, console
         self.path = Path(cfg.output.dir)
         self.lock: owner.DirLock | None = None
@@ -67,7 +67,7 @@ class RunDir:
     def probe(cls, cfg: Config, store: Store | None, console: Console) -> RunDir:
         """claim()'s checks, in its order and with its lines, creating and locking nothing (a dry
         run). store None (a model not converted yet): the resume point is found, not checked."""
-        rd = cls(cfg, store, console)  # type: ignore[arg-type]
+        rd = cls(cfg, store, console)
         rd._check_path()
         p = rd.path
         base = next(d for d in (p, *p.parents) if os.path.lexists(d))  # where mkdir or the lock writes
@@ -112,6 +112,7 @@ class RunDir:
             self.check_resumable(self.candidates[0])
 
     def check_resumable(self, ck: Path) -> None:
+        assert self.store is not None  # a probe without a store checks no checkpoint (probe)
         trainer = ckpt.read_trainer(ck)
         if trainer.get("model_fingerprint") != ckpt.model_fingerprint(self.store):
             raise InputError(

@@ -47,8 +47,14 @@ class Samples:
     def answer(self, engine: Engine, step: int) -> list[dict]:
         """The engine's greedy answers at this step (its host state current: engine.wait() first)."""
         engine.wait()
-        dec = Decoder(engine, Sampler(), max_new_tokens=self.tokens, eos_ids=self.eos, tokenizer=self.tokenizer,
-                      host_kv=self.kv_host)  # fmt: skip
+        dec = Decoder(
+            engine,
+            Sampler(),
+            max_new_tokens=self.tokens,
+            eos_ids=self.eos,
+            tokenizer=self.tokenizer,
+            host_kv=self.kv_host,
+        )
         rows = []
         for a in range(0, len(self.prompts), BATCH):
             batch = [(i, self.prompts[i].ids) for i in range(a, min(len(self.prompts), a + BATCH))]

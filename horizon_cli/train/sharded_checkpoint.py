@@ -47,8 +47,17 @@ def _files(engine, state_keys: tuple[str, ...]) -> list[tuple[str, str, str]]:
     return out
 
 
-def save(engine, d: Dist, run_dir: Path, step: int, trainer: dict, model_store: Store, keep_last: int,
-         state_keys: tuple[str, ...], write_meta) -> Path:  # fmt: skip
+def save(
+    engine,
+    d: Dist,
+    run_dir: Path,
+    step: int,
+    trainer: dict,
+    model_store: Store,
+    keep_last: int,
+    state_keys: tuple[str, ...],
+    write_meta,
+) -> Path:
     """Write checkpoint step_N from every rank's slices (a collective: every rank calls it)."""
     engine.wait()
     phase("checkpoint", step)

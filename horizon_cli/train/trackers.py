@@ -125,8 +125,14 @@ class _Wandb:
     def __init__(self, cfg: Config, run_dir: Path, run_id: str | None):
         import wandb
 
-        self.run = wandb.init(project=cfg.log.wandb_project, name=run_dir.name, id=run_id, config=to_dict(cfg),
-                              resume="allow" if run_id else None, dir=str(run_dir))  # fmt: skip
+        self.run = wandb.init(
+            project=cfg.log.wandb_project,
+            name=run_dir.name,
+            id=run_id,
+            config=to_dict(cfg),
+            resume="allow" if run_id else None,
+            dir=str(run_dir),
+        )
         self.id = self.run.id
 
     def log(self, vals: dict[str, float], step: int) -> None:

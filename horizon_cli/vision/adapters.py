@@ -21,7 +21,9 @@ the vision encoder stays frozen (`train.vision: all` with `lora:` is refused).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,11 +33,18 @@ from ..lora.linear import LayerLora
 from ..lora.setup import LoraSetup
 from ..lora.state import initial_adapters
 from ..lora.targets import Target
-from .support import image_owner, is_multimodal
+from .support import generic_of, image_owner, is_multimodal
 from .trained import TowerState, trained_names
 
+if TYPE_CHECKING:
+    from ..arch import ArchSpec
+    from .tower import VisionTower
 
-def projector_targets(arch, vision: str, dropout: float = 0.0) -> list[Target]:
+# a forward hook: (module, its positional inputs, its output) -> the output to use
+Hook = Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]
+
+
+def projector_targets(arch: ArchSpec, vision: str, dropout: float = 0.0) -> list[Target]:
     """The projector's linear layers a LoRA run adapts under train.vision (none when frozen or
     for a text-only model); InputError for train.vision: all, or a projector without one."""
     if vision == "frozen" or not is_multimodal(arch):
@@ -52,7 +61,7 @@ def projector_targets(arch, vision: str, dropout: float = 0.0) -> list[Target]:
         )
     from ..arch.generic import stored_model
 
-    model = stored_model(arch.generic)
+    model = stored_model(generic_of(arch))
     spec = image_owner(arch, "train.vision: projector", model)
     base = spec.owner + "." if spec.owner else ""
     names = set(trained_names(spec.towers, dict(model.named_parameters()), base, "projector"))
@@ -72,7 +81,7 @@ def projector_targets(arch, vision: str, dropout: float = 0.0) -> list[Target]:
 class ProjectorAdapters(TowerState):
     """The projector's adapters as the tower's trained state (module doc)."""
 
-    def __init__(self, tower, setup: LoraSetup):
+    def __init__(self, tower: VisionTower, setup: LoraSetup) -> None:
         init = initial_adapters(setup)  # PEFT key -> fp32 (lora.init's, or PEFT's default init)
         base = tower.spec.owner + "." if tower.spec.owner else ""
         params: dict[str, torch.nn.Parameter] = {}
@@ -99,8 +108,10 @@ class ProjectorAdapters(TowerState):
         return sums
 
 
-def _hook(lora: LayerLora, name: str):
-    def add(mod, args, out):  # out (..., out_features) += B(A(x)) * scaling
+def _hook(lora: LayerLora, name: str) -> Hook:
+    def add(
+        mod: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
+    ) -> torch.Tensor:  # out (..., out_features) += B(A(x)) * scaling
         return lora(name, args[0], out)
 
     return add

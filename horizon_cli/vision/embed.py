@@ -35,7 +35,7 @@ import torch
 
 from ..data.batch import DecodeBatch, MicroBatch
 from ..engine.grads import sumsq64
-from ..engine.seams import B, EmbeddingTable
+from ..engine.seams import B, EmbeddingTable, Inputs
 from ..engine.sharded import ShardedGrads
 from ..optim.adamw import AdamWHyper
 from ..runtime.events import Event
@@ -90,7 +90,7 @@ class VisionEmbedding:
         got = self.tower.positions(mb.input_ids, media, mask)
         return mb if got is None else dataclasses.replace(mb, position_ids=got[0])
 
-    def forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:  # or DecodeBatches
+    def forward(self, mbs: Inputs) -> list[torch.Tensor]:
         x = self.inner.scale(self.inner.forward(mbs))
         out: list[torch.Tensor] = []
         self.saved = []

@@ -21,12 +21,22 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..data.batch import IGNORE
 from ..errors import InputError
 from .records import ImageExample
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+    from ..config.schema import DataConfig
+
+# a transformers processor (AutoProcessor): its attributes (image_token, tokenizer, ...) and its
+# outputs' keys differ by model, so it is not typed further
+Processor = Any
 
 # the processor's per-token outputs (Qwen2-VL's mm_token_type_ids, Gemma 3's token_type_ids:
 # recomputed from the ids by the processor's rule, vision.tower); the rest are the media, dim 0 per
@@ -35,7 +45,7 @@ SKIP = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 STACK = "pixel_attention_mask"  # a per-row image stack's pixel mask (Idefics3, SmolVLM: vision.tower)
 
 
-def load_processor(hf_dir: Path, where: str):
+def load_processor(hf_dir: Path, where: str) -> Processor:
     """The checkpoint's processor, from the store's hf/ files (convert copies them)."""
     from transformers import AutoProcessor
 
@@ -53,7 +63,7 @@ def load_processor(hf_dir: Path, where: str):
     return proc
 
 
-def image_token_id(proc) -> int:
+def image_token_id(proc: Processor) -> int:
     """The token the processor expands each image into (the one its token types mark: Gemma 3's
     soft token, not the `<start_of_image>` placeholder it calls its image token)."""
     ids = getattr(proc, "image_token_ids", None)
@@ -65,7 +75,7 @@ def image_token_id(proc) -> int:
     return int(tid)
 
 
-def media_of(out, image_id: int, where: str) -> dict[str, np.ndarray]:
+def media_of(out: Processor, image_id: int, where: str) -> dict[str, np.ndarray]:
     """One text's processor outputs -> its media, dim 0 per image (or patch). A per-row stack
     (Idefics3's pixel_values (1, n, C, H, W) beside its pixel mask) loses its row dimension, so
     rows of different image counts concatenate (vision.tower stacks them again). Token types
@@ -91,7 +101,7 @@ def unstacked(media: dict) -> dict:
     return {k: v[0] if k in (STACK, "pixel_values") else v for k, v in media.items()}
 
 
-def stacked(kw: dict):
+def stacked(kw: dict) -> dict:
     """The tower's keyword tensors as its get_image_features takes them: a per-row image stack
     (Idefics3, SmolVLM: STACK) kept one image per dim-0 entry in the data goes as one stack."""
     if STACK not in kw:
@@ -99,7 +109,7 @@ def stacked(kw: dict):
     return {k: v[None] if k in (STACK, "pixel_values") else v for k, v in kw.items()}
 
 
-def budget(img, max_pixels: int, min_pixels: int):
+def budget(img: Image, max_pixels: int, min_pixels: int) -> Image:
     """LLaMA-Factory's rule: one factor on both sides into [min_pixels, max_pixels], then RGB."""
     w, h = img.size
     if w * h > max_pixels:
@@ -111,7 +121,7 @@ def budget(img, max_pixels: int, min_pixels: int):
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def open_image(path: Path, where: str, max_pixels: int, min_pixels: int):
+def open_image(path: Path, where: str, max_pixels: int, min_pixels: int) -> Image:
     from PIL import Image, UnidentifiedImageError
 
     if not path.is_file():
@@ -135,7 +145,7 @@ def file_digest(path: Path) -> str:
 class ImageEncoder:
     """Examples -> (input_ids, labels, media) with the processor; counts images and image tokens."""
 
-    def __init__(self, proc, data_cfg, where: str):
+    def __init__(self, proc: Processor, data_cfg: DataConfig, where: str) -> None:
         self.proc, self.where = proc, where
         self.max_pixels, self.min_pixels = data_cfg.max_pixels, data_cfg.min_pixels
         self.train_on_prompt = data_cfg.train_on_prompt

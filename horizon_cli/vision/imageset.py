@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,7 +26,15 @@ from ..data.batch import IGNORE
 from ..data.tokset import Row, RowBuilder, TokenSet
 from ..errors import InputError
 from .encode import ImageEncoder, file_digest
-from .records import image_example
+from .records import ImageExample, image_example
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+    from ..config.schema import DataConfig
+    from .encode import Processor
+
+Log = Callable[[str], None]
 
 RECORDS_PER_BATCH = 256
 
@@ -45,12 +55,19 @@ class ImageSet(TokenSet):
         }
         return row
 
-    def select(self, rows) -> ImageSet:
+    def select(self, rows: np.ndarray) -> ImageSet:
         view = super().select(rows)
         return ImageSet(
-            view.tokens, view.labels, view.offsets, view.doc_ids, view.format, view.stats, view.index,
-            self.media, self.media_offsets,
-        )  # fmt: skip
+            view.tokens,
+            view.labels,
+            view.offsets,
+            view.doc_ids,
+            view.format,
+            view.stats,
+            view.index,
+            self.media,
+            self.media_offsets,
+        )
 
 
 class MediaBuilder:
@@ -74,15 +91,26 @@ class MediaBuilder:
         return media, offs
 
 
-def build_image_set(ds, proc, data_cfg, name: str, log, base: Path) -> ImageSet:
+def build_image_set(
+    ds: Dataset, proc: Processor, data_cfg: DataConfig, name: str, log: Log, base: Path
+) -> ImageSet:
     """One source's records (each with images, or text alone) -> an ImageSet."""
     if data_cfg.packing:
         raise InputError(
             f"data.packing: {name} holds images; rows with images are not packed (set packing: false)"
         )
     enc = ImageEncoder(proc, data_cfg, name)
-    stats = {"records": 0, "examples": 0, "images": 0, "image_tokens": 0, "truncated": 0, "too_long": 0,
-             "no_labels": 0, "cut_tokens": 0, "cut_label_tokens": 0}  # fmt: skip
+    stats = {
+        "records": 0,
+        "examples": 0,
+        "images": 0,
+        "image_tokens": 0,
+        "truncated": 0,
+        "too_long": 0,
+        "no_labels": 0,
+        "cut_tokens": 0,
+        "cut_label_tokens": 0,
+    }
     rows, media = RowBuilder(), MediaBuilder()
     for batch in ds.iter(batch_size=RECORDS_PER_BATCH):
         for rec in (dict(zip(batch, vals, strict=True)) for vals in zip(*batch.values(), strict=True)):
@@ -90,9 +118,10 @@ def build_image_set(ds, proc, data_cfg, name: str, log, base: Path) -> ImageSet:
             where = f"{name}: record {stats['records']}"
             ex = image_example(rec, where, base)
             ids, labels, m = enc.encode(ex, where)
-            ids, labels = _fit(ids, labels, enc.image_id, data_cfg.max_seq_len, stats)
-            if ids is None:
+            fit = _fit(ids, labels, enc.image_id, data_cfg.max_seq_len, stats)
+            if fit is None:
                 continue
+            ids, labels = fit
             if not (labels[1:] != IGNORE).any():
                 stats["no_labels"] += 1
                 continue
@@ -108,20 +137,22 @@ def build_image_set(ds, proc, data_cfg, name: str, log, base: Path) -> ImageSet:
     return ImageSet(ts.tokens, ts.labels, ts.offsets, None, "chat", stats, None, arrays, offs)
 
 
-def _fit(ids: np.ndarray, labels: np.ndarray, image_id: int, max_len: int, stats: dict):
-    """Truncated to max_len when every image token stays; else (None, None), counted."""
+def _fit(
+    ids: np.ndarray, labels: np.ndarray, image_id: int, max_len: int, stats: dict
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Truncated to max_len when every image token stays; else None, counted."""
     if len(ids) <= max_len:
         return ids, labels
     if (ids[max_len:] == image_id).any():
         stats["too_long"] += 1
-        return None, None
+        return None
     stats["truncated"] += 1
     stats["cut_tokens"] += len(ids) - max_len
     stats["cut_label_tokens"] += int((labels[max_len:] != IGNORE).sum())
     return ids[:max_len], labels[:max_len]
 
 
-def describe(s: dict, data_cfg) -> str:
+def describe(s: dict, data_cfg: DataConfig) -> str:
     text = (
         f"{s['records']} records -> {s['examples']} examples; {s['tokens']} tokens, {s['label_tokens']} "
         f"with loss; {s['images']} images, {s['image_tokens']} image tokens "
@@ -137,7 +168,13 @@ def describe(s: dict, data_cfg) -> str:
     return text
 
 
-def images_key(ds, proc, data_cfg, base: Path, parse=image_example) -> str | None:
+def images_key(
+    ds: Dataset,
+    proc: Processor,
+    data_cfg: DataConfig,
+    base: Path,
+    parse: Callable[[dict, str, Path], ImageExample] = image_example,
+) -> str | None:
     """sha256 of what an ImageSet depends on beyond the data file and the tokenizer: the
     processor's settings and chat template, the pixel budget, train_on_prompt, max_seq_len and
     the content of every image the records name (None when one cannot be read: no cache).

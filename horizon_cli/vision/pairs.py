@@ -20,9 +20,11 @@ Images belong to the prompt: an image in a completion is refused.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from itertools import takewhile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,8 +34,14 @@ from ..data.records import SHAREGPT_ROLES
 from ..data.tokset import RowBuilder
 from ..errors import InputError
 from .encode import ImageEncoder, open_image
-from .imageset import RECORDS_PER_BATCH, ImageSet, MediaBuilder
+from .imageset import RECORDS_PER_BATCH, ImageSet, Log, MediaBuilder
 from .records import ImageExample, _content, _Files, image_example
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+    from ..config.schema import DataConfig
+    from .encode import Processor
 
 SIDES = ("chosen", "rejected")
 
@@ -45,7 +53,7 @@ class ImagePair:
     rejected: list[dict]
 
 
-def holds_pairs(columns) -> bool:
+def holds_pairs(columns: Collection[str]) -> bool:
     return all(k in columns for k in SIDES)
 
 
@@ -81,7 +89,7 @@ def image_pair(record: dict, where: str, base: Path) -> ImagePair:
     return ImagePair(ex, *(_completion(record[k], f"{where}: {k}") for k in SIDES))
 
 
-def _completion(value, where: str) -> list[dict]:
+def _completion(value: object, where: str) -> list[dict]:
     """A completion -> assistant messages: a string, one message (sharegpt), or a message list."""
     turns = value if isinstance(value, list) else [value]
     out = []
@@ -124,15 +132,25 @@ def encode_pair(enc: ImageEncoder, pair: ImagePair, where: str) -> tuple[Pair, d
     return Pair(ids.astype(np.int32), chosen.astype(np.int32), rejected.astype(np.int32)), media
 
 
-def build_image_pairs(ds, proc, data_cfg, name: str, log, base: Path) -> ImageSet:
+def build_image_pairs(
+    ds: Dataset, proc: Processor, data_cfg: DataConfig, name: str, log: Log, base: Path
+) -> ImageSet:
     """A source's preference records with images -> a preference ImageSet (two rows a pair)."""
     if data_cfg.packing:
         raise InputError(
             f"data.packing: {name} holds pairs with images; pairs are not packed (set packing: false)"
         )
     enc = ImageEncoder(proc, data_cfg, name)
-    stats: dict = {"records": 0, "pairs": 0, "truncated": 0, "cut_tokens": 0, "form": "images", "skipped": {},
-                   "images": 0, "image_tokens": 0}  # fmt: skip
+    stats: dict = {
+        "records": 0,
+        "pairs": 0,
+        "truncated": 0,
+        "cut_tokens": 0,
+        "form": "images",
+        "skipped": {},
+        "images": 0,
+        "image_tokens": 0,
+    }
     rows, media = RowBuilder(), MediaBuilder()
     for batch in ds.iter(batch_size=RECORDS_PER_BATCH):
         for rec in (dict(zip(batch, vals, strict=True)) for vals in zip(*batch.values(), strict=True)):

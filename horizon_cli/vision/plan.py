@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -32,10 +34,17 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import InputError
 from .encode import stacked, unstacked
-from .support import image_owner, is_multimodal
+from .support import HFModule, generic_of, image_owner, is_multimodal
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..engine.build import Planned
+    from ..store import Store
+    from ..store.files import ModelFiles
+    from .encode import Processor
 
 
-def _media_at_budget(proc, max_pixels: int) -> dict[str, torch.Tensor]:
+def _media_at_budget(proc: Processor, max_pixels: int) -> dict[str, torch.Tensor]:
     from PIL import Image
 
     side = max(1, math.isqrt(max_pixels))
@@ -43,7 +52,7 @@ def _media_at_budget(proc, max_pixels: int) -> dict[str, torch.Tensor]:
     return unstacked({k: v for k, v in out.items() if isinstance(v, torch.Tensor)})  # the data's layout
 
 
-def measure(store, cfg, dtype: torch.dtype) -> dict[str, int] | None:
+def measure(store: ModelFiles, cfg: Config, dtype: torch.dtype) -> dict[str, int] | None:
     """{"weights", "trained", "activations", "image_tokens"} bytes (tokens: per image), or None
     for a store without a built image path."""
     from ..arch.generic import stored_model
@@ -53,7 +62,7 @@ def measure(store, cfg, dtype: torch.dtype) -> dict[str, int] | None:
     if not is_multimodal(store.arch) or getattr(store, "hf_dir", None) is not None:
         return None
     where = f"model.path: {store.root}"
-    model = stored_model(store.arch.generic, dtype)
+    model = stored_model(generic_of(store.arch), dtype)
     try:
         spec = image_owner(store.arch, where, model)
         proc = load_processor(Path(store.root) / "hf", where)
@@ -88,13 +97,15 @@ def measure(store, cfg, dtype: torch.dtype) -> dict[str, int] | None:
     }
 
 
-def generation_bytes(store, media: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, int]:
+def generation_bytes(
+    store: Store, media: list[dict[str, torch.Tensor]], dtype: torch.dtype
+) -> dict[str, int]:
     """A generation's tower rows of the plan (generate.plan): its weights on the device and the
     activations of one frozen forward over `media` (each prompt's processor tensors; the images of
     the batch at once, an upper bound of any prefill micro-batch's)."""
     from ..arch.generic import stored_model
 
-    model = stored_model(store.arch.generic, dtype)
+    model = stored_model(generic_of(store.arch), dtype)
     spec = image_owner(store.arch, f"model.path: {store.root}", model)
     owner = model.get_submodule(spec.owner) if spec.owner else model
     weights = sum(p.numel() for c in spec.towers for p in owner.get_submodule(c).parameters())
@@ -118,7 +129,7 @@ def on_meta(media: dict[str, torch.Tensor], rows: int, dtype: torch.dtype) -> di
     return out
 
 
-def activations(owner, kw: dict, grad: bool) -> int:
+def activations(owner: HFModule, kw: dict, grad: bool) -> int:
     """The tower's activation bytes for the images of `kw` (on_meta): the peak of the bytes its
     ops' new storages hold at once in one forward (trained modes: the graph's saved tensors stay
     alive to the end, as until the backward)."""
@@ -139,7 +150,9 @@ class _MetaMix(TorchDispatchMode):
         self.live = self.peak = 0
         self.held: set[int] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: Callable[..., object], types: object, args: tuple = (), kwargs: dict | None = None
+    ) -> object:
         both = (args, kwargs or {})
         if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten(both)[0]):
             both = tree_map(
@@ -164,7 +177,7 @@ class _MetaMix(TorchDispatchMode):
         self.live -= n
 
 
-def _tokens(owner, kw: dict, rows: int) -> int:
+def _tokens(owner: HFModule, kw: dict, rows: int) -> int:
     with torch.no_grad(), _MetaMix():
         out = owner.get_image_features(**stacked(kw), return_dict=True)
     feats = getattr(out, "pooler_output", out)
@@ -172,7 +185,7 @@ def _tokens(owner, kw: dict, rows: int) -> int:
     return sum(f.numel() // f.shape[-1] for f in parts) // max(1, rows)
 
 
-def add_to_plan(planned, store, dtype: torch.dtype) -> dict[str, int] | None:
+def add_to_plan(planned: Planned, store: ModelFiles, dtype: torch.dtype) -> dict[str, int] | None:
     """The tower's bytes into every rung's plan (module doc); returns what was measured."""
     got = measure(store, planned.cfg, dtype)
     if got is None:
@@ -187,7 +200,7 @@ def add_to_plan(planned, store, dtype: torch.dtype) -> dict[str, int] | None:
     return got
 
 
-def describe(got: dict[str, int], cfg) -> str:
+def describe(got: dict[str, int], cfg: Config) -> str:
     from ..fmt import fmt_bytes
 
     if got["activations"] < 0:

@@ -7,18 +7,24 @@ the prefill (generate.decoder), where the embedding stage merges the tower's fea
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..data.images import names_images
 from ..errors import InputError
-from .encode import image_token_id, load_processor, media_of, open_image
-from .records import image_example
+from .encode import Processor, image_token_id, load_processor, media_of, open_image
+from .records import ImageExample, image_example
 from .support import image_owner, is_multimodal
 
+if TYPE_CHECKING:
+    from ..store.files import ModelFiles
 
-def image_prompts(store, records: list[tuple[dict, str]], base: Path, max_pixels: int, min_pixels: int):
+
+def image_prompts(
+    store: ModelFiles, records: list[tuple[dict, str]], base: Path, max_pixels: int, min_pixels: int
+) -> dict[int, tuple[list[int], dict]]:
     """{index: (ids, media)} for the records that name images (an InputError for a text-only
     model, or a model whose image path is not built)."""
     which = [k for k, (rec, _) in enumerate(records) if names_images(rec)]
@@ -39,7 +45,9 @@ def image_prompts(store, records: list[tuple[dict, str]], base: Path, max_pixels
     return out
 
 
-def encode_prompt(proc, ex, at: str, max_pixels: int, min_pixels: int) -> tuple[list[int], dict]:
+def encode_prompt(
+    proc: Processor, ex: ImageExample, at: str, max_pixels: int, min_pixels: int
+) -> tuple[list[int], dict]:
     """One prompt's example -> (ids, media): its messages rendered with the generation prompt (as
     TRL's GRPOTrainer and transformers' generate do), tokenized with its images by the processor."""
     if ex.messages and ex.messages[-1]["role"] == "assistant":

@@ -51,14 +51,14 @@ def has_image_parts(record: dict) -> bool:
     return False
 
 
-def _is_image(part) -> bool:
+def _is_image(part: object) -> bool:
     return isinstance(part, dict) and part.get("type") in IMAGE_TYPES
 
 
 class _Files:
     """The record's `images` column, taken in order by placeholders and bare image parts."""
 
-    def __init__(self, listed, where: str):
+    def __init__(self, listed: object, where: str) -> None:
         if listed is not None and not isinstance(listed, list | tuple):
             listed = [listed]
         self.listed = [_path_of(v, f"{where}: images") for v in (listed or [])]
@@ -82,7 +82,7 @@ class _Files:
             )
 
 
-def _path_of(value, what: str) -> str:
+def _path_of(value: object, what: str) -> str:
     """A file name from an `images` entry, an image part's field or an image_url's url."""
     if isinstance(value, dict):  # {"url": ...}, {"path": ...} (datasets' Image dicts)
         value = value.get("url") or value.get("path")
@@ -106,7 +106,7 @@ def _text_parts(text: str, files: _Files) -> list[dict]:
     return parts
 
 
-def _content(content, files: _Files, where: str) -> list[dict]:
+def _content(content: object, files: _Files, where: str) -> list[dict]:
     if content is None:
         return []
     if isinstance(content, str):

@@ -4,25 +4,40 @@ ImageData seam) and the engine's embedding stage for it (engine.parts' Stage sea
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..data.prompt_only import PromptSet
 from ..errors import InputError
 from .adapters import ProjectorAdapters, projector_targets
-from .imageset import ImageSet, build_image_set, images_key
+from .imageset import ImageSet, Log, build_image_set, images_key
 from .pairs import build_image_pairs, holds_pairs, image_pair
 from .prompts import encode_prompt, prompt_record
 from .records import image_example
 from .support import image_owner, is_multimodal
 
+if TYPE_CHECKING:
+    import torch
+    from datasets import Dataset
+
+    from ..config.schema import DataConfig
+    from ..data.prompt_only import PromptImages
+    from ..data.tokset import TokenSet
+    from ..engine.parts import Stage
+    from ..engine.seams import Embedding, EmbeddingTable, Transport
+    from ..lora.setup import LoraSetup
+    from ..store import Store
+    from ..store.files import ModelFiles
+    from .encode import Processor
+
 
 class VisionData:
     """data.images.ImageData for a multimodal store: its processor, loaded on first use."""
 
-    def __init__(self, store, where: str):
+    def __init__(self, store: ModelFiles, where: str) -> None:
         self.store, self.where = store, where
-        self._proc = None
+        self._proc: Processor | None = None
 
-    def processor(self):
+    def processor(self) -> Processor:
         from .encode import load_processor
 
         if self._proc is None:
@@ -30,7 +45,7 @@ class VisionData:
             self._proc = load_processor(Path(self.store.root) / "hf", self.where)
         return self._proc
 
-    def build(self, ds, data_cfg, name: str, log, base: Path) -> ImageSet:
+    def build(self, ds: Dataset, data_cfg: DataConfig, name: str, log: Log, base: Path) -> ImageSet:
         cols = ds.column_names
         if "kto_tag" in cols or ("label" in cols and "completion" in cols):  # data.formats' unpaired
             raise InputError(
@@ -41,34 +56,34 @@ class VisionData:
             return build_image_pairs(ds, self.processor(), data_cfg, name, log, base)
         return build_image_set(ds, self.processor(), data_cfg, name, log, base)
 
-    def key(self, ds, data_cfg, base: Path) -> str | None:
+    def key(self, ds: Dataset, data_cfg: DataConfig, base: Path) -> str | None:
         if holds_pairs(ds.column_names):
             return images_key(
                 ds, self.processor(), data_cfg, base, lambda r, w, b: image_pair(r, w, b).prompt
             )
         return images_key(ds, self.processor(), data_cfg, base)
 
-    def prompt(self, record: dict, where: str, base: Path, data_cfg) -> tuple[list[int], dict]:
+    def prompt(self, record: dict, where: str, base: Path, data_cfg: DataConfig) -> tuple[list[int], dict]:
         """A prompt-only record with images (GRPO) -> its ids and image tensors (vision.prompts)."""
         if record.get("prompt_input_ids") is not None:
             raise InputError(f"{where}: prompt_input_ids with images: give the prompt as messages")
         ex = image_example(prompt_record(record), where, base)
         return encode_prompt(self.processor(), ex, where, data_cfg.max_pixels, data_cfg.min_pixels)
 
-    def wrap(self, ts, media: dict, offsets: dict) -> ImageSet:
+    def wrap(self, ts: TokenSet, media: dict, offsets: dict) -> ImageSet:
         return ImageSet(
             ts.tokens, ts.labels, ts.offsets, ts.doc_ids, ts.format, ts.stats, None, media, offsets
         )
 
 
-def image_data(store) -> VisionData | None:
+def image_data(store: ModelFiles) -> VisionData | None:
     """The store's image data, or None for a text-only model (image records then refused)."""
     if getattr(store, "hf_dir", None) is not None or not is_multimodal(store.arch):
         return None  # a dry run's config-only plan reads no images
     return VisionData(store, f"model.path: {store.root}")
 
 
-def prompt_images(store):
+def prompt_images(store: ModelFiles) -> PromptImages:
     """data.prompt_only.PromptImages of a store: its image data, or why it reads no images."""
     from ..data.prompt_only import PromptImages
 
@@ -80,7 +95,7 @@ def prompt_images(store):
     return PromptImages(data)
 
 
-def has_images(rows) -> bool:
+def has_images(rows: object) -> bool:
     """Training rows with image tensors (an ImageSet, a mixture holding one, or the pairs of one;
     prompts (data.prompt_only) of which one has images)."""
     if isinstance(rows, PromptSet):
@@ -91,7 +106,7 @@ def has_images(rows) -> bool:
     return isinstance(getattr(rows, "ts", rows), ImageSet)  # data.pairs.PairSet: its rows
 
 
-def vision_stage(store, vision: str, lora=None):
+def vision_stage(store: Store, vision: str, lora: LoraSetup | bool | None = None) -> Stage:
     """The engine's Stage: the run's embedding wrapped with the tower's image merge; `vision`:
     train.vision (projector | all: the tower's trained part, vision.trained). lora: the run's
     LoraSetup (or True: a LoRA run): with train.vision: projector the projector gets adapters
@@ -103,7 +118,7 @@ def vision_stage(store, vision: str, lora=None):
             "train.vision: projector: this LoRA setup has no projector adapters (lora_for without tower targets)"
         )
 
-    def stage(inner, t, dtype):
+    def stage(inner: EmbeddingTable, t: Transport, dtype: torch.dtype) -> Embedding:
         from .embed import VisionEmbedding
         from .tower import VisionTower
         from .trained import TowerState, trained_names
@@ -113,6 +128,7 @@ def vision_stage(store, vision: str, lora=None):
         if vision == "frozen":
             return VisionEmbedding(inner, tower)
         if lora:  # adapters on the projector's linear layers, the tower's weights frozen
+            assert not isinstance(lora, bool)  # a bare True: frozen (above) or all (refused above)
             return VisionEmbedding(inner, tower, ProjectorAdapters(tower, lora))
         base = tower.spec.owner + "." if tower.spec.owner else ""
         names = trained_names(tower.spec.towers, tower.params, base, vision)

@@ -31,10 +31,17 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 from ..arch import ArchSpec
+from ..arch.generic_arch import GenericArch
 from ..errors import InputError
 from ..model.token_masks import reads_token_types
+
+# a transformers model or one of its modules: the image owner's methods (get_image_features,
+# get_placeholder_mask, get_rope_index, ...) differ by model, and torch types a module's
+# attributes as Tensor | Module, so it is not typed further
+HFModule = Any
 
 LAYER_INPUTS = ("deepstack_visual_embeds", "visual_pos_masks")  # image features given to the layers
 
@@ -49,6 +56,13 @@ class ImageOwner:
     types: bool = False  # its masks read token types (model.token_masks: Gemma 3's image blocks)
 
 
+def generic_of(arch: ArchSpec) -> GenericArch:
+    """A multimodal model's generic description (only a generic model carries a tower)."""
+    kind = arch.kind
+    assert isinstance(kind, GenericArch), "a multimodal model is a generic one"
+    return kind
+
+
 def is_multimodal(arch: ArchSpec) -> bool:
     g = arch.generic
     return g is not None and bool(g.carried)
@@ -57,7 +71,7 @@ def is_multimodal(arch: ArchSpec) -> bool:
 MERGES = ("get_placeholder_mask", "inputs_merger")  # where the features go / the owner's own merge
 
 
-def find_owner(model, stack: str):
+def find_owner(model: HFModule, stack: str) -> tuple[str, HFModule] | None:
     """(path, module) of the first module with image features and a merge, or None."""
     for path, mod in model.named_modules():
         if hasattr(mod, "get_image_features") and any(hasattr(mod, m) for m in MERGES) and path != stack:
@@ -65,7 +79,7 @@ def find_owner(model, stack: str):
     return None
 
 
-def image_owner(arch: ArchSpec, where: str, model=None) -> ImageOwner:
+def image_owner(arch: ArchSpec, where: str, model: HFModule | None = None) -> ImageOwner:
     """The image owner of a multimodal store's class, or an InputError naming what is missing."""
     from ..arch.generic import stored_model
 

@@ -36,6 +36,7 @@ import inspect
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,12 +44,16 @@ from ..arch.disk import place
 from ..errors import InputError
 from ..store.carried import FILE, verify_carried
 from .encode import stacked
-from .support import image_owner
+from .support import HFModule, ImageOwner, generic_of, image_owner
+
+if TYPE_CHECKING:
+    from ..arch.generic_arch import GenericArch
+    from ..store import Store
 
 
 class VisionTower:
-    def __init__(self, store, device, dtype: torch.dtype, trained: bool = False):
-        g = store.arch.generic
+    def __init__(self, store: Store, device: torch.device, dtype: torch.dtype, trained: bool = False) -> None:
+        g = generic_of(store.arch)
         where = f"model.path: {store.root}"
         model = build_model(g, dtype)
         self.spec = image_owner(store.arch, where, model)
@@ -124,37 +129,49 @@ class VisionTower:
         return rows.masked_scatter(mask, feats)
 
 
+_REGISTER = "register_parameter"  # the method _params_on_meta swaps (torch.nn.Module's)
+
+
 @contextlib.contextmanager
 def _params_on_meta() -> Iterator[None]:
     """Inside: every parameter a module registers moves to the meta device at once (its
     initialiser then runs on nothing); buffers are made as the constructor makes them."""
     register = torch.nn.Module.register_parameter
 
-    def on_meta(self, name, param):
+    def on_meta(self: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
         register(self, name, param)
         if param is not None and param.device.type != "meta":
             self._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    setattr(torch.nn.Module, _REGISTER, on_meta)
     try:
         yield
     finally:
-        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+        setattr(torch.nn.Module, _REGISTER, register)
 
 
-def build_model(g, dtype: torch.dtype):
+def build_model(g: GenericArch, dtype: torch.dtype) -> HFModule:
     """The checkpoint's class, parameters on the meta device, buffers real (module doc)."""
     import transformers
 
     from ..arch.generic import hf_config
 
+    assert g.cls is not None  # a multimodal store names its class
     cls = getattr(transformers, g.cls)
     with _params_on_meta():
         model = cls._from_config(hf_config(dict(g.config)), attn_implementation=g.attn, dtype=dtype)
     return model.eval()
 
 
-def _load(model, spec, mods, hf: Path, device, dtype, where: str):
+def _load(
+    model: torch.nn.Module,
+    spec: ImageOwner,
+    mods: list[torch.nn.Module],
+    hf: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    where: str,
+) -> tuple[dict[str, torch.nn.Parameter], dict[str, str]]:
     """The towers' parameters from the carried file, in place of their meta tensors; and each
     one's carried tensor (memory name -> disk name) when it is one whole tensor."""
     from safetensors import safe_open
@@ -192,7 +209,7 @@ def _load(model, spec, mods, hf: Path, device, dtype, where: str):
     return out, names
 
 
-def _placed(model, disk_name: str, mem: dict) -> bool:
+def _placed(model: torch.nn.Module, disk_name: str, mem: dict) -> bool:
     """A carried tensor that fills one of the towers' parameters (not another carried module's)."""
     from transformers.core_model_loading import rename_source_key
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -43,8 +44,11 @@ def trained_names(
     if kids:
         return [n for n in params if any(n.startswith(f"{base}{c}.") for c in kids)]
     # the projector inside the tower (Qwen2-VL's visual.merger): a tower child's child named so
-    inner = [n for n in params if any(n.startswith(f"{base}{c}.") for c in towers)
-             and PROJECTOR.search(n[len(base):].split(".")[1])]  # fmt: skip
+    inner = [
+        n
+        for n in params
+        if any(n.startswith(f"{base}{c}.") for c in towers) and PROJECTOR.search(n[len(base) :].split(".")[1])
+    ]
     if not inner:
         raise InputError(f"train.vision: {mode}: the model has no projector module among {list(towers)}")
     return inner
@@ -75,7 +79,7 @@ class TowerState:
             n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in self.params.items()
         }
 
-    def add(self, grads) -> None:
+    def add(self, grads: Sequence[torch.Tensor | None]) -> None:
         for (n, a), g in zip(self.acc.items(), grads, strict=True):
             if g is not None:
                 a.add_(g.float())

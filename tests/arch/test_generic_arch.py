@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from horizon_cli.arch import ArchSpec
-from horizon_cli.arch.generic_arch import VERSION, GenericArch, Stack, TensorRow
+from horizon_cli.arch.generic_arch import VERSION, GenericArch, TensorRow
+from horizon_cli.arch.structure import Stack
 from horizon_cli.store.manifest import read_manifest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

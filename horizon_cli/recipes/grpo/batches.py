@@ -34,34 +34,41 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...config import Config
 from ...config.schema import OptimConfig
-from ...data import batch_indices
+from ...data import PreparedData, batch_indices
 from ...data.batch import MicroBatch
+from ...data.prompt_only import PromptRow
 from ...data.prompts import model_eos_ids
 from ...engine import Engine
 from ...errors import InputError
 from ...faults import phase
+from ...generate.decoder import SweepStats
 from ..recipe import Attached, Metrics
 from . import rollouts as ro
 from .advantages import advantages, reward_metrics
 from .images import ImageSafeSampler, check_images, image_tokens, reference_stage
 from .logps import token_logps
 from .loss import GRPOObjective, payload_of
+from .prompts import prompt_data
 from .rewards import load_rewards, score
+
+if TYPE_CHECKING:
+    from transformers import TrainerState
 
 EVAL_SEED = 0x3C6EF372  # eval rollouts: the same seed at every evaluation
 
 
 class GRPOBatches:
-    def __init__(self, cfg: Config, data):
+    def __init__(self, cfg: Config, data: PreparedData) -> None:
         assert cfg.rl is not None
-        self.cfg, self.rl, self.data = cfg, cfg.rl, data
+        self.cfg, self.rl, self.data = cfg, cfg.rl, prompt_data(data)
         self.rewards = load_rewards(cfg.rl.rewards)  # before any weight is loaded
-        check_images(cfg, data)  # here, not in attach: the dry run builds the batches too
+        check_images(cfg, self.data)  # here, not in attach: the dry run builds the batches too
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
         self.objective = GRPOObjective(cfg.rl)
         self.group: tuple[int, list[MicroBatch], dict] | None = None
@@ -78,7 +85,7 @@ class GRPOBatches:
         hf = getattr(store, "hf_dir", None) or store.root / "hf"
         self.tokenizer = self.data.train.tokenizer
         self.eos = model_eos_ids(hf) or (
-            [self.tokenizer.eos_token_id] if getattr(self.tokenizer, "eos_token_id", None) is not None else []
+            [eos] if (eos := getattr(self.tokenizer, "eos_token_id", None)) is not None else []
         )
         self.banned = image_tokens(self.data, store)  # the image token: never sampled
         self.ref_adapters = True
@@ -128,6 +135,7 @@ class GRPOBatches:
         sums: dict = {}
         for a in range(0, n, t.batch_size):
             idx = list(range(a, min(n, a + t.batch_size)))
+            assert ev is not None  # n > 0
             mbs, m = self._sample(ev.take(idx), ro.step_seed(t.seed ^ EVAL_SEED, a), -1, None)
             for k, v in m.items():
                 if isinstance(v, float | int):
@@ -179,14 +187,16 @@ class GRPOBatches:
             ro.save_group(self.run_dir, g, {"mbs": mbs, "metrics": m})
         return mbs, m
 
-    def _sample(self, prompts, seed: int, step: int, write_to: Path | None) -> tuple[list[MicroBatch], dict]:
+    def _sample(
+        self, prompts: list[PromptRow], seed: int, step: int, write_to: Path | None
+    ) -> tuple[list[MicroBatch], dict]:
         assert self.engine is not None
         rl, G = self.rl, self.rl.num_generations
         sweeps: list = []
         lo, hi = self.ranks.part(len(prompts))
         t0 = time.perf_counter()
 
-        def on_sweep(s) -> None:  # a crash-test mark in every decode sweep (faults.py): rollout:N
+        def on_sweep(s: SweepStats) -> None:  # a crash-test mark in every decode sweep (faults.py): rollout:N
             phase("rollout", step + 1)
             sweeps.append(s)
 
@@ -258,7 +268,7 @@ class GRPOBatches:
         )  # log_metric: TRL's mean
         return mbs, m
 
-    def _state(self, step: int):
+    def _state(self, step: int) -> TrainerState:
         """The TrainerState reward functions get, with TRL's fields (an epoch: the prompts once,
         each batch trained num_iterations times)."""
         from transformers import TrainerState
@@ -271,7 +281,7 @@ class GRPOBatches:
         )  # fmt: skip
 
     def _score(
-        self, prompts, outs: list[ro.Rollout], step: int, logs: dict | None = None
+        self, prompts: list[PromptRow], outs: list[ro.Rollout], step: int, logs: dict | None = None
     ) -> list[list[float]]:
         """Per reward function, this rank's completions' values (none: no call)."""
         if not outs:

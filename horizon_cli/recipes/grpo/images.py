@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import torch
 
+from ...config import Config
+from ...engine.parts import Stage
 from ...errors import InputError
 from ...model.sample import Sampler
+from ...store import Store
 from ...vision.encode import image_token_id
 from ...vision.run import has_images, image_data, vision_stage
+from .prompts import PromptData
 
 
-def check_images(cfg, data) -> None:
+def check_images(cfg: Config, data: PromptData) -> None:
+    assert cfg.rl is not None  # an rl run's
     if has_images(data.train) and cfg.rl.beta > 0 and cfg.lora is not None and cfg.train.vision != "frozen":
         raise InputError(
             f"rl.beta: a reference for LoRA with train.vision: {cfg.train.vision} and images is not built yet "
@@ -32,12 +37,12 @@ def check_images(cfg, data) -> None:
         )
 
 
-def reference_stage(cfg, data, store):
+def reference_stage(cfg: Config, data: PromptData, store: Store) -> Stage | None:
     """The reference engine's embedding stage: the frozen tower when the prompts have images."""
     return vision_stage(store, "frozen") if has_images(data.train) else None
 
 
-def image_tokens(data, store) -> tuple[int, ...]:
+def image_tokens(data: PromptData, store: Store) -> tuple[int, ...]:
     """The token ids a rollout must not sample: the image token of a run with image prompts."""
     got = image_data(store) if has_images(data.train) else None
     return (image_token_id(got.processor()),) if got is not None else ()

@@ -31,7 +31,8 @@ import torch
 
 from ...config.schema import RLConfig
 from ...data.batch import IGNORE, MicroBatch
-from ...engine.objective import Head, SequenceObjective, Targets
+from ...engine.objective import Head, HeadOut, SequenceObjective, Targets
+from ...engine.seams import Stats
 
 STATS = ("tokens", "kl", "clip_low", "clip_high", "clip_region")
 
@@ -85,7 +86,7 @@ class GRPOObjective(SequenceObjective):
             return rows * self.cfg.max_completion_length
         return max(1, sum(mb.label_tokens for mb in mbs))
 
-    def targets(self, mbs: list[MicroBatch], device) -> list[Targets]:
+    def targets(self, mbs: list[MicroBatch], device: torch.device) -> list[Targets]:
         out: list[Targets] = []
         for mb in mbs:
             _, T = mb.input_ids.shape
@@ -111,7 +112,7 @@ class GRPOObjective(SequenceObjective):
             )
         return out
 
-    def loss(self, logps: list[torch.Tensor], targets: list[Targets]):
+    def loss(self, logps: list[torch.Tensor], targets: list[Targets]) -> tuple[torch.Tensor, Stats]:
         ts: list[GRPOTargets] = targets  # type: ignore[assignment]
         lp = torch.cat(logps)
         adv = torch.cat([t.adv for t in ts])
@@ -139,10 +140,12 @@ class GRPOObjective(SequenceObjective):
         }
         return per_token.sum(), stats
 
-    def train(self, head: Head, xs: list[torch.Tensor], targets: list[Targets], inv: float):
+    def train(self, head: Head, xs: list[torch.Tensor], targets: list[Targets], inv: float) -> HeadOut:
         return super().train(self.scaled(head), xs, targets, inv)
 
-    def evaluate(self, head: Head, xs: list[torch.Tensor], targets: list[Targets]):
+    def evaluate(
+        self, head: Head, xs: list[torch.Tensor], targets: list[Targets]
+    ) -> tuple[torch.Tensor, Stats]:
         return super().evaluate(self.scaled(head), xs, targets)
 
     def scaled(self, head: Head) -> Head:

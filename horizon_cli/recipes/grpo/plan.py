@@ -18,15 +18,25 @@ The link: engine.link_gbps when set, else 50 GB/s, a PCIe 5.0 x16 host-to-device
 
 from __future__ import annotations
 
+from ...arch import ArchSpec
+from ...config import Config
+from ...data import PreparedData
 from ...fmt import fmt_bytes
 from ...generate.budget import weights_per_sweep
 from ...planning.memory import ITEM
+from .prompts import prompt_data
 
 ASSUMED_GBPS = 50.0
 
 
 def rollout_plan(
-    cfg, data, arch, dtype: str, quant: str = "", device_free: int | None = None, world: int = 1
+    cfg: Config,
+    data: PreparedData | None,
+    arch: ArchSpec,
+    dtype: str,
+    quant: str = "",
+    device_free: int | None = None,
+    world: int = 1,
 ) -> dict | None:
     rl = cfg.rl
     if rl is None:
@@ -34,7 +44,7 @@ def rollout_plan(
     total = cfg.train.batch_size * rl.num_generations
     rows = -(-cfg.train.batch_size // world) * rl.num_generations  # one rank's
     if data is not None and len(data.train):
-        prompt = max(len(r.ids) for r in data.train.rows)
+        prompt = max(len(r.ids) for r in prompt_data(data).train.rows)
         said = "the longest prompt"
     else:
         prompt = max(1, min(cfg.data.max_seq_len, arch.max_positions) - rl.max_completion_length)

@@ -18,6 +18,7 @@ from ...parallel.shard import check_completions
 from ..recipe import PlanModel, PlanTerms
 from .batches import GRPOBatches
 from .plan import rollout_plan
+from .prompts import prepared
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -67,14 +68,19 @@ class Grpo:
         assert cfg.rl is not None
         tok = tokenizer("auto")  # prompt_input_ids need none
         train, ev = prepare_prompts(
-            cfg.data, tok, arch.vocab, arch.max_positions, cfg.rl.max_completion_length, cfg.train.seed,
+            cfg.data,
+            tok,
+            arch.vocab,
+            arch.max_positions,
+            cfg.rl.max_completion_length,
+            cfg.train.seed,
             images(),
-        )  # fmt: skip
+        )
         console.print(
             f"data: {len(train):,} prompts" + (f", {len(ev):,} held out" if ev is not None else ""),
             highlight=False,
         )
-        return PreparedData(train, ev, "prompt", pad_id_of(tok, arch.vocab))  # type: ignore[arg-type]
+        return prepared(train, ev, pad_id_of(tok, arch.vocab))
 
     def data_section(self, cfg: Config) -> DataConfig:
         return cfg.data

@@ -38,6 +38,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ...config.schema import RewardConfig
 from ...errors import InputError
@@ -107,7 +108,7 @@ def _builtin(r: RewardConfig, key: str) -> Callable:
     if r.function == "length":
         target, tol = r.target or 1, r.tolerance
 
-        def length(completion_ids, **kw):
+        def length(completion_ids: list[list[int]], **kw: list) -> list[float]:
             return [max(0.0, 1.0 - max(0, abs(len(c) - target) - tol) / target) for c in completion_ids]
 
         return length
@@ -124,7 +125,7 @@ def _accuracy(column: str | None, key: str) -> Callable:
             f"{key}.function: the accuracy reward needs math-verify: pip install 'horizon-cli[rl]'"
         ) from None
 
-    def accuracy(completions, **kw):
+    def accuracy(completions: list, **kw: list) -> list[float | None]:
         col = column or next((c for c in ("solution", "answer") if c in kw), None)
         if col is None or col not in kw:
             raise ValueError(f"the records have no {column or 'solution or answer'} column")
@@ -141,13 +142,13 @@ def _accuracy(column: str | None, key: str) -> Callable:
     return accuracy
 
 
-def _text(c) -> str:
+def _text(c: str | list[dict[str, str]]) -> str:
     return c[0]["content"] if isinstance(c, list) else c
 
 
 def score(
     rewards: list[Reward], prompts: list, completions: list, completion_ids: list[list[int]],
-    columns: dict[str, list], step: int, where: Callable[[int], str], state=None, logs: dict | None = None,
+    columns: dict[str, list], step: int, where: Callable[[int], str], state: object = None, logs: dict | None = None,
 ) -> list[list[float]]:  # fmt: skip
     """Per reward function, one value per completion (NaN for None). where(k): completion k named.
     state: the TrainerState the functions get (None: one at `step`); logs: filled with what they
@@ -163,10 +164,11 @@ def score(
         "log_extra": lambda column, values: extra.setdefault(column, []).extend(values),
     }
     n = len(completions)
-    calls, pending = [], {}
+    calls: list[Callable[[list[int]], object]] = []
+    pending: dict[int, object] = {}
     for i, r in enumerate(rewards):
 
-        def call(ks: list[int], r=r):
+        def call(ks: list[int], r: Reward = r) -> object:  # values, or an awaitable of them (async)
             return r.fn(
                 prompts=[prompts[k] for k in ks], completions=[completions[k] for k in ks],
                 completion_ids=[completion_ids[k] for k in ks], trainer_state=state, **hooks,
@@ -189,17 +191,24 @@ def score(
     return [_checked(r, pending[i], n, step, where) for i, r in enumerate(rewards)]
 
 
-async def _gather(coros: list) -> list:
+async def _gather(coros: list[Any]) -> list[Any]:  # a user's coroutines
     return await asyncio.gather(*coros, return_exceptions=True)
 
 
-def _raised(r: Reward, e: BaseException, call, n: int, step: int, where) -> None:
+def _raised(
+    r: Reward,
+    e: BaseException,
+    call: Callable[[list[int]], object],
+    n: int,
+    step: int,
+    where: Callable[[int], str],
+) -> None:
     bad = _first_failing(call, n)
     at = f" on {where(bad)}" if bad is not None else f" on the batch of step {step + 1}"
     raise InputError(f"{r.key} ({r.name}): raised {type(e).__name__}: {e}{at}") from None
 
 
-def _checked(r: Reward, got, n: int, step: int, where) -> list[float]:
+def _checked(r: Reward, got: Any, n: int, step: int, where: Callable[[int], str]) -> list[float]:
     """A function's values checked: n numbers (None -> NaN), finite."""
     what = f"{r.key} ({r.name})"
     try:
@@ -224,7 +233,7 @@ def _checked(r: Reward, got, n: int, step: int, where) -> list[float]:
     return row
 
 
-def _first_failing(call, n: int) -> int | None:
+def _first_failing(call: Callable[[list[int]], object], n: int) -> int | None:
     """The first completion a function raises on when called on it alone (awaited if async)."""
     for k in range(n):
         try:

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from ...config.schema import RLConfig
 from ...data.batch import IGNORE, MicroBatch
 from ...engine import Engine
 from ...fsutil import write_text_atomic
@@ -33,6 +36,9 @@ from ...generate.decode import Generation
 from ...generate.decoder import Decoder, SweepStats, micro_batches
 from ...model.sample import Sampler
 from .loss import GRPOPayload
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SEED_MIX = 0x5851F42D4C957F2D  # the step's sampling seed: (train.seed, step) mixed
 
@@ -71,10 +77,19 @@ def device_kv(engine: Engine, rows: list[tuple[int, list[int]]], max_new: int, k
 
 
 def sample(
-    engine: Engine, prompts: list[list[int]], G: int, rl, seed: int, eos: list[int], tokenizer, kv: str,
-    on_sweep=lambda s: None, first: int = 0, media: list[dict | None] | None = None,
+    engine: Engine,
+    prompts: list[list[int]],
+    G: int,
+    rl: RLConfig,
+    seed: int,
+    eos: list[int],
+    tokenizer: PreTrainedTokenizerBase | None,
+    kv: str,
+    on_sweep: Callable[[SweepStats], None] = lambda s: None,
+    first: int = 0,
+    media: list[dict | None] | None = None,
     sampler: Sampler | None = None,
-) -> list[Rollout]:  # fmt: skip
+) -> list[Rollout]:
     """G completions of each prompt, in order (prompt p's generation j at p x G + j). `first`: the
     first prompt's place in the step's whole batch; rows are seeded by their place in it, so a
     slice of the prompts sampled alone gets the completions the whole batch gives it. media: each
@@ -88,10 +103,15 @@ def sample(
         if (m := media[r // G - first]) is not None:
             pixels[r] = m
     dec = Decoder(
-        engine, sampler or Sampler(rl.temperature, rl.top_p, rl.top_k, seed, rl.min_p, rl.repetition_penalty), max_new_tokens=rl.max_completion_length,
-        eos_ids=eos, tokenizer=tokenizer, host_kv=not device_kv(engine, rows, rl.max_completion_length, kv),
-        on_sweep=on_sweep, media=pixels,
-    )  # fmt: skip
+        engine,
+        sampler or Sampler(rl.temperature, rl.top_p, rl.top_k, seed, rl.min_p, rl.repetition_penalty),
+        max_new_tokens=rl.max_completion_length,
+        eos_ids=eos,
+        tokenizer=tokenizer,
+        host_kv=not device_kv(engine, rows, rl.max_completion_length, kv),
+        on_sweep=on_sweep,
+        media=pixels,
+    )
     out = []
     for c in dec.run(rows):
         p = c.index // G - first
@@ -124,8 +144,16 @@ def media_of(rollouts: list[Rollout]) -> dict | None:
     return {n: torch.cat([m[n] for m in got]) for n in got[0]} if got else None
 
 
-def write(run_dir: Path, step: int, rollouts: list[Rollout], names: list[str], per_func: torch.Tensor,
-          reward: torch.Tensor, adv: torch.Tensor, extra: dict | None = None) -> Path:  # fmt: skip
+def write(
+    run_dir: Path,
+    step: int,
+    rollouts: list[Rollout],
+    names: list[str],
+    per_func: torch.Tensor,
+    reward: torch.Tensor,
+    adv: torch.Tensor,
+    extra: dict | None = None,
+) -> Path:
     """rollouts/step-N.jsonl (N = step + 1), written whole or not at all; extra: columns the reward
     functions gave log_extra, one value per completion."""
     lines = []

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -73,7 +74,7 @@ class KTOObjective(SequenceObjective):
         """The global batch's examples (those whose completion row has a label)."""
         return sum(int(_valid(mb.labels).sum()) for mb in mbs)
 
-    def targets(self, mbs: list[MicroBatch], device) -> list[Targets]:
+    def targets(self, mbs: list[MicroBatch], device: torch.device) -> list[Targets]:
         out: list[Targets] = []
         for mb in mbs:
             b, T = mb.input_ids.shape
@@ -97,8 +98,10 @@ class KTOObjective(SequenceObjective):
             out.append(t)
         return out
 
-    def loss(self, logps: list[torch.Tensor], targets: list[Targets]):
-        ts: list[KTOTargets] = targets  # type: ignore[assignment]
+    def loss(
+        self, logps: list[torch.Tensor], targets: list[Targets]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ts = cast(list[KTOTargets], targets)  # made by self.targets
         sums = [
             torch.zeros(t.ref.shape[0], dtype=lp.dtype, device=lp.device).index_add(0, t.seq, lp)
             for lp, t in zip(logps, ts, strict=True)

@@ -30,6 +30,7 @@ rejected's), logps_chosen / _rejected (pi; reference-free: a, as CPO/ORPOTrainer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -75,10 +76,10 @@ class PairObjective(SequenceObjective):
         """The global batch's pairs (those with labels in both rows)."""
         return sum(int(_valid(mb.labels).sum()) for mb in mbs)
 
-    def targets(self, mbs: list[MicroBatch], device) -> list[Targets]:
+    def targets(self, mbs: list[MicroBatch], device: torch.device) -> list[Targets]:
         return [self._targets(mb, device) for mb in mbs]
 
-    def _targets(self, mb: MicroBatch, device) -> PairTargets:
+    def _targets(self, mb: MicroBatch, device: torch.device) -> PairTargets:
         b, T = mb.input_ids.shape
         if b % 2:
             raise ValueError("a micro-batch of pairs has an even number of rows")
@@ -113,14 +114,17 @@ class PairObjective(SequenceObjective):
         )
         return _to(host, device)
 
-    def loss(self, logps: list[torch.Tensor], targets: list[Targets]):
-        parts = [self._pair_terms(lp, t) for lp, t in zip(logps, targets, strict=True)]  # type: ignore[arg-type]
+    def loss(
+        self, logps: list[torch.Tensor], targets: list[Targets]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ts = cast(list[PairTargets], targets)  # made by self.targets
+        parts = [self._pair_terms(lp, t) for lp, t in zip(logps, ts, strict=True)]
         cols = {k: torch.cat([p[k] for p in parts]) for k in parts[0] if k not in ("nll", "nll_seq")}
         valid = cols["valid"]
         losses, rc, rr, lc, lr = self._losses(cols)
         zero = torch.zeros_like(losses)
         total = torch.where(valid, losses, zero).sum()
-        counts = targets[0].counts  # type: ignore[attr-defined]
+        counts = ts[0].counts
         if self.cfg.sft_weight:
             nll = sum(p["nll"] for p in parts)
             total = total + self.cfg.sft_weight * nll * _ratio(counts, "chosen_tokens")
@@ -153,7 +157,7 @@ class PairObjective(SequenceObjective):
         out["nll_seq"] = -torch.where(chosen, lp, 0.0).sum()
         return out
 
-    def _losses(self, c: dict[str, torch.Tensor]):
+    def _losses(self, c: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Per pair (loss, chosen reward, rejected reward, chosen logp, rejected logp), as TRL."""
         cfg, beta, ls = self.cfg, self.cfg.beta, self.cfg.label_smoothing
         valid = c["valid"]
@@ -195,9 +199,15 @@ def _ratio(counts: dict[str, float], key: str) -> float:
     return counts.get("pairs", 0.0) / n if n else 0.0
 
 
-def _to(t: PairTargets, device) -> PairTargets:
+def _to(t: PairTargets, device: torch.device) -> PairTargets:
     return PairTargets(
-        idx=t.idx.to(device), tgt=t.tgt.to(device), seq=t.seq.to(device), comp=t.comp.to(device),
-        n_pred=t.n_pred.to(device), n_comp=t.n_comp.to(device), valid=t.valid.to(device),
-        ref=None if t.ref is None else t.ref.to(device), counts=t.counts,
-    )  # fmt: skip
+        idx=t.idx.to(device),
+        tgt=t.tgt.to(device),
+        seq=t.seq.to(device),
+        comp=t.comp.to(device),
+        n_pred=t.n_pred.to(device),
+        n_comp=t.n_comp.to(device),
+        valid=t.valid.to(device),
+        ref=None if t.ref is None else t.ref.to(device),
+        counts=t.counts,
+    )

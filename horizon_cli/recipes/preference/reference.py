@@ -32,30 +32,38 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from ...config import Config
 from ...config.schema import REFERENCED
 from ...data import PreparedData
 from ...data.batch import IGNORE, MicroBatch
 from ...data.pairs import PairSet, collate_pairs
 from ...data.prepare import unit_of
+from ...engine.engine import Engine
 from ...errors import InputError
 from ...faults import phase
 from ...fsutil import atomic_dir, read_json
 
 
 def reference(
-    engine, data: PreparedData, cfg, run_dir: Path, console: Console, fresh: bool, model_fp: str, main: bool
+    engine: Engine,
+    data: PreparedData,
+    cfg: Config,
+    run_dir: Path,
+    console: Console,
+    fresh: bool,
+    model_fp: str,
+    main: bool,
 ) -> dict[str, np.ndarray]:
     """The reference log-probs of the training pairs ("train") and the held-out ones ("eval"):
     read back, or computed (fresh: before step 1; main: this rank writes the run dir)."""
-    sets = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
-    assert all(isinstance(s, PairSet) for s in sets.values()), "a preference run trains on pairs"
+    sets = _pair_sets(data)
     where = Path(run_dir) / "reference"
     base = engine.tuning.reference_on_base  # fresh adapters: the initial policy is the base
     meta = {
         "model": model_fp,
         "dtype": cfg.engine.dtype,
         "policy": "base (adapters off)" if base else "initial weights",
-        "pairs": {k: s.fingerprint() for k, s in sets.items()},  # type: ignore[union-attr]
+        "pairs": {k: s.fingerprint() for k, s in sets.items()},
     }
     found, why = load(where, meta)
     if found is not None:
@@ -70,15 +78,29 @@ def reference(
     if not fresh:
         console.print(f"[yellow]note:[/] {where} {why}; recomputing it from the base (adapters off)")
     phase("reference")
-    out = {k: compute(engine, s, cfg, data.pad_id, console, k, not base) for k, s in sets.items()}  # type: ignore[arg-type]
+    out = {k: compute(engine, s, cfg, data.pad_id, console, k, not base) for k, s in sets.items()}
     if main:
         save(where, out, meta)
         phase("reference-saved")
     return out
 
 
+def _pair_sets(data: PreparedData) -> dict[str, PairSet]:
+    """The training pairs ("train") and the held-out ones ("eval", when there are any)."""
+    sets = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
+    pairs = {k: s for k, s in sets.items() if isinstance(s, PairSet)}
+    assert len(pairs) == len(sets), "a preference run trains on pairs"
+    return pairs
+
+
 def compute(
-    engine, pairs: PairSet, cfg, pad_id: int, console: Console, name: str, adapters: bool = True
+    engine: Engine,
+    pairs: PairSet,
+    cfg: Config,
+    pad_id: int,
+    console: Console,
+    name: str,
+    adapters: bool = True,
 ) -> np.ndarray:
     """(pairs, 2) float32: forward-only sweeps over train.batch_size pairs at a time, each rank its
     share of every sweep's micro-batches, the results summed over the ranks."""
@@ -146,7 +168,7 @@ def save(where: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
         (tmp / "meta.json").write_text(json.dumps({**meta, "files": files}, indent=1) + "\n")
 
 
-def reference_plan(cfg, data: PreparedData | None, layers: int) -> dict | None:
+def reference_plan(cfg: Config, data: PreparedData | None, layers: int) -> dict | None:
     """What the reference pass will cost (the dry run's plan): None without one (SFT, simpo, orpo).
     A sweep loads each layer once and runs the forward only: a training step loads it twice and
     computes about four forwards' worth (forward, recompute, backward), so a sweep costs about a
@@ -174,7 +196,7 @@ def _count(arrays: dict[str, np.ndarray]) -> int:
     return sum(len(a) for a in arrays.values())
 
 
-def _ranks(engine) -> tuple[int, int]:
+def _ranks(engine: Engine) -> tuple[int, int]:
     return engine.ranks.world, engine.ranks.rank
 
 

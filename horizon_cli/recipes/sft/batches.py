@@ -34,7 +34,7 @@ class SftBatches:
     def step(self, step: int) -> tuple[list[MicroBatch], int]:
         """The global batch of `step` as micro-batches, and its tokens without padding."""
         t = self.cfg.train
-        rows = batch_rows(self.data.train, step, t.batch_size, t.seed, self.cfg.data.shuffle)  # type: ignore[arg-type]
+        rows = batch_rows(self.data.train, step, t.batch_size, t.seed, self.cfg.data.shuffle)
         return collate(rows, t.micro_batch_size, self.data.pad_id), sum(len(r.input_ids) for r in rows)
 
     def eval_batches(self) -> Iterator[list[MicroBatch]]:
