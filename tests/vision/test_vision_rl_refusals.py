@@ -50,7 +50,7 @@ def _train(root: Path, tmp_path: Path, store: Path, rows: list[dict], *flags: st
 def test_grpo_missing_image_file_refused(llava, tmp_path):
     rows = [{"prompt": _user("what?", {"type": "image", "image": "imgs/none.png"})} for _ in range(4)]
     line, out = _train(llava, tmp_path, llava / "store", rows, rl=RL)
-    assert "record 0: image" in line and "none.png does not exist" in line, line
+    assert "record 1: image" in line and "none.png does not exist" in line, line
     assert not out.exists()
 
 
@@ -72,7 +72,7 @@ def test_grpo_held_out_images_without_training_images_refused(llava, tmp_path):
 @pytest.mark.parametrize("form", ["image-part-with-file", "trl-images-column"])
 def test_grpo_image_prompts_on_text_only_store_refused(llava, tmp_path, tiny_store, form):
     line, out = _train(llava, tmp_path, tiny_store, [PROMPTS[form](i) for i in range(4)], rl=RL)
-    assert "record 0: the prompt names images" in line and "takes text only" in line, line
+    assert "record 1: the prompt names images" in line and "takes text only" in line, line
     assert not out.exists()
 
 
