@@ -49,7 +49,7 @@ from . import rollouts as ro
 from .advantages import advantages, reward_metrics
 from .images import ImageSafeSampler, check_images, image_tokens, reference_stage
 from .logps import token_logps
-from .loss import GRPOObjective, payload_of
+from .loss import GRPOObjective, payload_of, ratio_metrics
 from .rewards import load_rewards, score
 
 EVAL_SEED = 0x3C6EF372  # eval rollouts: the same seed at every evaluation
@@ -79,6 +79,11 @@ class GRPOBatches:
             [self.tokenizer.eos_token_id] if getattr(self.tokenizer, "eos_token_id", None) is not None else []
         )
         check_images(self.cfg, self.data)
+        if self.rl.top_entropy_quantile < 1.0 and self.ranks.world > 1:
+            raise InputError(
+                "rl.top_entropy_quantile: the entropy quantile over the whole batch is not computed across "
+                "ranks yet; run it on one process (or set 1.0)"
+            )
         self.banned = image_tokens(self.data, store)  # the image token: never sampled
         self.ref_adapters = True
         if self.rl.beta > 0 and engine.lora is not None:
@@ -145,9 +150,8 @@ class GRPOBatches:
         toks = stats.get("tokens", 0.0)
         if self.rl.beta > 0:
             out["kl"] = stats["kl"] / toks if toks else None
-        if self.rl.num_iterations > 1 and not prefix:
-            for k in ("low", "high", "region"):
-                out[f"clip_ratio/{k}_mean"] = stats[f"clip_{k}"] / toks if toks else None
+        if not prefix:
+            out |= ratio_metrics(self.rl, stats)
         return {prefix + k: v for k, v in out.items()}
 
     def show(self, row: Mapping[str, object]) -> str:

@@ -32,8 +32,10 @@ import torch
 from ...config.schema import RLConfig
 from ...data.batch import IGNORE, MicroBatch
 from ...engine.objective import Head, SequenceObjective, Targets
+from .policy import Flat, policy_loss
 
-STATS = ("tokens", "kl", "clip_low", "clip_high", "clip_region")
+STATS = ("tokens", "rows", "kl", "clip_low", "clip_high", "clip_region", "cispo_clip", "vespo_phi")
+PER_COMPLETION = ("grpo", "sapo", "luspo")  # divided by the completions
 
 
 @dataclass
@@ -60,12 +62,18 @@ def payload_of(mb: MicroBatch) -> GRPOPayload:
 @dataclass
 class GRPOTargets(Targets):
     """One micro-batch's completion tokens: per token its advantage, its row's token count (as a
-    float), and the rollout policy's and the reference's log-probs (None when not needed)."""
+    float), its row in the micro-batch, and the rollout policy's and the reference's log-probs (None
+    when not needed); per row its advantage and whether it is a real completion; the entropies
+    (top_entropy_quantile < 1), filled in by the head's first pass."""
 
     adv: torch.Tensor
     row_len: torch.Tensor
     old: torch.Tensor | None
     ref: torch.Tensor | None
+    row: torch.Tensor | None = None
+    row_adv: torch.Tensor | None = None
+    real: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 class GRPOObjective(SequenceObjective):
@@ -74,12 +82,10 @@ class GRPOObjective(SequenceObjective):
 
     def __init__(self, cfg: RLConfig):
         self.cfg = cfg
-        self.eps_low = cfg.epsilon
-        self.eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
 
     def divisor(self, mbs: list[MicroBatch]) -> int:
         rows = sum(payload_of(mb).rows for mb in mbs)
-        if self.cfg.loss_type == "grpo":
+        if self.cfg.loss_type in PER_COMPLETION:
             return rows
         if self.cfg.loss_type == "dr_grpo":
             return rows * self.cfg.max_completion_length
@@ -88,7 +94,7 @@ class GRPOObjective(SequenceObjective):
     def targets(self, mbs: list[MicroBatch], device) -> list[Targets]:
         out: list[Targets] = []
         for mb in mbs:
-            _, T = mb.input_ids.shape
+            b, T = mb.input_ids.shape
             lab = mb.labels[:, 1:] != IGNORE
             idx = lab.reshape(-1).nonzero().squeeze(1)
             seq = idx // max(T - 1, 1)
@@ -107,36 +113,38 @@ class GRPOObjective(SequenceObjective):
                     row_len=per_row[seq].to(device),
                     old=None if old is None else old.float().to(device),
                     ref=None if ref is None or self.cfg.beta == 0 else ref.float().to(device),
+                    row=seq.to(device),
+                    row_adv=pay.adv.float()[:b].to(device),
+                    real=(torch.arange(b) < pay.rows).float().to(device),
                 )
             )
         return out
 
+    def first_pass(self, head: Head, x: torch.Tensor, t: Targets) -> torch.Tensor:
+        """The log-probs, and with top_entropy_quantile < 1 each token's entropy (kept in t), in
+        the same chunks of the head."""
+        if self.cfg.top_entropy_quantile >= 1.0:
+            return head.logps(x, t)
+        lp, ent = head.logps_entropies(x, t)
+        t.entropy = ent  # type: ignore[attr-defined]
+        return lp
+
     def loss(self, logps: list[torch.Tensor], targets: list[Targets]):
         ts: list[GRPOTargets] = targets  # type: ignore[assignment]
         lp = torch.cat(logps)
-        adv = torch.cat([t.adv for t in ts])
-        old = torch.cat(
-            [t.old if t.old is not None else lp_m.detach() for lp_m, t in zip(logps, ts, strict=True)]
-        )
-        coef_1 = torch.exp(lp - old)
-        coef_2 = torch.clamp(coef_1, 1 - self.eps_low, 1 + self.eps_high)
-        per_token = -torch.min(coef_1 * adv, coef_2 * adv)
-        stats: dict[str, torch.Tensor] = {"tokens": torch.tensor(float(lp.numel()), device=lp.device)}
+        f = flat(lp, logps, ts)
+        per_token, w, stats = policy_loss(self.cfg, f)
+        stats["tokens"] = torch.tensor(float(lp.numel()), device=lp.device)
+        stats["rows"] = f.real.sum()
         if self.cfg.beta > 0:
             ref = torch.cat([t.ref for t in ts])  # type: ignore[misc]
             kl = torch.exp(ref - lp) - (ref - lp) - 1
+            if self.cfg.use_bias_correction_kl:
+                kl = kl * w
             per_token = per_token + self.cfg.beta * kl
             stats["kl"] = kl.detach().sum()
-        if self.cfg.loss_type == "grpo":
+        if self.cfg.loss_type in ("grpo", "sapo"):
             per_token = per_token / torch.cat([t.row_len for t in ts])
-        c = coef_1.detach()
-        low = (c < 1 - self.eps_low) & (adv < 0)
-        high = (c > 1 + self.eps_high) & (adv > 0)
-        stats |= {
-            "clip_low": low.float().sum(),
-            "clip_high": high.float().sum(),
-            "clip_region": (low | high).float().sum(),
-        }
         return per_token.sum(), stats
 
     def train(self, head: Head, xs: list[torch.Tensor], targets: list[Targets], inv: float):
@@ -155,3 +163,40 @@ def scaled_head(head: Head, temperature: float) -> Head:
         return head
     inner = head.logits
     return replace(head, logits=lambda x, lm: inner(x, lm) / temperature)
+
+
+def flat(lp: torch.Tensor, logps: list[torch.Tensor], ts: list[GRPOTargets]) -> Flat:
+    """The step's tokens laid flat (policy.Flat): rows numbered across the micro-batches; `old` the
+    rollout policy's log-probs, or the policy's own, detached (num_iterations 1, as TRL)."""
+    rows, at = [], 0
+    for t in ts:
+        assert t.row is not None and t.row_adv is not None
+        rows.append(t.row + at)
+        at += t.row_adv.shape[0]
+    ents = [t.entropy for t in ts]
+    return Flat(
+        lp=lp,
+        old=torch.cat([t.old if t.old is not None else m.detach() for m, t in zip(logps, ts, strict=True)]),
+        row=torch.cat(rows),
+        adv=torch.cat([t.adv for t in ts]),
+        row_adv=torch.cat([t.row_adv for t in ts]),  # type: ignore[misc]
+        real=torch.cat([t.real for t in ts]),  # type: ignore[misc]
+        entropy=None if any(e is None for e in ents) else torch.cat(ents),  # type: ignore[arg-type]
+    )
+
+
+def ratio_metrics(rl: RLConfig, stats: dict[str, float]) -> dict[str, float | None]:
+    """TRL's ratio metrics of a training step from the loss's stats: clip_ratio/{low,high,region}_mean
+    (the clipped losses) or cispo_clip_ratio (num_iterations > 1: else the ratio is 1), per token or
+    (importance_sampling_level sequence) per completion; vespo/phi_seq_mean per completion."""
+    units = stats.get("rows" if rl.importance_sampling_level == "sequence" else "tokens", 0.0)
+    rows = stats.get("rows", 0.0)
+    out: dict[str, float | None] = {}
+    if rl.num_iterations > 1 and "clip_low" in stats:
+        for k in ("low", "high", "region"):
+            out[f"clip_ratio/{k}_mean"] = stats[f"clip_{k}"] / units if units else None
+    if rl.num_iterations > 1 and "cispo_clip" in stats:
+        out["cispo_clip_ratio"] = stats["cispo_clip"] / units if units else None
+    if "vespo_phi" in stats:
+        out["vespo/phi_seq_mean"] = stats["vespo_phi"] / rows if rows else None
+    return out
