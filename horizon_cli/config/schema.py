@@ -172,6 +172,7 @@ class PreferenceConfig:
 
 RL_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "luspo", "sapo", "vespo")
 BUILTIN_REWARDS = ("accuracy", "format", "length")
+IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
 
 
 @dataclass
@@ -219,6 +220,12 @@ class RLConfig:
     off_policy_mask_threshold: float | None = _f(None, min=0.0)  # drop A < 0 sequences whose KL exceeds it
     top_entropy_quantile: float = _f(1.0, min=0.0, max=1.0)  # the loss on the top-rho tokens by entropy
     use_bias_correction_kl: bool = _f(True)  # the KL term times the importance ratio (TRL's default: on)
+    # a sampler apart from the trained weights (its rollouts carry their log-probs): TRL 1.16's
+    # vllm_importance_sampling_* (recipes/grpo/sampling.py); the streamed sampler needs none
+    importance_sampling_correction: bool = _f(True)
+    importance_sampling_mode: str = _f("sequence_mask", choices=IS_MODES)
+    importance_sampling_clip_min: float | None = _f(None, min=0.0)
+    importance_sampling_clip_max: float | None = _f(3.0, min=0.0)
 
 
 @dataclass

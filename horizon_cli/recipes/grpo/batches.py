@@ -51,6 +51,7 @@ from .images import ImageSafeSampler, check_images, image_tokens, reference_stag
 from .logps import token_logps
 from .loss import GRPOObjective, payload_of, ratio_metrics
 from .rewards import load_rewards, score
+from .sampling import correct
 
 EVAL_SEED = 0x3C6EF372  # eval rollouts: the same seed at every evaluation
 
@@ -210,11 +211,15 @@ class GRPOBatches:
         mbs = ro.micro_batches_of(outs, adv, self.cfg.train.micro_batch_size, self.data.pad_id,
                                   rl.mask_truncated_completions)  # fmt: skip
         t2 = time.perf_counter()
-        if rl.num_iterations > 1:
+        # a sampler apart from the trained weights (its rollouts carry their log-probs: the resident
+        # engine's, issue 40): the old log-probs are always swept, as TRL does under vLLM
+        apart = bool(mbs) and all(payload_of(mb).sampling is not None for mb in mbs)
+        if rl.num_iterations > 1 or (apart and rl.importance_sampling_correction):
             self._logps(self.engine, mbs, "old", True)
         if rl.beta > 0:
             self._logps(self.ref_engine or self.engine, mbs, "ref", self.ref_adapters)
         t3 = time.perf_counter()
+        is_m = correct(rl, mbs) if apart and rl.importance_sampling_correction else {}
         if write_to is not None:
             ro.write(write_to, step, outs, [x.name for x in self.rewards], per_func, r, adv)
         lengths = torch.tensor([len(o.ids) for o in outs], dtype=torch.float32)
@@ -230,6 +235,7 @@ class GRPOBatches:
             "reference_s": t3 - t2,
             "rollout_tokens_per_s": ro.speed(sweeps),
         }
+        m |= is_m  # the sampler's (TRL's sampling/ metrics), when it is apart
         return mbs, m
 
     def _score(self, prompts, outs: list[ro.Rollout], step: int) -> list[list[float]]:

@@ -48,6 +48,8 @@ class GRPOPayload:
     rows: int
     old: torch.Tensor | None = None
     ref: torch.Tensor | None = None
+    sampling: torch.Tensor | None = None  # the sampler's log-probs (a sampler apart from the weights)
+    is_ratio: torch.Tensor | None = None  # its importance-sampling ratio (recipes.grpo.sampling)
 
     def unlabelled(self) -> GRPOPayload:
         return replace(self, rows=0)
@@ -74,6 +76,8 @@ class GRPOTargets(Targets):
     row_adv: torch.Tensor | None = None
     real: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    sampling: torch.Tensor | None = None
+    is_ratio: torch.Tensor | None = None
 
 
 class GRPOObjective(SequenceObjective):
@@ -100,9 +104,9 @@ class GRPOObjective(SequenceObjective):
             seq = idx // max(T - 1, 1)
             per_row = lab.sum(1).clamp(min=1).float()
             pay = payload_of(mb)
-            old, ref = pay.old, pay.ref
+            old, ref, smp, isr = pay.old, pay.ref, pay.sampling, pay.is_ratio
             if not idx.numel():  # no labels (an eval rank's pad, MicroBatch.unlabelled): no log-probs
-                old, ref = (None if v is None else v[:0] for v in (old, ref))
+                old, ref, smp, isr = (None if v is None else v[:0] for v in (old, ref, smp, isr))
             if self.cfg.beta > 0 and ref is None:
                 raise ValueError("rl.beta > 0 needs the reference's log-probs in the batch")
             out.append(
@@ -116,6 +120,8 @@ class GRPOObjective(SequenceObjective):
                     row=seq.to(device),
                     row_adv=pay.adv.float()[:b].to(device),
                     real=(torch.arange(b) < pay.rows).float().to(device),
+                    sampling=None if smp is None else smp.float().to(device),
+                    is_ratio=None if isr is None else isr.float().to(device),
                 )
             )
         return out
@@ -174,6 +180,10 @@ def flat(lp: torch.Tensor, logps: list[torch.Tensor], ts: list[GRPOTargets]) -> 
         rows.append(t.row + at)
         at += t.row_adv.shape[0]
     ents = [t.entropy for t in ts]
+
+    def each(vs: list) -> torch.Tensor | None:
+        return None if any(v is None for v in vs) else torch.cat(vs)
+
     return Flat(
         lp=lp,
         old=torch.cat([t.old if t.old is not None else m.detach() for m, t in zip(logps, ts, strict=True)]),
@@ -181,7 +191,9 @@ def flat(lp: torch.Tensor, logps: list[torch.Tensor], ts: list[GRPOTargets]) -> 
         adv=torch.cat([t.adv for t in ts]),
         row_adv=torch.cat([t.row_adv for t in ts]),  # type: ignore[misc]
         real=torch.cat([t.real for t in ts]),  # type: ignore[misc]
-        entropy=None if any(e is None for e in ents) else torch.cat(ents),  # type: ignore[arg-type]
+        entropy=each(ents),
+        sampling=each([t.sampling for t in ts]),
+        is_ratio=each([t.is_ratio for t in ts]),
     )
 
 
