@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -147,3 +148,32 @@ def test_combinations_trl_refuses_are_refused_in_one_line(tmp_path, tiny_store, 
     cfg = _cfg(tmp_path, tiny_store, {"rewards": [{"function": "length", "target": 4}], **keys})
     assert line in one_error_line(horizon("train", cfg))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_sampler_apart_is_corrected_and_the_streamed_one_is_not(tmp_path, tiny_store, monkeypatch):
+    """`horizon train` end to end: the streamed sampler's rollouts carry no sampling log-probs, so
+    no correction runs (no sampling/ metric); a sampler whose rollouts carry them (a stand-in that
+    says the sampled tokens had log-probs -1 and -12 in turn) gets the old log-probs swept, the ratio over the batch,
+    TRL's metrics (the ratio truncated at clip_max) and a loss that differs from the uncorrected one."""
+    from horizon_cli.recipes.grpo import rollouts as ro
+    from horizon_cli.train.metrics import read_metrics
+    from tests.rl.test_grpo_train import _run
+
+    rl = {"importance_sampling_mode": "token_truncate", "importance_sampling_clip_max": 2.0}
+    plain = read_metrics(_run(tmp_path, tiny_store, "plain", rl, ["train.steps=2"]) / "metrics.jsonl")
+    assert plain and not any(k.startswith("sampling/") for r in plain for k in r)
+    real = ro.sample
+
+    def apart(*a, **kw):
+        return [
+            replace(o, sampling=[-1.0 - 11.0 * (k % 2) for k in range(len(o.ids))]) for o in real(*a, **kw)
+        ]
+
+    monkeypatch.setattr(ro, "sample", apart)
+    rows = read_metrics(_run(tmp_path, tiny_store, "apart", rl, ["train.steps=2"]) / "metrics.jsonl")
+    for r, p in zip(rows, plain, strict=True):
+        assert r["reward"] == p["reward"]  # the same rollouts
+        assert 0 < r["sampling/importance_sampling_ratio/min"] <= r["sampling/importance_sampling_ratio/mean"]
+        assert r["sampling/importance_sampling_ratio/max"] == pytest.approx(2.0)  # old - (-12) > log 2
+        assert r["sampling/sampling_logp_difference/max"] >= r["sampling/sampling_logp_difference/mean"] > 0
+        assert r["loss"] != p["loss"]
