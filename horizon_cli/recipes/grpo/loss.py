@@ -1,26 +1,29 @@
 """GRPO on the objective seam (engine.objective), with TRL 1.16's GRPOTrainer formula
-(trl/trainer/grpo_trainer.py, `_compute_loss`, importance_sampling_level "token").
+(trl/trainer/grpo_trainer.py, `_compute_loss`).
 
 A micro-batch holds whole completions: each row a prompt and one sampled completion, labels on
 the completion's tokens (rl.rollouts; a truncated completion under mask_truncated_completions has
 none). Per labelled token, with lp its log-prob under the policy (logits / rl.temperature, as
 TRL scores them), old the rollout policy's (GRPOPayload.old; lp itself, detached, when
-num_iterations is 1, as TRL does) and A its completion's advantage (GRPOPayload.adv):
+num_iterations is 1, as TRL does) and A its completion's advantage (GRPOPayload.adv), the policy
+term of each loss_type, its masks and the sampler's importance ratio are recipes.grpo.policy's;
+here the k3 KL (beta > 0; times the importance weight when use_bias_correction_kl):
 
-    coef_1 = exp(lp - old),  coef_2 = clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
-    loss_t = -min(coef_1 A, coef_2 A)  + beta (exp(ref - lp) - (ref - lp) - 1)   (k3, when beta > 0)
+    loss_t = policy_t + beta (exp(ref - lp) - (ref - lp) - 1)
 
 aggregated by loss_type over the step's whole batch (batch_size x G completions, however the
 micro-batches split it; TRL's with every completion in one accumulated batch):
 
-    grpo      the mean over completions of each completion's token mean      divisor: completions
-    dr_grpo   the token sum / (completions x max_completion_length)          divisor: that product
-    dapo      the token sum / the batch's active tokens                      divisor: tokens
-    bnpo      as dapo (TRL normalises by a device batch's tokens; here the batch is the step's)
+    grpo, sapo         the mean over completions of each completion's token mean   divisor: completions
+    luspo              the mean over completions of each completion's token sum    divisor: completions
+    dr_grpo            the token sum / (completions x max_completion_length)       divisor: that product
+    dapo, cispo, vespo the token sum / the batch's active tokens                   divisor: tokens
+    bnpo               as dapo (TRL normalises by a device batch's tokens; here the batch is the step's)
 
-`loss` returns the sum the divisor divides. Stats (sums over this rank's tokens): tokens, kl
-(of the per-token KL, when beta > 0), clip_low / clip_high / clip_region (TRL's clipped-ratio
-counts: coef_1 below 1 - epsilon with A < 0, above 1 + epsilon_high with A > 0).
+`loss` returns the sum the divisor divides. Stats (sums over this rank's data): tokens, rows (real
+completions), kl (of the per-token KL, when beta > 0), and policy's: clip_low / clip_high /
+clip_region (TRL's clipped-ratio counts), cispo_clip, vespo_phi (ratio_metrics turns them into
+TRL's metrics).
 """
 
 from __future__ import annotations
