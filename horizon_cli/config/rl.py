@@ -50,7 +50,31 @@ def rl_problems(cfg: Config) -> list[str]:
             p.append(f"{key}.tolerance: only the built-in length reward uses it, not {r.function!r}")
     if isinstance(cfg.data.path, list) and len(cfg.data.path) > 1:
         p.append("data.path: rl reads one source of prompts for now (give one path)")
-    return p
+    return p + _sampling_problems(rl)
+
+
+def _sampling_problems(rl) -> list[str]:
+    """The importance-sampling combinations TRL 1.16 refuses (GRPOConfig.__post_init__, and
+    GRPOTrainer.__init__ for vespo)."""
+    lo, hi, mode = (
+        rl.importance_sampling_clip_min,
+        rl.importance_sampling_clip_max,
+        rl.importance_sampling_mode,
+    )
+    if lo is not None and hi is not None and lo >= hi:
+        return [
+            f"rl.importance_sampling_clip_min: {lo} must be less than importance_sampling_clip_max ({hi})"
+        ]
+    if not rl.importance_sampling_correction:
+        return []
+    if mode.endswith("truncate") and lo is None and hi is None:
+        return [f"rl.importance_sampling_mode: {mode} needs importance_sampling_clip_min or _clip_max set"]
+    if rl.loss_type == "vespo" and mode.startswith("sequence"):
+        return [
+            f"rl.importance_sampling_mode: vespo needs token_truncate or token_mask, not {mode} "
+            "(or importance_sampling_correction: false)"
+        ]
+    return []
 
 
 def _function_problems(key: str, fn: str) -> list[str]:

@@ -175,8 +175,9 @@ class PreferenceConfig:
     undesirable_weight: float = _f(1.0, min=0.0)  # kto: the undesirable examples' loss weight
 
 
-RL_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo")
+RL_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "luspo", "sapo", "vespo")
 BUILTIN_REWARDS = ("accuracy", "format", "length")
+IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
 
 
 @dataclass
@@ -218,6 +219,24 @@ class RLConfig:
     scale_rewards: str = _f("group", choices=("group", "batch", "none"), bools={True: "group", False: "none"})
     mask_truncated_completions: bool = _f(False)
     rewards: list[RewardConfig] = _f([])
+    # TRL 1.16's further GRPO options (GRPOConfig's names and defaults; recipes/grpo/loss.py)
+    importance_sampling_level: str = _f("token", choices=("token", "sequence"))  # sequence: GSPO
+    delta: float | None = _f(None, min=0.0)  # two-sided clipping: the ratio capped at delta (None: off)
+    sapo_temperature_neg: float = _f(1.05, gt=0.0)  # sapo: the soft gate's temperature, advantage <= 0
+    sapo_temperature_pos: float = _f(1.0, gt=0.0)  # sapo: advantage > 0
+    vespo_k_pos: float = _f(2.0)  # vespo: the gamma weight's power, advantage >= 0
+    vespo_lambda_pos: float = _f(3.0)  # vespo: its decay, advantage >= 0
+    vespo_k_neg: float = _f(3.0)  # vespo: the power, advantage < 0
+    vespo_lambda_neg: float = _f(2.0)  # vespo: the decay, advantage < 0
+    off_policy_mask_threshold: float | None = _f(None, min=0.0)  # drop A < 0 sequences whose KL exceeds it
+    top_entropy_quantile: float = _f(1.0, min=0.0, max=1.0)  # the loss on the top-rho tokens by entropy
+    use_bias_correction_kl: bool = _f(True)  # the KL term times the importance ratio (TRL's default: on)
+    # a sampler apart from the trained weights (its rollouts carry their log-probs): TRL 1.16's
+    # vllm_importance_sampling_* (recipes/grpo/sampling.py); the streamed sampler needs none
+    importance_sampling_correction: bool = _f(True)
+    importance_sampling_mode: str = _f("sequence_mask", choices=IS_MODES)
+    importance_sampling_clip_min: float | None = _f(None, min=0.0)
+    importance_sampling_clip_max: float | None = _f(3.0, min=0.0)
 
 
 @dataclass

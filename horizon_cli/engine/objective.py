@@ -38,6 +38,7 @@ from ..model.head import (
     head_loss,
     label_index,
     token_logps,
+    token_logps_entropies,
 )
 
 
@@ -91,6 +92,12 @@ class Head:
     def logps(self, x: torch.Tensor, t: Targets) -> torch.Tensor:
         """log p of each labelled token (n,) fp32, forward only."""
         return token_logps(x, self.norm, self.norm_w, self.lm, t.idx, t.tgt, self.chunk, self.logits)
+
+    def logps_entropies(self, x: torch.Tensor, t: Targets) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log p of each labelled token, the entropy of its distribution) (n,) fp32 each, forward only."""
+        return token_logps_entropies(
+            x, self.norm, self.norm_w, self.lm, t.idx, t.tgt, self.chunk, self.logits
+        )
 
     def backward(self, x: torch.Tensor, t: Targets, coef: torch.Tensor) -> torch.Tensor:
         """dh of sum_t coef_t * log p_t (parameter gradients added where they go)."""
@@ -176,8 +183,13 @@ class SequenceObjective(Objective):
         """(the loss summed over this rank's sequences or pairs, stats) from each micro-batch's
         per-token log-probs (n_m,) fp32, differentiable."""
 
+    def first_pass(self, head: Head, x: torch.Tensor, t: Targets) -> torch.Tensor:
+        """One micro-batch's per-token log-probs (n,), forward only; an objective that needs more of
+        the logits (GRPO's entropies) computes it here, in the same chunks, and keeps it in `t`."""
+        return head.logps(x, t)
+
     def train(self, head: Head, xs: list[torch.Tensor], targets: list[Targets], inv: float) -> HeadOut:
-        flat = torch.cat([head.logps(x, t) for x, t in zip(xs, targets, strict=True)])
+        flat = torch.cat([self.first_pass(head, x, t) for x, t in zip(xs, targets, strict=True)])
         leaf = flat.detach().requires_grad_(True)
         sizes = [t.idx.numel() for t in targets]
         with torch.enable_grad():
@@ -191,6 +203,6 @@ class SequenceObjective(Objective):
         self, head: Head, xs: list[torch.Tensor], targets: list[Targets]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The objective's own loss and stats, forward only (one pass over the head)."""
-        logps = [head.logps(x, t) for x, t in zip(xs, targets, strict=True)]
+        logps = [self.first_pass(head, x, t) for x, t in zip(xs, targets, strict=True)]
         loss_sum, stats = self.loss(logps, targets)
         return loss_sum.detach(), {k: v.detach() for k, v in stats.items()}

@@ -179,6 +179,29 @@ def token_logps(
 
 
 @torch.no_grad()
+def token_logps_entropies(
+    h: torch.Tensor,
+    norm: Norm,
+    norm_w: dict[str, torch.Tensor],
+    lm_w: LM,
+    idx: torch.Tensor,
+    tgt: torch.Tensor,
+    chunk: int,
+    logits_fn: Logits = linear,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only: log p(tgt_t) (n,) fp32 and the entropy of the whole distribution there (n,)
+    fp32, -sum p log p in nats (as TRL's entropy_from_logits), logits bounded by a chunk."""
+    logp = torch.empty(idx.numel(), dtype=torch.float32, device=h.device)
+    ent = torch.empty(idx.numel(), dtype=torch.float32, device=h.device)
+    for a, b, logits in _forward_chunks(h, norm, norm_w, lm_w, idx, chunk, logits_fn):
+        lsm = F.log_softmax(logits, dim=-1)
+        logp[a:b] = lsm.gather(1, tgt[a:b].unsqueeze(1)).squeeze(1)
+        ent[a:b] = -(torch.exp(lsm) * lsm).sum(-1)
+        del lsm
+    return logp, ent
+
+
+@torch.no_grad()
 def token_scores(
     h: torch.Tensor,
     norm: Norm,

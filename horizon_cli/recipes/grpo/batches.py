@@ -53,9 +53,10 @@ from . import rollouts as ro
 from .advantages import advantages, reward_metrics
 from .images import ImageSafeSampler, check_images, image_tokens, reference_stage
 from .logps import token_logps
-from .loss import GRPOObjective, payload_of
+from .loss import GRPOObjective, payload_of, ratio_metrics
 from .prompts import prompt_data
 from .rewards import load_rewards, score
+from .sampling import correct
 
 if TYPE_CHECKING:
     from transformers import TrainerState
@@ -87,6 +88,11 @@ class GRPOBatches:
         self.eos = model_eos_ids(hf) or (
             [eos] if (eos := getattr(self.tokenizer, "eos_token_id", None)) is not None else []
         )
+        if self.rl.top_entropy_quantile < 1.0 and self.ranks.world > 1:
+            raise InputError(
+                "rl.top_entropy_quantile: the entropy quantile over the whole batch is not computed across "
+                "ranks yet; run it on one process (or set 1.0)"
+            )
         self.banned = image_tokens(self.data, store)  # the image token: never sampled
         self.ref_adapters = True
         if self.rl.beta > 0 and engine.lora is not None:
@@ -155,14 +161,7 @@ class GRPOBatches:
         if self.rl.beta > 0:
             out["kl"] = stats["kl"] / toks if toks else None
         if not prefix:  # at num_iterations 1 too (ratio 1: 0), as TRL logs them
-            for k in ("low", "high", "region"):
-                out[f"clip_ratio/{k}_mean"] = stats[f"clip_{k}"] / toks if toks else None
-            # TRL: the least / most of the processes' means; the ranks' counts are summed here (the
-            # whole batch's), so both are the batch's mean
-            out["clip_ratio/low_min"], out["clip_ratio/high_max"] = (
-                out["clip_ratio/low_mean"],
-                out["clip_ratio/high_mean"],
-            )
+            out |= ratio_metrics(self.rl, stats)
         return {prefix + k: v for k, v in out.items()}
 
     def show(self, row: Mapping[str, object]) -> str:
@@ -239,11 +238,15 @@ class GRPOBatches:
         mbs = ro.micro_batches_of(outs, adv, self.cfg.train.micro_batch_size, self.data.pad_id,
                                   rl.mask_truncated_completions)  # fmt: skip
         t2 = time.perf_counter()
-        if rl.num_iterations > 1:
+        # a sampler apart from the trained weights (its rollouts carry their log-probs: the resident
+        # engine's, issue 40): the old log-probs are always swept, as TRL does under vLLM
+        apart = bool(mbs) and all(payload_of(mb).sampling is not None for mb in mbs)
+        if rl.num_iterations > 1 or (apart and rl.importance_sampling_correction):
             self._logps(self.engine, mbs, "old", True)
         if rl.beta > 0:
             self._logps(self.ref_engine or self.engine, mbs, "ref", self.ref_adapters)
         t3 = time.perf_counter()
+        is_m = correct(rl, mbs) if apart and rl.importance_sampling_correction else {}
         if write_to is not None:
             shown = {"prompt": [prompts[o.prompt].prompt for o in outs]} | logs.get("extra", {})  # as read
             ro.write(write_to, step, outs, [x.name for x in self.rewards], per_func, r, adv, shown)
@@ -266,6 +269,7 @@ class GRPOBatches:
             }
             | {k: sum(v) / len(v) for k, v in logs.get("metrics", {}).items() if v}
         )  # log_metric: TRL's mean
+        m |= is_m  # the sampler's (TRL's sampling/ metrics), when it is apart
         return mbs, m
 
     def _state(self, step: int) -> TrainerState:

@@ -1,31 +1,35 @@
 """GRPO on the objective seam (engine.objective), with TRL 1.16's GRPOTrainer formula
-(trl/trainer/grpo_trainer.py, `_compute_loss`, importance_sampling_level "token").
+(trl/trainer/grpo_trainer.py, `_compute_loss`).
 
 A micro-batch holds whole completions: each row a prompt and one sampled completion, labels on
 the completion's tokens (rl.rollouts; a truncated completion under mask_truncated_completions has
 none). Per labelled token, with lp its log-prob under the policy (logits / rl.temperature, as
 TRL scores them), old the rollout policy's (GRPOPayload.old; lp itself, detached, when
-num_iterations is 1, as TRL does) and A its completion's advantage (GRPOPayload.adv):
+num_iterations is 1, as TRL does) and A its completion's advantage (GRPOPayload.adv), the policy
+term of each loss_type, its masks and the sampler's importance ratio are recipes.grpo.policy's;
+here the k3 KL (beta > 0; times the importance weight when use_bias_correction_kl):
 
-    coef_1 = exp(lp - old),  coef_2 = clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
-    loss_t = -min(coef_1 A, coef_2 A)  + beta (exp(ref - lp) - (ref - lp) - 1)   (k3, when beta > 0)
+    loss_t = policy_t + beta (exp(ref - lp) - (ref - lp) - 1)
 
 aggregated by loss_type over the step's whole batch (batch_size x G completions, however the
 micro-batches split it; TRL's with every completion in one accumulated batch):
 
-    grpo      the mean over completions of each completion's token mean      divisor: completions
-    dr_grpo   the token sum / (completions x max_completion_length)          divisor: that product
-    dapo      the token sum / the batch's active tokens                      divisor: tokens
-    bnpo      as dapo (TRL normalises by a device batch's tokens; here the batch is the step's)
+    grpo, sapo         the mean over completions of each completion's token mean   divisor: completions
+    luspo              the mean over completions of each completion's token sum    divisor: completions
+    dr_grpo            the token sum / (completions x max_completion_length)       divisor: that product
+    dapo, cispo, vespo the token sum / the batch's active tokens                   divisor: tokens
+    bnpo               as dapo (TRL normalises by a device batch's tokens; here the batch is the step's)
 
-`loss` returns the sum the divisor divides. Stats (sums over this rank's tokens): tokens, kl
-(of the per-token KL, when beta > 0), clip_low / clip_high / clip_region (TRL's clipped-ratio
-counts: coef_1 below 1 - epsilon with A < 0, above 1 + epsilon_high with A > 0).
+`loss` returns the sum the divisor divides. Stats (sums over this rank's data): tokens, rows (real
+completions), kl (of the per-token KL, when beta > 0), and policy's: clip_low / clip_high /
+clip_region (TRL's clipped-ratio counts), cispo_clip, vespo_phi (ratio_metrics turns them into
+TRL's metrics).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 
@@ -33,8 +37,10 @@ from ...config.schema import RLConfig
 from ...data.batch import IGNORE, MicroBatch
 from ...engine.objective import Head, HeadOut, SequenceObjective, Targets
 from ...engine.seams import Stats
+from .policy import Flat, policy_loss
 
-STATS = ("tokens", "kl", "clip_low", "clip_high", "clip_region")
+STATS = ("tokens", "rows", "kl", "clip_low", "clip_high", "clip_region", "cispo_clip", "vespo_phi")
+PER_COMPLETION = ("grpo", "sapo", "luspo")  # divided by the completions
 
 
 @dataclass
@@ -47,6 +53,8 @@ class GRPOPayload:
     rows: int
     old: torch.Tensor | None = None
     ref: torch.Tensor | None = None
+    sampling: torch.Tensor | None = None  # the sampler's log-probs (a sampler apart from the weights)
+    is_ratio: torch.Tensor | None = None  # its importance-sampling ratio (recipes.grpo.sampling)
 
     def unlabelled(self) -> GRPOPayload:
         return replace(self, rows=0)
@@ -61,12 +69,20 @@ def payload_of(mb: MicroBatch) -> GRPOPayload:
 @dataclass
 class GRPOTargets(Targets):
     """One micro-batch's completion tokens: per token its advantage, its row's token count (as a
-    float), and the rollout policy's and the reference's log-probs (None when not needed)."""
+    float), its row in the micro-batch, and the rollout policy's and the reference's log-probs (None
+    when not needed); per row its advantage and whether it is a real completion; the entropies
+    (top_entropy_quantile < 1), filled in by the head's first pass."""
 
     adv: torch.Tensor
     row_len: torch.Tensor
     old: torch.Tensor | None
     ref: torch.Tensor | None
+    row: torch.Tensor | None = None
+    row_adv: torch.Tensor | None = None
+    real: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    sampling: torch.Tensor | None = None
+    is_ratio: torch.Tensor | None = None
 
 
 class GRPOObjective(SequenceObjective):
@@ -75,12 +91,10 @@ class GRPOObjective(SequenceObjective):
 
     def __init__(self, cfg: RLConfig):
         self.cfg = cfg
-        self.eps_low = cfg.epsilon
-        self.eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
 
     def divisor(self, mbs: list[MicroBatch]) -> int:
         rows = sum(payload_of(mb).rows for mb in mbs)
-        if self.cfg.loss_type == "grpo":
+        if self.cfg.loss_type in PER_COMPLETION:
             return rows
         if self.cfg.loss_type == "dr_grpo":
             return rows * self.cfg.max_completion_length
@@ -89,15 +103,15 @@ class GRPOObjective(SequenceObjective):
     def targets(self, mbs: list[MicroBatch], device: torch.device) -> list[Targets]:
         out: list[Targets] = []
         for mb in mbs:
-            _, T = mb.input_ids.shape
+            b, T = mb.input_ids.shape
             lab = mb.labels[:, 1:] != IGNORE
             idx = lab.reshape(-1).nonzero().squeeze(1)
             seq = idx // max(T - 1, 1)
             per_row = lab.sum(1).clamp(min=1).float()
             pay = payload_of(mb)
-            old, ref = pay.old, pay.ref
+            old, ref, smp, isr = pay.old, pay.ref, pay.sampling, pay.is_ratio
             if not idx.numel():  # no labels (an eval rank's pad, MicroBatch.unlabelled): no log-probs
-                old, ref = (None if v is None else v[:0] for v in (old, ref))
+                old, ref, smp, isr = (None if v is None else v[:0] for v in (old, ref, smp, isr))
             if self.cfg.beta > 0 and ref is None:
                 raise ValueError("rl.beta > 0 needs the reference's log-probs in the batch")
             out.append(
@@ -108,36 +122,40 @@ class GRPOObjective(SequenceObjective):
                     row_len=per_row[seq].to(device),
                     old=None if old is None else old.float().to(device),
                     ref=None if ref is None or self.cfg.beta == 0 else ref.float().to(device),
+                    row=seq.to(device),
+                    row_adv=pay.adv.float()[:b].to(device),
+                    real=(torch.arange(b) < pay.rows).float().to(device),
+                    sampling=None if smp is None else smp.float().to(device),
+                    is_ratio=None if isr is None else isr.float().to(device),
                 )
             )
         return out
 
+    def first_pass(self, head: Head, x: torch.Tensor, t: Targets) -> torch.Tensor:
+        """The log-probs, and with top_entropy_quantile < 1 each token's entropy (kept in t), in
+        the same chunks of the head."""
+        if self.cfg.top_entropy_quantile >= 1.0:
+            return head.logps(x, t)
+        assert isinstance(t, GRPOTargets)  # this objective's own (targets())
+        lp, t.entropy = head.logps_entropies(x, t)
+        return lp
+
     def loss(self, logps: list[torch.Tensor], targets: list[Targets]) -> tuple[torch.Tensor, Stats]:
-        ts: list[GRPOTargets] = targets  # type: ignore[assignment]
+        ts = cast(list[GRPOTargets], targets)  # this objective's own (targets())
         lp = torch.cat(logps)
-        adv = torch.cat([t.adv for t in ts])
-        old = torch.cat(
-            [t.old if t.old is not None else lp_m.detach() for lp_m, t in zip(logps, ts, strict=True)]
-        )
-        coef_1 = torch.exp(lp - old)
-        coef_2 = torch.clamp(coef_1, 1 - self.eps_low, 1 + self.eps_high)
-        per_token = -torch.min(coef_1 * adv, coef_2 * adv)
-        stats: dict[str, torch.Tensor] = {"tokens": torch.tensor(float(lp.numel()), device=lp.device)}
+        f = flat(lp, logps, ts)
+        per_token, w, stats = policy_loss(self.cfg, f)
+        stats["tokens"] = torch.tensor(float(lp.numel()), device=lp.device)
+        stats["rows"] = f.real.sum()
         if self.cfg.beta > 0:
-            ref = torch.cat([t.ref for t in ts])  # type: ignore[misc]
+            ref = whole([t.ref for t in ts])
             kl = torch.exp(ref - lp) - (ref - lp) - 1
+            if self.cfg.use_bias_correction_kl:
+                kl = kl * w
             per_token = per_token + self.cfg.beta * kl
             stats["kl"] = kl.detach().sum()
-        if self.cfg.loss_type == "grpo":
+        if self.cfg.loss_type in ("grpo", "sapo"):
             per_token = per_token / torch.cat([t.row_len for t in ts])
-        c = coef_1.detach()
-        low = (c < 1 - self.eps_low) & (adv < 0)
-        high = (c > 1 + self.eps_high) & (adv > 0)
-        stats |= {
-            "clip_low": low.float().sum(),
-            "clip_high": high.float().sum(),
-            "clip_region": (low | high).float().sum(),
-        }
         return per_token.sum(), stats
 
     def train(self, head: Head, xs: list[torch.Tensor], targets: list[Targets], inv: float) -> HeadOut:
@@ -158,3 +176,57 @@ def scaled_head(head: Head, temperature: float) -> Head:
         return head
     inner = head.logits
     return replace(head, logits=lambda x, lm: inner(x, lm) / temperature)
+
+
+def whole(parts: list[torch.Tensor | None]) -> torch.Tensor:
+    """The micro-batches' parts of a field every one of them has, concatenated."""
+    have = [p for p in parts if p is not None]
+    assert len(have) == len(parts), "a micro-batch without the field"
+    return torch.cat(have)
+
+
+def flat(lp: torch.Tensor, logps: list[torch.Tensor], ts: list[GRPOTargets]) -> Flat:
+    """The step's tokens laid flat (policy.Flat): rows numbered across the micro-batches; `old` the
+    rollout policy's log-probs, or the policy's own, detached (num_iterations 1, as TRL)."""
+    rows, at = [], 0
+    for t in ts:
+        assert t.row is not None and t.row_adv is not None
+        rows.append(t.row + at)
+        at += t.row_adv.shape[0]
+    ents = [t.entropy for t in ts]
+
+    def each(vs: list) -> torch.Tensor | None:
+        return None if any(v is None for v in vs) else torch.cat(vs)
+
+    return Flat(
+        lp=lp,
+        old=torch.cat([t.old if t.old is not None else m.detach() for m, t in zip(logps, ts, strict=True)]),
+        row=torch.cat(rows),
+        adv=torch.cat([t.adv for t in ts]),
+        row_adv=whole([t.row_adv for t in ts]),
+        real=whole([t.real for t in ts]),
+        entropy=each(ents),
+        sampling=each([t.sampling for t in ts]),
+        is_ratio=each([t.is_ratio for t in ts]),
+    )
+
+
+def ratio_metrics(rl: RLConfig, stats: dict[str, float]) -> dict[str, float | None]:
+    """TRL's ratio metrics of a training step from the loss's stats: clip_ratio/{low,high,region}_mean
+    (the clipped losses, and their low_min / high_max) or cispo_clip_ratio, per token or
+    (importance_sampling_level sequence) per completion; vespo/phi_seq_mean per completion."""
+    units = stats.get("rows" if rl.importance_sampling_level == "sequence" else "tokens", 0.0)
+    rows = stats.get("rows", 0.0)
+    out: dict[str, float | None] = {}
+    if "clip_low" in stats:  # at num_iterations 1 too (ratio 1: 0), as TRL logs them
+        for k in ("low", "high", "region"):
+            out[f"clip_ratio/{k}_mean"] = stats[f"clip_{k}"] / units if units else None
+        # TRL: the least / most of the processes' means; the ranks' counts are summed here (the
+        # whole batch's), so both are the batch's mean
+        out["clip_ratio/low_min"] = out["clip_ratio/low_mean"]
+        out["clip_ratio/high_max"] = out["clip_ratio/high_mean"]
+    if "cispo_clip" in stats:
+        out["cispo_clip_ratio"] = stats["cispo_clip"] / units if units else None
+    if "vespo_phi" in stats:
+        out["vespo/phi_seq_mean"] = stats["vespo_phi"] / rows if rows else None
+    return out

@@ -53,6 +53,7 @@ class Rollout:
     media: dict | None = (
         None  # the prompt's image tensors (vision.prompts): in its prefill and every log-prob pass
     )
+    sampling: list[float] | None = None  # the sampler's log-prob of each id (a sampler apart: issue 40)
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -134,6 +135,9 @@ def micro_batches_of(
         mb = MicroBatch.from_rows(rows, pad_id)
         mb.media = media_of(part)
         mb.payload = GRPOPayload(adv[a : a + size].clone().float(), len(part))
+        if part and all(r.sampling is not None for r in part):  # in label order: the labelled rows'
+            kept = [r.sampling for r in part if not (mask_truncated and r.truncated)]
+            mb.payload.sampling = torch.tensor([v for s in kept for v in s or []], dtype=torch.float32)
         out.append(mb)
     return out
 
