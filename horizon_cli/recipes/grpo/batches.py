@@ -19,7 +19,7 @@ batch is sampled, scored and given advantages here before the engine trains on i
                  micro-batches each, their log-probs gathered; rank 0 writes the run dir's files
     metrics      TRL's names: reward, reward_std, rewards/<name>/mean, frac_reward_zero_std,
                  completions/mean_length, completions/clipped_ratio, kl (beta > 0),
-                 clip_ratio/{low,high,region}_mean, low_min, high_max; and the step's split: rollout_s,
+                 clip_ratio/{low,high,region}_mean; and the step's split: rollout_s,
                  reference_s, rollout_tokens_per_s
 
 The reference (beta > 0) is the initial model: for full fine-tuning a forward-only engine on the

@@ -213,7 +213,7 @@ def flat(lp: torch.Tensor, logps: list[torch.Tensor], ts: list[GRPOTargets]) -> 
 
 def ratio_metrics(rl: RLConfig, stats: dict[str, float]) -> dict[str, float | None]:
     """TRL's ratio metrics of a training step from the loss's stats: clip_ratio/{low,high,region}_mean
-    (the clipped losses, and their low_min / high_max) or cispo_clip_ratio, per token or
+    (the clipped losses) or cispo_clip_ratio, per token or
     (importance_sampling_level sequence) per completion; vespo/phi_seq_mean per completion."""
     units = stats.get("rows" if rl.importance_sampling_level == "sequence" else "tokens", 0.0)
     rows = stats.get("rows", 0.0)
@@ -221,10 +221,6 @@ def ratio_metrics(rl: RLConfig, stats: dict[str, float]) -> dict[str, float | No
     if "clip_low" in stats:  # at num_iterations 1 too (ratio 1: 0), as TRL logs them
         for k in ("low", "high", "region"):
             out[f"clip_ratio/{k}_mean"] = stats[f"clip_{k}"] / units if units else None
-        # TRL: the least / most of the processes' means; the ranks' counts are summed here (the
-        # whole batch's), so both are the batch's mean
-        out["clip_ratio/low_min"] = out["clip_ratio/low_mean"]
-        out["clip_ratio/high_max"] = out["clip_ratio/high_mean"]
     if "cispo_clip" in stats:
         out["cispo_clip_ratio"] = stats["cispo_clip"] / units if units else None
     if "vespo_phi" in stats:
