@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from horizon_cli.ladder import plan_ladder
+from horizon_cli.planning.ladder import plan_ladder
 from rich.console import Console
 
 from horizon_cli.config import load_config
