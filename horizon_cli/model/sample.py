@@ -18,9 +18,14 @@ import torch
 
 class Sampler:
     def __init__(
-        self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-        min_p: float = 0.0, repetition_penalty: float = 1.0,
-    ):  # fmt: skip
+        self,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+    ):
         self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
         self.min_p, self.penalty = min_p, repetition_penalty
         self._gens: dict[int, torch.Generator] = {}

@@ -63,8 +63,12 @@ def _load_data(cfg: Config, store: ModelFiles, cache_dir: Path | None, console: 
 
     recipe = recipe_for(cfg)
     own = recipe.read_data(
-        cfg, lambda fmt: configure(load_tokenizer(store, fmt), cfg.data), store.arch, console, lambda: prompt_images(store)
-    )  # fmt: skip
+        cfg,
+        lambda fmt: configure(load_tokenizer(store, fmt), cfg.data),
+        store.arch,
+        console,
+        lambda: prompt_images(store),
+    )
     if own is not None:  # the recipe's own data form (rl: prompts, read whole: nothing to cache)
         return own
     return prepare_data(

@@ -104,9 +104,13 @@ class GRPOBatches:
         elif self.rl.beta > 0:
             # sharded like the policy: every rank holds its slice, layers all-gathered per sweep
             self.ref_engine = Engine(
-                store, self.cfg.engine, OptimConfig(), forward_only=True, dist=engine.p.dist,
+                store,
+                self.cfg.engine,
+                OptimConfig(),
+                forward_only=True,
+                dist=engine.p.dist,
                 stage=reference_stage(self.cfg, self.data, store),
-            )  # fmt: skip
+            )
 
     def close(self) -> None:
         if self.ref_engine is not None:
@@ -209,8 +213,20 @@ class GRPOBatches:
             if self.banned
             else None
         )
-        outs = ro.sample(self.engine, mine, G, rl, seed, self.eos, self.tokenizer, self.cfg.engine.kv_cache,
-                         on_sweep=on_sweep, first=lo, media=pics, sampler=pick)  # fmt: skip
+        outs = ro.sample(
+            self.engine,
+            mine,
+            G,
+            rl,
+            seed,
+            self.eos,
+            self.tokenizer,
+            self.cfg.engine.kv_cache,
+            on_sweep=on_sweep,
+            first=lo,
+            media=pics,
+            sampler=pick,
+        )
         outs = [replace(o, prompt=o.prompt + lo) for o in outs] if hi > lo else []
         t1 = time.perf_counter()
         logs: dict = {}  # what the functions passed to log_metric / log_extra (this rank's)
@@ -224,7 +240,7 @@ class GRPOBatches:
         outs = [o for o_r, _, _ in parts for o in o_r]
         per_func = torch.tensor(
             [sum((v_r[i] for _, v_r, _ in parts), []) for i in range(len(self.rewards))], dtype=torch.float32
-        ).T.contiguous()  # (n, F); fmt: skip
+        ).T.contiguous()  # (n, F)
         adv, r, zero = advantages(per_func, self.weights, G, rl.scale_rewards)
         if write_to is not None and bool(
             torch.isnan(per_func).all(dim=1).any()
@@ -235,8 +251,9 @@ class GRPOBatches:
                 f"{prompts[outs[k].prompt].where}; at least one should return a reward",
                 highlight=False,
             )
-        mbs = ro.micro_batches_of(outs, adv, self.cfg.train.micro_batch_size, self.data.pad_id,
-                                  rl.mask_truncated_completions)  # fmt: skip
+        mbs = ro.micro_batches_of(
+            outs, adv, self.cfg.train.micro_batch_size, self.data.pad_id, rl.mask_truncated_completions
+        )
         t2 = time.perf_counter()
         # a sampler apart from the trained weights (its rollouts carry their log-probs: the resident
         # engine's, issue 40): the old log-probs are always swept, as TRL does under vLLM
@@ -280,9 +297,14 @@ class GRPOBatches:
         t = self.cfg.train
         per_epoch = max(len(self.data.train) / t.batch_size, 1e-9) * self.rl.num_iterations
         return TrainerState(
-            global_step=step, max_steps=t.steps, epoch=step / per_epoch, num_train_epochs=math.ceil(t.steps / per_epoch),
-            train_batch_size=t.batch_size, logging_steps=self.cfg.log.every, is_world_process_zero=self.main,
-        )  # fmt: skip
+            global_step=step,
+            max_steps=t.steps,
+            epoch=step / per_epoch,
+            num_train_epochs=math.ceil(t.steps / per_epoch),
+            train_batch_size=t.batch_size,
+            logging_steps=self.cfg.log.every,
+            is_world_process_zero=self.main,
+        )
 
     def _score(
         self, prompts: list[PromptRow], outs: list[ro.Rollout], step: int, logs: dict | None = None
@@ -298,16 +320,26 @@ class GRPOBatches:
         def where(k: int) -> str:
             return f"completion {k % G + 1} of {prompts[outs[k].prompt].where}"  # from 1, as records
 
-        return score(self.rewards, [prompts[o.prompt].prompt for o in outs], comps, [o.ids for o in outs], cols,
-                     max(step, 0), where, self._state(max(step, 0)), logs)  # fmt: skip
+        return score(
+            self.rewards,
+            [prompts[o.prompt].prompt for o in outs],
+            comps,
+            [o.ids for o in outs],
+            cols,
+            max(step, 0),
+            where,
+            self._state(max(step, 0)),
+            logs,
+        )
 
     def _logps(self, engine: Engine, mbs: list[MicroBatch], key: str, adapters: bool) -> None:
         """GRPOPayload.old or .ref (key): each micro-batch's per-token log-probs (rl.logps). Each rank sweeps the same
         number of them (micro-batches dealt round-robin, a short rank padding with a copy whose
         result is dropped), then the ranks' results are gathered."""
         W = self.ranks.world
-        got = self.ranks.gather(token_logps(engine, self.ranks.eval_share(mbs, lambda mb: mb), self.rl.temperature,
-                                            adapters))  # fmt: skip
+        got = self.ranks.gather(
+            token_logps(engine, self.ranks.eval_share(mbs, lambda mb: mb), self.rl.temperature, adapters)
+        )
         for j, mb in enumerate(mbs):
             pay = payload_of(mb)
             if key == "old":

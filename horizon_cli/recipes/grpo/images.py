@@ -52,9 +52,15 @@ class ImageSafeSampler(Sampler):
     """model.sample.Sampler with the image token's logit masked (-inf) before it picks."""
 
     def __init__(
-        self, temperature: float, top_p: float, top_k: int, seed: int, banned: tuple[int, ...],
-        min_p: float = 0.0, repetition_penalty: float = 1.0,
-    ):  # fmt: skip
+        self,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+        banned: tuple[int, ...],
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+    ):
         super().__init__(temperature, top_p, top_k, seed, min_p, repetition_penalty)
         self.banned = list(banned)
 

@@ -147,9 +147,16 @@ def _text(c: str | list[dict[str, str]]) -> str:
 
 
 def score(
-    rewards: list[Reward], prompts: list, completions: list, completion_ids: list[list[int]],
-    columns: dict[str, list], step: int, where: Callable[[int], str], state: object = None, logs: dict | None = None,
-) -> list[list[float]]:  # fmt: skip
+    rewards: list[Reward],
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+    step: int,
+    where: Callable[[int], str],
+    state: object = None,
+    logs: dict | None = None,
+) -> list[list[float]]:
     """Per reward function, one value per completion (NaN for None). where(k): completion k named.
     state: the TrainerState the functions get (None: one at `step`); logs: filled with what they
     pass to log_metric ({"metrics": {name: [values]}}) and log_extra ({"extra": {column: values}}).
@@ -170,10 +177,13 @@ def score(
 
         def call(ks: list[int], r: Reward = r) -> object:  # values, or an awaitable of them (async)
             return r.fn(
-                prompts=[prompts[k] for k in ks], completions=[completions[k] for k in ks],
-                completion_ids=[completion_ids[k] for k in ks], trainer_state=state, **hooks,
+                prompts=[prompts[k] for k in ks],
+                completions=[completions[k] for k in ks],
+                completion_ids=[completion_ids[k] for k in ks],
+                trainer_state=state,
+                **hooks,
                 **{c: [v[k] for k in ks] for c, v in columns.items()},
-            )  # fmt: skip
+            )
 
         calls.append(call)
         try:

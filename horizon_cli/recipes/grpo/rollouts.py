@@ -203,9 +203,7 @@ def _typed(mb: MicroBatch) -> None:
     extras = vars(mb).pop("extras", None)
     if mb.payload is None and extras:
         rows = extras["rows"]
-        mb.payload = GRPOPayload(
-            extras["adv"].float(), int(rows), extras.get("old"), extras.get("ref")
-        )  # fmt: skip
+        mb.payload = GRPOPayload(extras["adv"].float(), int(rows), extras.get("old"), extras.get("ref"))
 
 
 def _num(x: torch.Tensor) -> float | None:
