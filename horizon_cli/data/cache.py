@@ -50,11 +50,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
     h.update(json.dumps(chat_template_of(tokenizer), sort_keys=True).encode())
-    kwargs = getattr(
-        tokenizer, "horizon_template_kwargs", None
-    )  # data.chat_template_kwargs (templates.configure)
-    if kwargs:
-        h.update(json.dumps(kwargs, sort_keys=True, default=str).encode())
     return h.hexdigest()
 
 

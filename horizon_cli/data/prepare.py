@@ -250,6 +250,12 @@ def split_eval(ts, fraction: float, seed: int, part: int = 0):
     return ts.select(np.flatnonzero(~is_eval)), ts.select(np.flatnonzero(is_eval))
 
 
+def _template_kwargs(data_cfg) -> dict:
+    """data.chat_template_kwargs in the cache key, when given (keys without them stay as they were)."""
+    kw = data_cfg.chat_template_kwargs
+    return {"chat_template_kwargs": dict(kw)} if kw else {}
+
+
 def _entry(
     cache_dir, src: source.Source, spec: catalog.Spec, data_cfg, tokenizer, vocab_size: int | None
 ) -> tuple[Path | None, str]:
@@ -263,6 +269,10 @@ def _entry(
         data_cfg.train_on_prompt,
         cache.tokenizer_fingerprint(tokenizer),
         vocab_size,
-        reading={**spec.mapping, "ignore_fields": sorted(data_cfg.ignore_fields)},
+        reading={
+            **spec.mapping,
+            "ignore_fields": sorted(data_cfg.ignore_fields),
+            **_template_kwargs(data_cfg),
+        },
     )
     return cache.entry_dir(cache_dir, Path(src.path).stem, key), key

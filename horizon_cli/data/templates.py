@@ -58,7 +58,6 @@ def configure(tokenizer, data_cfg):
         tokenizer.chat_template = path.read_text(encoding="utf-8") if is_file else given
     kwargs = dict(data_cfg.chat_template_kwargs or {})
     if kwargs:
-        tokenizer.horizon_template_kwargs = kwargs  # the cache key (data.cache) follows them
         tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **kwargs)
     return tokenizer
 

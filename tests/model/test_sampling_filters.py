@@ -72,6 +72,7 @@ def test_a_chat_template_and_its_kwargs_from_the_config(tmp_path, tok):
 
     from horizon_cli.config.schema import DataConfig
     from horizon_cli.data.cache import tokenizer_fingerprint
+    from horizon_cli.data.prepare import prepare_data
     from horizon_cli.data.prompt_only import prepare_prompts
     from horizon_cli.data.templates import configure
 
@@ -87,4 +88,15 @@ def test_a_chat_template_and_its_kwargs_from_the_config(tmp_path, tok):
                    add_special_tokens=False)["input_ids"]  # fmt: skip
         assert train.rows[0].ids == want and "four five" in t.decode(want)
     plain = configure(copy.deepcopy(tok), DataConfig(chat_template=THINK))
-    assert tokenizer_fingerprint(plain) != tokenizer_fingerprint(t) != tokenizer_fingerprint(tok)
+    assert tokenizer_fingerprint(plain) != tokenizer_fingerprint(tok)  # the template
+    # the kwargs: a cache entry of their own (data.prepare's key), the same tokenizer object
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                     {"role": "assistant", "content": f"a{i}"}]}) + "\n"
+                            for i in range(4)))  # fmt: skip
+    for kw in (None, {"enable_thinking": False}, {"enable_thinking": False}):
+        cfg = DataConfig(path=str(rows), chat_template=THINK, chat_template_kwargs=kw, max_seq_len=64)
+        prepare_data(
+            cfg, configure(copy.deepcopy(tok), cfg), cache_dir=tmp_path / "cache", log=lambda s: None
+        )
+    assert len(list((tmp_path / "cache").iterdir())) == 2
