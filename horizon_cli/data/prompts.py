@@ -90,6 +90,21 @@ def encode(
 
 
 def _ids(rec: dict, kind: str, tokenizer, vocab: int, at: str) -> list[int]:
+    """A prompt's ids, each inside the model's vocabulary (a token id past it would index past the
+    embedding table: a tokenizer of another model, or given ids)."""
+    ids = _tokens(rec, kind, tokenizer, at)
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad and kind == "input_ids":
+        raise InputError(f"{at}: input_ids holds {bad[0]}, outside the model's vocabulary [0, {vocab})")
+    if bad:
+        raise InputError(
+            f"{at}: the tokenizer gives id {bad[0]}, outside the model's vocabulary [0, {vocab}): "
+            "are the tokenizer files this model's?"
+        )
+    return ids
+
+
+def _tokens(rec: dict, kind: str, tokenizer, at: str) -> list[int]:
     value = rec[kind]
     if kind == "prompt":
         if not isinstance(value, str):
@@ -110,7 +125,4 @@ def _ids(rec: dict, kind: str, tokenizer, vocab: int, at: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise InputError(f"{at}: input_ids must be a list of integers")
-    bad = [t for t in value if not 0 <= t < vocab]
-    if bad:
-        raise InputError(f"{at}: input_ids holds {bad[0]}, outside the model's vocabulary [0, {vocab})")
     return list(value)
