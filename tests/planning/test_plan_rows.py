@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from horizon_cli.planning.ladder import plan_ladder
 from rich.console import Console
 
 from horizon_cli.config import load_config
+from horizon_cli.planning.ladder import plan_ladder
 from horizon_cli.planning.tiling import WORK
 from horizon_cli.store import Store
 from horizon_cli.train.report import plan_table
