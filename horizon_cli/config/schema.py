@@ -98,11 +98,16 @@ class OptimConfig:
     # exact: fp32 master + fp32 moments (= torch.optim.AdamW); lean: bf16 + 8-bit master correction,
     # 8-bit moments (optim/lean.py), <= 8 B/param in all
     memory: str = _f(EXACT.name, choices=tuple(MODES))
+    # each unit's AdamW runs inside the backward as soon as its gradient is whole, its host gradient
+    # returned at once (optim/modes.py RELEASED); auto: on only where the plan does not fit without
+    # it (planning resolves it before the engine is built; until then auto reads as off)
+    grad_release: str = _f("auto", choices=("auto", "true", "false"), bools={True: "true", False: "false"})
 
     @property
     def mode(self) -> MemoryMode:
-        """optim.memory parsed: the mode every later question is asked of (optim/modes.py)."""
-        return memory_mode(self.memory)
+        """optim.memory (and optim.grad_release) parsed: the mode every later question is asked of
+        (optim/modes.py)."""
+        return memory_mode(self.memory, self.grad_release == "true")
 
 
 @dataclass

@@ -44,11 +44,23 @@ class MemoryMode:
     bf16_weight: bool  # the streaming copy is bf16 whatever the run computes in (upcast per layer)
     bf16_grads: bool  # host gradients are bf16 (engine.grad_dtype auto; float32 refused)
     form: str  # a checkpoint's trainer.json `memory`: which state files it holds
+    # optim.grad_release: each unit's update runs inside the backward as soon as its gradient is
+    # whole, and its host gradient buffer is returned at once (issue 39); same layout and form
+    release: bool = False
+
+    @property
+    def base(self) -> str:
+        """optim.memory's word (the rung's name without release)."""
+        return self.form
 
     @property
     def how(self) -> str:
         """The config line that picks this rung (the ladder's advice)."""
-        return f"optim.memory: {self.name}"
+        return f"optim.memory: {self.base}" + (", optim.grad_release: true" if self.release else "")
+
+    def released(self, on: bool = True) -> MemoryMode:
+        """This mode with gradient release on (or off): the same state layout and checkpoint form."""
+        return RELEASED[self.base] if on else MODES[self.base]
 
     def stream_dtype(self, dtype: str) -> str:
         """The streaming copy's dtype for compute dtype `dtype` (in fp32 exact runs: the master)."""
@@ -116,9 +128,24 @@ class MemoryMode:
 EXACT = MemoryMode("exact", "all weights, fp32 state", False, False, False, form="exact")
 LEAN = MemoryMode("lean", "all weights, 8-bit state", True, True, True, form="lean")
 MODES: dict[str, MemoryMode] = {m.name: m for m in (EXACT, LEAN)}  # the ladder's full rungs, most exact first
+# the same modes with gradient release, by optim.memory's word (their rung names: "exact+release", ...)
+RELEASED: dict[str, MemoryMode] = {
+    m.name: MemoryMode(
+        f"{m.name}+release",
+        f"{m.what}, gradients released",
+        m.packed,
+        m.bf16_weight,
+        m.bf16_grads,
+        m.form,
+        True,
+    )
+    for m in (EXACT, LEAN)
+}
 OLDEST_FORM = EXACT.form  # checkpoints written before optim.memory existed hold exact state
 
 
-def memory_mode(memory: MemoryMode | str) -> MemoryMode:
-    """The mode an `optim.memory` word names (the config's schema admits only these), or the mode."""
-    return memory if isinstance(memory, MemoryMode) else MODES[memory]
+def memory_mode(memory: MemoryMode | str, release: bool = False) -> MemoryMode:
+    """The mode an `optim.memory` word names (the config's schema admits only these), or the mode;
+    release: with optim.grad_release on."""
+    mode = memory if isinstance(memory, MemoryMode) else MODES[memory]
+    return mode.released(release) if release else mode
