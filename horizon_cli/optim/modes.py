@@ -32,6 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 BF16, FP32 = "bfloat16", "float32"
+# a release run's host gradient buffers, each the size of the largest unit's gradient: the one the
+# device's copy fills, the one the optimizer reads, one queued between them (engine and plan agree)
+RELEASE_BUFFERS = 3
 
 
 @dataclass(frozen=True)
