@@ -161,8 +161,11 @@ def build(gguf: Path, out: Path, dtype: str) -> None:
 
 def save_stamped(model, tok, out: Path, stamp_name: str, **stamp: str) -> None:
     """model + tokenizer + stamp_name (what they were built from, as JSON) into `out`, all or nothing."""
+    import transformers
+
     from horizon_cli.fsutil import atomic_dir
 
+    transformers.utils.logging.disable_progress_bar()  # its "Writing model shards" bar on stdout
     with atomic_dir(out, force=True) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)

@@ -119,6 +119,7 @@ def _tiny_store(tmp: Path) -> Store:
         max_position_embeddings=1024,
     )
     torch.manual_seed(0)
+    transformers.utils.logging.disable_progress_bar()  # its "Writing model shards" bar is not ours
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp / "hf")
     convert(tmp / "hf", tmp / "store", dtype="bfloat16")
     return Store.open(tmp / "store")
