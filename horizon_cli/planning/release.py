@@ -42,7 +42,7 @@ def resolve_release(
         why = "no machine to fit the plan to"
     elif mode is not None:
         rel = mode.released().name
-        base, freed = rungs[rung], rungs[rung].host_total - rungs[rel].host_total
+        base, freed = rungs[rung], rungs[rung].node_host_total - rungs[rel].node_host_total
         on = not fit(base, where) and fit(rungs[rel], where)
         if on:
             why = (
