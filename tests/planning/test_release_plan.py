@@ -19,6 +19,7 @@ from horizon_cli.parallel.shard import SHARD_ALIGN, shard_size
 from horizon_cli.planning.ladder import fit_parts, plan_ladder
 from horizon_cli.planning.memory import RUNGS, memory_plan
 from horizon_cli.preflight import given_machine
+from horizon_cli.train.compat import changes
 from tests.conftest import horizon, store_with_tokenizer, write_config, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,3 +202,14 @@ def test_a_start_records_what_auto_chose(tmp_path, monkeypatch):
     assert "optim.grad_release: auto -> true" in r.output
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["optim"]["grad_release"] == "true"
     shutil.rmtree(tmp_path / "run")
+
+
+def test_a_run_resumes_across_release():
+    """Release changes neither the training nor the state files: a checkpoint written with it off
+    resumes with it on (auto may resolve otherwise on another machine), and back."""
+    off, on = (
+        {"optim": {"grad_release": "false", "lr": 1e-5}},
+        {"optim": {"grad_release": "true", "lr": 1e-5}},
+    )
+    assert changes(off, on) == [] and changes(on, off) == []
+    assert changes(off, {"optim": {"grad_release": "true", "lr": 2e-5}}) == [("optim.lr", 1e-5, 2e-5)]
