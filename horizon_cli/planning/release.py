@@ -29,7 +29,7 @@ Fit = Callable[[MemoryPlan, Machine], bool]
 
 
 def resolve_release(
-    cfg: Config, rungs: dict[str, MemoryPlan], rung: str, where: Machine | None, fit: Fit
+    cfg: Config, rungs: dict[str, MemoryPlan], rung: str, where: Machine, fit: Fit
 ) -> tuple[Config, str, str]:
     """(the config with optim.grad_release: auto resolved to true or false, the rung the run then
     runs on, the line saying why; "" where the config named it). fit: whether a plan fits a
@@ -38,25 +38,28 @@ def resolve_release(
         return cfg, rung, ""
     on, why = False, "a lora: run's adapters have small gradients"
     mode = RUNG_MODES.get(rung)
-    if mode is not None and where is None:
-        why = "no machine to fit the plan to"
-    elif mode is not None:
+    if mode is not None:
         rel = mode.released().name
-        base, freed = rungs[rung], rungs[rung].node_host_total - rungs[rel].node_host_total
-        on = not fit(base, where) and fit(rungs[rel], where)
-        if on:
-            why = (
-                f"{rung} does not fit {where.what} without it (host {fmt_bytes(base.node_host_total)}), "
-                f"{rel} does ({rungs[rel].bytes_per_param:.2f} B/param, {fmt_bytes(freed)} less host)"
-            )
-        elif fit(base, where):
-            why = f"{rung} fits without it"
-        else:
-            why = f"{rung} does not fit with it either"
+        on, why = decide(rungs[rung], rungs[rel], rung, rel, where, fit)
         rung = rel if on else rung
     word = "true" if on else "false"
     cfg = replace(cfg, optim=replace(cfg.optim, grad_release=word))
     return cfg, rung, f"optim.grad_release: auto -> {word}: {why}"
+
+
+def decide(
+    base: MemoryPlan, rel: MemoryPlan, name: str, rel_name: str, where: Machine, fit: Fit
+) -> tuple[bool, str]:
+    """Release on exactly when the base rung's plan does not fit and the release rung's does; why."""
+    if fit(base, where):
+        return False, f"{name} fits without it"
+    if not fit(rel, where):
+        return False, f"{name} does not fit with it either"
+    freed = base.node_host_total - rel.node_host_total
+    return True, (
+        f"{name} does not fit {where.what} without it (host {fmt_bytes(base.node_host_total)}), "
+        f"{rel_name} does ({rel.bytes_per_param:.2f} B/param, {fmt_bytes(freed)} less host)"
+    )
 
 
 def clipping_line(cfg: Config, plan: MemoryPlan) -> str:
