@@ -135,6 +135,7 @@ def test_auto_releases_exactly_when_the_plan_needs_it(small_dir):
     r, plan = dry_run(tmp, cfg, between)
     assert r.exit_code == 0, r.output
     assert "optim.grad_release: auto -> true: exact does not fit" in r.output
+    assert "exact+release (this run)" in r.output and "lean+release" in r.output  # the ladder's table
     assert plan["memory"] == "exact+release" and plan["fits"]
     assert plan["grad_release"]["value"] == "true" and "exact+release does" in plan["grad_release"]["why"]
     assert list(plan["ladder"]) == list(RUNGS)
