@@ -20,7 +20,7 @@ from ..fmt import fmt_bytes
 from ..lora.setup import LoraSetup
 from ..lora.sizes import adapter_work_bytes, lora_memory_plan
 from ..lora.targets import resolve_targets
-from ..optim.modes import MODES
+from ..optim.modes import RUNG_MODES, memory_mode
 from ..parallel.topology import World
 from ..runtime.device import has_link
 from ..runtime.dtype import resolve as resolve_dtype
@@ -80,7 +80,7 @@ def run_rung(cfg: Config, model: Store | PlannedModel) -> str:
     """The ladder's rung this config runs on."""
     if cfg.lora is not None:
         return "qlora" if model.quant else "lora"
-    return cfg.optim.memory
+    return cfg.optim.mode.name  # with optim.grad_release: true its release rung (auto reads as off)
 
 
 def plan_for(
@@ -167,7 +167,7 @@ def _plan(cfg: Config, spec, memory: str, lora: LoraSetup | None, world: World) 
             dropout=lora.cfg.dropout if lora else 0.0,
             stream=base_stream(cfg, model, e.dtype),
         )
-    mode = MODES[memory]
+    mode = memory_mode(memory)
     return memory_plan(  # lean keeps a bf16 weight whatever it computes in (upcast per layer)
         spec,
         e.dtype,
@@ -202,7 +202,7 @@ def not_applicable(model: Store | PlannedModel) -> dict[str, str]:
         return {}
     full = f"a 4-bit ({model.quant}) store cannot be fully fine-tuned"
     lora = f"the store's base is 4-bit ({model.quant}): a lora: section on it runs qlora"
-    return {**dict.fromkeys(MODES, full), "lora": lora}
+    return {**dict.fromkeys(RUNG_MODES, full), "lora": lora}
 
 
 # id(spec) -> (spec, its default adapters): a dry run's longest-sequence search plans the lora rungs
@@ -231,7 +231,7 @@ def _default_adapters(spec: ArchSpec) -> tuple[list, int]:
 
 
 HOW = {
-    **{m.name: m.how for m in MODES.values()},
+    **{m.name: m.how for m in RUNG_MODES.values()},
     "lora": "a lora: section",
     "qlora": "a lora: section on a `convert --quantize nf4` store",
 }

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ..arch import ArchSpec
 from ..arch.tiling import blocks
-from ..optim.modes import EXACT, MODES, MemoryMode, memory_mode
+from ..optim.modes import EXACT, RUNG_MODES, MemoryMode, memory_mode
 from ..parallel.shard import SHARD_ALIGN, padded_numel, shard_range, shard_size
 from ..state.layout import StateKind, kind_numel, state_layout
 from ..store import UnitLayout, layouts
@@ -255,7 +255,7 @@ def head_work_bytes(spec: ArchSpec, tokens: int, chunk: int, item: int) -> int:
     return min(chunk, tokens) * spec.vocab * (item + 8) + spec.vocab * spec.hidden * item
 
 
-RUNGS = (*MODES, "lora", "qlora")  # the ladder, most exact first
+RUNGS = (*RUNG_MODES, "lora", "qlora")  # the ladder, most exact first (each mode without and with release)
 
 
 def memory_plan(
@@ -272,9 +272,9 @@ def memory_plan(
     per_node: int = 1,
     stream: str = "",
 ) -> MemoryPlan:
-    """Full fine-tuning, memory: the mode, or its word (exact | lean; LoRA runs: lora/sizes.py), one
-    rank's. dtype: the compute dtype; stream: the streaming copy's ("": the mode's for dtype; lean:
-    bfloat16 whatever it computes in)."""
+    """Full fine-tuning, memory: the mode or its rung (exact, exact+release, lean, lean+release; LoRA
+    runs: lora/sizes.py), one rank's. dtype: the compute dtype; stream: the streaming copy's ("":
+    the mode's for dtype; lean: bfloat16 whatever it computes in)."""
     mode = memory_mode(memory)
     item = ITEM[dtype]
     stream = stream or mode.stream_dtype(dtype)
@@ -365,16 +365,18 @@ def sharded_device(
 
 def trained_host(lays: dict, dtype: str, gitem: int, mode: MemoryMode, world: int = 1) -> dict[str, int]:
     """Host state of full fine-tuning, one rank's pieces: the streaming copy, the mode's optimizer
-    state (exact: fp32 master + moments; lean: state/layout.py) and its gradients."""
+    state (exact: fp32 master + moments; lean: state/layout.py) and its gradients (release: buffers
+    of the largest piece of a unit but the embedding, MemoryMode.grad_bytes)."""
     numel = sum(piece(lay.numel, world) for lay in lays.values())
     embed = piece(lays["embed"].numel, world)
+    largest = max(piece(lay.numel, world) for name, lay in lays.items() if name != "embed")
 
     def kinds() -> tuple[int, int]:
         counts = [rank_kinds(lay, world, mode) for lay in lays.values()]
         return sum(k[0] for k in counts), sum(k[1] for k in counts)
 
     host = {"weights (streaming copy)": numel * ITEM[dtype], **mode.state_bytes(numel, dtype, kinds)}
-    host[f"gradients ({'bf16' if gitem == 2 else 'fp32'})"] = mode.grad_bytes(numel, embed, gitem)
+    host[mode.grad_label(gitem)] = mode.grad_bytes(numel, embed, gitem, largest)
     return host
 
 

@@ -48,6 +48,9 @@ FREE = (
     "engine.kv_cache",
     "engine.seq_tile",  # tiled or not, the same arithmetic per token (weight gradients summed by tile)
     "optim.kernel",
+    # released or not, the same training (grad_clip 0: bit for bit; > 0: the exact norm, norm-first)
+    # and the same state files; auto may resolve otherwise on another machine (planning.release)
+    "optim.grad_release",
     "output",
     "log",
 )

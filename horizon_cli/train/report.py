@@ -19,7 +19,7 @@ from ..engine.build import Planned, dropout_line
 from ..errors import DryRunRefused, InputError
 from ..fmt import fmt_bytes
 from ..fsutil import write_text_atomic
-from ..optim.modes import MODES
+from ..optim.modes import RUNG_MODES
 from ..planning.fit import Machine
 from ..planning.ladder import (
     HOW,
@@ -32,6 +32,7 @@ from ..planning.ladder import (
     not_applicable,
 )
 from ..planning.memory import MemoryPlan
+from ..planning.release import clipping_line
 from ..planning.tiling import note as tiling_note
 from ..recipes.recipe import PlanModel
 from ..recipes.registry import batches_for, recipe_for
@@ -49,12 +50,14 @@ def dry_run_report(
     json_out: Path | None,
     local: bool = True,
     dtype: DtypeChoice | None = None,
+    release: str = "",
 ) -> dict:
     """The checks of a real start that write nothing: the data is read and tokenized (not
     cached, not even where data.cache_dir says), the run dir's resume point checked against
     this config. Then the plan of this run and the ladder of every rung on `where`.
     local: `where` is this machine (else --host-gib/--device-gib's: this device is not checked).
-    dtype: how engine.dtype was decided, for this machine's device (shown, and in the JSON)."""
+    dtype: how engine.dtype was decided, for this machine's device (shown, and in the JSON).
+    release: how optim.grad_release: auto was decided (planning.release; "" where the config named it)."""
     cfg, model, rungs, chosen = planned.cfg, planned.model, planned.rungs, planned.rung
     refused, run_dir, data = None, None, None
     try:  # the start's checks, in its order (train/checks.py): the first that fails is its line
@@ -76,6 +79,10 @@ def dry_run_report(
     console.print(f"sequence tiles: {tiling_note(model.arch)}", highlight=False, soft_wrap=True)
     if dtype is not None:  # the printed config says the resolved one; this line says why
         console.print(dtype.line, highlight=False, soft_wrap=True)
+    clipping = clipping_line(cfg, plan)
+    for line in (release, clipping):
+        if line:
+            console.print(line, highlight=False, soft_wrap=True)
     if drop := dropout_line(cfg, model.arch):
         console.print(drop, highlight=False, soft_wrap=True)
     ok, why = fits(plan, where)
@@ -90,6 +97,7 @@ def dry_run_report(
     report["max_positions"] = model.arch.max_positions
     if dtype is not None:
         report["dtype"] = dtype.record()
+    report["grad_release"] = {"value": cfg.optim.grad_release, "why": release, "clipping": clipping}
     if drop:
         report["dropout"] = drop
     # what runs between steps (rl's rollouts): the kept layers' graphs and weights (held from a
@@ -246,7 +254,7 @@ def ladder_table(
 
 
 WHAT = {
-    **{m.name: m.what for m in MODES.values()},
+    **{m.name: m.what for m in RUNG_MODES.values()},
     "lora": "adapters, base frozen",
     "qlora": "adapters, NF4 base",
 }
@@ -280,6 +288,7 @@ def plan_json(model: Store | PlannedModel, rungs: dict[str, MemoryPlan], chosen:
             "host_bytes_per_node": p.node_host_total,
             "device_bytes_per_node": p.node_device_total,
             "host_bytes_all_nodes": p.all_host_total,
+            "grad_release": rung in RUNG_MODES and RUNG_MODES[rung].release,
             "kept_layers": p.kept,
             "kept_bytes": p.kept_bytes,
             "seq_tile": p.seq_tile,

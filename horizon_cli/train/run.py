@@ -20,14 +20,16 @@ from .. import preflight
 from ..arch.exceptions import refuse_packing
 from ..config import Config, load_config
 from ..data.prepare import check_lengths
-from ..engine.build import plan_run
+from ..engine.build import Planned, plan_run
 from ..engine.tuning import tuning_for
 from ..errors import InputError
 from ..faults import phase
 from ..lora.setup import lora_for
 from ..parallel.launch import joined, rank_device, world_from_env
 from ..parallel.topology import world_for
-from ..planning.ladder import open_model
+from ..planning.fit import Machine
+from ..planning.ladder import fit_parts, open_model
+from ..planning.release import resolve_release
 from ..recipes.registry import recipe_for
 from ..runtime.dtype import with_dtype
 from ..store import DTYPES, Store
@@ -90,11 +92,17 @@ def run_training(
     )  # a vision tower's bytes
     if tower is not None and os.environ.get("RANK", "0") == "0":
         console.print(describe(tower, cfg), highlight=False)
+    planned, release = with_release(planned, where)  # optim.grad_release: auto decided on the plan
+    cfg = planned.cfg
     if dry_run:
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
             console, json_out = Console(quiet=True), None
-        return dry_run_report(planned, where, console, json_out, local=machine is None, dtype=dtype)
+        return dry_run_report(
+            planned, where, console, json_out, local=machine is None, dtype=dtype, release=release
+        )
     assert isinstance(model, Store)
+    if release and cfg.optim.grad_release == "true" and os.environ.get("RANK", "0") == "0":
+        console.print(escape(release), highlight=False)  # auto turned it on: say so
     checks.before_claim(planned, where)
     cfg, console = join_world(cfg, console)
     # engine.seq_tile as the plan resolved it (auto: on this machine), recorded in config.yaml
@@ -111,6 +119,15 @@ def run_training(
             return Trainer(
                 cfg, model, rd, console, lora, dist=d, keep=planned.plan.kept, samples=samples
             ).run()
+
+
+def with_release(planned: Planned, where: Machine) -> tuple[Planned, str]:
+    """The plan with optim.grad_release: auto resolved (planning.release): its config records
+    true or false, its rung is the release rung where release went on; and the line saying why."""
+    cfg, rung, line = resolve_release(
+        planned.cfg, planned.rungs, planned.rung, where, lambda p, w: fit_parts(p, w)[0]
+    )
+    return replace(planned, cfg=cfg, rung=rung), line
 
 
 def rank_cfg(cfg: Config) -> Config:

@@ -139,7 +139,7 @@ def test_dry_run_shows_tiles_and_the_longest_sequence(tmp_path):
     plan = json.loads(out.read_text())
     assert plan["seq_tile"] > 0 and plan["layer_work_untiled_bytes"] == 128 * GIB
     assert f"tiles of {plan['seq_tile']:,} tokens; untiled it would be" in r.output, r.output
-    assert set(plan["longest_seq"]) == {"exact", "lean", "lora", "qlora"}
+    assert set(plan["longest_seq"]) == {"exact", "exact+release", "lean", "lean+release", "lora", "qlora"}
     assert plan["longest_seq"]["lean"] >= plan["longest_seq"]["exact"] > 131072
     assert "longest trainable sequence on" in r.output
     assert "sequence tiles: every token-local part of every layer" in r.output

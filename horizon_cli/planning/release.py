@@ -1,0 +1,86 @@
+"""optim.grad_release: `auto` resolved against the ladder, and what a release run does to clipping.
+
+`auto` is decided once, before the engine is built (train.run, after the plan of every rung on the
+machine): release goes on exactly when the run's rung does not fit without it and its release rung
+(`exact+release`, `lean+release`) does; otherwise it stays off. A LoRA run's adapters have small
+gradients, so `auto` leaves it off; `true` composes with LoRA (its plan is the lora rung's: the
+adapters' gradients are counted whole, an upper bound). The resolved value is what the run's
+config records (config.yaml), and one line says why.
+
+Release and clipping (the engine's semantics, docs/engine.md): with `optim.grad_clip: 0` one pass,
+the same training bit for bit as without release; with `grad_clip > 0` a norm-first pass (a
+backward that only measures the global norm, then the releasing backward from the same saved
+inputs): 3 loads per recomputed layer instead of 2 and one more backward's compute. A non-finite
+gradient found mid-release stops the run, its last checkpoint intact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from ..config import Config
+from ..fmt import fmt_bytes
+from ..optim.modes import RUNG_MODES
+from .fit import Machine
+from .memory import MemoryPlan
+
+Fit = Callable[[MemoryPlan, Machine], bool]
+
+
+def resolve_release(
+    cfg: Config, rungs: dict[str, MemoryPlan], rung: str, where: Machine, fit: Fit
+) -> tuple[Config, str, str]:
+    """(the config with optim.grad_release: auto resolved to true or false, the rung the run then
+    runs on, the line saying why; "" where the config named it). fit: whether a plan fits a
+    machine (planning.ladder's fit_parts, which sits above this module)."""
+    if cfg.optim.grad_release != "auto":
+        return cfg, rung, ""
+    on, why = False, "a lora: run's adapters have small gradients"
+    mode = RUNG_MODES.get(rung)
+    if mode is not None:
+        rel = mode.released().name
+        on, why = decide(rungs[rung], rungs[rel], rung, rel, where, fit)
+        rung = rel if on else rung
+    word = "true" if on else "false"
+    cfg = replace(cfg, optim=replace(cfg.optim, grad_release=word))
+    return cfg, rung, f"optim.grad_release: auto -> {word}: {why}"
+
+
+def decide(
+    base: MemoryPlan, rel: MemoryPlan, name: str, rel_name: str, where: Machine, fit: Fit
+) -> tuple[bool, str]:
+    """Release on exactly when the base rung's plan does not fit and the release rung's does; why."""
+    if fit(base, where):
+        return False, f"{name} fits without it"
+    if not fit(rel, where):
+        return False, f"{name} does not fit with it either"
+    freed = base.node_host_total - rel.node_host_total
+    return True, (
+        f"{name} does not fit {where.what} without it (host {fmt_bytes(base.node_host_total)}), "
+        f"{rel_name} does ({rel.bytes_per_param:.2f} B/param, {fmt_bytes(freed)} less host)"
+    )
+
+
+def clipping_line(cfg: Config, plan: MemoryPlan) -> str:
+    """What a release run does to clipping, in one line (the dry run's); "" without release."""
+    if cfg.optim.grad_release != "true":
+        return ""
+    if cfg.lora is not None:
+        return (
+            "gradient release on a lora: run: the adapters' updates run inside the backward; their "
+            "gradients are small, so the plan hardly changes"
+        )
+    if cfg.optim.grad_clip == 0:
+        return (
+            "gradient release, optim.grad_clip 0: one pass, each unit's AdamW inside the backward; "
+            "the same training bit for bit as without release; a non-finite gradient stops the run "
+            "(the last checkpoint intact)"
+        )
+    recomputed = (plan.calls or plan.layers) - plan.kept
+    return (
+        f"gradient release, optim.grad_clip {cfg.optim.grad_clip:g} > 0: a norm-first pass: the "
+        f"forward, a backward that only measures the global norm, then the releasing backward from "
+        f"the same saved inputs: 3 loads per recomputed layer instead of 2 ({recomputed} recomputed "
+        f"here) and one more backward's compute per step; optim.grad_clip: 0 runs one pass"
+    )
