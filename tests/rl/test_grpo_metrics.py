@@ -1,6 +1,8 @@
 """TRL 1.16's GRPO metric names, on a short run: the terminated completions' min and max length,
-the clip ratios at num_iterations 1 too (with their min / max over the processes), and a progress
-line that says a reused batch of rollouts is reused (not 'rollout 0 tok/s')."""
+the clip ratios at num_iterations 1 too (with their min / max over the completions), entropy,
+num_tokens (counted when a batch is sampled, as TRL's num_input_tokens_seen), and a progress line
+that says a reused batch of rollouts is reused (not 'rollout 0 tok/s'). Their values against TRL's
+own _compute_loss: tests/rl/test_grpo_loss.py."""
 
 from __future__ import annotations
 
@@ -35,7 +37,13 @@ def test_grpo_metrics_follow_trls_names(tmp_path, tiny_store):
         for k in ("low_mean", "high_mean", "region_mean"):
             assert f"clip_ratio/{k}" in row, k
     assert steps[0]["clip_ratio/region_mean"] == 0.0
-    assert "clip_ratio/low_min" not in steps[0]  # TRL 1.16: over completions; not logged (rl.md)
+    assert steps[0]["clip_ratio/low_min"] == steps[0]["clip_ratio/high_max"] == 0.0  # ratio 1
+    for row in steps:  # a token-weighted mean lies between the least and the most completion's share
+        assert row["clip_ratio/low_min"] <= row["clip_ratio/low_mean"]
+        assert row["clip_ratio/high_mean"] <= row["clip_ratio/high_max"]
+        assert row["entropy"] > 0
+    seen = sum(len(x["prompt_ids"]) + len(x["completion_ids"]) for x in recs)
+    assert steps[0]["num_tokens"] == steps[1]["num_tokens"] == seen  # step 2 reuses step 1's batch
     assert "rollout 0 tok/s" not in r.output
 
 
@@ -48,6 +56,7 @@ def test_every_grpo_metric_at_mu_1_has_the_clip_ratios(tmp_path, tiny_store):
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     step = next(x for x in rows if "reward" in x)
     assert step["clip_ratio/low_mean"] == step["clip_ratio/high_mean"] == 0.0
+    assert step["clip_ratio/low_min"] == step["clip_ratio/high_max"] == 0.0
 
 
 @pytest.mark.parametrize(
