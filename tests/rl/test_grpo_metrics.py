@@ -89,3 +89,19 @@ def test_every_reward_none_is_nan_and_trls_warning(tmp_path, tiny_store):
     row = next(json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
     assert row["reward"] is None and row["reward_std"] is None and row["rewards/f/std"] is None  # NaN: null
     assert row["frac_reward_zero_std"] == 0.0  # TRL: isclose(NaN, 0) is false
+
+
+def test_tokens_seen_is_read_back_from_the_step_row_or_counted_from_the_rollouts(tmp_path):
+    """num_tokens on resume: the resumed step's metrics row; a run logged before the metric: its
+    rollouts/step-N.jsonl files up to that step (prompt + completion tokens)."""
+    from horizon_cli.recipes.grpo.seen import tokens_seen
+
+    (tmp_path / "rollouts").mkdir()
+    for n, lines in ((1, [([1, 2], [3]), ([1, 2], [4, 5])]), (3, [([7], [8, 9, 10])]), (5, [([1], [1])])):
+        text = "".join(json.dumps({"prompt_ids": p, "completion_ids": c}) + "\n" for p, c in lines)
+        (tmp_path / "rollouts" / f"step-{n}.jsonl").write_text(text)
+    (tmp_path / "rollouts" / "eval-step-4.jsonl").write_text(json.dumps({"prompt_ids": [1] * 50}) + "\n")
+    assert tokens_seen(tmp_path, 4) == (3 + 4) + 4  # steps 1 and 3 sampled; 5 is after, eval never counts
+    rows = [{"step": 3, "num_tokens": 11}, {"step": 4, "num_tokens": 99}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "num')
+    assert tokens_seen(tmp_path, 4) == 99  # the row of the step resumed from (a garbled tail skipped)
