@@ -2,10 +2,13 @@
 
 Chat records go through the tokenizer's chat template. Each assistant turn's span is found by
 rendering prefixes: with P = render(messages[:i], add_generation_prompt=True) and
-Q = render(messages[:i + 1]), the turn is Q[len(P):], i.e. the reply plus the template's
-end-of-turn marker; trailing whitespace after the marker is left out. When a template breaks the
-prefix property (some rewrite earlier turns), the reply is searched for in the full rendering and
-the special token right after it, if any, is taken as its end-of-turn marker.
+Q = render(messages[:i + 1]), the turn is Q[len(P):] whole: the reply, the template's end-of-turn
+marker and what the template writes after it (ChatML's `<|im_end|>\n`), as TRL's training
+templates put inside {% generation %} and LLaMA-Factory's qwen/chatml `format_assistant` slot
+(`{{content}}<|im_end|>\n`) label it; the vision path (vision.encode) labels the same tokens. When a
+template breaks the prefix property (some rewrite earlier turns), the reply is searched for in the
+full rendering and the special token right after it, if any, is taken as its end-of-turn marker,
+with the whitespace the template writes after that marker.
 
 Every rendering is checked against the record (`check_rendered`): a template that drops a
 message's content, the tool calls or the tool schemas stops the run with a line naming the record
@@ -173,7 +176,7 @@ def _span_by_prefix(
     if not gen_prompt:  # P ends before the turn header: skip the header up to the reply itself
         found = q.find(messages[i]["content"].strip(), start)
         start = found if found >= 0 else start
-    return start, max(start, len(q.rstrip()))
+    return start, len(q)  # the whole turn, the whitespace after its marker too (TRL, LLaMA-Factory)
 
 
 def _span_by_search(tokenizer, full: str, m: dict, cursor: int) -> tuple[int, int] | None:
@@ -185,7 +188,10 @@ def _span_by_search(tokenizer, full: str, m: dict, cursor: int) -> tuple[int, in
     end = start + len(reply)
     for marker in _special_texts(tokenizer):
         if full.startswith(marker, end):
-            return start, end + len(marker)
+            end += len(marker)
+            while end < len(full) and full[end].isspace():  # what follows the marker, as the prefix rule
+                end += 1
+            return start, end
     return start, end
 
 

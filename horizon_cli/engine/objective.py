@@ -17,7 +17,8 @@ per-token log-probs of the labelled positions:
 The engine divides: an objective returns a *sum* (over tokens, or pairs) and differentiates it
 times `inv` = 1 / the global batch's divisor (label tokens for SFT), so the gradients of every
 micro-batch, and of every rank, add up to those of the mean. `targets` runs on the host before any
-compute is queued (no device sync on data-dependent shapes); `stats` are sums the engine reports.
+compute is queued (no device sync on data-dependent shapes); `stats` are what the engine reports:
+sums, except those an objective names in `reductions` (engine.stats: the least or the most).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ..model.head import (
     token_logps,
     token_logps_entropies,
 )
+from .stats import Kinds
 
 
 @dataclass
@@ -125,6 +127,7 @@ class HeadOut:
 
 class Objective(ABC):
     name: str = ""
+    reductions: Kinds = {}  # its stats that are not sums, by name (engine.stats); none here
 
     def targets(self, mbs: list[MicroBatch], device: torch.device) -> list[Targets]:
         """Labelled positions and their targets per micro-batch, sent to the device."""

@@ -182,7 +182,7 @@ def assemble(
         reduce: Reduce = LocalReduce(t, params.host, grads, tied)
         table = HostEmbedding(t, loader, params.units, params.host, spec, dtype, tmpl.embed_scale)
     else:
-        reduce = ShardedReduce(sharded)
+        reduce = ShardedReduce(sharded, objective.reductions if objective is not None else None)
         table = ShardedEmbedding(
             t, loader, params.units, params.host, spec, dtype, tmpl.embed_scale, sharded, grads
         )

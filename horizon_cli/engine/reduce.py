@@ -4,10 +4,10 @@
     layer(unit, g, k, sq)   a unit's fp32 gradient sum on the device -> its host grad; returns the
                             event of its landing there (the optimizer waits on it)
     head(...)               the same for the head once per step (and a tied embedding's share)
-    total(loss, sq, host, stats)  the step's loss sum, squared grad norm and the objective's stat
-                            sums: this process's, or every rank's (one all-reduce), so every rank
-                            clips and skips alike
-    eval_total(sum, n, stats)  an evaluation's (loss sum, divisor, stat sums), over every rank
+    total(loss, sq, host, stats)  the step's loss sum, squared grad norm and the objective's stats:
+                            this process's, or every rank's (one all-reduce; a MIN or MAX stat by
+                            its kind, engine.stats), so every rank clips and skips alike
+    eval_total(sum, n, stats)  an evaluation's (loss sum, divisor, stats), over every rank
     sum_vector(v)           a small host vector summed over the ranks (the reference pass's)
     drain()                 wait for every queued reduction (before eval or save)
 
@@ -25,6 +25,7 @@ from ..runtime.transport import Transport
 from ..state.host import HostState
 from .grads import GradSums, sumsq
 from .sharded import ShardedGrads
+from .stats import Kinds, gathered, spread
 
 Stats = dict[str, torch.Tensor]  # an objective's sums over this rank's data
 
@@ -67,8 +68,9 @@ class LocalReduce:
 
 
 class ShardedReduce:
-    def __init__(self, sharded: ShardedGrads):
-        self.sharded = sharded
+    def __init__(self, sharded: ShardedGrads, kinds: Kinds | None = None):
+        """kinds: the objective's statistics that are not sums (Objective.reductions)."""
+        self.sharded, self.kinds = sharded, kinds or {}
 
     def begin_step(self) -> None:
         self.sharded.begin_step()
@@ -84,15 +86,20 @@ class ShardedReduce:
     def total(
         self, loss_sum: torch.Tensor, sq: list, host_sq: float, stats: Stats
     ) -> tuple[float, float, dict]:
-        return self.sharded.total(loss_sum, stats)
+        loss, norm_sq, summed = self.sharded.total(loss_sum, self._spread(stats))
+        return loss, norm_sq, gathered(stats, list(summed.values()), self.kinds, self.sharded.d.world)
 
     def eval_total(self, total: torch.Tensor, tokens: int, stats: Stats) -> tuple[float, int, dict]:
-        """This rank's share: the sums over every rank's."""
-        keys = list(stats)
+        """This rank's share: the sums over every rank's (a MIN or MAX stat by its kind)."""
+        mine = self._spread(stats)
         loss, n, *vals = self.sharded.sum_all(
-            lambda: [float(total), float(tokens), *map(float, stats.values())]
+            lambda: [float(total), float(tokens), *map(float, mine.values())]
         )
-        return loss, int(n), dict(zip(keys, vals, strict=True))
+        return loss, int(n), gathered(stats, vals, self.kinds, self.sharded.d.world)
+
+    def _spread(self, stats: Stats) -> dict:
+        d = self.sharded.d
+        return dict(enumerate(spread(stats, self.kinds, d.rank, d.world)))
 
     def sum_vector(self, v: torch.Tensor) -> torch.Tensor:
         """Every rank's v added up (each rank fills its own entries, zeros elsewhere: exact)."""

@@ -45,6 +45,7 @@ from ..state.host import HostState, UnitState
 from .grads import GradSums
 from .objective import Head, HeadOut, Targets
 from .sharded import ShardedGrads
+from .stats import Kinds
 
 __all__ = [
     "Transport",
@@ -199,6 +200,9 @@ class Reduce(Protocol):
 
 class LossObjective(Protocol):
     name: str
+
+    @property
+    def reductions(self) -> Kinds: ...  # its stats that are not sums (engine.stats)
 
     def targets(self, mbs: list[MicroBatch], device: torch.device) -> list[Targets]: ...
     def divisor(self, mbs: list[MicroBatch]) -> int: ...

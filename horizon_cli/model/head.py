@@ -196,8 +196,9 @@ def token_logps_entropies(
     for a, b, logits in _forward_chunks(h, norm, norm_w, lm_w, idx, chunk, logits_fn):
         lsm = F.log_softmax(logits, dim=-1)
         logp[a:b] = lsm.gather(1, tgt[a:b].unsqueeze(1)).squeeze(1)
-        ent[a:b] = -(torch.exp(lsm) * lsm).sum(-1)
-        del lsm
+        p = torch.exp(lsm)  # (c, V) fp32: two chunk-sized copies besides the logits, as the plan's head work
+        ent[a:b] = -p.mul_(lsm).sum(-1)
+        del lsm, p
     return logp, ent
 
 

@@ -26,6 +26,7 @@ from ..data.batch import MicroBatch
 from ..engine import Engine, StepResult
 from ..engine.build import build_engine
 from ..engine.ranks import ranks_for
+from ..engine.stats import combine
 from ..engine.tuning import tuning_for
 from ..errors import HorizonError, InputError
 from ..faults import phase
@@ -309,7 +310,7 @@ class Trainer:
         for mbs in self.batches.eval_batches():
             s, k, stats = self.engine.evaluate(self._eval_share(mbs))
             total, n = total + s, n + k
-            sums = {key: sums.get(key, 0.0) + v for key, v in stats.items()}
+            sums = combine(self.engine.objective.reductions, sums, stats)  # each stat by its kind
         return {"eval_loss": total / n if n else None, **self.batches.metrics(sums, n, "eval_")}
 
     def _eval_share(self, mbs: list[MicroBatch]) -> list[MicroBatch]:

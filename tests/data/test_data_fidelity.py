@@ -77,7 +77,7 @@ def test_scalars_in_json_text_fields_become_their_text(tmp_path, tok_plain):
 def test_whole_floats_print_as_integers_and_texts_may_be_numbers(tmp_path, tok):
     # a column of numbers with one fraction arrives as floats: 4 -> 4.0, written back as "4"
     out = prep(write(tmp_path, [{"instruction": "a", "output": 4}, {"instruction": "b", "output": 4.5}]), tok)
-    assert [loss_spans(tok, out.train[i]) for i in range(2)] == [["4</s>"], ["4.5</s>"]]
+    assert [loss_spans(tok, out.train[i]) for i in range(2)] == [["4</s>\n"], ["4.5</s>\n"]]
     text = prep(write(tmp_path, [{"text": 12345}, {"text": 0}], "t.jsonl"), tok).train
     assert tok.decode(text[1].input_ids) == "<s>0</s>" and len(text) == 2
 
@@ -114,7 +114,7 @@ def test_alpaca_system_and_history_with_a_chat_template(tmp_path, tok):
         {"role": "assistant", "content": "Berlin."},
     ]
     assert tok.decode(row.input_ids) == tok.apply_chat_template(msgs, tokenize=False)
-    assert loss_spans(tok, row) == ["Paris.</s>", "Berlin.</s>"]  # history answers train too
+    assert loss_spans(tok, row) == ["Paris.</s>\n", "Berlin.</s>\n"]  # history answers train too
 
 
 def test_alpaca_system_and_history_without_a_chat_template(tmp_path, tok_plain):
@@ -156,7 +156,7 @@ def test_openai_tool_calls_and_tools_go_through_the_template(tmp_path):
     text = tok.decode(row.input_ids)
     assert "Tools: get_weather" in text and "<|tool|>\n18 degrees</s>" in text
     call = '<call>get_weather {"city": "Paris"}</call>'  # JSON-string arguments become a mapping
-    assert loss_spans(tok, row) == [f"{call}</s>", "It is 18 degrees.</s>"]
+    assert loss_spans(tok, row) == [f"{call}</s>\n", "It is 18 degrees.</s>\n"]
 
 
 def test_sharegpt_function_call_observation_and_string_tools_match_openai(tmp_path):
@@ -226,7 +226,7 @@ def test_weight_zero_keeps_the_turn_without_loss(tmp_path, tok):
     msgs[2]["weight"] = 0
     row = prep(write(tmp_path, [{"messages": msgs}]), tok).train[0]
     assert "Hello world!" in tok.decode(row.input_ids)
-    assert loss_spans(tok, row) == ["three four five</s>"]
+    assert loss_spans(tok, row) == ["three four five</s>\n"]
 
 
 def test_unread_fields_with_content_are_named_once_each(tmp_path, tok):

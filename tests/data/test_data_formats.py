@@ -87,7 +87,7 @@ def test_chat_masks_all_but_assistant_turns(tmp_path, tok):
     out, _ = prep(tmp_path, [CHAT], tok, format="chat")
     row = out.train[0]
     assert tok.decode(row.input_ids) == tok.apply_chat_template(CHAT["messages"], tokenize=False)
-    assert loss_spans(tok, row) == ["Hello world!</s>", "three four five</s>"]
+    assert loss_spans(tok, row) == ["Hello world!</s>\n", "three four five</s>\n"]  # the turn whole (TRL)
     on = row.labels != IGNORE
     assert np.array_equal(row.labels[on], row.input_ids[on])
 
@@ -139,10 +139,13 @@ FINAL_MARK = (
 
 @pytest.mark.parametrize(
     "template, end",
-    [(CHATML, "<|im_end|>"), (LLAMA3, "<|eot_id|>"), (FINAL_MARK, "</s>")],
+    [(CHATML, "<|im_end|>\n"), (LLAMA3, "<|eot_id|>"), (FINAL_MARK, "</s>\n")],
     ids=["chatml", "llama3", "prefix-breaking"],
 )
 def test_chat_spans_with_other_templates(tmp_path, template, end):
+    """Each turn whole, through what its template writes after the end-of-turn marker: ChatML's
+    `<|im_end|>\n`, as TRL's qwen2_5_training.jinja puts it inside {% generation %} and
+    LLaMA-Factory's chatml / qwen `format_assistant` slot `{{content}}<|im_end|>\n` labels it."""
     tokenizer = make_tokenizer(chat_template=template)  # markers not in its vocab: spelled out in bytes
     out, _ = prep(tmp_path, [CHAT], tokenizer, format="chat", max_seq_len=1024)
     assert out.train.stats["truncated"] == 0
@@ -158,7 +161,7 @@ def test_instruction_with_chat_template_is_a_user_turn(tmp_path, tok):
         {"role": "assistant", "content": "Waves and sky."},
     ]
     assert tok.decode(row.input_ids) == tok.apply_chat_template(msgs, tokenize=False)
-    assert loss_spans(tok, row) == ["Waves and sky.</s>"]
+    assert loss_spans(tok, row) == ["Waves and sky.</s>\n"]
 
 
 def test_instruction_alpaca_prompt_without_chat_template(tmp_path, tok_plain):
@@ -289,7 +292,7 @@ def test_truncation_that_cuts_every_response_is_every_label_masked(tmp_path, tok
 def test_chat_message_with_null_content(tmp_path, tok):
     rec = {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "hi"}]}
     out, _ = prep(tmp_path, [rec], tok)
-    assert loss_spans(tok, out.train[0]) == ["hi</s>"]
+    assert loss_spans(tok, out.train[0]) == ["hi</s>\n"]
 
 
 def test_chat_message_content_must_be_text(tmp_path, tok):

@@ -2,7 +2,8 @@
 (a group whole on one rank, rows seeded by their place in the step's batch) in lock step with
 the other, the rollouts and rewards are gathered, so the rollout files, the advantages
 (scale_rewards: batch, the batch's std over both ranks), TRL's metrics (train and eval, whose
-batch is split unevenly), the losses and the exported weights equal one process's (fp32)."""
+batch is split unevenly; the clip ratios' min / max over both ranks' completions), the eval
+rollouts, the losses and the exported weights equal one process's (fp32)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,17 @@ KEYS = (
     "completions/clipped_ratio",
     "kl",
     "clip_ratio/region_mean",
+    "clip_ratio/low_min",  # the least over every rank's completions (engine.stats MIN)
+    "clip_ratio/high_max",
+    "entropy",
+    "num_tokens",
     "eval_loss",
     "eval_reward",
     "eval_reward_std",
     "eval_completions/mean_length",
     "eval_kl",
+    "eval_entropy",
+    "eval_num_tokens",
 )
 
 
@@ -67,8 +74,10 @@ def _same_runs(tmp_path, steps: int) -> None:
             assert (x.get(k) is None) == (y.get(k) is None), k
             if x.get(k) is not None:
                 assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-6), k
-    for s in range(1, steps + 1):
-        fa, fb = (tmp_path / n / "rollouts" / f"step-{s}.jsonl" for n in ("one", "two"))
+    names = [f"step-{s}" for s in range(1, steps + 1)] + [f"eval-step-{steps}"]
+    assert all((tmp_path / n / "rollouts" / f"eval-step-{steps}.jsonl").is_file() for n in ("one", "two"))
+    for s in names:
+        fa, fb = (tmp_path / n / "rollouts" / f"{s}.jsonl" for n in ("one", "two"))
         if fa.is_file() or fb.is_file():
             la, lb = fa.read_text().splitlines(), fb.read_text().splitlines()
             assert len(la) == len(lb)

@@ -7,7 +7,8 @@ GRPOObjective (recipes.grpo.loss) through the streamed engine, the batch split o
 For every loss_type, beta 0 and > 0 (k3 KL to a reference's log-probs), num_iterations 1 (old =
 the policy, detached) and > 1 (old log-probs away from the policy: the clipped path, both sides),
 truncated completions masked or not, temperature 1 and not: one step's loss and every gradient
-(fp32, 1e-5) and the logged kl and clip ratios.
+(fp32, 1e-5) and the logged kl, entropy and clip ratios (the means, and the min / max over the
+completions of two micro-batches).
 
 Advantages: horizon's (rl.advantages) against TRL's formula in `_generate_and_score_completions`
 (grpo_trainer.py, "sum_then_normalize": weighted nansum, unscorable rows NaN, group nanmean,
@@ -30,7 +31,8 @@ from horizon_cli.config.schema import EngineConfig, OptimConfig, RLConfig
 from horizon_cli.data.batch import IGNORE, MicroBatch
 from horizon_cli.engine import Engine
 from horizon_cli.recipes.grpo.advantages import advantages
-from horizon_cli.recipes.grpo.loss import GRPOObjective, GRPOPayload, ratio_metrics
+from horizon_cli.recipes.grpo.loss import GRPOObjective, GRPOPayload, ratio_metrics, token_means
+from horizon_cli.recipes.grpo.policy import CLIPPED
 from tests.support.oracle import check_grads, make_store, one_thread, rel_err  # noqa: F401
 
 trl = pytest.importorskip("trl")
@@ -209,8 +211,11 @@ def test_loss_gradients_and_metrics_equal_trls_compute_loss(setup, case):
         check_grads(eng, model, 1e-5)
         if cfg.beta > 0:
             assert stats["kl"] / stats["tokens"] == pytest.approx(metrics["kl"], rel=1e-5)
+        assert token_means(cfg, stats)["entropy"] == pytest.approx(metrics["entropy"], rel=1e-5)
         ours = ratio_metrics(replace(cfg, num_iterations=2), stats)  # every ratio metric TRL logs
         assert (bool(ours) or cfg.loss_type == "sapo") and set(ours) <= set(metrics)
+        if cfg.loss_type in CLIPPED:  # TRL's min / max over completions, across the micro-batches
+            assert {"clip_ratio/low_min", "clip_ratio/high_max"} <= set(ours)
         for k, v in ours.items():
             assert v == pytest.approx(metrics[k], rel=1e-5, abs=1e-7), k
         if cfg.num_iterations > 1 and "clip_region" in stats:

@@ -1,6 +1,8 @@
 """TRL 1.16's GRPO metric names, on a short run: the terminated completions' min and max length,
-the clip ratios at num_iterations 1 too (with their min / max over the processes), and a progress
-line that says a reused batch of rollouts is reused (not 'rollout 0 tok/s')."""
+the clip ratios at num_iterations 1 too (with their min / max over the completions), entropy,
+num_tokens (counted when a batch is sampled, as TRL's num_input_tokens_seen), and a progress line
+that says a reused batch of rollouts is reused (not 'rollout 0 tok/s'). Their values against TRL's
+own _compute_loss: tests/rl/test_grpo_loss.py."""
 
 from __future__ import annotations
 
@@ -35,7 +37,13 @@ def test_grpo_metrics_follow_trls_names(tmp_path, tiny_store):
         for k in ("low_mean", "high_mean", "region_mean"):
             assert f"clip_ratio/{k}" in row, k
     assert steps[0]["clip_ratio/region_mean"] == 0.0
-    assert "clip_ratio/low_min" not in steps[0]  # TRL 1.16: over completions; not logged (rl.md)
+    assert steps[0]["clip_ratio/low_min"] == steps[0]["clip_ratio/high_max"] == 0.0  # ratio 1
+    for row in steps:  # a token-weighted mean lies between the least and the most completion's share
+        assert row["clip_ratio/low_min"] <= row["clip_ratio/low_mean"]
+        assert row["clip_ratio/high_mean"] <= row["clip_ratio/high_max"]
+        assert row["entropy"] > 0
+    seen = sum(len(x["prompt_ids"]) + len(x["completion_ids"]) for x in recs)
+    assert steps[0]["num_tokens"] == steps[1]["num_tokens"] == seen  # step 2 reuses step 1's batch
     assert "rollout 0 tok/s" not in r.output
 
 
@@ -48,6 +56,7 @@ def test_every_grpo_metric_at_mu_1_has_the_clip_ratios(tmp_path, tiny_store):
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     step = next(x for x in rows if "reward" in x)
     assert step["clip_ratio/low_mean"] == step["clip_ratio/high_mean"] == 0.0
+    assert step["clip_ratio/low_min"] == step["clip_ratio/high_max"] == 0.0
 
 
 @pytest.mark.parametrize(
@@ -80,3 +89,19 @@ def test_every_reward_none_is_nan_and_trls_warning(tmp_path, tiny_store):
     row = next(json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
     assert row["reward"] is None and row["reward_std"] is None and row["rewards/f/std"] is None  # NaN: null
     assert row["frac_reward_zero_std"] == 0.0  # TRL: isclose(NaN, 0) is false
+
+
+def test_tokens_seen_is_read_back_from_the_step_row_or_counted_from_the_rollouts(tmp_path):
+    """num_tokens on resume: the resumed step's metrics row; a run logged before the metric: its
+    rollouts/step-N.jsonl files up to that step (prompt + completion tokens)."""
+    from horizon_cli.recipes.grpo.seen import tokens_seen
+
+    (tmp_path / "rollouts").mkdir()
+    for n, lines in ((1, [([1, 2], [3]), ([1, 2], [4, 5])]), (3, [([7], [8, 9, 10])]), (5, [([1], [1])])):
+        text = "".join(json.dumps({"prompt_ids": p, "completion_ids": c}) + "\n" for p, c in lines)
+        (tmp_path / "rollouts" / f"step-{n}.jsonl").write_text(text)
+    (tmp_path / "rollouts" / "eval-step-4.jsonl").write_text(json.dumps({"prompt_ids": [1] * 50}) + "\n")
+    assert tokens_seen(tmp_path, 4) == (3 + 4) + 4  # steps 1 and 3 sampled; 5 is after, eval never counts
+    rows = [{"step": 3, "num_tokens": 11}, {"step": 4, "num_tokens": 99}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "num')
+    assert tokens_seen(tmp_path, 4) == 99  # the row of the step resumed from (a garbled tail skipped)

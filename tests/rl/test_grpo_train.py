@@ -186,6 +186,7 @@ def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path, tiny
     assert [r["loss"] for r in a] == [r["loss"] for r in b] and [r["reward"] for r in a] == [
         r["reward"] for r in b
     ]
+    assert [r["num_tokens"] for r in a] == [r["num_tokens"] for r in b]  # counted on across the resume
     for f in sorted((whole / "rollouts").glob("*.jsonl")):
         assert f.read_bytes() == (cut / "rollouts" / f.name).read_bytes(), f.name
     ca, cb = (r / "checkpoints" / "step_4" for r in (whole, cut))
@@ -356,9 +357,13 @@ def test_eval_samples_the_held_out_prompts_and_reports_trls_metrics(tmp_path, ti
         <= row["eval_completions/mean_length"]
         <= row["eval_completions/max_length"]
     )
-    assert not any(
-        f.name.startswith("step-0") for f in (run / "rollouts").iterdir()
-    )  # eval writes no rollouts
+    assert not any(f.name.startswith("step-0") for f in (run / "rollouts").iterdir())
+    # the evaluation's rollouts, written like a step's: one file, the prompt as the record holds it
+    held = [json.loads(ln) for ln in (run / "rollouts" / "eval-step-2.jsonl").read_text().splitlines()]
+    assert len(held) == 3 * 4 and all(x["prompt"] == x["prompt_ids"] and "advantage" in x for x in held)
+    means = [sum(x["reward"] for x in b) / len(b) for b in (held[:8], held[8:])]  # batches of 2 and 1 prompts
+    assert row["eval_reward"] == pytest.approx(sum(means) / 2, rel=1e-5)  # TRL's mean of the batches'
+    assert row["eval_num_tokens"] == row["num_tokens"] and row["eval_entropy"] > 0
 
 
 def test_a_slice_of_the_prompts_sampled_alone_gets_the_whole_batchs_completions(tiny_store):

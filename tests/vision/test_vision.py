@@ -530,3 +530,36 @@ def test_mistral3_generate_with_an_image_equals_transformers_greedy(tmp_path):
         assert len(seen[k]) == len(out.logits) == 6
         for step, (ours, theirs) in enumerate(zip(seen[k], out.logits, strict=True)):
             assert rel_err(ours, theirs[0]) < 1e-5, (k, step, rel_err(ours, theirs[0]))
+
+
+def test_one_conversation_one_mask_on_the_text_and_the_vision_path(vlm, tmp_path):
+    """The same conversation is labelled alike whether it is read as text (data.templates) or as a
+    record of an image file (vision.encode, with or without an image): each assistant turn through
+    the whitespace its template writes after the end-of-turn marker (`</s>\\n` here, ChatML's
+    `<|im_end|>\\n`), as TRL's {% generation %} training templates and LLaMA-Factory's qwen
+    `format_assistant` slot `{{content}}<|im_end|>\\n` label it."""
+    from transformers import AutoTokenizer
+
+    root, _ = vlm
+    store = Store.open(root / "store")
+    imgs = make_images(tmp_path / "data" / "imgs")
+    talk = {"messages": [{"role": "user", "content": "what is 1?"}, {"role": "assistant", "content": "colour 1"},
+                         {"role": "user", "content": "and 2?"}, {"role": "assistant", "content": "colour 2"}]}  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(root / "hf")
+    cfg = DataConfig(path=str(write(tmp_path / "data" / "t.jsonl", [talk])), max_seq_len=128, shuffle=False)
+    text = prepare_data(cfg, tok, vocab_size=store.arch.vocab, log=lambda s: None).train
+    mixed = write(tmp_path / "data" / "v.jsonl", [chat_parts(0, f"imgs/{imgs[0].name}"), talk])
+    vision = prepared(store, mixed, shuffle=False).train
+    assert "images" in vision.stats and "images" not in text.stats  # the two paths
+    assert list(text[0].input_ids) == list(vision[1].input_ids)
+    assert list(text[0].labels) == list(vision[1].labels)
+    lab = vision[1].labels
+    runs, run = [], []
+    for t in list(lab) + [IGNORE]:  # the labelled runs of tokens
+        if t != IGNORE:
+            run.append(int(t))
+        elif run:
+            runs, run = [*runs, tok.decode(run)], []
+    assert runs == ["colour 1</s>\n", "colour 2</s>\n"]
+    pic = vision[0].labels
+    assert tok.decode([int(t) for t in pic if t != IGNORE]) == "colour 0 here</s>\n"

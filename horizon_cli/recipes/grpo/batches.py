@@ -8,7 +8,8 @@ batch is sampled, scored and given advantages here before the engine trains on i
                  policy's log-probs (num_iterations > 1) and the reference's (beta > 0)
                  from forward-only sweeps (rl.logps), rollouts/step-N.jsonl written; then
                  micro-batches of train.micro_batch_size completions for recipes.grpo.loss
-    eval         the held-out prompts sampled alike (a fixed seed), scored: eval_reward, ...
+    eval         the held-out prompts sampled alike (a fixed seed), scored: eval_reward, ...;
+                 their rollouts written to rollouts/eval-step-N.jsonl (N: the step it follows)
     ranks        under torchrun each rank samples and scores its contiguous part of the prompts
                  (engine.ranks.part: a group whole on one rank, rows seeded by their place in the
                  whole batch), the ranks decoding in lock step (generate.decoder); the rollouts
@@ -18,8 +19,10 @@ batch is sampled, scored and given advantages here before the engine trains on i
                  The forward-only sweeps (old, reference) run on an even share of the
                  micro-batches each, their log-probs gathered; rank 0 writes the run dir's files
     metrics      TRL's names: reward, reward_std, rewards/<name>/mean, frac_reward_zero_std,
-                 completions/mean_length, completions/clipped_ratio, kl (beta > 0),
-                 clip_ratio/{low,high,region}_mean; and the step's split: rollout_s,
+                 completions/mean_length, completions/clipped_ratio, kl (beta > 0), entropy,
+                 clip_ratio/{low,high,region}_mean, /low_min, /high_max, num_tokens (TRL's
+                 num_input_tokens_seen: every sampled batch's prompt + completion tokens so far,
+                 read back on resume: recipes.grpo.seen); and the step's split: rollout_s,
                  reference_s, rollout_tokens_per_s
 
 The reference (beta > 0) is the initial model: for full fine-tuning a forward-only engine on the
@@ -33,7 +36,6 @@ import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,15 +55,21 @@ from . import rollouts as ro
 from .advantages import advantages, reward_metrics
 from .images import ImageSafeSampler, check_images, image_tokens, reference_stage
 from .logps import token_logps
-from .loss import GRPOObjective, payload_of, ratio_metrics
+from .loss import GRPOObjective, payload_of, ratio_metrics, token_means
 from .prompts import prompt_data
 from .rewards import load_rewards, score
 from .sampling import correct
+from .seen import tokens_seen
 
 if TYPE_CHECKING:
     from transformers import TrainerState
 
 EVAL_SEED = 0x3C6EF372  # eval rollouts: the same seed at every evaluation
+
+
+def unpadded(mbs: list[MicroBatch]) -> int:
+    """The micro-batches' tokens without padding (prompt + completion of every row)."""
+    return sum(int(mb.lengths.sum()) for mb in mbs if mb.lengths is not None)
 
 
 class GRPOBatches:
@@ -77,6 +85,8 @@ class GRPOBatches:
         self.engine: Engine | None = None
         self.fresh = True
         self.ref_engine: Engine | None = None
+        self.seen = 0  # TRL's num_input_tokens_seen: prompt + completion tokens sampled in training
+        self.done = 0  # the steps trained (an evaluation's rollouts are named after the last)
 
     # -- the loop's hooks ----------------------------------------------------------------------
     def attach(self, run: Attached) -> None:
@@ -118,11 +128,13 @@ class GRPOBatches:
             self.ref_engine = None
 
     def prepare(self, start: int) -> None:
-        """Nothing before step 1: the reference is scored per step."""
+        """The reference is scored per step; a resumed run's count of tokens seen is read back."""
+        self.seen = tokens_seen(self.run_dir, start) if start else 0
 
     def step(self, step: int) -> tuple[list[MicroBatch], int]:
         mu = self.rl.num_iterations
         g = step - step % mu
+        self.done = step + 1
         self.fresh = step == g  # a later step of the group reuses its rollouts: no rollout time
         if self.group is None or self.group[0] != g:
             if step == g:
@@ -135,18 +147,18 @@ class GRPOBatches:
                         "group of rl.num_iterations steps needs that group's rollouts"
                     )
                 self.group = (g, got["mbs"], got["metrics"])
-        mbs = self.group[1]
-        return mbs, sum(int(mb.lengths.sum()) for mb in mbs if mb.lengths is not None)
+        return self.group[1], unpadded(self.group[1])
 
     def eval_batches(self) -> Iterator[list[MicroBatch]]:
         ev, t = self.data.eval, self.cfg.train
         n = min(len(ev), t.batch_size * t.eval_batches) if ev is not None else 0
         self.eval_rows = {}
         sums: dict = {}
+        shown: list[str] | None = [] if self.main else None
         for a in range(0, n, t.batch_size):
             idx = list(range(a, min(n, a + t.batch_size)))
             assert ev is not None  # n > 0
-            mbs, m = self._sample(ev.take(idx), ro.step_seed(t.seed ^ EVAL_SEED, a), -1, None)
+            mbs, m = self._sample(ev.take(idx), ro.step_seed(t.seed ^ EVAL_SEED, a), -1, shown)
             for k, v in m.items():
                 if isinstance(v, float | int):
                     sums.setdefault(k, []).append(v)
@@ -155,15 +167,15 @@ class GRPOBatches:
         self.eval_rows = {
             k: pick.get(k.rpartition("/")[2].split("_")[0], lambda v: sum(v) / len(v))(v)
             for k, v in sums.items()
-        }
+        } | {"num_tokens": self.seen}  # TRL's eval row: the training count at the time
+        if shown:
+            ro.write(self.run_dir, f"eval-step-{self.done}", shown)
 
     def metrics(self, stats: dict[str, float], n: int, prefix: str = "") -> Metrics:
         out = dict(self.eval_rows) if prefix else dict(self.group[2]) if self.group else {}
         if not prefix and not self.fresh:
             out |= {"rollout_s": 0.0, "reference_s": 0.0, "rollout_tokens_per_s": None}
-        toks = stats.get("tokens", 0.0)
-        if self.rl.beta > 0:
-            out["kl"] = stats["kl"] / toks if toks else None
+        out |= token_means(self.rl, stats)  # entropy, kl
         if not prefix:  # at num_iterations 1 too (ratio 1: 0), as TRL logs them
             out |= ratio_metrics(self.rl, stats)
         return {prefix + k: v for k, v in out.items()}
@@ -183,16 +195,21 @@ class GRPOBatches:
         idx = batch_indices(
             len(self.data.train), g // self.rl.num_iterations, t.batch_size, t.seed, self.cfg.data.shuffle
         )
-        mbs, m = self._sample(
-            self.data.train.take(idx), ro.step_seed(t.seed, g), g, self.run_dir if self.main else None
-        )
+        shown: list[str] | None = [] if self.main else None
+        mbs, m = self._sample(self.data.train.take(idx), ro.step_seed(t.seed, g), g, shown)
+        if shown is not None:
+            ro.write(self.run_dir, f"step-{g + 1}", shown)
+        self.seen += unpadded(mbs)  # every rank holds the whole batch's rows
+        m["num_tokens"] = self.seen
         if self.rl.num_iterations > 1 and self.main:
             ro.save_group(self.run_dir, g, {"mbs": mbs, "metrics": m})
         return mbs, m
 
     def _sample(
-        self, prompts: list[PromptRow], seed: int, step: int, write_to: Path | None
+        self, prompts: list[PromptRow], seed: int, step: int, shown: list[str] | None
     ) -> tuple[list[MicroBatch], dict]:
+        """The rollouts of `prompts` as micro-batches and their metrics; `shown` (rank 0's) gets
+        their JSONL lines."""
         assert self.engine is not None
         rl, G = self.rl, self.rl.num_generations
         sweeps: list = []
@@ -242,9 +259,7 @@ class GRPOBatches:
             [sum((v_r[i] for _, v_r, _ in parts), []) for i in range(len(self.rewards))], dtype=torch.float32
         ).T.contiguous()  # (n, F)
         adv, r, zero = advantages(per_func, self.weights, G, rl.scale_rewards)
-        if write_to is not None and bool(
-            torch.isnan(per_func).all(dim=1).any()
-        ):  # TRL's warning, once a step
+        if shown is not None and bool(torch.isnan(per_func).all(dim=1).any()):  # TRL's warning, once a batch
             k = int(torch.isnan(per_func).all(dim=1).nonzero()[0])
             self.console.print(
                 f"[yellow]warning:[/] All reward functions returned None for completion {k % G + 1} of "
@@ -264,9 +279,9 @@ class GRPOBatches:
             self._logps(self.ref_engine or self.engine, mbs, "ref", self.ref_adapters)
         t3 = time.perf_counter()
         is_m = correct(rl, mbs) if apart and rl.importance_sampling_correction else {}
-        if write_to is not None:
-            shown = {"prompt": [prompts[o.prompt].prompt for o in outs]} | logs.get("extra", {})  # as read
-            ro.write(write_to, step, outs, [x.name for x in self.rewards], per_func, r, adv, shown)
+        if shown is not None:
+            cols = {"prompt": [prompts[o.prompt].prompt for o in outs]} | logs.get("extra", {})  # as read
+            shown += ro.lines(outs, [x.name for x in self.rewards], per_func, r, adv, cols)
         lengths = torch.tensor([len(o.ids) for o in outs], dtype=torch.float32)
         trunc = torch.tensor([o.truncated for o in outs])
         term = lengths[~trunc]

@@ -21,13 +21,16 @@ micro-batches split it; TRL's with every completion in one accumulated batch):
     bnpo               as dapo (TRL normalises by a device batch's tokens; here the batch is the step's)
 
 `loss` returns the sum the divisor divides. Stats (sums over this rank's data): tokens, rows (real
-completions), kl (of the per-token KL, when beta > 0), and policy's: clip_low / clip_high /
-clip_region (TRL's clipped-ratio counts), cispo_clip, vespo_phi (ratio_metrics turns them into
-TRL's metrics).
+completions), entropy (of each token's distribution, the head's first pass: TRL's `entropy`), kl
+(of the per-token KL, when beta > 0), and policy's: clip_low / clip_high / clip_region (TRL's
+clipped-ratio counts), cispo_clip, vespo_phi; and two that are not sums (REDUCTIONS, engine.stats):
+clip_low_min, clip_high_max, the least / most over the completions of each one's clipped share.
+token_means and ratio_metrics turn them into TRL's metrics.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import cast
 
@@ -37,9 +40,11 @@ from ...config.schema import RLConfig
 from ...data.batch import IGNORE, MicroBatch
 from ...engine.objective import Head, HeadOut, SequenceObjective, Targets
 from ...engine.seams import Stats
+from ...engine.stats import Kinds, Reduction
 from .policy import Flat, policy_loss
 
-STATS = ("tokens", "rows", "kl", "clip_low", "clip_high", "clip_region", "cispo_clip", "vespo_phi")
+STATS = ("tokens", "rows", "entropy", "kl", "clip_low", "clip_high", "clip_region", "cispo_clip", "vespo_phi")
+REDUCTIONS: Kinds = {"clip_low_min": Reduction.MIN, "clip_high_max": Reduction.MAX}  # TRL's nanmin / nanmax
 PER_COMPLETION = ("grpo", "sapo", "luspo")  # divided by the completions
 
 
@@ -87,6 +92,7 @@ class GRPOTargets(Targets):
 
 class GRPOObjective(SequenceObjective):
     name = "rl"
+    reductions = REDUCTIONS
     needs_reference = False  # the reference of an rl run is per step (rl.batches), not precomputed
 
     def __init__(self, cfg: RLConfig):
@@ -132,10 +138,8 @@ class GRPOObjective(SequenceObjective):
         return out
 
     def first_pass(self, head: Head, x: torch.Tensor, t: Targets) -> torch.Tensor:
-        """The log-probs, and with top_entropy_quantile < 1 each token's entropy (kept in t), in
-        the same chunks of the head."""
-        if self.cfg.top_entropy_quantile >= 1.0:
-            return head.logps(x, t)
+        """The log-probs and each token's entropy (kept in t: TRL's `entropy` metric, and the mask of
+        top_entropy_quantile < 1), in the same chunks of the head."""
         assert isinstance(t, GRPOTargets)  # this objective's own (targets())
         lp, t.entropy = head.logps_entropies(x, t)
         return lp
@@ -147,6 +151,8 @@ class GRPOObjective(SequenceObjective):
         per_token, w, stats = policy_loss(self.cfg, f)
         stats["tokens"] = torch.tensor(float(lp.numel()), device=lp.device)
         stats["rows"] = f.real.sum()
+        if f.entropy is not None:  # every first pass keeps them
+            stats["entropy"] = f.entropy.sum()
         if self.cfg.beta > 0:
             ref = whole([t.ref for t in ts])
             kl = torch.exp(ref - lp) - (ref - lp) - 1
@@ -211,16 +217,30 @@ def flat(lp: torch.Tensor, logps: list[torch.Tensor], ts: list[GRPOTargets]) -> 
     )
 
 
+def token_means(rl: RLConfig, stats: dict[str, float]) -> dict[str, float | None]:
+    """TRL's per-token means of a step or an evaluation: entropy, kl (beta > 0)."""
+    toks = stats.get("tokens", 0.0)
+    out: dict[str, float | None] = {}
+    if "entropy" in stats:
+        out["entropy"] = stats["entropy"] / toks if toks else None
+    if rl.beta > 0:
+        out["kl"] = stats["kl"] / toks if toks else None
+    return out
+
+
 def ratio_metrics(rl: RLConfig, stats: dict[str, float]) -> dict[str, float | None]:
     """TRL's ratio metrics of a training step from the loss's stats: clip_ratio/{low,high,region}_mean
-    (the clipped losses) or cispo_clip_ratio, per token or
-    (importance_sampling_level sequence) per completion; vespo/phi_seq_mean per completion."""
+    (the clipped losses) or cispo_clip_ratio, per token or (importance_sampling_level sequence) per
+    completion, and clip_ratio/low_min, /high_max (over completions); vespo/phi_seq_mean per completion."""
     units = stats.get("rows" if rl.importance_sampling_level == "sequence" else "tokens", 0.0)
     rows = stats.get("rows", 0.0)
     out: dict[str, float | None] = {}
     if "clip_low" in stats:  # at num_iterations 1 too (ratio 1: 0), as TRL logs them
         for k in ("low", "high", "region"):
             out[f"clip_ratio/{k}_mean"] = stats[f"clip_{k}"] / units if units else None
+        for k in ("low_min", "high_max"):  # over completions (NaN: none had a token)
+            v = stats.get(f"clip_{k}", math.nan)
+            out[f"clip_ratio/{k}"] = None if math.isnan(v) else v
     if "cispo_clip" in stats:
         out["cispo_clip_ratio"] = stats["cispo_clip"] / units if units else None
     if "vespo_phi" in stats:

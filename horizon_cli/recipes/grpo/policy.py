@@ -16,7 +16,8 @@ then times the off-policy mask (a completion with A < 0 whose mean (sampler - lp
 threshold: 0), the entropy mask (tokens below the (1 - top_entropy_quantile) quantile of the batch's
 entropies: 0) and the sampler's importance-sampling ratio (all but vespo), plus beta x the k3 KL
 (times w when use_bias_correction_kl). Stats: sums for TRL's metrics, per token or (level sequence,
-or vespo's phi) per completion.
+or vespo's phi) per completion; and the least / most over the completions of each one's clipped
+share (clip_low_min, clip_high_max: engine.stats MIN / MAX, NaN where no completion has a token).
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def policy_loss(cfg: RLConfig, f: Flat) -> tuple[torch.Tensor, torch.Tensor, dic
         c = w1.detach()
         low, high = (c < 1 - eps_low) & (a < 0), (c > 1 + eps_high) & (a > 0)
         stats |= {"clip_low": count(low), "clip_high": count(high), "clip_region": count(low | high)}
+        # TRL's clip_ratio/low_min, /high_max: the least / most over completions of each one's share
+        stats |= {
+            "clip_low_min": nanmin(per_completion(f, low, seq)),
+            "clip_high_max": nanmax(per_completion(f, high, seq)),
+        }
     elif lt == "sapo":
         tau = torch.where(
             a > 0,
@@ -104,6 +110,27 @@ def policy_loss(cfg: RLConfig, f: Flat) -> tuple[torch.Tensor, torch.Tensor, dic
     if f.is_ratio is not None and lt != "vespo":
         per = per * f.is_ratio
     return per, spread(w), stats
+
+
+@torch.no_grad()
+def per_completion(f: Flat, flag: torch.Tensor, seq: bool) -> torch.Tensor:
+    """Each completion's share of flagged tokens (R,) (TRL's masked_seq_mean): at level sequence the
+    flag itself (one per completion, as TRL); per token NaN for a completion without labelled
+    tokens (0 / 0); NaN for an eval rank's filler."""
+    v = flag.float() if seq else f.row_sum(flag.float()) / f.row_count()  # 0 / 0: NaN
+    return torch.where(f.real > 0, v, torch.full_like(v, math.nan))
+
+
+def nanmin(v: torch.Tensor) -> torch.Tensor:
+    """The least of v leaving NaN out, NaN when all are (TRL's nanmin); no device sync."""
+    if not v.numel():
+        return torch.tensor(math.nan, device=v.device)
+    m = torch.where(torch.isnan(v), torch.full_like(v, math.inf), v).amin()
+    return torch.where(torch.isinf(m), torch.full_like(m, math.nan), m)  # the values here are finite
+
+
+def nanmax(v: torch.Tensor) -> torch.Tensor:
+    return -nanmin(-v)
 
 
 @torch.no_grad()

@@ -12,6 +12,8 @@ run resumed from a checkpoint samples the rollouts an uninterrupted run samples.
                                          loss sees), completion (text, with a tokenizer), rewards
                                          (name -> value, null for None), reward, advantage,
                                          truncated (no EOS within max_completion_length)
+    <output.dir>/rollouts/eval-step-N.jsonl  the evaluation after step N: its rollouts, lines alike
+                                         (every eval batch's, in order), with the prompt as read
     <output.dir>/rollouts/step-N.pt      num_iterations > 1: the rows and the rollout policy's
                                          (and reference's) log-probs, read back by a run resumed
                                          inside the group of steps that reuse them
@@ -148,19 +150,17 @@ def media_of(rollouts: list[Rollout]) -> dict | None:
     return {n: torch.cat([m[n] for m in got]) for n in got[0]} if got else None
 
 
-def write(
-    run_dir: Path,
-    step: int,
+def lines(
     rollouts: list[Rollout],
     names: list[str],
     per_func: torch.Tensor,
     reward: torch.Tensor,
     adv: torch.Tensor,
     extra: dict | None = None,
-) -> Path:
-    """rollouts/step-N.jsonl (N = step + 1), written whole or not at all; extra: columns the reward
-    functions gave log_extra, one value per completion."""
-    lines = []
+) -> list[str]:
+    """A JSONL line per completion; extra: columns the reward functions gave log_extra (and the
+    prompt as read), one value per completion."""
+    out = []
     for k, r in enumerate(rollouts):
         rec = {
             "prompt_ids": r.prompt_ids,
@@ -172,8 +172,13 @@ def write(
             "truncated": r.truncated,
             **{c: v[k] for c, v in (extra or {}).items() if k < len(v)},
         }
-        lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
-    path = Path(run_dir) / "rollouts" / f"step-{step + 1}.jsonl"
+        out.append(json.dumps(rec, ensure_ascii=False) + "\n")
+    return out
+
+
+def write(run_dir: Path, name: str, lines: list[str]) -> Path:
+    """rollouts/<name>.jsonl (step-N, eval-step-N), written whole or not at all."""
+    path = Path(run_dir) / "rollouts" / f"{name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, "".join(lines))
     return path
