@@ -24,8 +24,12 @@ from horizon_cli.state.optimizer import OptimizerWorker
 from tests.support.oracle import DEVICE, make_store, micro_batches, random_rows
 
 
-def engine(store, release, *, clip=0.0, memory="exact", keep=0, tile=0, lora=None, tracer=None) -> Engine:
-    ecfg = EngineConfig(device=DEVICE, dtype="float32", loss_chunk=16, keep_activations=keep, seq_tile=tile)
+def engine(
+    store, release, *, clip=0.0, memory="exact", keep=0, tile=0, lora=None, tracer=None, link=0.0
+) -> Engine:
+    ecfg = EngineConfig(
+        device=DEVICE, dtype="float32", loss_chunk=16, keep_activations=keep, seq_tile=tile, link_gbps=link
+    )
     ocfg = OptimConfig(
         kernel="torch",
         lr=1e-2,
@@ -77,6 +81,8 @@ def same(a, b) -> None:
         ("llama", False, {}, dict(memory="lean")),
         ("llama", False, {}, dict(keep=1)),
         ("llama", False, {}, dict(tile=8)),
+        ("llama", False, {}, dict(link=1e6)),  # over an emulated link: device sums copied to the pool
+        ("qwen2", True, {}, dict(link=1e6, memory="lean")),
         ("mixtral", False, dict(output_router_logits=True), {}),
     ],
 )
@@ -89,6 +95,14 @@ def test_release_with_lora_is_bitwise(tmp_path):
     _, store = make_store(tmp_path, "llama", False)
     setup = lora_setup(LoraConfig(r=4, targets="all-linear"), store.arch)
     same(train(store, True, lora=setup), train(store, False, lora=setup))
+
+
+def test_release_of_layers_run_in_a_loop_is_bitwise(tmp_path):
+    """Dory calls its recurrent layers twice: a unit is released after its earliest call."""
+    from tests.arch.test_loops import dory
+
+    _, store = dory(tmp_path)
+    same(train(store, True), train(store, False))
 
 
 def test_norm_first_pass_equals_no_release_with_clipping(tmp_path):
