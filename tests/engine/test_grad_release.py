@@ -21,7 +21,7 @@ from horizon_cli.lora.setup import lora_setup
 from horizon_cli.optim.modes import RELEASE_BUFFERS
 from horizon_cli.runtime.trace import Tracer
 from horizon_cli.state.optimizer import OptimizerWorker
-from tests.support.oracle import DEVICE, make_store, micro_batches, random_rows
+from tests.support.oracle import DEVICE, make_store, micro_batches, one_thread, random_rows  # noqa: F401
 
 
 def engine(

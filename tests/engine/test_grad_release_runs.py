@@ -97,14 +97,20 @@ def test_sigkill_mid_step_resumes_bitwise(tiny_store, tmp_path):
 
 
 def test_two_ranks_release_equals_two_ranks_without(tiny_store, tmp_path):
-    cfgs = [
-        config(tmp_path, tiny_store, name, {"grad_release": on, "grad_clip": 0.0})
-        for name, on in (("on", True), ("off", False))
+    """Each rank releases its slice after the reduce-scatter: one pass (grad_clip 0) and norm-first
+    (grad_clip 0.05: clipping fires), each against the same 2-rank run without release."""
+    cases = [
+        (f"{on}-{clip}", {"grad_release": on, "grad_clip": clip})
+        for clip in (0.0, 0.05)
+        for on in (True, False)
     ]
-    r = torchrun(2, *cfgs, cli=False)
+    r = torchrun(2, *(config(tmp_path, tiny_store, name, optim) for name, optim in cases), cli=False)
     assert r.returncode == 0, r.stderr[-3000:]
     last = Path("checkpoints") / "step_4"
-    assert state_files(tmp_path / "on" / last) == state_files(tmp_path / "off" / last)
-    assert [row["loss"] for row in read_metrics(tmp_path / "on" / "metrics.jsonl")] == [
-        row["loss"] for row in read_metrics(tmp_path / "off" / "metrics.jsonl")
-    ]
+    for clip in (0.0, 0.05):
+        on, off = tmp_path / f"True-{clip}", tmp_path / f"False-{clip}"
+        assert state_files(on / last) == state_files(off / last)
+        rows = [read_metrics(run / "metrics.jsonl") for run in (on, off)]
+        assert [row["loss"] for row in rows[0]] == [row["loss"] for row in rows[1]]
+        if clip:
+            assert all(row["grad_norm"] > clip for row in rows[1]), "clipping must fire"
