@@ -9,6 +9,9 @@ number; 0 for eval's). Two environment variables turn the marks into test hooks:
                                     reaching it, from a timer thread, so the kill lands at a
                                     random moment inside whatever follows the point
   HORIZON_FAULT_RANK=r              in a run under torchrun: only rank r obeys HORIZON_FAULT
+  HORIZON_NAN_GRAD=unit[:step]      put a NaN into `unit`'s gradient sum (layer.3, head) as the
+                                    backward finishes it, at optimizer step `step` only (counting
+                                    from 1, the step `adam_step` becomes), when given
   HORIZON_PHASES=file               append "name step time" to `file` at every mark (step "-"
                                     when none; time.monotonic()), so a test can tell where an
                                     outside kill landed: in the phase of the last line written
@@ -27,6 +30,7 @@ _SPEC = os.environ.get("HORIZON_FAULT", "")
 if os.environ.get("HORIZON_FAULT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
     _SPEC = ""  # another rank's fault
 _PHASES = os.environ.get("HORIZON_PHASES", "")
+_NAN_GRAD = os.environ.get("HORIZON_NAN_GRAD", "")
 
 
 def phase(name: str, step: int | None = None) -> None:
@@ -38,6 +42,14 @@ def phase(name: str, step: int | None = None) -> None:
             os.close(fd)
     if _SPEC:
         _maybe_die(name, step)
+
+
+def nan_grad(unit: str, step: int) -> bool:
+    """Whether HORIZON_NAN_GRAD asks for a NaN in `unit`'s gradient at optimizer step `step`."""
+    if not _NAN_GRAD:
+        return False
+    name, _, at = _NAN_GRAD.partition(":")
+    return name == unit and (not at or int(at) == step)
 
 
 def _maybe_die(point: str, step: int | None = None) -> None:

@@ -164,13 +164,17 @@ class Engine:
             p.t.stats.reset()
             p.t.reset_peak()
             p.loader.layer_loads = 0
-            loss_sum, tokens, sq, stats = self.trainer.forward_backward(mbs, tokens)
-            aux, imbalance = p.tmpl.step_stats()
-            loss = loss_sum / tokens if tokens else float("nan")
-            norm = math.sqrt(sq) if sq >= 0 else float("nan")
-            skipped = not (math.isfinite(loss) and math.isfinite(norm))
-            if not skipped:
-                self.trainer.apply_update(lr, norm)
+            if p.ocfg.mode.release:  # each unit's update inside the backward (engine.release)
+                loss, tokens, norm, stats, skipped = self.trainer.released_step(mbs, lr, tokens)
+                aux, imbalance = p.tmpl.step_stats()
+            else:
+                loss_sum, tokens, sq, stats = self.trainer.forward_backward(mbs, tokens)
+                aux, imbalance = p.tmpl.step_stats()
+                loss = loss_sum / tokens if tokens else float("nan")
+                norm = math.sqrt(sq) if sq >= 0 else float("nan")
+                skipped = not (math.isfinite(loss) and math.isfinite(norm))
+                if not skipped:
+                    self.trainer.apply_update(lr, norm)
             p.t.synchronize()
             p.t.flush_trace()
         p.tracer.add("step", f"step {p.adam_step}", t0, time.perf_counter())
@@ -192,6 +196,8 @@ class Engine:
 
     def forward_backward(self, mbs: list[MicroBatch], tokens: int | None = None) -> tuple[float, int, float]:
         """Gradients only (no update): (loss sum, divisor, squared global grad norm)."""
+        if self.p.ocfg.mode.release:
+            raise HorizonError("optim.grad_release: a release run keeps no whole-model gradients to return")
         with self.guard():
             loss_sum, tokens, sq, _ = self.trainer.forward_backward(mbs, tokens)
             return loss_sum, tokens, sq

@@ -12,6 +12,10 @@ every micro-batch in fp32 on the device and sends the sum to the unit's host gra
                in an fp32 buffer of its own, sent once after its earliest call's backward
     direct     when the transport shares host memory (`device: cpu` without an emulated link)
                and gradients stay fp32, sums accumulate straight into the host buffers: no copy
+    release    (optim.grad_release) a unit's host buffer is taken from the run's pool (state.pool)
+               when its sum first reaches it: per layer at `buffer` (direct) or `send`, the
+               head's (and a shared tied embedding's) at `begin_head`; a loop's sums then live
+               in buffers of their own, as over a link
 
 Sharded runs size the buffers for the whole padded unit (parallel.shard.padded_numel); the
 reduce-scatter there sends each rank's slice to the host instead of `send`.
@@ -61,8 +65,10 @@ class GradSums:
         self.wire = [transport.device_empty(n_layer, grad_dtype) for _ in range(2)] if share else None
         self.head: torch.Tensor | None = None
         self.embed: torch.Tensor | None = None
+        self.pooled = host.pool is not None  # release: host grads are taken per step (state.pool)
+        in_host = self.direct and not self.pooled
         self.loop = {
-            u: self.host[u].grad if self.direct else transport.device_empty(self.numel(u), torch.float32)
+            u: self.host[u].grad if in_host else transport.device_empty(self.numel(u), torch.float32)
             for u in repeated or []
         }
         self.loop_free: dict[str, Event] = {}  # per loop buffer: the copy that last read it
@@ -76,14 +82,27 @@ class GradSums:
         return padded_numel(n, self.world) if self.sharded and self.full else n
 
     def _alloc_head(self, embed_on_device: bool) -> None:
+        # release: a host buffer is taken at each step's `begin_head`
         self.head = (
             self.host["head"].grad if self.direct else self.t.device_empty(self.numel("head"), torch.float32)
         )
+        self.shared_embed = embed_on_device and self.t.shares_host and not self.sharded
         if embed_on_device:  # the embedding's host grad is always fp32
-            shared = self.t.shares_host and not self.sharded
             self.embed = (
-                self.host["embed"].grad if shared else self.t.device_empty(self.numel("embed"), torch.float32)
+                self.host["embed"].grad
+                if self.shared_embed
+                else self.t.device_empty(self.numel("embed"), torch.float32)
             )
+
+    def begin_head(self) -> None:
+        """Release: the head's sums that are host buffers (direct; a shared tied embedding's)
+        taken from the pool for this step."""
+        if not self.pooled:
+            return
+        if self.direct:
+            self.head = self.host.take("head")
+        if self.shared_embed:
+            self.embed = self.host.take("embed")
 
     def nbytes(self) -> int:
         """Device bytes of the accumulators (those that are not the host's own buffers)."""
@@ -102,8 +121,10 @@ class GradSums:
             return None, None
         if self.wire is None:
             self.t.wait(self.free[k])  # its previous contents have reached the host
-        g = self.host[unit].grad if self.direct else self.acc[k][: self.numel(unit)]
+        g = self.host.take(unit) if self.direct else self.acc[k][: self.numel(unit)]
         g.zero_()
+        if self.direct and self.pooled:  # a pool buffer: not the same one every step
+            return g, self.host[unit].views(g)
         gv = self._views.get((k, unit))
         if gv is None:
             gv = self._views[(k, unit)] = self.host[unit].views(g)
@@ -126,7 +147,7 @@ class GradSums:
     def send(self, unit: str, g: torch.Tensor, k: int | None) -> Event:
         """Copy a unit's fp32 gradient sum to its host buffer, narrowed to grad_dtype on the device
         first (through wire buffer k; the head, once per step, through a temporary)."""
-        dst = self.host[unit].grad
+        dst = self.host.take(unit)
         if g is dst:  # accumulated in place (shared host memory)
             return READY
         if self.t.shares_host:  # no link: narrow straight into the host buffer

@@ -39,6 +39,7 @@ class TrainedHead:
     def bind(self, head: Head) -> None:
         """Where the objective puts the head's gradients: its host grads' device sums, zeroed."""
         g = self.grads
+        g.begin_head()  # release: the host buffers the head's sums accumulate in, if any
         assert g.head is not None
         gh = self.host["head"].views(g.head)
         g.head.zero_()

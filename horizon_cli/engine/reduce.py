@@ -47,7 +47,8 @@ class LocalReduce:
         assert grads.head is not None
         if self.tied and not self.t.shares_host:
             assert grads.embed is not None  # a tied head's share lands in the embedding's
-            ready["embed"] = self.t.d2h([(self.host["embed"].grad, grads.embed)], [self.t.record()], "g-lm")
+            dst = self.host.take("embed")  # release: held until the embedding's rows are in
+            ready["embed"] = self.t.d2h([(dst, grads.embed)], [self.t.record()], "g-lm")
         sq.extend(sumsq(grads.head))
         ready["head"] = grads.send("head", grads.head, None)
 
@@ -66,6 +67,10 @@ class LocalReduce:
     def drain(self) -> None:
         pass
 
+    def unit_sq(self, unit: str, pieces: list[torch.Tensor]) -> float:
+        """A unit's squared gradient norm from its pieces (`layer`'s, once it has landed)."""
+        return float(torch.stack(pieces).double().sum()) if pieces else 0.0
+
 
 class ShardedReduce:
     def __init__(self, sharded: ShardedGrads, kinds: Kinds | None = None):
@@ -76,11 +81,13 @@ class ShardedReduce:
         self.sharded.begin_step()
 
     def layer(self, unit: str, g: torch.Tensor, k: int, sq: list) -> Event:
+        self.sharded.host.take(unit)  # release: its slice's host buffer (state.pool)
         return self.sharded.reduce(unit, g, k)
 
     def head(self, grads: GradSums, ready: dict[str, Event], sq: list) -> None:
         # a tied LM head's gradient stays in the embedding's device buffer and goes with it
         assert grads.head is not None
+        self.sharded.host.take("head")
         ready["head"] = self.sharded.reduce("head", grads.head, "head")
 
     def total(
@@ -107,3 +114,7 @@ class ShardedReduce:
 
     def drain(self) -> None:
         self.sharded.drain()
+
+    def unit_sq(self, unit: str, pieces: list[torch.Tensor]) -> float:
+        """This rank's slice's squared norm (taken on the collective thread before it landed)."""
+        return self.sharded.unit_sq.get(unit, 0.0)

@@ -60,13 +60,14 @@ class ShardedGrads:
         self.wire = {k: transport.device_empty(big, grad_dtype) for k in self.keys} if narrow else {}
         self.free: dict = {}  # key -> the copy that last read its buffers
         self.sq: list[float] = []  # this step's squared norms of this rank's gradient slices
+        self.unit_sq: dict[str, float] = {}  # ... by unit (a release run's gate reads them)
 
     def nbytes(self) -> int:
         bufs = [*self.out.values(), *self.wire.values()]
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def begin_step(self) -> None:
-        self.sq = []
+        self.sq, self.unit_sq = [], {}
 
     def reduce(self, unit: str, full: torch.Tensor, key: int | str, deps: Sequence[Event] = ()) -> Event:
         """Reduce-scatter `full` (the unit's fp32 gradient sum, (world * S,)) and send this rank's
@@ -87,10 +88,12 @@ class ShardedGrads:
             prev.host_wait()  # the previous slice through these buffers has been copied out
             if self.replicated:  # every rank holds it whole: counted once in the norm
                 self.d.all_reduce_sum(full)
-                self.sq.append(sumsq64(mine) if self.d.is_main else 0.0)
+                self.unit_sq[unit] = sumsq64(mine)  # adapters: small
+                self.sq.append(self.unit_sq[unit] if self.d.is_main else 0.0)
             else:
                 self.d.reduce_scatter(mine, full)
                 self.sq.append(sumsq64(mine[:n]))
+                self.unit_sq[unit] = self.sq[-1]
             if direct:  # no link (the CPU): straight into the host buffer
                 dst.copy_(mine[:n])
             elif wire is not None:

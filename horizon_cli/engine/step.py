@@ -11,7 +11,9 @@
               held instead: no recompute, no second load
     embed     the input gradient into the embedding's fp32 grad (engine.embed)
     optimize  with the global grad norm known, AdamW runs on the CPU unit by unit, overlapped
-              with the next step's forward (which waits per unit, in the same order)
+              with the next step's forward (which waits per unit, in the same order); with
+              gradient release (optim.grad_release: engine.release) each unit's update is queued
+              inside the backward as soon as its gradient is whole, overlapping the layers below
 
 Each decoder layer's weights cross host -> device twice per step (a kept layer's once: 2L - K
 loads), whatever the number of micro-batches (invariant 2). A model that runs its layers in a loop
@@ -31,6 +33,8 @@ import math
 import torch
 
 from ..data.batch import MicroBatch
+from ..errors import HorizonError
+from ..faults import nan_grad
 from ..optim.adamw import AdamWHyper
 from ..planning.memory import head_work_bytes, kept_graph_bytes, layer_vectors, layer_work_bytes
 from ..runtime.events import Event, Promise
@@ -38,6 +42,7 @@ from .kept_layers import KeptLayers
 from .objective import HeadOut, Targets
 from .parts import Parts
 from .passes import KeptPass, SavePass
+from .release import NoRelease, Release
 from .seams import Context, LayerPass
 from .sweep import Sweep
 
@@ -52,6 +57,7 @@ class TrainStep:
         self.grad_ready: dict[str, Event] = {}  # unit -> its gradient is on the host (this step)
         self.mb_base = 0  # sharded runs: the global index of this rank's first micro-batch
         self.passes: list[LayerPass] = []  # this step's pass of each call (engine.passes)
+        self.release = NoRelease()  # what the backward does with each whole gradient (engine.release)
 
     def reserve(self, step_numel: int) -> None:
         """Size the host buffers once (pinning and unpinning L buffers mid-run doubles them)."""
@@ -89,6 +95,7 @@ class TrainStep:
         dx = self._backward_layers(out.dx, ctxs, sq)
         with p.tracer.span("host", "embed grad + norm"):
             host_sq = p.head.embed_backward(dx, mbs, self.grad_ready)
+            self.release.rest(self.grad_ready, host_sq)
             loss, sq_all, stats = p.reduce.total(out.loss_sum, sq, host_sq, out.stats)
         return loss, tokens, sq_all, stats
 
@@ -101,6 +108,51 @@ class TrainStep:
         p.embedding.update(h)  # what the embedding stage trains besides the units (a vision tower)
         # the order the next forward needs them (layer 0 first)
         p.loader.ready.update(p.optimizer.submit(p.params.order(), h, self.grad_ready))
+
+    def released_step(
+        self, mbs: list[MicroBatch], lr: float, tokens: int | None
+    ) -> tuple[float, int, float, dict[str, float], bool]:
+        """A release step (engine.release): (loss, divisor, grad norm, stats, skipped). With
+        optim.grad_clip > 0 a measuring pass first gives the clip scale (a non-finite norm skips
+        the step before any update); then the releasing pass. A non-finite gradient found after
+        some units were updated stops the run: they cannot be undone."""
+        p, o = self.p, self.p.ocfg
+        scale = 1.0
+        if o.grad_clip > 0:  # norm-first: the updates need the clip scale before they start
+            loss, n, norm, stats = self._pass(mbs, tokens, Release(p, None))
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                return loss, n, norm, stats, True
+            scale = min(1.0, o.grad_clip / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_
+        h = AdamWHyper(lr, o.betas[0], o.betas[1], o.eps, o.weight_decay, p.adam_step + 1, scale)
+        rel = Release(p, h)
+        loss, n, norm, stats = self._pass(mbs, tokens, rel)
+        if math.isfinite(loss) and math.isfinite(norm):
+            p.embedding.update(h)  # what the embedding stage trains besides the units (a vision tower)
+            p.adam_step += 1
+            return loss, n, norm, stats, False
+        rel.refuse()
+        p.optimizer.wait()
+        if p.reduce.sum_vector(torch.tensor([float(len(rel.applied))], dtype=torch.float64))[0] > 0:
+            raise HorizonError(
+                f"optimizer step {p.adam_step + 1}: a non-finite gradient ({rel.refused}) after "
+                f"{len(rel.applied)} units were already updated inside the backward (optim.grad_release "
+                "with optim.grad_clip 0 cannot skip such a step whole); no checkpoint of this state is "
+                "written: resume from the last checkpoint with optim.grad_clip > 0 or optim.grad_release: "
+                "false, which skip such a step whole"
+            )
+        return loss, n, norm, stats, True  # refused before any update: skipped whole
+
+    def _pass(
+        self, mbs: list[MicroBatch], tokens: int | None, release: Release
+    ) -> tuple[float, int, float, dict[str, float]]:
+        """forward_backward with `release` told each whole gradient: (loss, divisor, norm, stats)."""
+        self.release = release
+        try:
+            loss_sum, n, sq, stats = self.forward_backward(mbs, tokens)
+        finally:
+            self.release = NoRelease()
+        loss = loss_sum / n if n else float("nan")
+        return loss, n, math.sqrt(sq) if sq >= 0 else float("nan"), stats
 
     def _passes(self, saved: list[Promise], total: int) -> list[LayerPass]:
         """Per call its pass: the recomputed calls save their inputs, the last K are kept."""
@@ -119,7 +171,11 @@ class TrainStep:
         with p.t.compute_span("head"):
             out = p.objective.train(head, x, targets, inv_n)
         self.sweep.release_head()
+        self.release.loss = out.loss_sum
+        n = len(sq)
         p.head.send(self.grad_ready, sq)
+        if "head" in self.grad_ready:
+            self.release.unit("head", self.grad_ready["head"], sq[n:])
         return out
 
     def _backward_layers(
@@ -140,10 +196,14 @@ class TrainStep:
                 g, gv = p.grads.loop_buffer(unit, fresh=j == latest[i])
             self.passes[j].backward(j, dx, ctxs, gv)  # recompute from the saved input, or the kept graph
             if unit is not None and g is not None and j == earliest[i]:  # its last call: the sum is whole
+                n = len(sq)
+                if nan_grad(unit, p.adam_step + 1):  # a fault-injection test's (faults.py)
+                    g.view(-1)[0] = float("nan")
                 ev = p.reduce.layer(unit, g, k, sq)
                 p.grads.free[k] = self.grad_ready[unit] = ev
                 if latest[i] != earliest[i]:
                     p.grads.loop_free[unit] = ev
+                self.release.unit(unit, ev, sq[n:])
         return dx
 
     # -- buffers -----------------------------------------------------------------------------

@@ -10,7 +10,10 @@ file on its own (invariant 7):
   grad    (numel,) grad dtype      gradients of the step, kept whole until the clip norm is known:
                                    accumulated in fp32 on the device, sent in `engine.grad_dtype`
                                    (bf16 runs: bf16, half the device->host traffic); the embedding's
-                                   grad is always fp32, because the host accumulates it row by row
+                                   grad is always fp32, because the host accumulates it row by row.
+                                   A release mode (optim.grad_release) allocates none per unit: a
+                                   unit's grad is a buffer of the run's few (`pool`, state.pool)
+                                   from its gradient's landing to its update, empty otherwise
 
 The optimizer state comes in kinds (exact, lean), over segments of the unit, in buffers packed
 per kind; which, is the memory mode's layout (`optim.memory`: optim/modes.py picks a layout of
@@ -37,6 +40,7 @@ from ..optim.modes import EXACT, MemoryMode, memory_mode
 from ..parallel.shard import SHARD_ALIGN, shard_range
 from ..store import Store, UnitLayout
 from .layout import Segment, StateKind, StateLayout, kind_numel, state_layout
+from .pool import GradPool, empty_grad
 
 
 @dataclass
@@ -89,6 +93,8 @@ def stream_dtype(dtype: torch.dtype, mode: MemoryMode) -> torch.dtype:
 
 
 class HostState:
+    pool: GradPool | None = None  # a release mode's host gradient buffers (state.pool)
+
     def __init__(
         self,
         store: Store,
@@ -111,6 +117,13 @@ class HostState:
             lay = store.layout(u.name)
             self.units[u.name] = self._load_unit(store, lay, alloc)
             progress(u.nbytes)
+        if self.mode.release:
+            self.pool = GradPool(self.units, alloc)
+
+    def take(self, unit: str) -> torch.Tensor:
+        """The unit's host gradient buffer for this step (release: taken from the pool)."""
+        st = self.units[unit]
+        return st.grad if self.pool is None else self.pool.take(st)
 
     def _load_unit(self, store: Store, lay: UnitLayout, alloc) -> UnitState:
         n = lay.numel
@@ -119,8 +132,12 @@ class HostState:
         segs, kinds = self.scheme.clip(whole, a, b)
         totals = {k: kind_numel(whole, k) for k in StateKind}
         state = self.scheme.alloc(b - a, self.dtype == torch.bfloat16, totals, kinds)
-        grad = alloc(b - a, torch.float32 if lay.name == "embed" else self.grad_dtype)  # pinned on CUDA
-        grad.zero_()
+        gdt = torch.float32 if lay.name == "embed" else self.grad_dtype
+        if self.mode.release:  # a pool buffer while it is needed (state.pool)
+            grad = empty_grad(gdt)
+        else:
+            grad = alloc(b - a, gdt)  # pinned on CUDA
+            grad.zero_()
         st = UnitState(lay.name, lay, self.scheme, alloc(b - a, self.dtype), grad, segs, state, a)
         ranges = self.scheme.ranges(n, a, b, totals, kinds)
         st.ranges = {k: r for k, r in ranges.items() if k in st.buffers()}
@@ -141,7 +158,7 @@ class HostState:
 
     def nbytes(self) -> dict[str, int]:
         """Bytes by category, for the memory report."""
-        out: dict[str, int] = {}
+        out: dict[str, int] = {"grad": self.pool.nbytes()} if self.pool is not None else {}
         for st in self.units.values():
             for k, t in st.buffers().items():
                 out[k] = out.get(k, 0) + t.numel() * t.element_size()

@@ -2,7 +2,9 @@
 
 The engine submits every unit once the step's clip coefficient is known, in the order the next
 step's forward will load them (layer 0 first); each unit's completion is an event the loader
-waits on before streaming that unit again. Units are updated in slices so the pure-torch path's
+waits on before streaming that unit again. A release run (optim.grad_release) submits each unit
+inside the backward as soon as its gradient is whole (`release`), gated (engine.release: a unit
+whose gradient or loss is not finite is refused, and every unit after it). Units are updated in slices so the pure-torch path's
 temporaries stay small. The arithmetic lives below the pipeline, in optim/ (adamw, native).
 """
 
@@ -50,18 +52,47 @@ class OptimizerWorker:
         self.pending = list(out.values())
         return out
 
-    def _update(self, st: UnitState, h: AdamWHyper, dep: Event | None) -> None:
+    def release(
+        self, unit: str, h: AdamWHyper, dep: Event, gate: Callable[[], bool], applied: list[str]
+    ) -> Event:
+        """Queue one unit's AdamW inside the backward (release: engine.release), once `dep` (its
+        gradient on the host) is done and only if `gate()` then holds (its gradient finite); the
+        grad buffer read as it is now. Appends the unit to `applied` once updated."""
+        st = self.host[unit]
+        ev = FutureEvent(self.pool.submit(self._gated, st, st.grad, h, dep, gate, applied))
+        self.pending = [ev]  # one worker, in order: the last one done, all are
+        return ev
+
+    def _gated(
+        self,
+        st: UnitState,
+        g: torch.Tensor,
+        h: AdamWHyper,
+        dep: Event,
+        gate: Callable[[], bool],
+        applied: list[str],
+    ) -> None:
+        dep.host_wait()
+        if gate():
+            self._update(st, h, None, g)
+            applied.append(st.name)
+
+    def _update(self, st: UnitState, h: AdamWHyper, dep: Event | None, g: torch.Tensor | None = None) -> None:
+        """g: the gradient to read (release: its pool buffer as it was at submission); st.grad."""
         if dep is not None:
             dep.host_wait()
+        g = st.grad if g is None else g
         t0 = time.perf_counter()
         for seg in st.segments:  # frozen tensors (e.g. a routing bias) are in none: untouched
             for a in range(seg.start, seg.end, SLICE):
-                self._update_slice(st, seg, a, min(seg.end, a + SLICE), h)
+                self._update_slice(st, g, seg, a, min(seg.end, a + SLICE), h)
         self.tracer.add("optimizer", st.name, t0, time.perf_counter())
 
-    def _update_slice(self, st: UnitState, seg: Segment, a: int, b: int, h: AdamWHyper) -> None:
+    def _update_slice(
+        self, st: UnitState, grad: torch.Tensor, seg: Segment, a: int, b: int, h: AdamWHyper
+    ) -> None:
         """Elements [a, b) of the unit, inside one segment; k: where they sit in its packed state."""
-        g, s = st.grad[a:b], st.state
+        g, s = grad[a:b], st.state
         if g.dtype != torch.float32 and self.kernel_name == "torch":  # the kernel reads bf16 itself
             g = g.float()
         k = seg.at + (a - seg.start)
