@@ -13,7 +13,7 @@
 
 `choose` decides from sizes alone, so the dry run (recipes.grpo.plan) and the run agree: auto
 takes resident with the widest format (full, fp8, nf4) whose copy and KV cache fit the device's
-budget (a quarter spare, as the generation budget keeps; on the CPU the device is host memory:
+budget (a tenth spare for the decode's working set; on the CPU the device is host memory:
 always), else streamed. A LoRA run, a sharded engine and engine.kv_cache: host stream.
 """
 
@@ -63,7 +63,7 @@ def choose(
     fmts = AUTO_FORMATS if rl.rollout_weights == "auto" else (rl.rollout_weights,)
     for f in fmts:
         need = copy_bytes(f) + kv_bytes
-        if budget is None or need * 4 <= budget * 3:
+        if budget is None or need * 10 <= budget * 9:  # a tenth spare: the decode's working set
             where = "host memory is the device" if budget is None else f"of {fmt_bytes(budget)} free"
             return Choice(
                 "resident",
@@ -74,7 +74,7 @@ def choose(
     f = fmts[-1]
     said = (
         f"the {f} copy ({fmt_bytes(copy_bytes(f))}) and the KV cache ({fmt_bytes(kv_bytes)}) need "
-        f"more than 3/4 of the device's {fmt_bytes(budget or 0)} free"
+        f"more than 9/10 of the device's {fmt_bytes(budget or 0)} free"
     )
     if rl.rollout_engine == "resident":
         raise InputError(f"rl.rollout_engine: resident: {said}; set rollout_weights narrower, or streamed")
