@@ -50,7 +50,31 @@ def rl_problems(cfg: Config) -> list[str]:
             p.append(f"{key}.tolerance: only the built-in length reward uses it, not {r.function!r}")
     if isinstance(cfg.data.path, list) and len(cfg.data.path) > 1:
         p.append("data.path: rl reads one source of prompts for now (give one path)")
-    return p + _sampling_problems(rl)
+    return p + _sampling_problems(rl) + _engine_problems(cfg)
+
+
+def _engine_problems(cfg: Config) -> list[str]:
+    """rl.rollout_engine / rollout_weights against the run (recipes/grpo/rollout_engine.py; the
+    sizes are the start's and the dry run's to judge)."""
+    rl = cfg.rl
+    assert rl is not None
+    if rl.rollout_engine == "streamed" and rl.rollout_weights not in ("auto", "full"):
+        return [
+            f"rl.rollout_weights: {rl.rollout_weights} is a resident copy's format; the streamed engine "
+            "decodes from the trained weights (set rollout_engine: resident or auto)"
+        ]
+    if rl.rollout_engine != "resident":
+        return []
+    if cfg.lora is not None:
+        return [
+            "rl.rollout_engine: resident: a LoRA run's rollouts stream its frozen base and adapters; set streamed or auto"
+        ]
+    if cfg.engine.kv_cache == "host":
+        return [
+            "rl.rollout_engine: resident decodes with its KV cache on the device, not engine.kv_cache: host; "
+            "set kv_cache auto or device, or rollout_engine streamed"
+        ]
+    return []
 
 
 def _sampling_problems(rl) -> list[str]:

@@ -183,6 +183,8 @@ class PreferenceConfig:
 RL_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "luspo", "sapo", "vespo")
 BUILTIN_REWARDS = ("accuracy", "format", "length")
 IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
+ROLLOUT_ENGINES = ("auto", "resident", "streamed")
+ROLLOUT_WEIGHTS = ("auto", "full", "fp8", "int8", "nf4")
 
 
 @dataclass
@@ -242,6 +244,11 @@ class RLConfig:
     importance_sampling_mode: str = _f("sequence_mask", choices=IS_MODES)
     importance_sampling_clip_min: float | None = _f(None, min=0.0)
     importance_sampling_clip_max: float | None = _f(3.0, min=0.0)
+    # where rollouts decode (recipes/grpo/rollout_engine.py): streamed (each layer over the link
+    # every sweep) or resident (a weight-only copy of the policy on the device, refreshed once a
+    # step, in rollout_weights' format: full = the compute dtype); auto: resident when it fits
+    rollout_engine: str = _f("auto", choices=ROLLOUT_ENGINES)
+    rollout_weights: str = _f("auto", choices=ROLLOUT_WEIGHTS)
 
 
 @dataclass

@@ -20,16 +20,20 @@ head reads one position and the caches grow by one position per sweep for all ro
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..data.batch import DecodeBatch
 from ..engine import Engine
 from ..engine.parts import Parts
 from ..engine.passes import ForwardPass
+from ..engine.sweep import Sweep
 from ..errors import InputError
 from ..runtime.events import Event
 from . import kvprobe
 from .kvcache import KVCache, kv_bytes
+from .resident import ResidentLoader
 
 
 class DecodePass(ForwardPass):
@@ -50,8 +54,13 @@ class DecodePass(ForwardPass):
 
 
 class Generation:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, weights: ResidentLoader | None = None):
+        """weights: where the sweep's layers come from in place of the engine's streaming loader
+        (generate.resident: a copy on the device)."""
         self.p, self.sweep, self.guard = engine.p, engine.sweep, engine.guard
+        if weights is not None:  # the same parts and sweep, the layers read from the copy
+            self.p = replace(engine.p, loader=weights)  # type: ignore[arg-type]
+            self.sweep = Sweep(self.p)
         self.ranks, self.sum_over_ranks = engine.ranks, engine.sum_over_ranks
 
     def across(self, n: int) -> list[int]:

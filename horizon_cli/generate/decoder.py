@@ -25,6 +25,7 @@ from ..data.batch import DecodeBatch
 from ..engine import Engine
 from ..model.sample import Sampler, StopText
 from .decode import Generation
+from .resident import ResidentLoader
 
 MICRO_TOKENS = 8192  # prompt tokens per micro-batch at most (its prefill working set)
 
@@ -73,10 +74,12 @@ class Decoder:
         on_done: Callable[[Completion], None] = lambda c: None,
         on_sweep: Callable[[SweepStats], None] = lambda s: None,
         media: dict[int, dict[str, torch.Tensor]] | None = None,
+        weights: ResidentLoader | None = None,
     ):
-        """media: prompt index -> its image tensors (vision.prompts), merged at the prefill."""
+        """media: prompt index -> its image tensors (vision.prompts), merged at the prefill;
+        weights: the layers from a resident copy (generate.resident), not streamed."""
         self.engine, self.sampler = engine, sampler
-        self.gen = Generation(engine)  # the engine's sweep and parts, driven for generation
+        self.gen = Generation(engine, weights)  # the engine's sweep and parts, driven for generation
         self.max_new, self.eos = max_new_tokens, set(eos_ids)
         self.tokenizer, self.stop = tokenizer, StopText(tokenizer, list(stops)) if tokenizer else None
         self.host_kv, self.pad_id = host_kv, pad_id

@@ -118,8 +118,8 @@ def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # the index: how many of the 15 midpoints lie strictly below the value (on a midpoint: the
     # lower code), which is bitsandbytes' torch.bucketize; 15 elementwise passes, which torch
     # spreads over threads, are faster than bucketize's binary search, which it does not
-    idx = torch.zeros(scaled.shape, dtype=torch.uint8)
-    above = torch.empty(scaled.shape, dtype=torch.bool)
+    idx = torch.zeros(scaled.shape, dtype=torch.uint8, device=x.device)  # on x's device (a resident copy's)
+    above = torch.empty(scaled.shape, dtype=torch.bool, device=x.device)
     for m in _MIDS:
         torch.gt(scaled, m, out=above)
         idx.add_(above.view(torch.uint8))
@@ -132,20 +132,20 @@ def double_quantize(absmax: torch.Tensor) -> dict[str, torch.Tensor]:
     offset = absmax.mean()
     nb = absmax.numel()
     groups = -(-nb // GROUP)
-    centred = torch.zeros(groups * GROUP, dtype=torch.float32)
+    centred = torch.zeros(groups * GROUP, dtype=torch.float32, device=absmax.device)
     centred[:nb] = absmax - offset  # a short last group: its zeros change no absmax
     centred = centred.view(groups, GROUP)
     gmax = centred.abs().amax(dim=1)  # (groups,)
     inv = torch.where(gmax == 0, torch.zeros_like(gmax), 1.0 / gmax)
     v = torch.clamp(centred * inv.unsqueeze(1), -1, 1)
     bins = ((v + 1.0) * 0.5 * (BINS - 1) + 0.5).to(torch.int32)  # truncation, as bitsandbytes
-    q = LUT[bins.long()]
+    q = LUT.to(absmax.device)[bins.long()]
     q[gmax == 0] = 0  # bitsandbytes writes index 0 for a group whose absmax is 0
     return {
         "absmax": q.reshape(-1)[:nb].contiguous(),
         "absmax2": gmax,
         "offset": offset.reshape(1),
-        "dynamic": DYNAMIC,
+        "dynamic": DYNAMIC.to(absmax.device),
     }
 
 

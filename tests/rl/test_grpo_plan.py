@@ -51,7 +51,9 @@ def test_the_grpo_dry_run_plans_without_the_prompts_as_the_sft_one_does(model_di
             roll = plan["rollouts"]
             assert roll["rows"] == 128 and roll["kv_bytes"] == 50 * 2**30
             assert plan["kept_bytes"] > 0  # the step's kept layers fill what the cache uses later
-            assert roll["kv_where"] == "device" and 2700 < roll["rollout_s"] < 2900, roll
+            assert roll["kv_where"] == "device" and 2700 < roll["streamed_s"] < 2900, roll
+            assert (roll["engine"], roll["weights"]) == ("resident", "nf4") and roll["rollout_s"] <= 120, roll
+            assert 35 * 2**30 < roll["copy_bytes"] < 38 * 2**30 and roll["step_s"] > roll["train_s"] > 0
             assert "KV cache about 50.00 GiB" in said and "on the device" in said
         else:
             assert "rollouts" not in plan

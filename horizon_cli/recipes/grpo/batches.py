@@ -58,6 +58,7 @@ from .logps import token_logps
 from .loss import GRPOObjective, payload_of, ratio_metrics, token_means
 from .prompts import prompt_data
 from .rewards import load_rewards, score
+from .rollout_engine import Rollouts
 from .sampling import correct
 from .seen import tokens_seen
 
@@ -104,6 +105,14 @@ class GRPOBatches:
                 "ranks yet; run it on one process (or set 1.0)"
             )
         self.banned = image_tokens(self.data, store)  # the image token: never sampled
+        self.rollouts = Rollouts(  # streamed or a resident copy (rl.rollout_engine)
+            self.rl,
+            engine,
+            engine.lora is not None,
+            self.cfg.engine.kv_cache,
+            self.cfg.train.batch_size * self.rl.num_generations,
+            max((len(r.ids) for r in self.data.train.rows), default=1),
+        )
         self.ref_adapters = True
         if self.rl.beta > 0 and engine.lora is not None:
             if not engine.tuning.reference_on_base:
@@ -230,19 +239,16 @@ class GRPOBatches:
             if self.banned
             else None
         )
-        outs = ro.sample(
-            self.engine,
+        outs = self.rollouts.sample(
             mine,
             G,
-            rl,
             seed,
-            self.eos,
-            self.tokenizer,
-            self.cfg.engine.kv_cache,
+            pick,
+            eos=self.eos,
+            tokenizer=self.tokenizer,
             on_sweep=on_sweep,
             first=lo,
             media=pics,
-            sampler=pick,
         )
         outs = [replace(o, prompt=o.prompt + lo) for o in outs] if hi > lo else []
         t1 = time.perf_counter()
@@ -298,6 +304,7 @@ class GRPOBatches:
                 "rollout_s": t1 - t0,
                 "reference_s": t3 - t2,
                 "rollout_tokens_per_s": ro.speed(sweeps),
+                "rollout_refresh_s": self.rollouts.refresh_s,
             }
             | {k: sum(v) / len(v) for k, v in logs.get("metrics", {}).items() if v}
         )  # log_metric: TRL's mean

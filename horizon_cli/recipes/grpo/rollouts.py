@@ -11,7 +11,9 @@ run resumed from a checkpoint samples the rollouts an uninterrupted run samples.
                                          tokens, the EOS included when one was sampled: what the
                                          loss sees), completion (text, with a tokenizer), rewards
                                          (name -> value, null for None), reward, advantage,
-                                         truncated (no EOS within max_completion_length)
+                                         truncated (no EOS within max_completion_length),
+                                         sampling_logps (a quantized resident sampler's log-prob of
+                                         each completion id: recipes.grpo.rollout_engine)
     <output.dir>/rollouts/eval-step-N.jsonl  the evaluation after step N: its rollouts, lines alike
                                          (every eval batch's, in order), with the prompt as read
     <output.dir>/rollouts/step-N.pt      num_iterations > 1: the rows and the rollout policy's
@@ -36,6 +38,7 @@ from ...engine import Engine
 from ...fsutil import write_text_atomic
 from ...generate.decode import Generation
 from ...generate.decoder import Decoder, SweepStats, micro_batches
+from ...generate.resident import ResidentLoader
 from ...model.sample import Sampler
 from .loss import GRPOPayload
 
@@ -92,12 +95,14 @@ def sample(
     first: int = 0,
     media: list[dict | None] | None = None,
     sampler: Sampler | None = None,
+    weights: ResidentLoader | None = None,
 ) -> list[Rollout]:
     """G completions of each prompt, in order (prompt p's generation j at p x G + j). `first`: the
     first prompt's place in the step's whole batch; rows are seeded by their place in it, so a
     slice of the prompts sampled alone gets the completions the whole batch gives it. media: each
     prompt's image tensors (or None), merged at the prefill of each of its G rows; sampler: in
-    place of rl's (rl.images: one that never samples the image token)."""
+    place of rl's (rl.images: one that never samples the image token); weights: a resident copy's
+    (recipes.grpo.rollout_engine), its KV cache on the device."""
     engine.wait()  # the optimizer's queued updates land in the host store first
     rows = [((first + p) * G + j, ids) for p, ids in enumerate(prompts) for j in range(G)]
     media = media or [None] * len(prompts)
@@ -111,9 +116,10 @@ def sample(
         max_new_tokens=rl.max_completion_length,
         eos_ids=eos,
         tokenizer=tokenizer,
-        host_kv=not device_kv(engine, rows, rl.max_completion_length, kv),
+        host_kv=weights is None and not device_kv(engine, rows, rl.max_completion_length, kv),
         on_sweep=on_sweep,
         media=pixels,
+        weights=weights,
     )
     out = []
     for c in dec.run(rows):
@@ -170,6 +176,7 @@ def lines(
             "reward": _num(reward[k]),
             "advantage": float(adv[k]),
             "truncated": r.truncated,
+            **({"sampling_logps": r.sampling} if r.sampling is not None else {}),
             **{c: v[k] for c, v in (extra or {}).items() if k < len(v)},
         }
         out.append(json.dumps(rec, ensure_ascii=False) + "\n")
