@@ -242,6 +242,13 @@ class RLConfig:
     importance_sampling_mode: str = _f("sequence_mask", choices=IS_MODES)
     importance_sampling_clip_min: float | None = _f(None, min=0.0)
     importance_sampling_clip_max: float | None = _f(3.0, min=0.0)
+    # tools in the rollouts (recipes/grpo/tools.py): functions "file.py:name" / "module:name", and an
+    # environment class (one instance per rollout, its public methods the tools), as TRL 1.16's
+    # tools / environment_factory; tool-calling rounds per completion at most (None: no limit)
+    tools: list[str] = _f([])
+    environment: str | None = _f(None)
+    max_tool_calling_iterations: int | None = _f(None, min=0)
+    tool_timeout_s: float = _f(60.0, gt=0.0)  # a tool call running longer fails (its error to the model)
 
 
 @dataclass

@@ -33,7 +33,7 @@ from ...data.batch import IGNORE, MicroBatch
 from ...engine import Engine
 from ...fsutil import write_text_atomic
 from ...generate.decode import Generation
-from ...generate.decoder import Decoder, SweepStats, micro_batches
+from ...generate.decoder import Completion, Decoder, SweepStats, micro_batches
 from ...model.sample import Sampler
 from .loss import GRPOPayload
 
@@ -54,6 +54,12 @@ class Rollout:
         None  # the prompt's image tensors (vision.prompts): in its prefill and every log-prob pass
     )
     sampling: list[float] | None = None  # the sampler's log-prob of each id (a sampler apart: issue 40)
+    # rl.tools (recipes.grpo.turns): the completion's messages (assistant and tool turns), per id
+    # 1 sampled / 0 a tool result's (no label: no loss, no KL), its tool calls and failed calls
+    messages: list[dict] | None = None
+    mask: list[int] | None = None
+    calls: int = 0
+    failures: int = 0
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -90,12 +96,14 @@ def sample(
     first: int = 0,
     media: list[dict | None] | None = None,
     sampler: Sampler | None = None,
+    more: Callable[[Completion], list[int]] | None = None,
 ) -> list[Rollout]:
     """G completions of each prompt, in order (prompt p's generation j at p x G + j). `first`: the
     first prompt's place in the step's whole batch; rows are seeded by their place in it, so a
     slice of the prompts sampled alone gets the completions the whole batch gives it. media: each
     prompt's image tensors (or None), merged at the prefill of each of its G rows; sampler: in
-    place of rl's (rl.images: one that never samples the image token)."""
+    place of rl's (rl.images: one that never samples the image token); more: the decoder's hook at a
+    row's finish (recipes.grpo.turns: tool results appended, the row goes on)."""
     engine.wait()  # the optimizer's queued updates land in the host store first
     rows = [((first + p) * G + j, ids) for p, ids in enumerate(prompts) for j in range(G)]
     media = media or [None] * len(prompts)
@@ -112,6 +120,7 @@ def sample(
         host_kv=not device_kv(engine, rows, rl.max_completion_length, kv),
         on_sweep=on_sweep,
         media=pixels,
+        more=more,
     )
     out = []
     for c in dec.run(rows):
@@ -131,15 +140,23 @@ def micro_batches_of(
         rows = []
         for r in part:
             lab = [IGNORE] * len(r.ids) if mask_truncated and r.truncated else r.ids
+            if r.mask is not None:  # a tool result's ids: no label
+                lab = [t if m else IGNORE for t, m in zip(lab, r.mask, strict=True)]
             rows.append((r.prompt_ids + r.ids, [IGNORE] * len(r.prompt_ids) + lab))
         mb = MicroBatch.from_rows(rows, pad_id)
         mb.media = media_of(part)
         mb.payload = GRPOPayload(adv[a : a + size].clone().float(), len(part))
         if part and all(r.sampling is not None for r in part):  # in label order: the labelled rows'
-            kept = [r.sampling for r in part if not (mask_truncated and r.truncated)]
-            mb.payload.sampling = torch.tensor([v for s in kept for v in s or []], dtype=torch.float32)
+            kept = [_sampled(r) for r in part if not (mask_truncated and r.truncated)]
+            mb.payload.sampling = torch.tensor([v for s in kept for v in s], dtype=torch.float32)
         out.append(mb)
     return out
+
+
+def _sampled(r: Rollout) -> list[float]:
+    """The sampler's log-probs of the labelled ids (a tool result's left out)."""
+    s = r.sampling or []
+    return s if r.mask is None else [v for v, m in zip(s, r.mask, strict=True) if m]
 
 
 def media_of(rollouts: list[Rollout]) -> dict | None:
@@ -170,6 +187,7 @@ def write(
             "reward": _num(reward[k]),
             "advantage": float(adv[k]),
             "truncated": r.truncated,
+            **({"messages": r.messages, "tool_mask": r.mask} if r.messages is not None else {}),
             **{c: v[k] for c, v in (extra or {}).items() if k < len(v)},
         }
         lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
