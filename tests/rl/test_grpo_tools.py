@@ -287,3 +287,62 @@ def test_a_hanging_tool_fails_the_call_after_its_timeout(setup):
         "content": "{'error': 'timed out after 0.05 s'}",
     }
     assert sess.failed is not None and "add" in sess.failed and "completion 1 of record 1" in sess.failed
+
+
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def test_bad_returns_environments_and_tokenizers_stop_in_one_line(setup):
+    from horizon_cli.errors import InputError
+    from horizon_cli.recipes.grpo.tools import check_tokenizer
+
+    s = setup
+
+    def add(a: int, b: int) -> object:
+        """Add.
+
+        Args:
+            a: a
+            b: b
+        """
+        return Unprintable()
+
+    rows = [PromptRow(s.ids[0], PROMPTS[0], {}, "record 1")]
+    sess = start(box(tools=[add]), s.tok, rows, 1, 0, 400, POSITIONS)
+    with pytest.raises(
+        InputError, match=r"rl.tools \(add\): returned a Unprintable .* on completion 1 of record 1"
+    ):
+        sess.more(types.SimpleNamespace(index=0, ids=list(s.turns[0][0])))
+
+    class Seen:  # record 2's reset returns an observation
+        def reset(self, **record):
+            return "you see a door" if record["prompt"] is PROMPTS[1] else None
+
+    class Broken:  # the third instance's constructor raises: completion 1 of record 2 (G = 2)
+        made = 0
+
+        def __init__(self):
+            Broken.made += 1
+            if Broken.made == 3:
+                raise OSError("disk")
+
+        def reset(self, **record):
+            return None
+
+    rows = [PromptRow(s.ids[0], PROMPTS[0], {}, "record 1"), PromptRow(s.ids[1], PROMPTS[1], {}, "record 2")]
+    with pytest.raises(
+        InputError, match=r"\(Seen\): reset returned an observation \(completion 1 of record 2\)"
+    ):
+        start(Toolbox([], Seen, "Seen", 8, 1.0), s.tok, rows, 2, 0, 400, POSITIONS)
+    with pytest.raises(
+        InputError, match=r"\(Broken\): its constructor raised OSError: disk \(completion 1 of record 2\)"
+    ):
+        start(Toolbox([], Broken, "Broken", 8, 1.0), s.tok, rows, 2, 0, 400, POSITIONS)
+
+    plain = copy.deepcopy(s.tok)
+    plain.response_template = None
+    with pytest.raises(InputError, match="rl.tools: the tokenizer has no response template"):
+        check_tokenizer(plain)
+    check_tokenizer(s.tok)

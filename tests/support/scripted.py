@@ -1,5 +1,6 @@
-"""A stand-in sampler that emits given tokens: each row's ids in order (then EOS-free greedy, or
-id 0), so a decode loop can be driven through given tool calls (tests/rl/test_grpo_tools.py)."""
+"""A stand-in sampler that emits given tokens: each row's ids in order, then the argmax (then_greedy),
+a real sampler's pick (then), or id 0, so a decode loop can be driven through given tool calls
+(tests/rl/test_grpo_tools.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from horizon_cli.model.sample import Sampler
 
 
 class Scripted(Sampler):
-    def __init__(self, script: dict[int, list[int]], then_greedy: bool = False):
+    def __init__(self, script: dict[int, list[int]], then_greedy: bool = False, then: Sampler | None = None):
         super().__init__()
+        self.then = then
         self.script = {r: list(ids) for r, ids in script.items()}
         self.then_greedy = then_greedy
         self.last: dict[int, int | None] = {}  # row -> the scripted id its last pick took
@@ -24,7 +26,10 @@ class Scripted(Sampler):
                 out.append(self.last[i])
             else:
                 self.last[i] = None
-                out.append(int(logits[r].argmax()) if self.then_greedy else 0)
+                if self.then is not None:
+                    out.append(int(self.then.pick(logits[r : r + 1], [i])[0]))
+                else:
+                    out.append(int(logits[r].argmax()) if self.then_greedy else 0)
         return torch.tensor(out, dtype=torch.long)
 
     def replace_last(self, row: int, token: int) -> None:

@@ -74,14 +74,14 @@ def load_toolbox(rl: RLConfig) -> Toolbox | None:
         key = f"rl.tools[{i}]"
         if ":" not in spec:
             raise InputError(f"{key}: {spec!r} names no function (path/to/file.py:name or module:name)")
-        fns.append(_checked(_import(spec, key), key))
+        fns.append(_checked(_import(spec, key, ""), key))
     env, name = None, ""
     if rl.environment is not None:
         if ":" not in rl.environment:
             raise InputError(
                 f"rl.environment: {rl.environment!r} names no class (file.py:Name or module:Name)"
             )
-        env = _import(rl.environment, "rl.environment")
+        env = _import(rl.environment, "rl.environment", "")
         name = rl.environment.rpartition(":")[2]
         if not isinstance(env, type):
             raise InputError(f"rl.environment: {rl.environment} is not a class (one instance per rollout)")

@@ -1,0 +1,169 @@
+"""rl.tools through `horizon train`: a run whose rollouts call tools (a scripted first turn on
+half the rows: tests.support.scripted, in place of rl's sampler; the rest sampled), with a
+tool from a file and an environment class; what the rollouts, the metrics and the reward
+functions see. And the bad input: each one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from horizon_cli.errors import InputError
+from horizon_cli.model.sample import Sampler
+from horizon_cli.recipes.grpo import rollouts as ro
+from horizon_cli.train.metrics import read_metrics
+from tests.conftest import write_config, write_jsonl
+from tests.support.scripted import Scripted
+
+pytest.importorskip("trl")  # the tokenizer's template and response template are TRL's
+
+TOOLS_PY = '''
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a * b
+
+
+class Calculator:
+    def __init__(self):
+        self.used = 0
+
+    def reset(self, **record):
+        self.answer = record["answer"]
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        self.used += 1
+        return a + b
+
+
+def right(completions, environments, answer, **kw):
+    """1 when the last turn holds the answer; +0.5 when the environment's tool was used."""
+    out = []
+    for c, env, a in zip(completions, environments, answer):
+        assert isinstance(c, list) and c[-1]["role"] == "assistant"
+        out.append(float(str(a) in c[-1]["content"]) + 0.5 * (env.used > 0))
+    return out
+'''
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    from horizon_cli.convert import convert
+    from tests.support.tiny import make_model, save
+    from tests.support.tool_tokenizer import make_tool_tokenizer
+
+    root = tmp_path_factory.mktemp("toolstore")
+    save(make_model("llama", vocab_size=512, max_position_embeddings=1024), root / "hf")
+    make_tool_tokenizer(root / "hf")
+    convert(root / "hf", root / "store", dtype="float32")
+    return root / "store"
+
+
+def config(tmp: Path, store: Path, **rl) -> Path:
+    (tmp / "tools.py").write_text(TOOLS_PY)
+    rows = [{"prompt": [{"role": "user", "content": f"What is 3 + {k}?"}], "answer": 3 + k} for k in range(4)]
+    data = write_jsonl(tmp / "p.jsonl", rows)
+    rl = {"num_generations": 2, "max_completion_length": 48, "temperature": 1.0,
+          "rewards": [{"function": f"{tmp / 'tools.py'}:right"}],
+          "tools": [f"{tmp / 'tools.py'}:multiply"], "environment": f"{tmp / 'tools.py'}:Calculator", **rl}  # fmt: skip
+    return write_config(tmp / "c.yaml", store, data, tmp / "run", rl=rl,
+                        data={"max_seq_len": 1024, "shuffle": False},
+                        train={"steps": 2, "batch_size": 2, "micro_batch_size": 2, "seed": 0},
+                        output={"save_every": 0, "keep_last": 1, "export": False})  # fmt: skip
+
+
+def scripted(monkeypatch, tok_dir: Path) -> None:
+    """rl's sampler: rows 0 and 2 of each step call `add` first, then sample."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    call = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+    def make(*args, **kw):
+        return Scripted({0: call, 2: call}, then=Sampler(*args, **kw))
+
+    monkeypatch.setattr(ro, "Sampler", make)
+
+
+def test_a_run_calls_tools_and_rewards_see_the_turns(store, tmp_path, monkeypatch):
+    from horizon_cli.train import run_training
+
+    scripted(monkeypatch, store.parent / "hf")
+    cfg = config(tmp_path, store)
+    run_training(cfg, [], console=Console(quiet=True))
+    run = tmp_path / "run"
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["tools/call_frequency"] for r in rows] == [0.5, 0.5]  # 2 calls over 4 completions
+    assert all(r["tools/failure_frequency"] == 0.0 for r in rows)
+    recs = [json.loads(x) for x in (run / "rollouts" / "step-1.jsonl").read_text().splitlines()]
+    for k, r in enumerate(recs):
+        roles = [m["role"] for m in r["messages"]]
+        assert len(r["tool_mask"]) == len(r["completion_ids"])
+        if k in (0, 2):  # the call, its result (masked), the answer
+            assert roles[:2] == ["assistant", "tool"] and r["messages"][1]["content"] == "7"
+            assert 0 in r["tool_mask"] and r["rewards"]["right"] >= 0.5
+        else:
+            assert "tool" not in roles and all(r["tool_mask"])
+            assert r["rewards"]["right"] < 0.5 or "3" in r["messages"][-1]["content"]
+
+
+@pytest.mark.parametrize(
+    "rl, says",
+    [
+        ({"tools": ["{d}/tools.py:VALUE"]}, "rl.tools[0]: {d}/tools.py has no function 'VALUE'"),
+        ({"tools": ["{d}/tools.py:bare"]}, "rl.tools[0] (bare): no tool schema"),
+        ({"environment": "{d}/tools.py:multiply"}, "is not a class"),
+        (
+            {"environment": "{d}/tools.py:Broken"},
+            "rl.environment (Broken): its constructor raised RuntimeError: no",
+        ),
+        ({"environment": "{d}/tools.py:NoReset"}, "rl.environment (NoReset): it has no reset method"),
+    ],
+)
+def test_bad_tools_stop_before_the_run_in_one_line(store, tmp_path, rl, says):
+    from horizon_cli.train import run_training
+
+    cfg = config(tmp_path, store, **{k: [x.format(d=tmp_path) for x in v] if isinstance(v, list)
+                                     else v.format(d=tmp_path) for k, v in rl.items()})  # fmt: skip
+    (tmp_path / "tools.py").write_text(TOOLS_PY + BAD)
+    with pytest.raises(InputError) as e:
+        run_training(cfg, [], console=Console(quiet=True))
+    assert says.format(d=tmp_path) in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+BAD = '''
+VALUE = 3
+
+
+def bare(a, b):
+    return a
+
+
+class Broken:
+    def __init__(self):
+        raise RuntimeError("no")
+
+    def reset(self, **kw):
+        pass
+
+
+class NoReset:
+    def look(self) -> str:
+        """Look."""
+        return "x"
+'''
