@@ -167,3 +167,70 @@ class NoReset:
         """Look."""
         return "x"
 '''
+
+
+WRAPPER = """
+import os, signal, sys
+from horizon_cli.model.sample import Sampler
+from horizon_cli.recipes.grpo import rollouts as ro, turns
+from tests.support.scripted import Scripted
+
+call = [int(x) for x in os.environ["TOOL_CALL_IDS"].split(",")]
+ro.Sampler = lambda *a, **k: Scripted({0: call, 2: call}, then=Sampler(*a, **k))
+kill_at, made = int(os.environ.get("KILL_AT_RESULT", "0")), [0]
+more = turns.ToolRollouts.more
+
+
+def counted(self, c):
+    got = more(self, c)
+    made[0] += bool(got)
+    if made[0] == kill_at:  # a tool has run, its result not yet fed: mid multi-turn
+        os.kill(os.getpid(), signal.SIGKILL)
+    return got
+
+
+turns.ToolRollouts.more = counted
+from horizon_cli.cli import main
+sys.argv = ["horizon", "train", sys.argv[1]]
+main()
+"""
+
+
+def test_killed_mid_multi_turn_rollout_resumes_bitwise_identical(store, tmp_path):
+    """SIGKILLed in step 3 right after a tool ran (2 results a step: the 5th), the run resumed
+    from step 2's checkpoint ends bitwise equal to an uninterrupted one (tests/rl/test_grpo_resume)."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from tests.rl.test_grpo_resume import outcome
+
+    tok = AutoTokenizer.from_pretrained(store.parent / "hf")
+    ids = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    (tmp_path / "wrap.py").write_text(WRAPPER)
+    root = Path(__file__).resolve().parents[2]
+    base = {**os.environ, "TOOL_CALL_IDS": ",".join(map(str, ids)), "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
+    runs = {}
+    for name, kill in (("whole", "0"), ("cut", "5")):
+        (tmp_path / name).mkdir()
+        cfg = config(tmp_path / name, store)
+        text = cfg.read_text().replace("steps: 2", "steps: 4").replace("save_every: 0", "save_every: 2")
+        cfg.write_text(text)
+
+        def go(kill: str, cfg: Path = cfg) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, str(tmp_path / "wrap.py"), str(cfg)], env={**base, "KILL_AT_RESULT": kill},
+                                  capture_output=True, text=True, timeout=600, cwd=root)  # fmt: skip
+
+        first = go(kill)
+        if kill != "0":
+            assert first.returncode == -9, first.stderr
+            run = tmp_path / name / "run"
+            assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_2"]
+            first = go("0")
+        assert first.returncode == 0, first.stderr
+        runs[name] = outcome(tmp_path / name / "run")
+    assert runs["cut"] == runs["whole"]
+    assert any(r["tools/call_frequency"] > 0 for r in runs["whole"]["metrics"])
