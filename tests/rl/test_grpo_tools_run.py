@@ -191,7 +191,7 @@ def counted(self, c):
 
 turns.ToolRollouts.more = counted
 from horizon_cli.cli import main
-sys.argv = ["horizon", "train", sys.argv[1]]
+sys.argv = ["horizon", "train", *sys.argv[1:]]
 main()
 """
 
@@ -211,8 +211,12 @@ def test_killed_mid_multi_turn_rollout_resumes_bitwise_identical(store, tmp_path
     ids = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     (tmp_path / "wrap.py").write_text(WRAPPER)
     root = Path(__file__).resolve().parents[2]
-    base = {**os.environ, "TOOL_CALL_IDS": ",".join(map(str, ids)), "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
+    base = {
+        **os.environ,
+        "TOOL_CALL_IDS": ",".join(map(str, ids)),
+        "OMP_NUM_THREADS": "1",
+        "HORIZON_REPO": str(root),
+    }
     runs = {}
     for name, kill in (("whole", "0"), ("cut", "5")):
         (tmp_path / name).mkdir()
@@ -234,3 +238,44 @@ def test_killed_mid_multi_turn_rollout_resumes_bitwise_identical(store, tmp_path
         runs[name] = outcome(tmp_path / name / "run")
     assert runs["cut"] == runs["whole"]
     assert any(r["tools/call_frequency"] > 0 for r in runs["whole"]["metrics"])
+
+
+@pytest.mark.slow
+def test_two_ranks_call_the_tools_one_process_calls(store, tmp_path, monkeypatch):
+    """torchrun 2 ranks (prompt 0's rows on rank 0, prompt 1's on rank 1, each running its own
+    tools and environments) = 1 process: the rollouts with their turns, the metrics, the losses."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from tests.parallel.test_dist import torchrun
+
+    tok = AutoTokenizer.from_pretrained(store.parent / "hf")
+    ids = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    (tmp_path / "wrap.py").write_text(WRAPPER)
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.setenv("TOOL_CALL_IDS", ",".join(map(str, ids)))
+    monkeypatch.setenv("HORIZON_REPO", str(root))
+    cfgs = {}
+    for n in ("one", "two"):
+        (tmp_path / n).mkdir()
+        cfgs[n] = config(tmp_path / n, store)
+    one = subprocess.run([sys.executable, str(tmp_path / "wrap.py"), str(cfgs["one"])], capture_output=True,
+                         text=True, timeout=600, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    two = torchrun(2, cfgs["two"], cli=False, script=str(tmp_path / "wrap.py"), timeout=600)
+    assert two.returncode == 0, two.stderr
+    a, b = (read_metrics(tmp_path / n / "run" / "metrics.jsonl") for n in ("one", "two"))
+    for x, y in zip(a, b, strict=True):
+        for k in ("loss", "grad_norm", "reward", "completions/mean_length", "tools/call_frequency"):
+            assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-6), k
+    assert a[0]["tools/call_frequency"] == 0.5
+    for s in (1, 2):
+        la, lb = (
+            (tmp_path / n / "run" / "rollouts" / f"step-{s}.jsonl").read_text().splitlines()
+            for n in ("one", "two")
+        )
+        strip = [[{k: v for k, v in json.loads(u).items() if k != "advantage"} for u in x] for x in (la, lb)]
+        assert strip[0] == strip[1]
