@@ -11,7 +11,9 @@ run resumed from a checkpoint samples the rollouts an uninterrupted run samples.
                                          tokens, the EOS included when one was sampled: what the
                                          loss sees), completion (text, with a tokenizer), rewards
                                          (name -> value, null for None), reward, advantage,
-                                         truncated (no EOS within max_completion_length)
+                                         truncated (no EOS within max_completion_length);
+                                         with rl.tools, messages (the completion's assistant and
+                                         tool turns) and tool_mask (per id: 0 a tool result's)
     <output.dir>/rollouts/step-N.pt      num_iterations > 1: the rows and the rollout policy's
                                          (and reference's) log-probs, read back by a run resumed
                                          inside the group of steps that reuse them
