@@ -87,7 +87,8 @@ class Decoder:
         self.on_done, self.on_sweep = on_done, on_sweep
         self.media = media or {}
         self.positions = engine.spec.max_positions
-        self.more, self.forced = more, {}  # forced: row -> ids still to feed (from `more`)
+        self.more = more
+        self.forced: dict[int, list[int]] = {}  # row -> ids still to feed (from `more`)
 
     def run(self, prompts: list[tuple[int, list[int]]]) -> list[Completion]:
         """(index, prompt ids) of one batch -> their completions, in the order given."""

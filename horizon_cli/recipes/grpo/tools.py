@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...config.schema import RLConfig
 from ...errors import InputError
@@ -75,16 +75,18 @@ def load_toolbox(rl: RLConfig) -> Toolbox | None:
         if ":" not in spec:
             raise InputError(f"{key}: {spec!r} names no function (path/to/file.py:name or module:name)")
         fns.append(_checked(_import(spec, key, ""), key))
-    env, name = None, ""
+    env: type | None = None
+    name = ""
     if rl.environment is not None:
         if ":" not in rl.environment:
             raise InputError(
                 f"rl.environment: {rl.environment!r} names no class (file.py:Name or module:Name)"
             )
-        env = _import(rl.environment, "rl.environment", "")
+        got = _import(rl.environment, "rl.environment", "")
         name = rl.environment.rpartition(":")[2]
-        if not isinstance(env, type):
+        if not isinstance(got, type):
             raise InputError(f"rl.environment: {rl.environment} is not a class (one instance per rollout)")
+        env = got
         if not callable(getattr(env, "reset", None)):
             raise InputError(
                 f"rl.environment ({name}): it has no reset method (TRL's environments define one)"
@@ -119,7 +121,7 @@ def _checked(fn: object, key: str) -> Callable:
     return fn
 
 
-def check_tokenizer(tokenizer) -> None:
+def check_tokenizer(tokenizer: Any) -> None:
     """The tokenizer renders tool calls and results and parses its responses (TRL's checks)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InputError("rl.tools: the tools are rendered by a chat template, and the tokenizer has none")
@@ -136,7 +138,7 @@ def check_tokenizer(tokenizer) -> None:
         )
 
 
-def _renders_tool_turns(tokenizer) -> bool:
+def _renders_tool_turns(tokenizer: Any) -> bool:
     calls = [{"type": "function", "function": {"name": "tool_n_a8f3", "arguments": {"key_b9d4": "val_d6e7"}}}]
     msgs = [
         {"role": "user", "content": "hi"},
@@ -150,7 +152,7 @@ def _renders_tool_turns(tokenizer) -> bool:
     return all(s in text for s in ("tool_n_a8f3", "key_b9d4", "val_d6e7", "out_c4f9"))
 
 
-def with_tools(prompts: PromptSet, box: Toolbox, tokenizer, room: int, what: str) -> PromptSet:
+def with_tools(prompts: PromptSet, box: Toolbox, tokenizer: Any, room: int, what: str) -> PromptSet:
     """The prompts rendered again with the tools (apply_chat_template(tools=...), the generation
     prompt added), as TRL tokenizes them; room: the most prompt tokens a record may have."""
     if not prompts.conversational:

@@ -28,6 +28,7 @@ import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...errors import InputError
 from ...generate.decoder import Completion
@@ -58,7 +59,7 @@ class Turns:
 
 
 class ToolRollouts:
-    def __init__(self, box: Toolbox, tokenizer, max_len: int, positions: int):
+    def __init__(self, box: Toolbox, tokenizer: Any, max_len: int, positions: int):
         self.box, self.tok = box, tokenizer
         self.max_len, self.positions = max_len, positions
         self.rows: dict[int, Turns] = {}
@@ -177,7 +178,7 @@ class ToolRollouts:
             ) from None
 
 
-def parse(tokenizer, ids: list[int], prefix: list[int], tools: list[Callable]) -> dict:
+def parse(tokenizer: Any, ids: list[int], prefix: list[int], tools: list[Callable]) -> dict:
     """One turn as a message (TRL 1.16's parse_response): the response template's parse, plain
     text when the turn is malformed."""
     try:
@@ -212,7 +213,7 @@ def _valid_calls(calls: object) -> None:
             fn["arguments"] = {}
 
 
-def suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
+def suffix_ids(tokenizer: Any, tool_messages: list[dict]) -> list[int]:
     """The ids a turn's tool messages add after its last id (TRL's _get_tool_suffix_ids): the chat
     template on a dummy tool-calling conversation with and without them, cut after its last EOS."""
     call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
@@ -232,7 +233,7 @@ def suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
 
 
 def start(
-    box: Toolbox, tokenizer, prompts: list, G: int, first: int, max_len: int, positions: int
+    box: Toolbox, tokenizer: Any, prompts: list, G: int, first: int, max_len: int, positions: int
 ) -> ToolRollouts:
     """A step's session for the rows of `prompts` (data.prompt_only.PromptRow; prompt p's
     generation j is row (first + p) x G + j, as recipes.grpo.rollouts numbers them)."""
