@@ -249,6 +249,13 @@ class RLConfig:
     # step, in rollout_weights' format: full = the compute dtype); auto: resident when it fits
     rollout_engine: str = _f("auto", choices=ROLLOUT_ENGINES)
     rollout_weights: str = _f("auto", choices=ROLLOUT_WEIGHTS)
+    # tools in the rollouts (recipes/grpo/tools.py): functions "file.py:name" / "module:name", and an
+    # environment class (one instance per rollout, its public methods the tools), as TRL 1.16's
+    # tools / environment_factory; tool-calling rounds per completion at most (None: no limit)
+    tools: list[str] = _f([])
+    environment: str | None = _f(None)
+    max_tool_calling_iterations: int | None = _f(None, min=0)
+    tool_timeout_s: float = _f(60.0, gt=0.0)  # a tool call running longer fails (its error to the model)
 
 
 @dataclass

@@ -75,9 +75,13 @@ class Decoder:
         on_sweep: Callable[[SweepStats], None] = lambda s: None,
         media: dict[int, dict[str, torch.Tensor]] | None = None,
         weights: ResidentLoader | None = None,
+        more: Callable[[Completion], list[int]] | None = None,
     ):
         """media: prompt index -> its image tensors (vision.prompts), merged at the prefill;
-        weights: the layers from a resident copy (generate.resident), not streamed."""
+        weights: the layers from a resident copy (generate.resident), not streamed. more: at
+        a row's finish, ids to append to it (a tool result, recipes.grpo.tools) before it goes on:
+        they are fed one per sweep in place of the sampled token, so the row keeps its KV cache and
+        only the appended ids are computed; none: the row stays finished."""
         self.engine, self.sampler = engine, sampler
         self.gen = Generation(engine, weights)  # the engine's sweep and parts, driven for generation
         self.max_new, self.eos = max_new_tokens, set(eos_ids)
@@ -86,6 +90,8 @@ class Decoder:
         self.on_done, self.on_sweep = on_done, on_sweep
         self.media = media or {}
         self.positions = engine.spec.max_positions
+        self.more = more
+        self.forced: dict[int, list[int]] = {}  # row -> ids still to feed (from `more`)
 
     def run(self, prompts: list[tuple[int, list[int]]]) -> list[Completion]:
         """(index, prompt ids) of one batch -> their completions, in the order given."""
@@ -109,9 +115,10 @@ class Decoder:
                 for m, lg in zip(active, logits, strict=True):
                     rows = [i for i, _ in groups[m]]
                     tok = self.sampler.pick(lg, rows).cpu()  # the embedding gathers rows on the host
-                    if self._advance([out[i] for i in rows], tok.tolist(), limits[m]):
+                    toks = tok.tolist()  # an id fed in (`more`) takes its row's place
+                    if self._advance([out[i] for i in rows], toks, limits[m]):
                         still.append(m)
-                        nxt.append(dbs[m].next(tok.reshape(-1, 1)))
+                        nxt.append(dbs[m].next(torch.tensor(toks, dtype=tok.dtype).reshape(-1, 1)))
                 if not sum(self.gen.across(len(still))):  # no rank has a live row
                     break
                 if not still:  # another rank's rows go on: this rank's last micro-batch sweeps along
@@ -137,11 +144,15 @@ class Decoder:
         return logits
 
     def _advance(self, rows: list[Completion], tokens: list[int], limits: list[int]) -> bool:
-        """Append each row's new token (rows already stopped ignore theirs); True while any row of
-        the micro-batch still generates."""
+        """Append each row's new token (rows already stopped ignore theirs; a row fed ids takes the
+        next one, written into `tokens`); True while any row of the micro-batch still generates."""
         going = False
-        for c, tok, lim in zip(rows, tokens, limits, strict=True):
+        for k, (c, tok, lim) in enumerate(zip(rows, tokens, limits, strict=True)):
             if c.finish:
+                continue
+            if c.index in self.forced:
+                going |= self._feed(c, lim)
+                tokens[k] = c.ids[-1]
                 continue
             c.ids.append(tok)
             cut = self.stop.cut(c.ids) if self.stop is not None else None
@@ -152,10 +163,39 @@ class Decoder:
                 del c.ids[keep:]
             elif len(c.ids) >= lim:
                 c.finish = "length"
-            if c.finish:
+            if c.finish and self._resume(c):
+                going = True
+            elif c.finish:
                 if c.text is None and self.tokenizer is not None:
                     c.text = self.tokenizer.decode(c.ids, skip_special_tokens=True)
                 self.on_done(c)
             else:
                 going = True
         return going
+
+    def _resume(self, c: Completion) -> bool:
+        """A finished row given more ids by `more` goes on: they are fed before it samples again."""
+        got = self.more(c) if self.more is not None else []
+        if got:
+            c.finish, c.text = "", None
+            self.forced[c.index] = list(got)
+        return bool(got)
+
+    def _feed(self, c: Completion, lim: int) -> bool:
+        """A row with ids to feed takes the next one in place of its sampled token (an EOS id among
+        them does not end it; its limit does); True while it goes on."""
+        queue = self.forced[c.index]
+        c.ids.append(queue.pop(0))
+        self.sampler.replace_last(c.index, c.ids[-1])
+        if not queue:
+            del self.forced[c.index]
+        if len(c.ids) < lim:
+            return True
+        self.forced.pop(c.index, None)
+        c.finish = "length"
+        if self._resume(c):
+            return True
+        if self.tokenizer is not None:
+            c.text = self.tokenizer.decode(c.ids, skip_special_tokens=True)
+        self.on_done(c)
+        return False

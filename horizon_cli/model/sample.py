@@ -89,6 +89,11 @@ class Sampler:
                 self._seen[i].append(int(out[r]))
         return out
 
+    def replace_last(self, row: int, token: int) -> None:
+        """The row's last id was `token`, not the one picked (an id fed in, generate.decoder)."""
+        if row in self._seen:
+            self._seen[row][-1] = token
+
     def _gen(self, row: int, device) -> torch.Generator:
         g = self._gens.get(row)
         if g is None:

@@ -100,3 +100,25 @@ def test_llama70b_grpo_plans_its_rollouts_on_paper():
     assert roll["kv_bytes"] == 50 * 2**30 and roll["kv_where"] == "device"
     assert 2700 < roll["streamed_s"] < 2900  # streamed: link-bound
     assert (roll["engine"], roll["weights"]) == ("resident", "nf4") and roll["rollout_s"] <= 120
+
+
+def test_llama70b_grpo_tools_plans_its_rollouts_on_paper():
+    """The tool-calling GRPO config: its tool file loads (rl.tools), it fits, and its rollout on
+    paper is what its header says (tool results fed within max_completion_length's sweeps)."""
+    from horizon_cli.recipes.grpo.plan import rollout_plan
+    from horizon_cli.recipes.grpo.tools import load_toolbox
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs" / "llama70b-grpo-tools.yaml")
+    assert cfg.rl is not None
+    cfg.rl.tools = [str(root / t) for t in cfg.rl.tools]
+    box = load_toolbox(cfg.rl)
+    assert box is not None and [f.__name__ for f in box.tools()] == ["calculator"]
+    assert box.functions[0](expression="(12 + 7) * 3") == "57"
+    spec = spec_from_hf(LLAMA_31_70B)
+    plan = plan_for(cfg, spec, "exact")
+    assert plan.host_total < 1.5e12 * 0.85 and plan.device_total < 141e9 * 0.5
+    roll = rollout_plan(cfg, None, spec, cfg.engine.dtype, "", int(141e9) - plan.device_total)
+    assert roll is not None and roll["rows"] == 128 and roll["sweeps"] == 1280
+    assert roll["kv_bytes"] == 60 * 2**30 and roll["kv_where"] == "device"
+    assert 3500 < roll["rollout_s"] < 3600

@@ -61,6 +61,8 @@ from .rewards import load_rewards, score
 from .rollout_engine import Rollouts
 from .sampling import correct
 from .seen import tokens_seen
+from .tools import load_toolbox
+from .turns import finish, start, tool_metrics
 
 if TYPE_CHECKING:
     from transformers import TrainerState
@@ -78,6 +80,7 @@ class GRPOBatches:
         assert cfg.rl is not None
         self.cfg, self.rl, self.data = cfg, cfg.rl, prompt_data(data)
         self.rewards = load_rewards(cfg.rl.rewards)  # before any weight is loaded
+        self.toolbox = load_toolbox(cfg.rl)  # rl.tools, rl.environment (recipes.grpo.tools)
         check_images(cfg, self.data)  # here, not in attach: the dry run builds the batches too
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
         self.objective = GRPOObjective(cfg.rl)
@@ -194,6 +197,8 @@ class GRPOBatches:
         split = f"{row.get('rollout_s', 0):.1f}/{row.get('reference_s', 0):.1f}/{row.get('engine_s', 0):.1f}"
         speed = row.get("rollout_tokens_per_s")  # None: the step reused its group's rollouts
         roll = "rollouts reused" if speed is None else f"rollout {speed:,.0f} tok/s"
+        if (calls := row.get("tools/call_frequency")) is not None:
+            roll += f"  tools {calls:.2f}/completion ({row.get('tools/failure_frequency', 0):.0%} failed)"
         return (
             f"  reward {r:.3f}" if r is not None else "  reward -"
         ) + f"  {roll}  rollout/ref/train {split} s"
@@ -239,6 +244,19 @@ class GRPOBatches:
             if self.banned
             else None
         )
+        turns = (
+            start(
+                self.toolbox,
+                self.tokenizer,
+                prompts[lo:hi] or prompts[:1],
+                G,
+                lo,
+                rl.max_completion_length,
+                self.engine.spec.max_positions,
+            )
+            if self.toolbox is not None
+            else None
+        )
         outs = self.rollouts.sample(
             mine,
             G,
@@ -249,12 +267,18 @@ class GRPOBatches:
             on_sweep=on_sweep,
             first=lo,
             media=pics,
+            more=turns.more if turns is not None else None,
         )
+        envs = finish(turns, outs, G, lo) if turns is not None else None
+        if turns is not None and turns.failed and shown is not None:
+            self.console.print(
+                f"[yellow]warning:[/] {turns.failed} (its error went to the model)", highlight=False
+            )
         outs = [replace(o, prompt=o.prompt + lo) for o in outs] if hi > lo else []
         t1 = time.perf_counter()
         logs: dict = {}  # what the functions passed to log_metric / log_extra (this rank's)
         try:
-            vals, bad = self._score(prompts, outs, step, logs), None
+            vals, bad = self._score(prompts, outs, step, logs, envs), None
         except InputError as e:  # every rank stops with the first failing rank's line
             vals, bad = [], str(e)
         parts = self.ranks.gather((outs, vals, bad))
@@ -288,7 +312,8 @@ class GRPOBatches:
         if shown is not None:
             cols = {"prompt": [prompts[o.prompt].prompt for o in outs]} | logs.get("extra", {})  # as read
             shown += ro.lines(outs, [x.name for x in self.rewards], per_func, r, adv, cols)
-        lengths = torch.tensor([len(o.ids) for o in outs], dtype=torch.float32)
+        # TRL counts the sampled ids only (tool_mask 1)
+        lengths = torch.tensor([sum(o.mask) if o.mask else len(o.ids) for o in outs], dtype=torch.float32)
         trunc = torch.tensor([o.truncated for o in outs])
         term = lengths[~trunc]
         m = (
@@ -309,6 +334,7 @@ class GRPOBatches:
             | {k: sum(v) / len(v) for k, v in logs.get("metrics", {}).items() if v}
         )  # log_metric: TRL's mean
         m |= is_m  # the sampler's (TRL's sampling/ metrics), when it is apart
+        m |= tool_metrics(outs) if self.toolbox is not None else {}
         return mbs, m
 
     def _state(self, step: int) -> TrainerState:
@@ -329,15 +355,29 @@ class GRPOBatches:
         )
 
     def _score(
-        self, prompts: list[PromptRow], outs: list[ro.Rollout], step: int, logs: dict | None = None
+        self,
+        prompts: list[PromptRow],
+        outs: list[ro.Rollout],
+        step: int,
+        logs: dict | None = None,
+        envs: list | None = None,
     ) -> list[list[float]]:
         """Per reward function, this rank's completions' values (none: no call)."""
         if not outs:
             return [[] for _ in self.rewards]
         G = self.rl.num_generations
         conv = self.data.train.conversational
-        comps = [[{"role": "assistant", "content": o.text or ""}] if conv else (o.text or "") for o in outs]
+        comps = [
+            o.messages
+            if o.messages is not None
+            else [{"role": "assistant", "content": o.text or ""}]
+            if conv
+            else (o.text or "")
+            for o in outs
+        ]  # rl.tools: the completion's messages, tool turns included (TRL's)
         cols: dict[str, list] = {k: [prompts[o.prompt].columns[k] for o in outs] for k in prompts[0].columns}
+        if envs is not None and self.toolbox is not None and self.toolbox.environment is not None:
+            cols["environments"] = envs  # TRL passes the rollouts' instances so
 
         def where(k: int) -> str:
             return f"completion {k % G + 1} of {prompts[outs[k].prompt].where}"  # from 1, as records

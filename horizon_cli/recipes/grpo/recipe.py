@@ -19,6 +19,7 @@ from ..recipe import PlanModel, PlanTerms
 from .batches import GRPOBatches
 from .plan import rollout_plan
 from .prompts import prepared
+from .tools import check_tokenizer, load_toolbox, with_tools
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -76,6 +77,11 @@ class Grpo:
             cfg.train.seed,
             images(),
         )
+        if (box := load_toolbox(cfg.rl)) is not None:  # the prompts rendered with the tools (TRL's)
+            check_tokenizer(tok)
+            room = min(cfg.data.max_seq_len, arch.max_positions) - cfg.rl.max_completion_length
+            train = with_tools(train, box, tok, room, "data.path")
+            ev = with_tools(ev, box, tok, room, "data.eval_path") if ev is not None else None
         console.print(
             f"data: {len(train):,} prompts" + (f", {len(ev):,} held out" if ev is not None else ""),
             highlight=False,

@@ -66,14 +66,16 @@ def load_rewards(cfgs: list[RewardConfig]) -> list[Reward]:
     return out
 
 
-def _import(spec: str, key: str) -> Callable:
+def _import(spec: str, key: str, field: str = ".function") -> Callable:
+    """`spec`'s object; messages name `key` + `field` (rl.tools: the key alone)."""
     mod, _, name = spec.rpartition(":")
+    key += field
     try:
         if mod.endswith(".py"):
             path = Path(mod)
             if not path.is_file():
                 raise InputError(
-                    f"{key}.function: {mod} does not exist (a reward file, relative to the working directory)"
+                    f"{key}: {mod} does not exist (a reward file, relative to the working directory)"
                 )
             folder = str(path.resolve().parent)  # `from helper import x` beside the file, as python rw.py
             if folder not in sys.path:
@@ -89,10 +91,10 @@ def _import(spec: str, key: str) -> Callable:
     except InputError:
         raise
     except Exception as e:
-        raise InputError(f"{key}.function: importing {mod} failed: {type(e).__name__}: {e}") from None
+        raise InputError(f"{key}: importing {mod} failed: {type(e).__name__}: {e}") from None
     fn = getattr(m, name, None)
     if not callable(fn):
-        raise InputError(f"{key}.function: {mod} has no function {name!r}")
+        raise InputError(f"{key}: {mod} has no function {name!r}")
     return fn
 
 

@@ -129,6 +129,11 @@ class RecordingSampler(Sampler):
     def forget(self, row: int) -> None:
         self.inner.forget(row)
 
+    def replace_last(self, row: int, token: int) -> None:
+        """An id fed in (a tool result's, generate.decoder): the inner sampler's history takes it;
+        the log-prob kept at its place is the picked id's, and the loss never reads it (tool_mask 0)."""
+        self.inner.replace_last(row, token)
+
 
 class Rollouts:
     """One run's rollout engine: `sample` as recipes.grpo.rollouts.sample, on the chosen engine."""

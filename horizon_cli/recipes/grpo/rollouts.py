@@ -13,7 +13,9 @@ run resumed from a checkpoint samples the rollouts an uninterrupted run samples.
                                          (name -> value, null for None), reward, advantage,
                                          truncated (no EOS within max_completion_length),
                                          sampling_logps (a quantized resident sampler's log-prob of
-                                         each completion id: recipes.grpo.rollout_engine)
+                                         each completion id: recipes.grpo.rollout_engine);
+                                         with rl.tools, messages (the completion's assistant and
+                                         tool turns) and tool_mask (per id: 0 a tool result's)
     <output.dir>/rollouts/eval-step-N.jsonl  the evaluation after step N: its rollouts, lines alike
                                          (every eval batch's, in order), with the prompt as read
     <output.dir>/rollouts/step-N.pt      num_iterations > 1: the rows and the rollout policy's
@@ -37,7 +39,7 @@ from ...data.batch import IGNORE, MicroBatch
 from ...engine import Engine
 from ...fsutil import write_text_atomic
 from ...generate.decode import Generation
-from ...generate.decoder import Decoder, SweepStats, micro_batches
+from ...generate.decoder import Completion, Decoder, SweepStats, micro_batches
 from ...generate.resident import ResidentLoader
 from ...model.sample import Sampler
 from .loss import GRPOPayload
@@ -59,6 +61,12 @@ class Rollout:
         None  # the prompt's image tensors (vision.prompts): in its prefill and every log-prob pass
     )
     sampling: list[float] | None = None  # the sampler's log-prob of each id (a sampler apart: issue 40)
+    # rl.tools (recipes.grpo.turns): the completion's messages (assistant and tool turns), per id
+    # 1 sampled / 0 a tool result's (no label: no loss, no KL), its tool calls and failed calls
+    messages: list[dict] | None = None
+    mask: list[int] | None = None
+    calls: int = 0
+    failures: int = 0
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -96,13 +104,15 @@ def sample(
     media: list[dict | None] | None = None,
     sampler: Sampler | None = None,
     weights: ResidentLoader | None = None,
+    more: Callable[[Completion], list[int]] | None = None,
 ) -> list[Rollout]:
     """G completions of each prompt, in order (prompt p's generation j at p x G + j). `first`: the
     first prompt's place in the step's whole batch; rows are seeded by their place in it, so a
     slice of the prompts sampled alone gets the completions the whole batch gives it. media: each
     prompt's image tensors (or None), merged at the prefill of each of its G rows; sampler: in
     place of rl's (rl.images: one that never samples the image token); weights: a resident copy's
-    (recipes.grpo.rollout_engine), its KV cache on the device."""
+    (recipes.grpo.rollout_engine), its KV cache on the device; more: the decoder's hook at a
+    row's finish (recipes.grpo.turns: tool results appended, the row goes on)."""
     engine.wait()  # the optimizer's queued updates land in the host store first
     rows = [((first + p) * G + j, ids) for p, ids in enumerate(prompts) for j in range(G)]
     media = media or [None] * len(prompts)
@@ -120,6 +130,7 @@ def sample(
         on_sweep=on_sweep,
         media=pixels,
         weights=weights,
+        more=more,
     )
     out = []
     for c in dec.run(rows):
@@ -139,15 +150,23 @@ def micro_batches_of(
         rows = []
         for r in part:
             lab = [IGNORE] * len(r.ids) if mask_truncated and r.truncated else r.ids
+            if r.mask is not None:  # a tool result's ids: no label
+                lab = [t if m else IGNORE for t, m in zip(lab, r.mask, strict=True)]
             rows.append((r.prompt_ids + r.ids, [IGNORE] * len(r.prompt_ids) + lab))
         mb = MicroBatch.from_rows(rows, pad_id)
         mb.media = media_of(part)
         mb.payload = GRPOPayload(adv[a : a + size].clone().float(), len(part))
         if part and all(r.sampling is not None for r in part):  # in label order: the labelled rows'
-            kept = [r.sampling for r in part if not (mask_truncated and r.truncated)]
-            mb.payload.sampling = torch.tensor([v for s in kept for v in s or []], dtype=torch.float32)
+            kept = [_sampled(r) for r in part if not (mask_truncated and r.truncated)]
+            mb.payload.sampling = torch.tensor([v for s in kept for v in s], dtype=torch.float32)
         out.append(mb)
     return out
+
+
+def _sampled(r: Rollout) -> list[float]:
+    """The sampler's log-probs of the labelled ids (a tool result's left out)."""
+    s = r.sampling or []
+    return s if r.mask is None else [v for v, m in zip(s, r.mask, strict=True) if m]
 
 
 def media_of(rollouts: list[Rollout]) -> dict | None:
@@ -177,6 +196,7 @@ def lines(
             "advantage": float(adv[k]),
             "truncated": r.truncated,
             **({"sampling_logps": r.sampling} if r.sampling is not None else {}),
+            **({"messages": r.messages, "tool_mask": r.mask} if r.messages is not None else {}),
             **{c: v[k] for c, v in (extra or {}).items() if k < len(v)},
         }
         out.append(json.dumps(rec, ensure_ascii=False) + "\n")
