@@ -31,6 +31,8 @@ The link: engine.link_gbps when set, else 50 GB/s, a PCIe 5.0 x16 host-to-device
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...arch import ArchSpec
 from ...config import Config
 from ...data import PreparedData
@@ -104,7 +106,7 @@ def rollout_plan(
         (2 * arch.n_layers - 1) * sweep / max(arch.n_layers, 1) / (gbps * 1e9),
         8 * params * tokens / (DEVICE_TFLOPS * 1e12),
     )
-    out = {
+    out: dict[str, Any] = {
         "rows": total,
         "rank_rows": rows,
         "world": world,

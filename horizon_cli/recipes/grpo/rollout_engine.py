@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -158,7 +159,7 @@ class Rollouts:
         return self.choice
 
     def sample(
-        self, prompts: list[list[int]], G: int, seed: int, sampler: Sampler | None, **kw
+        self, prompts: list[list[int]], G: int, seed: int, sampler: Sampler | None, **kw: Any
     ) -> list[ro.Rollout]:
         """kw: recipes.grpo.rollouts.sample's (eos, tokenizer, on_sweep, first, media)."""
         rl, e = self.rl, self.engine
