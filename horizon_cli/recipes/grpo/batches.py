@@ -312,20 +312,10 @@ class GRPOBatches:
         if shown is not None:
             cols = {"prompt": [prompts[o.prompt].prompt for o in outs]} | logs.get("extra", {})  # as read
             shown += ro.lines(outs, [x.name for x in self.rewards], per_func, r, adv, cols)
-        # TRL counts the sampled ids only (tool_mask 1)
-        lengths = torch.tensor([sum(o.mask) if o.mask else len(o.ids) for o in outs], dtype=torch.float32)
-        trunc = torch.tensor([o.truncated for o in outs])
-        term = lengths[~trunc]
         m = (
             reward_metrics(per_func, [x.name for x in self.rewards], r, zero)
+            | ro.length_metrics(outs)
             | {
-                "completions/mean_length": lengths.mean().item(),
-                "completions/min_length": lengths.min().item(),
-                "completions/max_length": lengths.max().item(),
-                "completions/clipped_ratio": trunc.float().mean().item(),
-                "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
-                "completions/min_terminated_length": term.min().item() if term.numel() else 0.0,
-                "completions/max_terminated_length": term.max().item() if term.numel() else 0.0,
                 "rollout_s": t1 - t0,
                 "reference_s": t3 - t2,
                 "rollout_tokens_per_s": ro.speed(sweeps),

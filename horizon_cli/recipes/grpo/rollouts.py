@@ -169,6 +169,22 @@ def _sampled(r: Rollout) -> list[float]:
     return s if r.mask is None else [v for v, m in zip(s, r.mask, strict=True) if m]
 
 
+def length_metrics(outs: list[Rollout]) -> dict[str, float]:
+    """TRL's completions/* metrics; with rl.tools the sampled ids only (tool_mask 1), as TRL counts."""
+    lengths = torch.tensor([sum(o.mask) if o.mask else len(o.ids) for o in outs], dtype=torch.float32)
+    trunc = torch.tensor([o.truncated for o in outs])
+    term = lengths[~trunc]
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": trunc.float().mean().item(),
+        "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
+        "completions/min_terminated_length": term.min().item() if term.numel() else 0.0,
+        "completions/max_terminated_length": term.max().item() if term.numel() else 0.0,
+    }
+
+
 def media_of(rollouts: list[Rollout]) -> dict | None:
     """The rows' image tensors back to back, as the processor batches them (data.collate); None: none."""
     got = [r.media for r in rollouts if r.media]
