@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-lora demo-dpo demo-grpo demo-vision test test-slow audit lint format bench bench-convert smollm2 clean
+.PHONY: install demo demo-lora demo-dpo demo-grpo demo-vision test test-slow test-full audit lint format bench bench-convert smollm2 clean
 
 install: $(STAMP)
 
@@ -32,11 +32,20 @@ demo-grpo: install
 demo-vision: install
 	$(BIN)/python -m scripts.demo_vision
 
+# two tiers (docs/benchmarks.md, "The test tiers"): `make test` the fast one (pyproject's addopts: not slow and not
+# opt-in), `make test-slow` only the slow one, `make test-full` both in one run; .ci/run runs test then test-slow.
+# Opt-in, in neither: gpu (a CUDA device), smollm2 and gemma3 (real checkpoints built on demand)
+OPT_IN  := not gpu and not smollm2 and not gemma3
+PYTEST  := $(BIN)/python -m pytest -n auto --dist loadfile
+
 test: install
-	$(BIN)/python -m pytest -n auto --dist loadfile
+	$(PYTEST)
 
 test-slow: install
-	$(BIN)/python -m pytest -n auto --dist loadfile -m 'slow or not slow and not gpu and not smollm2'
+	$(PYTEST) -m 'slow and $(OPT_IN)'
+
+test-full: install
+	$(PYTEST) -m '$(OPT_IN)'
 
 # the mutation audit (scripts/mutation_audit.py, its rows in scripts/mutation_audit.yaml): each row's mutant against its tests, one at a time
 # (hours on a laptop); rows whose anchor no longer applies are listed as stale, not failed

@@ -95,6 +95,7 @@ def check_ordering(spans) -> None:
     assert opt and grads and loads
 
 
+@pytest.mark.slow  # bf16, 20 layers x 2 steps; check_ordering also runs in the fast test_loads_are_issued_ahead_...
 @pytest.mark.parametrize("prefetch", [1, 2, 3])
 def test_schedule_ordering(store, prefetch):
     # on a GPU (scripts/gpu_check.sh) the real link; on the CPU an emulated 2 GB/s one

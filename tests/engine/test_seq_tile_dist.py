@@ -23,6 +23,7 @@ def moe_store(tmp_path_factory):
     return store_with_tokenizer(tmp_path_factory.mktemp("moe"), "qwen3_moe", output_router_logits=True)
 
 
+@pytest.mark.slow  # torchrun x 2; tiles = untiled stays fast in tests/engine/test_seq_tile.py
 def test_two_tiled_ranks_train_what_one_untiled_rank_trains(tiny_store, moe_store, tmp_path):
     eng = {"device": "cpu", "dtype": "float32", "keep_activations": 0}
     cfgs = {}

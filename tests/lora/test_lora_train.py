@@ -61,6 +61,7 @@ def reference(tiny_store, tmp_path_factory):
     return data, tmp / "run"
 
 
+@pytest.mark.slow  # a kill and a resume (tests/train/test_train_resume.py keeps the fast ones)
 def test_killed_lora_run_resumes_bitwise(tiny_store, reference, tmp_path):
     data, ref_run = reference
     cfg = write_config(tmp_path / "cfg.yaml", tiny_store, data, tmp_path / "run", **SECTIONS)

@@ -125,6 +125,7 @@ def resumable_copy(src: Path, dst: Path, cfg: Path) -> None:
     cfg.write_text(yaml.safe_dump(c))
 
 
+@pytest.mark.slow  # 1, 2 and 3 ranks, a kill, two reshardings; the bf16 test below keeps 2 ranks = 1 fast
 def test_fp32_ranks_match_one_rank_through_kill_and_resharding(tiny_store, tmp_path):
     ref = config(tmp_path, tiny_store, "ref", **FP32)
     one_rank(ref)

@@ -168,6 +168,7 @@ def test_horizon_train_tiles_and_records_the_tile(tiny_store, tmp_path):
     assert losses[8] == pytest.approx(losses[0], rel=1e-6) and losses["auto"] == losses[0]
 
 
+@pytest.mark.slow  # a stop and resume under tiles; resume itself stays fast (tests/train/test_train_resume.py)
 def test_a_tiled_run_resumes_bitwise(tiny_store, tmp_path):
     """Four tiled steps, then two more resumed from the step-4 checkpoint, train steps 5 and 6 as
     an uninterrupted tiled run does, bit for bit (a constant schedule: train.steps may grow)."""

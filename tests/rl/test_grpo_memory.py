@@ -23,7 +23,8 @@ def _bins(run) -> dict:
     return {str(f.relative_to(ck)): f.read_bytes() for f in sorted(ck.rglob("*.bin"))}
 
 
-@pytest.mark.parametrize("keep", [1, 2])  # the tiny store has 2 layers: the last one, and all
+# the tiny store has 2 layers: the last one kept, and all (the slow tier)
+@pytest.mark.parametrize("keep", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_kept_layers_train_bitwise_what_recompute_trains(tmp_path, tiny_store, keep):
     """Bitwise, not a tolerance: a kept layer's backward runs the graph its forward built, a
     recomputed layer's backward runs the same forward again on the same inputs and weights (same

@@ -171,6 +171,7 @@ class NoReset:
 
 WRAPPER = """
 import os, signal, sys
+sys.path.insert(0, os.environ["HORIZON_REPO"])  # tests.support: a script's path starts at its own folder
 from horizon_cli.model.sample import Sampler
 from horizon_cli.recipes.grpo import rollouts as ro, turns
 from tests.support.scripted import Scripted

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.parallel.test_dist import config, torchrun, weights
 
 
+@pytest.mark.slow  # torchrun x 2; tests/runtime/test_chaos.py keeps the chaos transport fast
 def test_two_ranks_under_chaos_equal_the_plain_transport(tiny_store, tmp_path):
     runs = {}
     for chaos in (False, True):

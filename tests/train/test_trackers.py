@@ -149,6 +149,7 @@ def tensorboard_scalars(logdir, key: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(key)]
 
 
+@pytest.mark.slow  # a kill and a resume under both trackers (the first test keeps them fast)
 def test_a_killed_run_resumed_logs_each_step_once(tiny_store, tmp_path, monkeypatch):
     """SIGKILL at step 7 after a checkpoint at step 4 (steps 5 and 6 logged), then resumed: MLflow's
     history and TensorBoard's scalars hold each step once, with the values metrics.jsonl holds (the

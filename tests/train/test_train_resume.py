@@ -112,12 +112,16 @@ def fresh(tiny_store, reference, tmp_path):
 @pytest.mark.parametrize(
     "fault,resume_from",
     [
-        ("checkpoint-synced:2", None),  # the first checkpoint never landed: start over
+        # the fast tier keeps two (a kill between steps, a half-written checkpoint); the slow tier the rest
+        # the first checkpoint never landed: start over
+        pytest.param("checkpoint-synced:2", None, marks=pytest.mark.slow),
         ("after-step:3", 2),
         ("checkpoint-written:4", 2),  # step_4 half-written: step_2 is intact
-        ("checkpoint-renamed:4", 4),  # killed before pruning step_2: keep_last holds after the re-run
-        ("prune-renamed:2", 4),  # killed while deleting step_2: the re-run finishes it off
-        ("after-step:5", 4),
+        # killed before pruning step_2: keep_last holds after the re-run
+        pytest.param("checkpoint-renamed:4", 4, marks=pytest.mark.slow),
+        # killed while deleting step_2: the re-run finishes it off
+        pytest.param("prune-renamed:2", 4, marks=pytest.mark.slow),
+        pytest.param("after-step:5", 4, marks=pytest.mark.slow),
     ],
 )
 def test_killed_run_resumes_bitwise_identical(reference, fresh, fault, resume_from):
@@ -159,6 +163,7 @@ def soak(cfg: Path, kills: list[tuple[str, float]], phases: Path) -> list[tuple[
     return out
 
 
+@pytest.mark.slow  # ~1 min: random kills; the fixed ones above stay in the fast tier
 def test_crash_soak_short(reference, fresh, tmp_path):
     """Three kills at marks drawn at random from the checkpoint, prune and export phases."""
     _, ref, _ = reference

@@ -166,7 +166,7 @@ class Rollouts:
         c = self.decide()
         if c.engine == "streamed":
             return ro.sample(e, prompts, G, rl, seed, kv=self.kv_cache, sampler=sampler, **kw)
-        base = sampler or Sampler(rl.temperature, rl.top_p, rl.top_k, seed, rl.min_p, rl.repetition_penalty)
+        base = sampler or ro.rl_sampler(rl, seed)
         rec = RecordingSampler(base, rl.temperature) if c.weights != "full" else None
         with ResidentCopy.refresh(e, c.weights) as copy:
             self.refresh_s, self.refresh_bytes = copy.refresh_s, copy.refresh_bytes

@@ -122,7 +122,7 @@ def sample(
             pixels[r] = m
     dec = Decoder(
         engine,
-        sampler or Sampler(rl.temperature, rl.top_p, rl.top_k, seed, rl.min_p, rl.repetition_penalty),
+        sampler or rl_sampler(rl, seed),
         max_new_tokens=rl.max_completion_length,
         eos_ids=eos,
         tokenizer=tokenizer,
@@ -137,6 +137,11 @@ def sample(
         p = c.index // G - first
         out.append(Rollout(p, prompts[p], list(c.ids), c.text, c.finish != "eos", media[p]))
     return out
+
+
+def rl_sampler(rl: RLConfig, seed: int) -> Sampler:
+    """The rollouts' sampler from rl's settings (every engine's: one place to build it)."""
+    return Sampler(rl.temperature, rl.top_p, rl.top_k, seed, rl.min_p, rl.repetition_penalty)
 
 
 def micro_batches_of(

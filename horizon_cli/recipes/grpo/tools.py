@@ -45,7 +45,7 @@ class Toolbox:
         """The tools of one rollout: rl.tools and its environment instance's methods."""
         return self.functions + (methods(env) if env is not None else [])
 
-    def make(self, where: str) -> object:
+    def make(self, where: str) -> Any:  # the user's class: its methods are called by name
         """A fresh environment instance (a constructor that raises: one line naming `where`)."""
         assert self.environment is not None
         try:

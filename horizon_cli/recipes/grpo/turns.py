@@ -71,7 +71,7 @@ class ToolRollouts:
         if self.box.environment is not None:
             env = self.box.make(where)
             try:
-                seen = env.reset(**record)  # type: ignore[attr-defined]
+                seen = env.reset(**record)
             except Exception as e:
                 raise InputError(
                     f"rl.environment ({self.box.env_name}): reset raised {type(e).__name__}: {e} ({where})"
@@ -137,14 +137,14 @@ class ToolRollouts:
             (later if coro is not None else first).append((name, got))
         return [(n, self._content(t, n, v)) for n, v in first + later]
 
-    def _call(self, run: object) -> object:
+    def _call(self, run: Any) -> object:  # a function of no arguments, or a coroutine
         """A call's result (its exception raised): a function called, or a coroutine awaited, in a
         thread of its own, failing after rl.tool_timeout_s."""
-        box: dict[str, object] = {}
+        box: dict[str, Any] = {}
 
         def target() -> None:
             try:
-                box["ok"] = asyncio.run(run) if inspect.iscoroutine(run) else run()  # type: ignore[operator]
+                box["ok"] = asyncio.run(run) if inspect.iscoroutine(run) else run()
             except BaseException as e:
                 box["err"] = e
 
@@ -154,7 +154,7 @@ class ToolRollouts:
         if th.is_alive():  # left running (a thread cannot be stopped): its result is dropped
             raise TimeoutError(f"timed out after {self.box.timeout_s:g} s")
         if "err" in box:
-            raise box["err"]  # type: ignore[misc]
+            raise box["err"]
         return box.get("ok")
 
     def _fail(self, t: Turns, name: str, why: str) -> None:
