@@ -84,8 +84,12 @@ def test_bf16_twenty_steps_match_a_mixed_precision_reference(tmp_path, kernel):
         assert float(moved.norm()) > 0, name
         # each tensor's movement, within 5% of itself (measured: <= 1.4%; no update: 100%)
         assert float((ours[name] - want).norm() / moved.norm()) < 0.05, name
-        # the streaming copy is the master rounded to bf16
-        assert torch.equal(streamed[name], ours[name].to(torch.bfloat16).float()), name
+        # the streaming copy is the master rounded to bf16: to nearest, an exact tie away from zero
+        # (optim/split.py; torch's .to rounds ties to even: they differ on ~2^-16 of the values)
+        m = ours[name].contiguous()
+        tie = (m.view(torch.int32) & 0xFFFF) == 0x8000
+        assert torch.equal(streamed[name][~tie], m.to(torch.bfloat16).float()[~tie]), name
+        assert bool((streamed[name][tie].abs() > m[tie].abs()).all()), name
 
 
 def host_state(eng) -> dict[str, bytes]:
