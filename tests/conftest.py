@@ -105,3 +105,26 @@ def write_config(path: Path, store: Path, data_path: Path, out: Path, **sections
         cfg.setdefault(section, {}).update(values)
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+SLOW_TIER = Path(__file__).with_name("slow_tier.txt")
+
+
+def slow_tier_ids() -> list[str]:
+    """tests/slow_tier.txt's lines: node ids (or prefixes ending in *) of the measured slow tier."""
+    lines = (ln.strip() for ln in SLOW_TIER.read_text().splitlines())
+    return [ln for ln in lines if ln and not ln.startswith("#")]
+
+
+def in_slow_tier(nodeid: str, line: str) -> bool:
+    if line.endswith("*"):
+        return nodeid.startswith(line[:-1])
+    return nodeid == line or nodeid.startswith(line + "[")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m selection reads the markers
+def pytest_collection_modifyitems(config, items):
+    ids = slow_tier_ids()
+    for item in items:
+        if any(in_slow_tier(item.nodeid, ln) for ln in ids):
+            item.add_marker(pytest.mark.slow)

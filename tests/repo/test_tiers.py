@@ -118,6 +118,12 @@ def test_the_collection_splits_into_the_tiers_and_the_audit_tests_run(tmp_path):
     assert len(items) > 1000
     for marks in {frozenset(m) for m in items.values()}:
         check(set(marks))
+    from tests.conftest import in_slow_tier, slow_tier_ids
+
+    for line in slow_tier_ids():  # the measured slow tier: each line still names a test, marked slow
+        named = [i for i in items if in_slow_tier(i, line)]
+        assert named, f"tests/slow_tier.txt: {line} names no test"
+        assert all("slow" in items[i] for i in named), line
     in_a_tier = {i for i, m in items.items() if tier(m) != "opt-in"}
     for row in script("mutation_audit").MUTATIONS:
         for test in row.tests:
