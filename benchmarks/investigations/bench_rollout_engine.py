@@ -87,7 +87,23 @@ def main(argv=None) -> None:
     for _ in range(a.repeats):
         for link in links:
             for engine, fmt in cases:
-                rows.setdefault((link, engine, fmt), []).append(one(store, a, link, engine, fmt, prompts))
+                r = one(store, a, link, engine, fmt, prompts)
+                rows.setdefault((link, engine, fmt), []).append(r)
+                print(
+                    f"sample: link {link:g} {engine} {fmt}: {r['wall_s']:.2f} s (refresh {r['refresh_s']:.2f} s)",
+                    flush=True,
+                )
+                if a.json:  # every sample so far: a long run interrupted keeps what it measured
+                    a.json.parent.mkdir(parents=True, exist_ok=True)
+                    a.json.write_text(
+                        json.dumps(
+                            {
+                                "args": {k: str(v) for k, v in vars(a).items()},
+                                "rows": [x for rs in rows.values() for x in rs],
+                            },
+                            indent=1,
+                        )
+                    )
     print(
         "| link GB/s | engine | weights | rollout s (median) | samples | refresh s | refresh MiB | decode sweeps' link MiB | tokens/s |"
     )
