@@ -7,23 +7,24 @@ Builds a random Llama-shaped fp32 store once (benchmarks/prepare.py, `bench_out/
 runs each case in a fresh child process (Engine.step, `device: cpu`, no checkpoint): its peak RSS
 (ru_maxrss) and its median step time after the first step. Cases: release off / on at
 grad_clip 0 (one pass), and off / on at grad_clip 1 (release: the norm-first pass), interleaved
-`--repeats` times (the machine is shared: the best of the repeats is reported). The plan's host
-gradient bytes: every unit's fp32 gradient without release (4 B/param), RELEASE_BUFFERS buffers
-the size of the largest unit's with it.
+`--repeats` times (the machine is shared: the median of the repeats is reported, every sample kept
+in `--json`). The plan's host gradient bytes come from `horizon train --dry-run --json` on the same
+store and shape, release off and on (its `host` category "gradients ..."): every unit's fp32
+gradient without release (4 B/param), RELEASE_BUFFERS buffers the size of the largest unit's (the
+head's) plus the embedding's fp32 gradient with it (optim/modes.py grad_bytes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-from horizon_cli.optim.modes import RELEASE_BUFFERS
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -40,6 +41,25 @@ def prepare(shape: dict, seq: int) -> Path:
     (OUT / "job.json").write_text(json.dumps(job))
     subprocess.run([sys.executable, str(HERE / "prepare.py"), str(OUT / "job.json")], check=True)
     return store
+
+
+def plan(store: Path, release: str, clip: float, batch: int, seq: int) -> dict:
+    """`horizon train --dry-run --json` for this case: its host plan (bytes by category)."""
+    rows = OUT / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"input_ids": [1] * seq}) + "\n" for _ in range(batch)))
+    cfg = OUT / f"plan-{release}.yaml"
+    cfg.write_text(
+        f"model: {{path: {store}}}\n"
+        f"data: {{path: {rows}, format: tokens, max_seq_len: {seq}}}\n"
+        f"train: {{steps: 4, batch_size: {batch}, micro_batch_size: 1}}\n"
+        f"optim: {{lr: 1.0e-4, grad_clip: {clip}, grad_release: '{'true' if release == 'on' else 'false'}'}}\n"
+        "engine: {device: cpu, dtype: float32, keep_activations: 0}\n"
+        f"output: {{dir: {OUT / 'plan-run'}}}\n"
+    )
+    js = OUT / f"plan-{release}.json"
+    cmd = [sys.executable, "-m", "horizon_cli.cli", "train", str(cfg), "--dry-run", "--json", str(js)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(js.read_text())
 
 
 def child(store: str, release: str, clip: float, steps: int, batch: int, seq: int) -> dict:
@@ -84,6 +104,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--child", nargs=3)
+    ap.add_argument("--json", type=Path, default=OUT / "result.json")
     a = ap.parse_args()
     if a.child:
         store, release, clip = a.child
@@ -91,7 +112,10 @@ def main() -> None:
         return
     shape = {"hidden": 768, "intermediate": 2048, "layers": a.layers, "heads": 12, "vocab": 32000}
     store = prepare(shape, a.seq)
-    best: dict[tuple[str, float], dict] = {}
+    plans = {r: plan(store, r, 0.0, a.batch, a.seq) for r in ("off", "on")}
+    grads = {r: sum(v for k, v in p["host"].items() if k.startswith("gradients")) for r, p in plans.items()}
+    samples: dict[tuple[str, float], list[dict]] = {c: [] for c in CASES}
+    load = [os.getloadavg()[0]]
     for _ in range(a.repeats):
         for release, clip in CASES:
             cmd = [sys.executable, __file__, "--child", str(store), release, str(clip)]
@@ -99,18 +123,31 @@ def main() -> None:
             r = json.loads(
                 subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
             )
-            b = best.setdefault((release, clip), r)
-            b["step_s"], b["peak_rss"] = min(b["step_s"], r["step_s"]), min(b["peak_rss"], r["peak_rss"])
-    numel = best[("off", 0.0)]["numel"]
-    largest = best[("off", 0.0)]["largest"]
+            samples[(release, clip)].append(r)
+            load.append(os.getloadavg()[0])
+    first = samples[("off", 0.0)][0]
+    numel, largest = first["numel"], first["largest"]
     print(f"{numel / 1e6:.1f}M parameters, largest unit {largest / 1e6:.1f}M, batch {a.batch} x {a.seq}")
-    off, on = numel * 4 / 2**20, RELEASE_BUFFERS * largest * 4 / 2**20
-    print(f"plan host gradients: without release {off:.0f} MiB, with {on:.0f} MiB")
-    for (release, clip), r in best.items():
+    print(
+        f"plan host gradients (horizon train --dry-run --json): without release {grads['off'] / 2**20:.0f} MiB, "
+        f"with {grads['on'] / 2**20:.0f} MiB: {(grads['off'] - grads['on']) / 2**20:.0f} MiB less; "
+        f"plan host total {plans['off']['host_bytes'] / 2**20:.0f} -> {plans['on']['host_bytes'] / 2**20:.0f} MiB"
+    )
+    print(f"load average (1 min) over the run: {min(load):.1f} to {max(load):.1f}")
+    out = {"shape": shape, "batch": a.batch, "seq": a.seq, "steps": a.steps, "plan_grad_bytes": grads}
+    out["load"] = load
+    out["cases"] = []
+    for (release, clip), rs in samples.items():
+        rss = statistics.median(r["peak_rss"] for r in rs)
+        step = statistics.median(r["step_s"] for r in rs)
+        steps = " ".join(f"{r['step_s']:.2f}" for r in rs)
         print(
-            f"release {release:>3} grad_clip {clip}: peak RSS {r['peak_rss'] / 2**20:,.0f} MiB, "
-            f"step {r['step_s']:.2f} s, pool {r['pool_bytes'] / 2**20:.0f} MiB"
+            f"release {release:>3} grad_clip {clip}: peak RSS {rss / 2**20:,.0f} MiB (median of {len(rs)}), "
+            f"step {step:.2f} s (median; samples {steps}), pool {rs[0]['pool_bytes'] / 2**20:.0f} MiB"
         )
+        out["cases"].append({"release": release, "grad_clip": clip, "samples": rs})
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -8,15 +8,16 @@ arithmetic left out, every transfer and update overlapped perfectly within its p
 
   device   forward 2 P N FLOPs, the backward's recompute 2 P N and backward 4 P N, at
            --tflops x --mfu-layers
-  link     each phase's loads, P bf16 weights each (forward, recompute; a norm-first pass one more),
+  link     each phase's loads, P bf16 weights each (forward, recompute; a norm-first pass two more),
            and the backward's P bf16 gradients the other way, at --link-gbs each way
   host     DRAM traffic at --host-gbs: the link's copies (read or written once) and exact AdamW's
            26 B/param (read weight 2, int16 remainder 2, moments 8, gradient 2; write 12)
 
 Without release every update waits for the global norm, so AdamW overlaps only the next step's
 forward (the forward's phase also holds it); with release (optim.grad_clip 0) it runs inside the
-backward; with release and grad_clip > 0 a norm-first pass adds a backward that only measures the
-norm (its loads and compute, no gradient leaves the device). A short tail (the last unit's and the
+backward; with release and grad_clip > 0 a norm-first pass adds, as built (engine/step.py released_step),
+a whole forward and backward that only measure the norm (their loads and compute, no gradient
+leaves the device). A short tail (the last unit's and the
 embedding's AdamW) is added to each. MFU counts 6 P N useful FLOPs against the peak.
 """
 
@@ -39,7 +40,8 @@ def step(tokens: int, a: argparse.Namespace, release: str) -> float:
         forward = max(fwd, load, adamw + 2 * P / host)
         return forward + max(bwd, load, 4 * P / host) + tail
     releasing = max(bwd, load, adamw + 4 * P / host)
-    norm = max(bwd, load, 2 * P / host) if release == "norm-first" else 0.0
+    measure = max(fwd, load, 2 * P / host) + max(bwd, load, 2 * P / host)  # the measuring pass
+    norm = measure if release == "norm-first" else 0.0
     return max(fwd, load, 2 * P / host) + norm + releasing + tail
 
 

@@ -8,10 +8,11 @@ adapters' gradients are counted whole, an upper bound). The resolved value is wh
 config records (config.yaml), and one line says why.
 
 Release and clipping (the engine's semantics, docs/engine.md): with `optim.grad_clip: 0` one pass,
-the same training bit for bit as without release; with `grad_clip > 0` a norm-first pass (a
-backward that only measures the global norm, then the releasing backward from the same saved
-inputs): 3 loads per recomputed layer instead of 2 and one more backward's compute. A non-finite
-gradient found mid-release stops the run, its last checkpoint intact.
+the same training bit for bit as without release; with `grad_clip > 0` a norm-first pass (as
+built, engine/step.py released_step: a whole forward and backward that only measure the global
+norm, then the releasing forward and backward): each recomputed layer loaded 4 times a step
+instead of 2, each kept layer twice instead of once, and twice the compute (`norm_first_loads`).
+A non-finite gradient found mid-release stops the run, its last checkpoint intact.
 """
 
 from __future__ import annotations
@@ -78,9 +79,17 @@ def clipping_line(cfg: Config, plan: MemoryPlan) -> str:
             "(the last checkpoint intact)"
         )
     recomputed = (plan.calls or plan.layers) - plan.kept
+    loads, base = norm_first_loads(recomputed, plan.kept), 2 * recomputed + plan.kept
     return (
-        f"gradient release, optim.grad_clip {cfg.optim.grad_clip:g} > 0: a norm-first pass: the "
-        f"forward, a backward that only measures the global norm, then the releasing backward from "
-        f"the same saved inputs: 3 loads per recomputed layer instead of 2 ({recomputed} recomputed "
-        f"here) and one more backward's compute per step; optim.grad_clip: 0 runs one pass"
+        f"gradient release, optim.grad_clip {cfg.optim.grad_clip:g} > 0: a norm-first pass: a whole "
+        f"forward and backward that only measure the global norm, then the releasing forward and "
+        f"backward: {loads} layer loads a step instead of {base} (each recomputed layer 4 times "
+        f"instead of 2, each kept layer twice instead of once; {recomputed} recomputed, {plan.kept} "
+        f"kept here) and twice the compute; optim.grad_clip: 0 runs one pass"
     )
+
+
+def norm_first_loads(recomputed: int, kept: int) -> int:
+    """Layer weight loads of a norm-first release step (grad_clip > 0): two whole passes, each
+    loading a recomputed layer twice (forward, backward) and a kept layer once."""
+    return 2 * (2 * recomputed + kept)

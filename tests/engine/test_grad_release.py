@@ -199,3 +199,21 @@ def test_a_nan_in_the_top_layer_with_nothing_updated_before_skips_or_stops(tmp_p
             assert {k.rsplit(".", 1)[0] for k in changed} == {"head"}
     finally:
         eng.close()
+
+
+def test_the_norm_first_pass_loads_what_the_dry_run_says(tmp_path):
+    """The dry run's clipping line (planning.release.norm_first_loads) counts the layer loads a
+    norm-first step makes: two whole passes, so 4 per recomputed layer and 2 per kept layer."""
+    from horizon_cli.planning.release import norm_first_loads
+
+    _, store = make_store(tmp_path, "llama", False)
+    layers, rows = store.arch.n_layers, random_rows(4, store.arch.vocab, seed=3, lo=10, hi=24)
+    loads = {}
+    for release in (True, False):
+        eng = engine(store, release, clip=1.0, keep=1)
+        try:
+            loads[release] = eng.step(micro_batches(rows, 2), 1e-2).weight_loads
+        finally:
+            eng.close()
+    assert loads[False] == 2 * (layers - 1) + 1
+    assert loads[True] == norm_first_loads(layers - 1, 1) == 2 * loads[False]
