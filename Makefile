@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-lora demo-dpo demo-grpo demo-vision test test-slow test-full audit lint format bench bench-convert smollm2 clean
+.PHONY: install demo demo-lora demo-dpo demo-grpo demo-tools demo-vision test test-slow test-full audit lint format bench bench-convert smollm2 clean
 
 install: $(STAMP)
 
@@ -28,6 +28,9 @@ demo-dpo: install
 
 demo-grpo: install
 	$(BIN)/python scripts/demo.py --grpo
+
+demo-tools: install
+	$(BIN)/python scripts/demo.py --tools
 
 demo-vision: install
 	$(BIN)/python -m scripts.demo_vision

@@ -18,6 +18,14 @@ reference pass runs first, then rewards_accuracy rises step by step and the answ
 number ninety-eight in digits.", horizon_cli/demo/numbers.jsonl) with two verifiable rewards (the
 reply's number is right; the reply is short); each step samples 8 answers to 2 prompts on the
 weights being trained, and the mean reward per step is printed at the end.
+
+`--tools` (`make demo-tools`, configs/demo-tools-warmup.yaml then configs/demo-tools.yaml) teaches
+the model to call a calculator (configs/calc_tools.py) on products it gets wrong alone ("What is
+665 * 74?"): a copy of the store whose tokenizer renders and parses tool calls (TRL's ChatML
+Qwen2.5 template, its response template: runs/demo-tools-store, the units linked, not copied), a
+4-step SFT warm-up on 16 chats (calls on sums, small products answered directly), then GRPO with
+the calculator in the rollouts, rewarded for the right product. The held-out products are asked
+before, after the warm-up and after GRPO (scripts/demo_tools.py), the transcripts printed.
 """
 
 from __future__ import annotations
@@ -34,7 +42,10 @@ STORE = REPO / ".cache" / "smollm2" / "store"
 LORA = "--lora" in sys.argv[1:]
 DPO = "--dpo" in sys.argv[1:]
 GRPO = "--grpo" in sys.argv[1:]
-NAME = "demo-grpo" if GRPO else "demo-dpo" if DPO else "demo-lora" if LORA else "demo"
+TOOLS = "--tools" in sys.argv[1:]
+NAME = (
+    "demo-tools" if TOOLS else "demo-grpo" if GRPO else "demo-dpo" if DPO else "demo-lora" if LORA else "demo"
+)
 RUN = REPO / "runs" / NAME
 CONFIG = f"configs/{NAME}.yaml"
 QUESTIONS = (
@@ -78,6 +89,8 @@ def answer(src: Path, questions: list[str], out: Path) -> list[str]:
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if TOOLS:
+        return tools()
     banner("1/5 build SmolLM2-135M-Instruct (an HF checkpoint nobody here made)")
     run([sys.executable, REPO / "scripts" / "smollm2.py", HF])
     banner("2/5 convert it into a horizon store")
@@ -132,6 +145,74 @@ def rewards(metrics: Path) -> None:
     print("\n  mean reward by step:        " + " ".join(f"{r['reward']:.2f}" for r in rows))
     print("  right number, by step:      " + " ".join(f"{r['rewards/correct/mean']:.2f}" for r in rows))
     print(f"  rollouts: {metrics.parent / 'rollouts'}/step-N.jsonl")
+
+
+def tool_store(src: Path, dst: Path) -> None:
+    """A copy of the store whose tokenizer calls tools: TRL's Qwen2.5 chat template (ChatML, as
+    SmolLM2's own, which renders no tools) and its response template (TRL's add_response_schema);
+    the units linked to the store's, never changed."""
+    import trl
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import add_response_schema
+
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    shutil.copy(src / "manifest.json", dst / "manifest.json")
+    os.symlink((src / "units").resolve(), dst / "units")
+    shutil.copytree(src / "hf", dst / "hf")
+    tok = AutoTokenizer.from_pretrained(dst / "hf")
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    add_response_schema(tok)
+    tok.save_pretrained(dst / "hf")
+    print(
+        f"{dst}: the store's units (linked), the tokenizer with a tool-calling chat template and response template"
+    )
+
+
+def tools() -> None:
+    import json
+
+    sys.path.insert(0, str(REPO))
+    from scripts.demo_tools import ask
+
+    base, warm = REPO / "runs" / "demo-tools-store", REPO / "runs" / "demo-tools-warmup"
+    held = [json.loads(x) for x in (REPO / "horizon_cli/demo/calc_heldout.jsonl").read_text().splitlines()]
+    banner("1/6 build SmolLM2-135M-Instruct and its store")
+    run([sys.executable, REPO / "scripts" / "smollm2.py", HF])
+    if not (STORE / "manifest.json").is_file():
+        run([*HORIZON, "convert", HF, STORE])
+    banner("2/6 a copy of the store whose tokenizer renders and parses tool calls")
+    tool_store(STORE, base)
+    for d in (RUN, warm):
+        shutil.rmtree(d, ignore_errors=True)  # the demo always starts fresh
+    (RUN / "asked").mkdir(parents=True)
+    banner("3/6 before: 8 held-out products, the calculator offered (horizon generate, greedy)")
+    before = report(ask(base, held, RUN / "asked" / "before.jsonl"))
+    banner("4/6 SFT warm-up: 16 chats (calls on sums and differences; small products answered directly)")
+    run([*HORIZON, "train", "configs/demo-tools-warmup.yaml"])
+    mid = report(ask(warm, held, RUN / "asked" / "warmup.jsonl"))
+    banner("5/6 GRPO with the calculator in the rollouts (reward: the right product)")
+    run([*HORIZON, "train", CONFIG])
+    banner("6/6 after GRPO")
+    after = report(ask(RUN, held, RUN / "asked" / "after.jsonl"))
+    rows = [json.loads(line) for line in (RUN / "metrics.jsonl").read_text().splitlines()]
+    print("\n  mean reward by step:          " + " ".join(f"{r['reward']:.2f}" for r in rows))
+    print("  calculator calls/completion:  " + " ".join(f"{r['tools/call_frequency']:.2f}" for r in rows))
+    print(f"  held-out right: before {before}/8, after the warm-up {mid}/8, after GRPO {after}/8")
+    print(f"  transcripts: {RUN / 'asked'}/*.jsonl   rollouts: {RUN / 'rollouts'}/step-N.jsonl")
+
+
+def report(got: list[dict]) -> int:
+    from scripts.demo_tools import show
+
+    for g in got:
+        print(
+            ("  right  " if g["right"] else "  wrong  ")
+            + f"{g['question']} ({g['answer']})  {show(g['turns'])}"
+        )
+    right = sum(g["right"] for g in got)
+    print(f"  {right}/{len(got)} right", flush=True)
+    return right
 
 
 if __name__ == "__main__":
