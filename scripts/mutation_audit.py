@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ROWS = Path(__file__).with_suffix(".yaml")  # the table: scripts/mutation_audit.yaml
 NATIVE = (".c", ".cc", ".cpp", ".cu", ".h", ".hpp")
 # a row's tests run in both tiers (`make test-full`'s markers): a test moved to the slow tier still counts
-FULL_TIER = "not gpu and not smollm2 and not gemma3"
+FULL_TIER = "not gpu and not smollm2 and not gemma3 and not census"
 
 
 @dataclass

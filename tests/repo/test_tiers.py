@@ -1,7 +1,7 @@
 """The test tiers (docs/benchmarks.md, "The test tiers"): `make test` runs the fast tier (pyproject's
 addopts), `make test-slow` the slow tier, `make test-full` both, and .ci/run runs `make test` then
 `make test-slow`. Every test is in exactly one tier unless it carries an opt-in marker (gpu, smollm2,
-gemma3: the README says how to run those), so CI runs the whole suite, each test once, and nothing
+gemma3, census: the README says how to run those), so CI runs the whole suite, each test once, and nothing
 falls through; the mutation audit runs its rows' tests in both tiers."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def selects(expr: str, marks: set[str]) -> bool:
 
 def opt_in() -> set[str]:
     names = set(re.findall(r"not (\w+)", make_var("OPT_IN")))
-    assert names == {"gpu", "smollm2", "gemma3"}, names  # the README's opt-in runs
+    assert names == {"gpu", "smollm2", "gemma3", "census"}, names  # the README's opt-in runs
     return names
 
 
