@@ -28,6 +28,16 @@ import torch
 from benchmarks.investigations.bench_grpo import build
 
 
+def save(a: argparse.Namespace, rows: dict) -> None:
+    """Every sample so far to --json (none: nothing written)."""
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        rows_out = [x for rs in rows.values() for x in rs]
+        a.json.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "rows": rows_out}, indent=1)
+        )
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
@@ -93,17 +103,7 @@ def main(argv=None) -> None:
                     f"sample: link {link:g} {engine} {fmt}: {r['wall_s']:.2f} s (refresh {r['refresh_s']:.2f} s)",
                     flush=True,
                 )
-                if a.json:  # every sample so far: a long run interrupted keeps what it measured
-                    a.json.parent.mkdir(parents=True, exist_ok=True)
-                    a.json.write_text(
-                        json.dumps(
-                            {
-                                "args": {k: str(v) for k, v in vars(a).items()},
-                                "rows": [x for rs in rows.values() for x in rs],
-                            },
-                            indent=1,
-                        )
-                    )
+                save(a, rows)  # every sample so far: a long run interrupted keeps what it measured
     print(
         "| link GB/s | engine | weights | rollout s (median) | samples | refresh s | refresh MiB | decode sweeps' link MiB | tokens/s |"
     )
@@ -115,17 +115,7 @@ def main(argv=None) -> None:
         print(f"| {r['link_gbps']:g} | {r['engine']} | {r['weights']} | {wall:.2f} | {samples} | {ref:.2f} | "
               f"{r['refresh_bytes'] / 2**20:.1f} | {r['decode_h2d_bytes'] / 2**20:.1f} | {len(prompts) * a.G * a.new / wall:,.0f} |",
               flush=True)  # fmt: skip
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(
-            json.dumps(
-                {
-                    "args": {k: str(v) for k, v in vars(a).items()},
-                    "rows": [x for rs in rows.values() for x in rs],
-                },
-                indent=1,
-            )
-        )
+    save(a, rows)
 
 
 if __name__ == "__main__":

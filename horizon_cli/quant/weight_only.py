@@ -15,6 +15,7 @@ code x scale in fp32 and rounds once into the output's dtype.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -90,9 +91,7 @@ def bytes_per_param(fmt: str, itemsize: int) -> float:
 
 def packed_nbytes(shape: tuple[int, ...], fmt: str, itemsize: int) -> int:
     """Bytes one tensor of `shape` holds in `fmt` (what `quantize` makes of it)."""
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     if not narrowed(shape, fmt):
         return numel * itemsize
     if fmt == "nf4":

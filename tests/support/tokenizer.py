@@ -37,18 +37,24 @@ CORPUS = [
 ]
 
 
-def _backend() -> Tokenizer:
-    """Train a byte-level BPE on CORPUS (deterministic: same corpus, same merges)."""
+def train_bpe(corpus: list[str], specials: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE trained on corpus (deterministic: same corpus, same merges)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIALS,
+        vocab_size=vocab_size,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(corpus * 4, trainer=trainer)
+    return tok
+
+
+def _backend() -> Tokenizer:
+    """The tiny tokenizer's BPE on CORPUS, with its <s> post-processor."""
+    tok = train_bpe(CORPUS, SPECIALS, VOCAB_SIZE)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]

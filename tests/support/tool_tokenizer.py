@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from tests.support.tokenizer import train_bpe
 
 VOCAB_SIZE = 512
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
@@ -38,16 +39,7 @@ def make_tool_tokenizer(tmp_path: str | Path | None = None):
     """The tokenizer (saved to tmp_path and reloaded when given: a model's tokenizer files)."""
     from trl.chat_template_utils import add_response_schema
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok = train_bpe(CORPUS, SPECIALS, VOCAB_SIZE)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
