@@ -14,13 +14,14 @@ reward GRPO trained on).
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "configs"))
-from calc_tools import calculator, correct  # noqa: E402
+CALC = runpy.run_path(str(REPO / "configs" / "calc_tools.py"))  # the tool file GRPO loads (no sys.path edit)
+calculator, correct = CALC["calculator"], CALC["correct"]
 
 HORIZON = [sys.executable, "-m", "horizon_cli.cli"]
 

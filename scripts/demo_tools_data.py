@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import random
-import sys
+import runpy
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "configs"))
-from calc_tools import calculator  # noqa: E402
+calculator = runpy.run_path(str(REPO / "configs" / "calc_tools.py"))["calculator"]  # no sys.path edit
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

@@ -40,13 +40,13 @@ def test_the_configs_load_and_the_tool_is_the_calculator():
 
 
 def test_the_warmup_calls_parse_back_and_the_products_are_held_out(tmp_path):
-    import sys
+    import runpy
 
     from horizon_cli.recipes.grpo.turns import parse
     from tests.support.tool_tokenizer import make_tool_tokenizer
 
-    sys.path.insert(0, str(ROOT / "configs"))
-    from calc_tools import calculator, correct
+    calc = runpy.run_path(str(ROOT / "configs" / "calc_tools.py"))  # the worker's sys.path untouched
+    calculator, correct = calc["calculator"], calc["correct"]
 
     tok = make_tool_tokenizer(tmp_path / "tok")
     calls = 0
