@@ -135,8 +135,7 @@ class HostEmbedding(TableEmbedding):
         """Scatter-add the input gradient into the embedding's fp32 grad, on the host (after a tied
         LM head's dense gradient, `ready["embed"]`). Returns the grad's squared norm."""
         st = self.host["embed"]
-        fresh = not self.host.pool or not self.host.pool.holds("embed")  # release: a pool buffer
-        self.host.take("embed")
+        self.host.take("embed")  # a release run's too is its own buffer on one rank (state.pool)
         n = sum(d.numel() for d in dx)
         host_dx = self._stage("embed_dx", n)
         pairs, off = [], 0
@@ -147,7 +146,7 @@ class HostEmbedding(TableEmbedding):
         if self.spec.tie_embeddings:
             ready.get("embed", READY).host_wait()  # the LM head's dense grad came first
         else:
-            self._zero(st, fresh and self.host.pool is not None)
+            self._zero(st)
         ev.host_wait()
         ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
         embed_grad(st.views(st.grad)["embed"], ids, host_dx.view(-1, self.spec.hidden), self.spec.padding_idx)
@@ -155,12 +154,11 @@ class HostEmbedding(TableEmbedding):
         ready["embed"] = READY
         return sumsq64(st.grad)
 
-    def _zero(self, st: UnitState, whole: bool = False) -> None:
+    def _zero(self, st: UnitState) -> None:
         """The untied gradient zeroed: only the rows the last backward wrote (the rest are zero
         already, so the result is bitwise the same) where the unit is the table alone; a step
-        touches a few thousand of a vocabulary's 10^5 rows (issue 42: the full-vocabulary zero).
-        whole: a release run's pool buffer, which holds what its last user left."""
-        if whole or self.touched is None or len(st.layout.tensors) != 1:
+        touches a few thousand of a vocabulary's 10^5 rows (issue 42: the full-vocabulary zero)."""
+        if self.touched is None or len(st.layout.tensors) != 1:
             st.grad.zero_()
         else:
             st.views(st.grad)["embed"].index_fill_(0, self.touched, 0.0)

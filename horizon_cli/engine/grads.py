@@ -12,10 +12,10 @@ every micro-batch in fp32 on the device and sends the sum to the unit's host gra
                in an fp32 buffer of its own, sent once after its earliest call's backward
     direct     when the transport shares host memory (`device: cpu` without an emulated link)
                and gradients stay fp32, sums accumulate straight into the host buffers: no copy
-    release    (optim.grad_release) a unit's host buffer is taken from the run's pool (state.pool)
-               when its sum first reaches it: per layer at `buffer` (direct) or `send`, the
-               head's (and a shared tied embedding's) at `begin_head`; a loop's sums then live
-               in buffers of their own, as over a link
+    release    (optim.grad_release) one rank: a unit's sum crosses in chunks (`send_chunks`),
+               each into the next of the pool's few fixed-size host buffers (state.pool), and is
+               handed to its update as it lands (engine.release); sums then stay on the device
+               (no `direct`). Several ranks: the reduce-scatter's slice lands in a pool buffer
 
 Sharded runs size the buffers for the whole padded unit (parallel.shard.padded_numel); the
 reduce-scatter there sends each rank's slice to the host instead of `send`.
@@ -23,14 +23,22 @@ reduce-scatter there sends each rank's slice to the host instead of `send`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..parallel.shard import padded_numel
 from ..runtime.events import READY, Event
 from ..runtime.transport import Transport
 from ..state.host import HostState
+from ..state.pool import ChunkPool
+from ..state.slices import spans
 
 Views = dict[str, torch.Tensor]  # a gradient buffer's views by tensor name
+# a release run's taker of one chunk of a unit's gradient: (a, b, host buffer, its landing) -> the
+# event of its reader being done with the buffer (engine.release)
+Chunk = Callable[[int, int, torch.Tensor, Event], Event]
+Chunks = Callable[[str, list[torch.Tensor]], Chunk]  # (unit, its norm's pieces) -> its taker
 
 
 class GradSums:
@@ -56,8 +64,10 @@ class GradSums:
         self.sharded = world > 1
         n_layer = max((self.numel(u) for u in trained if u is not None), default=0)
         narrow = grad_dtype != torch.float32
-        # accumulate into the host buffers (a sharded rank's host holds only its slice)
-        self.direct = transport.shares_host and not narrow and not self.sharded
+        # accumulate into the host buffers (a sharded rank's host holds only its slice; a release
+        # run's hold none per unit)
+        self.chunked = isinstance(host.pool, ChunkPool)
+        self.direct = transport.shares_host and not narrow and not self.sharded and not self.chunked
         self.acc = [] if self.direct else [transport.device_empty(n_layer, torch.float32) for _ in range(2)]
         self.free: list[Event] = [READY, READY]  # per accumulator: the copy that last read it
         self._views: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -65,10 +75,8 @@ class GradSums:
         self.wire = [transport.device_empty(n_layer, grad_dtype) for _ in range(2)] if share else None
         self.head: torch.Tensor | None = None
         self.embed: torch.Tensor | None = None
-        self.pooled = host.pool is not None  # release: host grads are taken per step (state.pool)
-        in_host = self.direct and not self.pooled
         self.loop = {
-            u: self.host[u].grad if in_host else transport.device_empty(self.numel(u), torch.float32)
+            u: self.host[u].grad if self.direct else transport.device_empty(self.numel(u), torch.float32)
             for u in repeated or []
         }
         self.loop_free: dict[str, Event] = {}  # per loop buffer: the copy that last read it
@@ -82,7 +90,6 @@ class GradSums:
         return padded_numel(n, self.world) if self.sharded and self.full else n
 
     def _alloc_head(self, embed_on_device: bool) -> None:
-        # release: a host buffer is taken at each step's `begin_head`
         self.head = (
             self.host["head"].grad if self.direct else self.t.device_empty(self.numel("head"), torch.float32)
         )
@@ -93,16 +100,6 @@ class GradSums:
                 if self.shared_embed
                 else self.t.device_empty(self.numel("embed"), torch.float32)
             )
-
-    def begin_head(self) -> None:
-        """Release: the head's sums that are host buffers (direct; a shared tied embedding's)
-        taken from the pool for this step."""
-        if not self.pooled:
-            return
-        if self.direct:
-            self.head = self.host.take("head")
-        if self.shared_embed:
-            self.embed = self.host.take("embed")
 
     def nbytes(self) -> int:
         """Device bytes of the accumulators (those that are not the host's own buffers)."""
@@ -123,8 +120,6 @@ class GradSums:
             self.t.wait(self.free[k])  # its previous contents have reached the host
         g = self.host.take(unit) if self.direct else self.acc[k][: self.numel(unit)]
         g.zero_()
-        if self.direct and self.pooled:  # a pool buffer: not the same one every step
-            return g, self.host[unit].views(g)
         gv = self._views.get((k, unit))
         if gv is None:
             gv = self._views[(k, unit)] = self.host[unit].views(g)
@@ -161,6 +156,34 @@ class GradSums:
                 self.t.wait(self.free[k])  # the wire buffer's previous copy has landed
                 g = self.wire[k][: g.numel()].copy_(g)
         return self.t.d2h([(dst, g)], [self.t.record()], label=f"g-{unit}")
+
+
+    def send_chunks(self, unit: str, g: torch.Tensor, k: int | None, each: Chunk) -> Event:
+        """A release run on one rank: copy a unit's fp32 gradient sum to the host chunk by chunk
+        (state.slices.spans), narrowed to grad_dtype on the device first as `send` does; `each`
+        is told every chunk as it is queued (a, b, the host buffer, its landing) and returns when
+        its reader is done with the buffer. Returns the last chunk's landing (the sum, and the
+        wire buffer, are then free)."""
+        pool = self.host.pool
+        assert isinstance(pool, ChunkPool)
+        st, dtype = self.host[unit], self.host.grad_dtype
+        if not self.t.shares_host and dtype != g.dtype:
+            if k is None:
+                g = g.to(dtype)
+            else:
+                assert self.wire is not None
+                self.t.wait(self.free[k])  # the wire buffer's previous copy has landed
+                g = self.wire[k][: g.numel()].copy_(g)
+        computed = READY if self.t.shares_host else self.t.record()
+        landed: Event = READY
+        for a, b in spans(st.segments, pool.elems):
+            c, buf = pool.chunk(b - a)
+            if self.t.shares_host:  # no link: narrow straight into the host buffer
+                buf.copy_(g[a:b])
+            else:
+                landed = self.t.d2h([(buf, g[a:b])], [computed], label=f"g-{unit}")
+            pool.give_chunk(c, each(a, b, buf, landed))
+        return landed
 
 
 def sumsq(g: torch.Tensor, chunk: int = 1 << 18, one_pass: bool | None = None) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 from ..data.batch import MicroBatch
 from ..runtime.events import Event
 from ..state.host import HostState
-from .grads import GradSums
+from .grads import Chunks, GradSums
 from .objective import Head
 from .seams import Embedding, LayerTemplate, Reduce
 
@@ -39,7 +39,6 @@ class TrainedHead:
     def bind(self, head: Head) -> None:
         """Where the objective puts the head's gradients: its host grads' device sums, zeroed."""
         g = self.grads
-        g.begin_head()  # release: the host buffers the head's sums accumulate in, if any
         assert g.head is not None
         gh = self.host["head"].views(g.head)
         g.head.zero_()
@@ -49,8 +48,8 @@ class TrainedHead:
         if g.embed is not None:
             g.embed.zero_()
 
-    def send(self, ready: dict[str, Event], sq: list[torch.Tensor]) -> None:
-        self.reduce.head(self.grads, ready, sq)
+    def send(self, ready: dict[str, Event], sq: list[torch.Tensor], chunks: Chunks) -> None:
+        self.reduce.head(self.grads, ready, sq, chunks)
 
     def embed_backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float:
         """The input gradient into the embedding's rows; the host's share of the squared norm."""
@@ -67,7 +66,7 @@ class FrozenHead:
     def bind(self, head: Head) -> None:
         pass
 
-    def send(self, ready: dict[str, Event], sq: list[torch.Tensor]) -> None:
+    def send(self, ready: dict[str, Event], sq: list[torch.Tensor], chunks: Chunks) -> None:
         pass
 
     def embed_backward(self, dx: list[torch.Tensor], mbs: list[MicroBatch], ready: dict[str, Event]) -> float:

@@ -1,8 +1,10 @@
 """Where a step's gradients go, decided once: one process (LocalReduce) or several ranks
 (ShardedReduce).
 
-    layer(unit, g, k, sq)   a unit's fp32 gradient sum on the device -> its host grad; returns the
-                            event of its landing there (the optimizer waits on it)
+    layer(unit, g, k, sq, chunks)  a unit's fp32 gradient sum on the device -> its host grad;
+                            returns the event of its landing there (the optimizer waits on it);
+                            a one-rank release run sends it in chunks, each given to
+                            `chunks(unit, pieces)` (engine.release) as it is queued
     head(...)               the same for the head once per step (and a tied embedding's share)
     total(loss, sq, host, stats)  the step's loss sum, squared grad norm and the objective's stats:
                             this process's, or every rank's (one all-reduce; a MIN or MAX stat by
@@ -23,7 +25,7 @@ import torch
 from ..runtime.events import Event
 from ..runtime.transport import Transport
 from ..state.host import HostState
-from .grads import GradSums, sumsq
+from .grads import Chunks, GradSums, sumsq
 from .sharded import ShardedGrads
 from .stats import Kinds, gathered, spread
 
@@ -37,11 +39,14 @@ class LocalReduce:
     def begin_step(self) -> None:
         pass
 
-    def layer(self, unit: str, g: torch.Tensor, k: int, sq: list) -> Event:
+    def layer(self, unit: str, g: torch.Tensor, k: int, sq: list, chunks: Chunks) -> Event:
+        n = len(sq)
         sq.extend(sumsq(g))
+        if self.grads.chunked:  # release: the sum crosses in chunks, each updated as it lands
+            return self.grads.send_chunks(unit, g, k, chunks(unit, sq[n:]))
         return self.grads.send(unit, g, k)
 
-    def head(self, grads: GradSums, ready: dict[str, Event], sq: list) -> None:
+    def head(self, grads: GradSums, ready: dict[str, Event], sq: list, chunks: Chunks) -> None:
         """The head's gradient (a tied LM head's share first, into the embedding's host grad,
         which the embedding's backward then adds its rows to)."""
         assert grads.head is not None
@@ -49,8 +54,12 @@ class LocalReduce:
             assert grads.embed is not None  # a tied head's share lands in the embedding's
             dst = self.host.take("embed")  # release: held until the embedding's rows are in
             ready["embed"] = self.t.d2h([(dst, grads.embed)], [self.t.record()], "g-lm")
+        n = len(sq)
         sq.extend(sumsq(grads.head))
-        ready["head"] = grads.send("head", grads.head, None)
+        if grads.chunked:
+            ready["head"] = grads.send_chunks("head", grads.head, None, chunks("head", sq[n:]))
+        else:
+            ready["head"] = grads.send("head", grads.head, None)
 
     def total(
         self, loss_sum: torch.Tensor, sq: list, host_sq: float, stats: Stats
@@ -80,11 +89,11 @@ class ShardedReduce:
     def begin_step(self) -> None:
         self.sharded.begin_step()
 
-    def layer(self, unit: str, g: torch.Tensor, k: int, sq: list) -> Event:
+    def layer(self, unit: str, g: torch.Tensor, k: int, sq: list, chunks: Chunks) -> Event:
         self.sharded.host.take(unit)  # release: its slice's host buffer (state.pool)
         return self.sharded.reduce(unit, g, k)
 
-    def head(self, grads: GradSums, ready: dict[str, Event], sq: list) -> None:
+    def head(self, grads: GradSums, ready: dict[str, Event], sq: list, chunks: Chunks) -> None:
         # a tied LM head's gradient stays in the embedding's device buffer and goes with it
         assert grads.head is not None
         self.sharded.host.take("head")

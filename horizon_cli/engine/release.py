@@ -24,6 +24,7 @@ import torch
 
 from ..optim.adamw import AdamWHyper
 from ..runtime.events import Event
+from .grads import Chunk
 from .parts import Parts
 
 
@@ -34,6 +35,11 @@ class NoRelease:
 
     def unit(self, unit: str, landed: Event, pieces: list[torch.Tensor]) -> None:
         pass
+
+    def chunks(self, unit: str, pieces: list[torch.Tensor]) -> Chunk:
+        """A one-rank release run's chunk taker for `unit` (engine.grads.send_chunks): here none
+        is read, each buffer is free once landed (no pass without release sends chunks)."""
+        return lambda a, b, buf, landed: landed
 
     def rest(self, ready: dict[str, Event], host_sq: float) -> None:
         pass
@@ -46,6 +52,7 @@ class Release(NoRelease):
         self.closed = False  # a unit was refused: so is every later one
         self.refused: str | None = None  # the first unit refused
         self.applied: list[str] = []  # units updated (on the optimizer thread)
+        self.queued: dict[str, Event] = {}  # unit -> its last chunk's update (one rank)
 
     def unit(self, unit: str, landed: Event, pieces: list[torch.Tensor]) -> None:
         """`unit`'s gradient is whole; it lands on the host with `landed`."""
@@ -53,10 +60,27 @@ class Release(NoRelease):
         self.done.add(unit)
         done = landed
         if self.h is not None:
-            done = p.optimizer.release(unit, self.h, landed, lambda: self.admit(unit, pieces), self.applied)
+            done = self.queued.get(unit) or p.optimizer.release(
+                unit, self.h, landed, lambda: self.admit(unit, pieces), self.applied
+            )
             p.loader.ready[unit] = done
         if host.pool is not None and host.pool.holds(unit):
             host.pool.give(host[unit], done)
+
+    def chunks(self, unit: str, pieces: list[torch.Tensor]) -> Chunk:
+        """The chunk taker of `unit` (one rank, engine.grads.send_chunks): each chunk's slices are
+        updated once it has landed, gated as a whole unit is (`admit`); a measuring pass's
+        buffers are free once landed."""
+
+        def take(a: int, b: int, buf: torch.Tensor, landed: Event) -> Event:
+            if self.h is None:
+                return landed
+            gate = lambda: self.admit(unit, pieces)  # noqa: E731
+            ev = self.p.optimizer.release(unit, self.h, landed, gate, self.applied, buf, a)
+            self.queued[unit] = ev
+            return ev
+
+        return take
 
     def rest(self, ready: dict[str, Event], host_sq: float) -> None:
         """After the embedding's backward: the units not yet released (the embedding)."""

@@ -173,7 +173,7 @@ class TrainStep:
         self.sweep.release_head()
         self.release.loss = out.loss_sum
         n = len(sq)
-        p.head.send(self.grad_ready, sq)
+        p.head.send(self.grad_ready, sq, self.release.chunks)
         if "head" in self.grad_ready:
             self.release.unit("head", self.grad_ready["head"], sq[n:])
         return out
@@ -199,7 +199,7 @@ class TrainStep:
                 n = len(sq)
                 if nan_grad(unit, p.adam_step + 1):  # a fault-injection test's (faults.py)
                     g.view(-1)[0] = float("nan")
-                ev = p.reduce.layer(unit, g, k, sq)
+                ev = p.reduce.layer(unit, g, k, sq, self.release.chunks)
                 p.grads.free[k] = self.grad_ready[unit] = ev
                 if latest[i] != earliest[i]:
                     p.grads.loop_free[unit] = ev

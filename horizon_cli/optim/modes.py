@@ -24,8 +24,9 @@ keeps its base mode's state layout and checkpoint form (`form`), so a run may re
 
 Host bytes per parameter (bf16 compute, state/layout.py): exact 2 + 2 + 4 + 4 + 2 = 14 (fp32:
 4 + 4 + 4 + 4 = 16); lean 2 + 1 + 1 + 1 + 8/64 + 2 = 7.125. With release the gradients' 2 become
-RELEASE_BUFFERS x the largest unit's gradient + the embedding's fp32 gradient, a few hundredths of a
-byte per parameter at model scale (exact+release 12.08 and lean+release 5.21 on Mistral-Large).
+RELEASE_CHUNKS chunks of RELEASE_CHUNK elements (256 MiB of bf16) + the embedding's fp32 gradient, about
+a hundredth of a byte per parameter at model scale (on one rank; a rank of several holds
+RELEASE_BUFFERS buffers of its largest unit slice's gradient).
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 BF16, FP32 = "bfloat16", "float32"
-# a release run's host gradient buffers, each the size of the largest unit's gradient: the one the
-# device's copy fills, the one the optimizer reads, one queued between them (engine and plan agree)
+# a release run's host gradient buffers (state.pool; engine and plan agree). One rank: RELEASE_CHUNKS
+# chunks of RELEASE_CHUNK elements (64 MiB of bf16): one the device's copy fills, one the optimizer
+# reads, two queued between them. Several ranks: RELEASE_BUFFERS of the largest unit slice's gradient
+RELEASE_CHUNK = 1 << 25
+RELEASE_CHUNKS = 4
 RELEASE_BUFFERS = 3
 
 
@@ -119,19 +123,25 @@ class MemoryMode:
         out = {"master remainder (int16)": numel * 2} if dtype == BF16 else {}
         return {**out, "AdamW moments (fp32)": numel * 8}
 
-    def grad_bytes(self, numel: int, embed: int, item: int, largest: int) -> int:
+    def grad_bytes(self, numel: int, embed: int, item: int, largest: int, world: int = 1) -> int:
         """Host bytes of the gradients of `numel` trained elements, `embed` of them the embedding's
         (always fp32 and whole: the host accumulates it row by row), the rest `item` bytes each.
         Without release every unit's whole gradient is held until the clip norm is known; with it,
-        RELEASE_BUFFERS buffers of the largest other unit's gradient (`largest` elements) are all
-        the host holds besides the embedding's."""
+        besides the embedding's, one rank holds RELEASE_CHUNKS chunks of at most RELEASE_CHUNK
+        elements, a rank of several RELEASE_BUFFERS buffers of its largest other unit slice's
+        gradient (`largest` elements), as state.pool allocates them."""
+        if self.release and world == 1:
+            return RELEASE_CHUNKS * min(largest, RELEASE_CHUNK) * item + embed * 4
         if self.release:
             return RELEASE_BUFFERS * largest * item + embed * 4
         return (numel - embed) * item + embed * 4
 
-    def grad_label(self, item: int) -> str:
+    def grad_label(self, item: int, world: int = 1) -> str:
         """The plan's category of the host gradients (grad_bytes), `item` bytes an element."""
-        held = f", {RELEASE_BUFFERS} released buffers + embedding" if self.release else ""
+        held = ""
+        if self.release:
+            held = f", {RELEASE_CHUNKS} released chunks" if world == 1 else f", {RELEASE_BUFFERS} released buffers"
+            held += " + embedding"
         return f"gradients ({'bf16' if item == 2 else 'fp32'}{held})"
 
     def reads(self, form: str) -> bool:

@@ -365,8 +365,8 @@ def sharded_device(
 
 def trained_host(lays: dict, dtype: str, gitem: int, mode: MemoryMode, world: int = 1) -> dict[str, int]:
     """Host state of full fine-tuning, one rank's pieces: the streaming copy, the mode's optimizer
-    state (exact: fp32 master + moments; lean: state/layout.py) and its gradients (release: buffers
-    of the largest piece of a unit but the embedding, MemoryMode.grad_bytes)."""
+    state (exact: fp32 master + moments; lean: state/layout.py) and its gradients (release: chunks,
+    or on several ranks buffers of the largest piece of a unit but the embedding: MemoryMode.grad_bytes)."""
     numel = sum(piece(lay.numel, world) for lay in lays.values())
     embed = piece(lays["embed"].numel, world)
     largest = max(piece(lay.numel, world) for name, lay in lays.items() if name != "embed")
@@ -376,7 +376,7 @@ def trained_host(lays: dict, dtype: str, gitem: int, mode: MemoryMode, world: in
         return sum(k[0] for k in counts), sum(k[1] for k in counts)
 
     host = {"weights (streaming copy)": numel * ITEM[dtype], **mode.state_bytes(numel, dtype, kinds)}
-    host[mode.grad_label(gitem)] = mode.grad_bytes(numel, embed, gitem, largest)
+    host[mode.grad_label(gitem, world)] = mode.grad_bytes(numel, embed, gitem, largest, world)
     return host
 
 

@@ -12,8 +12,10 @@ file on its own (invariant 7):
                                    (bf16 runs: bf16, half the device->host traffic); the embedding's
                                    grad is always fp32, because the host accumulates it row by row.
                                    A release mode (optim.grad_release) allocates none per unit: a
-                                   unit's grad is a buffer of the run's few (`pool`, state.pool)
-                                   from its gradient's landing to its update, empty otherwise
+                                   unit's gradient lands in chunks of the run's few buffers
+                                   (`pool`, state.pool; on several ranks its slice in one of
+                                   them, its `grad` from landing to update), the embedding's
+                                   aside (one rank: its own buffer)
 
 The optimizer state comes in kinds (exact, lean), over segments of the unit, in buffers packed
 per kind; which, is the memory mode's layout (`optim.memory`: optim/modes.py picks a layout of
@@ -40,7 +42,7 @@ from ..optim.modes import EXACT, MemoryMode, memory_mode
 from ..parallel.shard import SHARD_ALIGN, shard_range
 from ..store import Store, UnitLayout
 from .layout import Segment, StateKind, StateLayout, kind_numel, state_layout
-from .pool import GradPool, empty_grad
+from .pool import ChunkPool, GradPool, empty_grad
 
 
 @dataclass
@@ -93,7 +95,7 @@ def stream_dtype(dtype: torch.dtype, mode: MemoryMode) -> torch.dtype:
 
 
 class HostState:
-    pool: GradPool | None = None  # a release mode's host gradient buffers (state.pool)
+    pool: ChunkPool | GradPool | None = None  # a release mode's host gradient buffers (state.pool)
 
     def __init__(
         self,
@@ -117,8 +119,15 @@ class HostState:
             lay = store.layout(u.name)
             self.units[u.name] = self._load_unit(store, lay, alloc)
             progress(u.nbytes)
-        if self.mode.release:
+        if self.mode.release and self.world == 1:
+            self.pool = ChunkPool(self.units, alloc, self.grad_dtype)
+        elif self.mode.release:
             self.pool = GradPool(self.units, alloc)
+
+    def pooled(self, unit: str) -> bool:
+        """Whether a release run's pool serves the unit's gradient (one rank's embedding has its
+        own buffer: state.pool)."""
+        return self.mode.release and (self.world > 1 or unit != "embed")
 
     def take(self, unit: str) -> torch.Tensor:
         """The unit's host gradient buffer for this step (release: taken from the pool)."""
@@ -133,7 +142,7 @@ class HostState:
         totals = {k: kind_numel(whole, k) for k in StateKind}
         state = self.scheme.alloc(b - a, self.dtype == torch.bfloat16, totals, kinds)
         gdt = torch.float32 if lay.name == "embed" else self.grad_dtype
-        if self.mode.release:  # a pool buffer while it is needed (state.pool)
+        if self.pooled(lay.name):  # a pool buffer while it is needed (state.pool)
             grad = empty_grad(gdt)
         else:
             grad = alloc(b - a, gdt)  # pinned on CUDA

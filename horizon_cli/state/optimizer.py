@@ -22,9 +22,8 @@ from ..optim.lean import rounding_seed
 from ..runtime.events import Event, FutureEvent
 from ..runtime.trace import Tracer
 from .host import HostState, UnitState
+from . import slices as sl
 from .layout import LEAN_BLOCK, Segment, StateKind
-
-SLICE = 1 << 22  # elements per update call (16 MiB of fp32)
 
 
 class OptimizerWorker:
@@ -53,13 +52,23 @@ class OptimizerWorker:
         return out
 
     def release(
-        self, unit: str, h: AdamWHyper, dep: Event, gate: Callable[[], bool], applied: list[str]
+        self,
+        unit: str,
+        h: AdamWHyper,
+        dep: Event,
+        gate: Callable[[], bool],
+        applied: list[str],
+        grad: torch.Tensor | None = None,
+        lo: int = 0,
     ) -> Event:
         """Queue one unit's AdamW inside the backward (release: engine.release), once `dep` (its
-        gradient on the host) is done and only if `gate()` then holds (its gradient finite); the
-        grad buffer read as it is now. Appends the unit to `applied` once updated."""
+        gradient on the host) is done and only if `gate()` then holds (its gradient finite). grad:
+        the gradient of elements [lo, lo + grad.numel()) of the unit (a chunk: only the slices in
+        it are updated); default the unit's grad buffer as it is now. Appends the unit to `applied`
+        once its first part is updated."""
         st = self.host[unit]
-        ev = FutureEvent(self.pool.submit(self._gated, st, st.grad, h, dep, gate, applied))
+        g = st.grad if grad is None else grad
+        ev = FutureEvent(self.pool.submit(self._gated, st, g, lo, h, dep, gate, applied))
         self.pending = [ev]  # one worker, in order: the last one done, all are
         return ev
 
@@ -67,6 +76,7 @@ class OptimizerWorker:
         self,
         st: UnitState,
         g: torch.Tensor,
+        lo: int,
         h: AdamWHyper,
         dep: Event,
         gate: Callable[[], bool],
@@ -74,25 +84,31 @@ class OptimizerWorker:
     ) -> None:
         dep.host_wait()
         if gate():
-            self._update(st, h, None, g)
-            applied.append(st.name)
+            self._update(st, h, None, g, lo)
+            if not applied or applied[-1] != st.name:
+                applied.append(st.name)
 
-    def _update(self, st: UnitState, h: AdamWHyper, dep: Event | None, g: torch.Tensor | None = None) -> None:
-        """g: the gradient to read (release: its pool buffer as it was at submission); st.grad."""
+    def _update(
+        self, st: UnitState, h: AdamWHyper, dep: Event | None, g: torch.Tensor | None = None, lo: int = 0
+    ) -> None:
+        """g: the gradient to read (release: its pool buffer as it was at submission; st.grad by
+        default), holding elements [lo, lo + g.numel()) of the unit: the slices inside them."""
         if dep is not None:
             dep.host_wait()
         g = st.grad if g is None else g
+        hi = lo + g.numel()
         t0 = time.perf_counter()
-        for seg in st.segments:  # frozen tensors (e.g. a routing bias) are in none: untouched
-            for a in range(seg.start, seg.end, SLICE):
-                self._update_slice(st, g, seg, a, min(seg.end, a + SLICE), h)
+        for seg, a, b in sl.slices(st.segments):  # frozen tensors (a routing bias) are in none
+            if lo <= a and b <= hi:
+                self._update_slice(st, g[a - lo : b - lo], seg, a, b, h)
         self.tracer.add("optimizer", st.name, t0, time.perf_counter())
 
     def _update_slice(
-        self, st: UnitState, grad: torch.Tensor, seg: Segment, a: int, b: int, h: AdamWHyper
+        self, st: UnitState, g: torch.Tensor, seg: Segment, a: int, b: int, h: AdamWHyper
     ) -> None:
-        """Elements [a, b) of the unit, inside one segment; k: where they sit in its packed state."""
-        g, s = grad[a:b], st.state
+        """Elements [a, b) of the unit, inside one segment, their gradient `g`; k: where they sit
+        in its packed state."""
+        s = st.state
         if g.dtype != torch.float32 and self.kernel_name == "torch":  # the kernel reads bf16 itself
             g = g.float()
         k = seg.at + (a - seg.start)

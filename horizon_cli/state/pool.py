@@ -3,8 +3,18 @@
 Without release every trained unit has a host gradient of its own, held until the step's clip
 norm is known (state.host). With release each unit's update runs as soon as its gradient is whole
 (engine.step), so a unit needs a host gradient only from the moment its gradient starts landing
-on the host until its update has read it. The pool holds `RELEASE_BUFFERS` flat buffers, each the
-size of the largest unit's gradient (in bytes: a layer's in the grad dtype, the embedding's fp32):
+on the host until its update has read it.
+
+One rank (`ChunkPool`): `RELEASE_CHUNKS` buffers of `RELEASE_CHUNK` elements of the grad dtype
+(fewer when the largest unit is smaller). A unit's gradient crosses in chunks (state.slices.spans),
+each into the next buffer once the update that last read it is done, and each chunk's slices are
+updated as soon as it has landed (engine.grads.send_chunks). The host holds a few hundred MiB of
+gradients whatever the model, besides the embedding's: its fp32 gradient is whole (the host adds
+the input gradient into it row by row), a buffer of its own as without release.
+
+Several ranks (`GradPool`): each rank's slice of a unit arrives whole from a reduce-scatter, into
+one of `RELEASE_BUFFERS` flat buffers, each the size of the largest slice's gradient (in bytes: a
+layer's in the grad dtype, the embedding's fp32):
 
     take(st)      the unit's gradient buffer for this step: a free pool buffer (waiting for the
                   update that last read it), viewed as the unit's (numel,) gradient, set as
@@ -24,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from ..optim.modes import RELEASE_BUFFERS
+from ..optim.modes import RELEASE_BUFFERS, RELEASE_CHUNK, RELEASE_CHUNKS
 from ..runtime.events import READY, Event
 
 
@@ -82,6 +92,58 @@ class GradPool:
     def drop(self) -> None:
         """Forget every holder (a step that stopped half-way): their buffers free once read."""
         self.held.clear()
+
+    def wait(self) -> None:
+        for ev in self.free:
+            ev.host_wait()
+
+
+class ChunkPool:
+    """One rank's release buffers: fixed-size chunks (module doc). The embedding's gradient is not
+    pooled: `take` returns its own buffer; every other unit's gradient exists only in chunks."""
+
+    def __init__(
+        self,
+        units: Mapping[str, UnitState],
+        alloc: Alloc,
+        dtype: torch.dtype,
+        chunk: int | None = None,
+        n: int = RELEASE_CHUNKS,
+    ):
+        """chunk: elements a buffer holds at most (default RELEASE_CHUNK, read at the call)."""
+        chunk = RELEASE_CHUNK if chunk is None else chunk
+        largest = max((st.stream.numel() for name, st in units.items() if name != "embed"), default=0)
+        self.elems = min(largest, chunk)  # spans (state.slices) are at most this long
+        self.bufs = [alloc(self.elems, dtype) for _ in range(n)]
+        self.free: list[Event] = [READY] * n  # per buffer: the update that last read it
+        self.next = 0
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.bufs)
+
+    def chunk(self, numel: int) -> tuple[int, torch.Tensor]:
+        """The next buffer (k, its first `numel` elements), once the update that read it is done;
+        hand it back at once with `give_chunk(k, ev)`, ev: when its new reader is done."""
+        k = self.next
+        self.next = (k + 1) % len(self.bufs)
+        self.free[k].host_wait()
+        return k, self.bufs[k][:numel]
+
+    def give_chunk(self, k: int, done: Event) -> None:
+        self.free[k] = done
+
+    def take(self, st: UnitState) -> torch.Tensor:
+        assert st.name == "embed", f"{st.name}'s gradient reaches the host in chunks"
+        return st.grad
+
+    def give(self, st: UnitState, done: Event) -> None:
+        pass
+
+    def holds(self, unit: str) -> bool:
+        return False
+
+    def drop(self) -> None:
+        pass
 
     def wait(self) -> None:
         for ev in self.free:

@@ -16,7 +16,7 @@ import torch
 from horizon_cli.config.schema import EngineConfig, OptimConfig
 from horizon_cli.engine import Engine
 from horizon_cli.optim import native
-from horizon_cli.state import optimizer
+from horizon_cli.state import slices
 from tests.engine.test_engine_training import HP, batches, run_engine
 from tests.support.oracle import DEVICE, engine_weights, hf_train_hp, make_store, one_thread  # noqa: F401
 
@@ -50,7 +50,7 @@ def test_sliced_updates_equal_whole_unit_updates(tmp_path, monkeypatch, dtype, k
     sizes = [store.layout(u.name).trainable_numel for u in store.units]
     assert all(n > 2 * SMALL and n % SMALL for n in sizes), sizes  # several slices and a tail each
     whole = run(store, dtype, kernel, data)
-    monkeypatch.setattr(optimizer, "SLICE", SMALL)
+    monkeypatch.setattr(slices, "SLICE", SMALL)
     sliced = run(store, dtype, kernel, data)
     assert sliced[0] == whole[0]
     assert sliced[1].keys() == whole[1].keys()
@@ -61,7 +61,7 @@ def test_sliced_updates_equal_whole_unit_updates(tmp_path, monkeypatch, dtype, k
 def test_sliced_updates_match_resident_adamw(tmp_path, monkeypatch):
     model, store = make_store(tmp_path, "llama", False)
     data = batches(model.config.vocab_size, micro=2, steps=5)
-    monkeypatch.setattr(optimizer, "SLICE", SMALL)
+    monkeypatch.setattr(slices, "SLICE", SMALL)
     eng = Engine(
         store, EngineConfig(device=DEVICE, dtype="float32", loss_chunk=16), OptimConfig(kernel="torch", **HP)
     )
