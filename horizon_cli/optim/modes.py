@@ -24,7 +24,7 @@ keeps its base mode's state layout and checkpoint form (`form`), so a run may re
 
 Host bytes per parameter (bf16 compute, state/layout.py): exact 2 + 2 + 4 + 4 + 2 = 14 (fp32:
 4 + 4 + 4 + 4 = 16); lean 2 + 1 + 1 + 1 + 8/64 + 2 = 7.125. With release the gradients' 2 become
-RELEASE_CHUNKS chunks of RELEASE_CHUNK elements (256 MiB of bf16) + the embedding's fp32 gradient, about
+RELEASE_CHUNKS chunks of RELEASE_CHUNK elements (192 MiB of bf16) + the embedding's fp32 gradient, about
 a hundredth of a byte per parameter at model scale (on one rank; a rank of several holds
 RELEASE_BUFFERS buffers of its largest unit slice's gradient).
 """
@@ -35,11 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 BF16, FP32 = "bfloat16", "float32"
-# a release run's host gradient buffers (state.pool; engine and plan agree). One rank: RELEASE_CHUNKS
-# chunks of RELEASE_CHUNK elements (64 MiB of bf16): one the device's copy fills, one the optimizer
-# reads, two queued between them. Several ranks: RELEASE_BUFFERS of the largest unit slice's gradient
+# a release run's host gradient buffers (state.pool; engine and plan agree): one the device's copy
+# fills, one the optimizer reads, one queued between them. One rank: RELEASE_CHUNKS chunks of
+# RELEASE_CHUNK elements (64 MiB of bf16). Several ranks: RELEASE_BUFFERS of the largest unit slice's
 RELEASE_CHUNK = 1 << 25
-RELEASE_CHUNKS = 4
+RELEASE_CHUNKS = 3
 RELEASE_BUFFERS = 3
 
 

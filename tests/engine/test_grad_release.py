@@ -97,7 +97,7 @@ def test_release_trains_bit_for_bit_what_no_release_trains(tmp_path, family, tie
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Slices of 128 elements (two lean blocks), chunks of 3 slices: every unit crosses in
-    several chunks, most units' last one short, and the pool's 4 buffers are reused many times a
+    several chunks, most units' last one short, and the pool's 3 buffers are reused many times a
     step (a real model's 64 MiB chunks hold a whole tiny unit)."""
     monkeypatch.setattr(slices, "SLICE", 128)
     monkeypatch.setattr(pool, "RELEASE_CHUNK", 3 * 128)
