@@ -102,12 +102,21 @@ class HostEmbedding(TableEmbedding):
     ):
         super().__init__(transport, loader, units, host, spec, dtype, scale)
         self.staging: dict[str, torch.Tensor] = {}
-        self.touched: torch.Tensor | None = None  # the rows the last backward added into (untied)
 
     def reserve(self, numel: int, grad: bool) -> None:
         self._stage("embed_rows", numel, self.units["embed"].stream.dtype)
         if grad:
             self._stage("embed_dx", numel)
+            self._compact(numel // self.spec.hidden)
+
+    def _compact(self, rows: int) -> torch.Tensor:
+        """A compact embedding gradient (UnitState.rows) of at least `rows` rows (at most the
+        vocabulary's; grow-only, sized once from the step's tokens), its first `rows` rows."""
+        st, width = self.host["embed"], self.spec.hidden
+        cap = min(rows, self.spec.vocab) * width
+        if st.grad.numel() < cap:
+            st.grad = torch.zeros(cap, dtype=torch.float32)
+        return st.grad[: rows * width]
 
     def _stage(self, name: str, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
@@ -145,23 +154,22 @@ class HostEmbedding(TableEmbedding):
         ev = self.t.d2h(pairs, [self.t.record()], label="g-embed-rows")
         if self.spec.tie_embeddings:
             ready.get("embed", READY).host_wait()  # the LM head's dense grad came first
-        else:
-            self._zero(st)
+        elif st.rows is None:  # a table with more in its unit: zeroed whole
+            st.grad.zero_()
         ev.host_wait()
         ids = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
-        embed_grad(st.views(st.grad)["embed"], ids, host_dx.view(-1, self.spec.hidden), self.spec.padding_idx)
-        self.touched = None if self.spec.tie_embeddings else ids.unique().long()  # index_fill_: int64
+        dx_rows = host_dx.view(-1, self.spec.hidden)
+        if st.rows is not None:  # compact: the rows this step touched, in order (UnitState.rows;
+            # issue 42's full-vocabulary zero and norm: a step's few thousand rows, not 10^5)
+            rows, at = ids.unique(sorted=True, return_inverse=True)
+            g = self._compact(rows.numel()).zero_()
+            embed_grad(g.view(-1, self.spec.hidden), ids, dx_rows, self.spec.padding_idx, at)
+            st.rows = rows
+            ready["embed"] = READY
+            return sumsq64(g)
+        embed_grad(st.views(st.grad)["embed"], ids, dx_rows, self.spec.padding_idx)
         ready["embed"] = READY
         return sumsq64(st.grad)
-
-    def _zero(self, st: UnitState) -> None:
-        """The untied gradient zeroed: only the rows the last backward wrote (the rest are zero
-        already, so the result is bitwise the same) where the unit is the table alone; a step
-        touches a few thousand of a vocabulary's 10^5 rows (issue 42: the full-vocabulary zero)."""
-        if self.touched is None or len(st.layout.tensors) != 1:
-            st.grad.zero_()
-        else:
-            st.views(st.grad)["embed"].index_fill_(0, self.touched, 0.0)
 
 
 class ShardedEmbedding(TableEmbedding):
@@ -262,11 +270,18 @@ def embed_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, ids.to(table.device))
 
 
-def embed_grad(table_g: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, padding_idx: int | None) -> None:
+def embed_grad(
+    table_g: torch.Tensor,
+    ids: torch.Tensor,
+    rows: torch.Tensor,
+    padding_idx: int | None,
+    at: torch.Tensor | None = None,
+) -> None:
     """Scatter-add the input gradient's rows (n, H) into the dense fp32 (V, H) embedding gradient
-    where it lies (the host's, or a sharded run's on the device); the padding row, as
-    nn.Embedding(padding_idx), gets none. `rows` may be overwritten (an fp32 one is used as is)."""
+    where it lies (the host's, or a sharded run's on the device), or into a compact one at `at`
+    (each id's row there); the padding row, as nn.Embedding(padding_idx), gets none. `rows` may
+    be overwritten (an fp32 one is used as is)."""
     rows = rows.to(torch.float32)
     if padding_idx is not None:
         rows[ids == padding_idx] = 0.0
-    table_g.index_add_(0, ids, rows)
+    table_g.index_add_(0, ids if at is None else at, rows)

@@ -123,18 +123,22 @@ class MemoryMode:
         out = {"master remainder (int16)": numel * 2} if dtype == BF16 else {}
         return {**out, "AdamW moments (fp32)": numel * 8}
 
-    def grad_bytes(self, numel: int, embed: int, item: int, largest: int, world: int = 1) -> int:
+    def grad_bytes(
+        self, numel: int, embed: int, item: int, largest: int, world: int = 1, embed_held: int | None = None
+    ) -> int:
         """Host bytes of the gradients of `numel` trained elements, `embed` of them the embedding's
-        (always fp32 and whole: the host accumulates it row by row), the rest `item` bytes each.
-        Without release every unit's whole gradient is held until the clip norm is known; with it,
-        besides the embedding's, one rank holds RELEASE_CHUNKS chunks of at most RELEASE_CHUNK
-        elements, a rank of several RELEASE_BUFFERS buffers of its largest other unit slice's
-        gradient (`largest` elements), as state.pool allocates them."""
+        (always fp32: the host accumulates it row by row; `embed_held` of its elements held, by
+        default all: one rank's untied table holds only the rows a step touches), the rest `item`
+        bytes each. Without release every unit's whole gradient is held until the clip norm is
+        known; with it, besides the embedding's, one rank holds RELEASE_CHUNKS chunks of at most
+        RELEASE_CHUNK elements, a rank of several RELEASE_BUFFERS buffers of its largest other
+        unit slice's gradient (`largest` elements), as state.pool allocates them."""
+        rows = (embed if embed_held is None else embed_held) * 4
         if self.release and world == 1:
-            return RELEASE_CHUNKS * min(largest, RELEASE_CHUNK) * item + embed * 4
+            return RELEASE_CHUNKS * min(largest, RELEASE_CHUNK) * item + rows
         if self.release:
-            return RELEASE_BUFFERS * largest * item + embed * 4
-        return (numel - embed) * item + embed * 4
+            return RELEASE_BUFFERS * largest * item + rows
+        return (numel - embed) * item + rows
 
     def grad_label(self, item: int, world: int = 1) -> str:
         """The plan's category of the host gradients (grad_bytes), `item` bytes an element."""

@@ -286,7 +286,7 @@ def memory_plan(
     acts = rank_batch(batch, world) * seq * spec.boundary_width * item  # one layer's boundary activations
     p = MemoryPlan(params, trainable=params, world=world, per_node=per_node)
     gitem = ITEM[mode.grad_dtype(grad_dtype, dtype)]
-    p.host = trained_host(lays, stream, gitem, mode, world)
+    p.host = trained_host(lays, stream, gitem, mode, world, compact_rows(spec, lays, batch * seq, world))
     p.host["saved activations"] = spec.n_layers * acts
     p.host["staging"] = 2 * acts
     p.device["weight buffers"] = (prefetch * layer_max + head) * sitem
@@ -363,10 +363,22 @@ def sharded_device(
     return out
 
 
-def trained_host(lays: dict, dtype: str, gitem: int, mode: MemoryMode, world: int = 1) -> dict[str, int]:
+def compact_rows(spec: ArchSpec, lays: dict, tokens: int, world: int) -> int | None:
+    """Elements of the embedding's gradient the host holds when it keeps only the rows a step of
+    `tokens` touches (state.host: one rank, an untied table alone in its unit); None: all."""
+    embed = lays["embed"].tensors
+    if world > 1 or spec.tie_embeddings or len(embed) != 1 or embed[0].offset:
+        return None
+    return min(spec.vocab, tokens) * spec.hidden
+
+
+def trained_host(
+    lays: dict, dtype: str, gitem: int, mode: MemoryMode, world: int = 1, embed_held: int | None = None
+) -> dict[str, int]:
     """Host state of full fine-tuning, one rank's pieces: the streaming copy, the mode's optimizer
     state (exact: fp32 master + moments; lean: state/layout.py) and its gradients (release: chunks,
-    or on several ranks buffers of the largest piece of a unit but the embedding: MemoryMode.grad_bytes)."""
+    or on several ranks buffers of the largest piece of a unit but the embedding; embed_held: the
+    embedding gradient's elements held, compact_rows: MemoryMode.grad_bytes)."""
     numel = sum(piece(lay.numel, world) for lay in lays.values())
     embed = piece(lays["embed"].numel, world)
     largest = max(piece(lay.numel, world) for name, lay in lays.items() if name != "embed")
@@ -376,7 +388,7 @@ def trained_host(lays: dict, dtype: str, gitem: int, mode: MemoryMode, world: in
         return sum(k[0] for k in counts), sum(k[1] for k in counts)
 
     host = {"weights (streaming copy)": numel * ITEM[dtype], **mode.state_bytes(numel, dtype, kinds)}
-    host[mode.grad_label(gitem, world)] = mode.grad_bytes(numel, embed, gitem, largest, world)
+    host[mode.grad_label(gitem, world)] = mode.grad_bytes(numel, embed, gitem, largest, world, embed_held)
     return host
 
 

@@ -11,6 +11,9 @@ file on its own (invariant 7):
                                    accumulated in fp32 on the device, sent in `engine.grad_dtype`
                                    (bf16 runs: bf16, half the device->host traffic); the embedding's
                                    grad is always fp32, because the host accumulates it row by row.
+                                   One rank's untied embedding table holds only the rows a step
+                                   touched (`rows`, sorted; the rest are zero): a step of N tokens
+                                   touches at most N of the vocabulary's rows
                                    A release mode (optim.grad_release) allocates none per unit: a
                                    unit's gradient lands in chunks of the run's few buffers
                                    (`pool`, state.pool; on several ranks its slice in one of
@@ -56,6 +59,9 @@ class UnitState:
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # packed per kind, see the module doc
     start: int = 0  # sharded runs: the first element of the unit this rank holds (its `stream[0]`)
     ranges: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # buffer -> (lo, hi, length)
+    # a compact gradient (one rank's untied embedding table): grad[i*H:(i+1)*H] is row rows[i]'s,
+    # rows sorted; the rows not in it have a zero gradient. None: grad is laid out as the unit
+    rows: torch.Tensor | None = None
 
     @property
     def full_numel(self) -> int:
@@ -86,6 +92,25 @@ class UnitState:
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {"stream": self.stream, "grad": self.grad, **self.state}
+
+    def grad_span(self, g: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of the unit's gradient, from `g` holding its elements from `lo` on (its
+        grad buffer, or a release chunk); a compact gradient's (`rows`, lo 0) expanded: zeros
+        where no row was touched."""
+        if self.rows is None:
+            return g[a - lo : b - lo]
+        width = self.layout.tensors[0].shape[-1]
+        r0, r1 = a // width, -(-b // width)
+        out = torch.zeros((r1 - r0) * width, dtype=g.dtype)
+        i0, i1 = torch.searchsorted(self.rows, torch.tensor([r0, r1])).tolist()
+        if i1 > i0:
+            got = g[i0 * width : i1 * width].view(-1, width)
+            out.view(-1, width).index_copy_(0, self.rows[i0:i1] - r0, got)
+        return out[a - r0 * width : b - r0 * width]
+
+    def dense_grad(self) -> torch.Tensor:
+        """The whole gradient laid out as the unit (a compact one expanded: a copy)."""
+        return self.grad if self.rows is None else self.grad_span(self.grad, 0, 0, self.stream.numel())
 
 
 def stream_dtype(dtype: torch.dtype, mode: MemoryMode) -> torch.dtype:
@@ -129,6 +154,18 @@ class HostState:
         own buffer: state.pool)."""
         return self.mode.release and (self.world > 1 or unit != "embed")
 
+    def compact(self, store: Store, lay: UnitLayout) -> bool:
+        """Whether the unit's gradient is compact by rows (UnitState.rows): one rank's embedding
+        when it is the table alone and untied (a tied LM head's gradient fills every row)."""
+        tensors = lay.tensors
+        return (
+            lay.name == "embed"
+            and self.world == 1
+            and not store.arch.tie_embeddings
+            and len(tensors) == 1
+            and tensors[0].offset == 0
+        )
+
     def take(self, unit: str) -> torch.Tensor:
         """The unit's host gradient buffer for this step (release: taken from the pool)."""
         st = self.units[unit]
@@ -142,12 +179,14 @@ class HostState:
         totals = {k: kind_numel(whole, k) for k in StateKind}
         state = self.scheme.alloc(b - a, self.dtype == torch.bfloat16, totals, kinds)
         gdt = torch.float32 if lay.name == "embed" else self.grad_dtype
-        if self.pooled(lay.name):  # a pool buffer while it is needed (state.pool)
+        compact = self.compact(store, lay)
+        if self.pooled(lay.name) or compact:  # a pool buffer while needed; compact: sized per step
             grad = empty_grad(gdt)
         else:
             grad = alloc(b - a, gdt)  # pinned on CUDA
             grad.zero_()
         st = UnitState(lay.name, lay, self.scheme, alloc(b - a, self.dtype), grad, segs, state, a)
+        st.rows = torch.empty(0, dtype=torch.int64) if compact else None
         ranges = self.scheme.ranges(n, a, b, totals, kinds)
         st.ranges = {k: r for k, r in ranges.items() if k in st.buffers()}
         if self.world == 1:

@@ -21,8 +21,8 @@ from ..optim.kernel import pick_kernel
 from ..optim.lean import rounding_seed
 from ..runtime.events import Event, FutureEvent
 from ..runtime.trace import Tracer
-from .host import HostState, UnitState
 from . import slices as sl
+from .host import HostState, UnitState
 from .layout import LEAN_BLOCK, Segment, StateKind
 
 
@@ -96,11 +96,11 @@ class OptimizerWorker:
         if dep is not None:
             dep.host_wait()
         g = st.grad if g is None else g
-        hi = lo + g.numel()
+        hi = lo + (g.numel() if st.rows is None else st.stream.numel())  # compact: by rows
         t0 = time.perf_counter()
         for seg, a, b in sl.slices(st.segments):  # frozen tensors (a routing bias) are in none
             if lo <= a and b <= hi:
-                self._update_slice(st, g[a - lo : b - lo], seg, a, b, h)
+                self._update_slice(st, st.grad_span(g, lo, a, b), seg, a, b, h)
         self.tracer.add("optimizer", st.name, t0, time.perf_counter())
 
     def _update_slice(

@@ -88,7 +88,7 @@ def test_logits_and_grads_match_transformers_far_into_the_sequence(model_store):
         assert abs(loss_sum / tokens - loss.item() / n) / (loss.item() / n) < 1e-5
         hf = dict(model.named_parameters())
         for st in eng.host.units.values():
-            grads = st.views(st.grad)
+            grads = st.views(st.dense_grad())
             for s in st.layout.slots:
                 assert rel_err(grads[s.name], hf[s.hf].grad) < 1e-5, s.hf
     finally:

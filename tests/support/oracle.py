@@ -161,7 +161,7 @@ def engine_grads(engine: Engine) -> dict[str, torch.Tensor]:
     """transformers' in-memory name -> the step's gradient (trainable tensors)."""
     out = {}
     for st in engine.host.units.values():
-        views = st.views(st.grad)
+        views = st.views(st.dense_grad())
         out.update({p.hf: views[p.name] for p in st.layout.tensors if p.trainable})
     return out
 
