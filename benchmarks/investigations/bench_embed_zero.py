@@ -1,5 +1,6 @@
 """The untied embedding gradient's zero at each backward: the whole (V, H) fp32 buffer against
-only the rows the previous backward wrote (engine/embed.py, HostEmbedding._zero; issue 42).
+only the rows the previous backward wrote (engine/embed.py, HostEmbedding._zero; issue 42). Superseded: the
+gradient now holds only the rows a step touched (state/host.py UnitState.rows), zeroed and normed alone.
 
     python3 benchmarks/investigations/bench_embed_zero.py [--vocab 128256] [--hidden 4096] [--tokens 8192]
 
