@@ -157,7 +157,6 @@ class GradSums:
                 g = self.wire[k][: g.numel()].copy_(g)
         return self.t.d2h([(dst, g)], [self.t.record()], label=f"g-{unit}")
 
-
     def send_chunks(self, unit: str, g: torch.Tensor, k: int | None, each: Chunk) -> Event:
         """A release run on one rank: copy a unit's fp32 gradient sum to the host chunk by chunk
         (state.slices.spans), narrowed to grad_dtype on the device first as `send` does; `each`

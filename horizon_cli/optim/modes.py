@@ -144,7 +144,11 @@ class MemoryMode:
         """The plan's category of the host gradients (grad_bytes), `item` bytes an element."""
         held = ""
         if self.release:
-            held = f", {RELEASE_CHUNKS} released chunks" if world == 1 else f", {RELEASE_BUFFERS} released buffers"
+            held = (
+                f", {RELEASE_CHUNKS} released chunks"
+                if world == 1
+                else f", {RELEASE_BUFFERS} released buffers"
+            )
             held += " + embedding"
         return f"gradients ({'bf16' if item == 2 else 'fp32'}{held})"
 

@@ -20,8 +20,8 @@ from horizon_cli.engine import Engine
 from horizon_cli.errors import HorizonError
 from horizon_cli.lora.setup import lora_setup
 from horizon_cli.optim.modes import RELEASE_CHUNK, RELEASE_CHUNKS
-from horizon_cli.state import pool, slices
 from horizon_cli.runtime.trace import Tracer
+from horizon_cli.state import pool, slices
 from horizon_cli.state.optimizer import OptimizerWorker
 from tests.support.oracle import DEVICE, make_store, micro_batches, one_thread, random_rows  # noqa: F401
 
