@@ -161,8 +161,10 @@ class GradSums:
         """A release run on one rank: copy a unit's fp32 gradient sum to the host chunk by chunk
         (state.slices.spans), narrowed to grad_dtype on the device first as `send` does; `each`
         is told every chunk as it is queued (a, b, the host buffer, its landing) and returns when
-        its reader is done with the buffer. Returns the last chunk's landing (the sum, and the
-        wire buffer, are then free)."""
+        its reader is done with the buffer. Over a link each copy waits for its buffer's last
+        reader on the copy thread, so this returns at once and the backward goes on (the device
+        has the next layer to compute while AdamW reads this one's chunks). Returns the last
+        chunk's landing (the sum, and the wire buffer, are then free)."""
         pool = self.host.pool
         assert isinstance(pool, ChunkPool)
         st, dtype = self.host[unit], self.host.grad_dtype
@@ -176,11 +178,13 @@ class GradSums:
         computed = READY if self.t.shares_host else self.t.record()
         landed: Event = READY
         for a, b in spans(st.segments, pool.elems):
-            c, buf = pool.chunk(b - a)
+            c, buf, free = pool.chunk(b - a)
             if self.t.shares_host:  # no link: narrow straight into the host buffer
+                free.host_wait()
                 buf.copy_(g[a:b])
-            else:
-                landed = self.t.d2h([(buf, g[a:b])], [computed], label=f"g-{unit}")
+            else:  # the copy thread waits for the buffer's last reader: the backward goes on;
+                # and for the chunk before (the last landing then means every one has landed)
+                landed = self.t.d2h([(buf, g[a:b])], [computed, free, landed], label=f"g-{unit}")
             pool.give_chunk(c, each(a, b, buf, landed))
         return landed
 

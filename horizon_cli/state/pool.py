@@ -8,7 +8,8 @@ on the host until its update has read it.
 One rank (`ChunkPool`): `RELEASE_CHUNKS` buffers of `RELEASE_CHUNK` elements of the grad dtype
 (fewer when the largest unit is smaller). A unit's gradient crosses in chunks (state.slices.spans),
 each into the next buffer once the update that last read it is done, and each chunk's slices are
-updated as soon as it has landed (engine.grads.send_chunks). The host holds a few hundred MiB of
+updated as soon as it has landed (engine.grads.send_chunks); a chunk's copy waits for its buffer
+on the copy thread, so the backward goes on to the next layer meanwhile. The host holds ~200 MiB of
 gradients whatever the model, besides the embedding's: its fp32 gradient is whole (the host adds
 the input gradient into it row by row), a buffer of its own as without release.
 
@@ -121,13 +122,14 @@ class ChunkPool:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.bufs)
 
-    def chunk(self, numel: int) -> tuple[int, torch.Tensor]:
-        """The next buffer (k, its first `numel` elements), once the update that read it is done;
-        hand it back at once with `give_chunk(k, ev)`, ev: when its new reader is done."""
+    def chunk(self, numel: int) -> tuple[int, torch.Tensor, Event]:
+        """The next buffer: (k, its first `numel` elements, the event it is free after: the update
+        that read it last). The writer waits on that event (a copy takes it as a dependency, so
+        the thread handing out chunks never blocks); hand the buffer back at once with
+        `give_chunk(k, ev)`, ev: when its new reader is done."""
         k = self.next
         self.next = (k + 1) % len(self.bufs)
-        self.free[k].host_wait()
-        return k, self.bufs[k][:numel]
+        return k, self.bufs[k][:numel], self.free[k]
 
     def give_chunk(self, k: int, done: Event) -> None:
         self.free[k] = done

@@ -24,9 +24,11 @@ def data(vocab: int, steps: int = 3, batch: int = 4, micro: int = 2, hi: int = 2
     return [micro_batches(rows[s * batch : (s + 1) * batch], micro) for s in range(steps)]
 
 
-def train(store, chaos: bool, steps, lora=None, **engine) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train(
+    store, chaos: bool, steps, lora=None, optim: dict | None = None, **engine
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     cfg = EngineConfig(device="cpu", dtype="float32", loss_chunk=16, link_chaos=chaos, **engine)
-    eng = Engine(store, cfg, OptimConfig(kernel="torch", **HP), lora=lora)
+    eng = Engine(store, cfg, OptimConfig(kernel="torch", **{**HP, **(optim or {})}), lora=lora)
     assert isinstance(eng.t, ChaosTransport) == chaos
     try:
         losses = [eng.step(mbs, HP["lr"]).loss for mbs in steps]
@@ -63,6 +65,22 @@ def test_sequence_tiles_equal_the_plain_transport(llama):
     steps = data(model.config.vocab_size, steps=2)
     plain = train(store, False, steps, seq_tile=8, keep_activations=0)
     assert_same(train(store, True, steps, seq_tile=8, keep_activations=0), plain)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_gradient_release_in_chunks_equals_the_plain_transport(llama, monkeypatch, clip):
+    """optim.grad_release in small chunks (128-element slices, 3 to a chunk): each chunk's copy
+    waits on its buffer's last AdamW on the copy thread, each AdamW on its chunk's landing; with
+    grad_clip > 0 the norm-first pass first."""
+    from horizon_cli.state import pool, slices
+
+    monkeypatch.setattr(slices, "SLICE", 128)
+    monkeypatch.setattr(pool, "RELEASE_CHUNK", 3 * 128)
+    model, store = llama
+    steps = data(model.config.vocab_size, steps=2)
+    optim = dict(grad_release="true", grad_clip=clip)
+    plain = train(store, False, steps, optim=optim, prefetch=2, keep_activations=0)
+    assert_same(train(store, True, steps, optim=optim, prefetch=2, keep_activations=0), plain)
 
 
 def test_lora_steps_equal_the_plain_transport(tmp_path):
