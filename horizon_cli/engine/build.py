@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,8 +20,9 @@ from ..lora.setup import LoraSetup
 from ..parallel.comm import Dist
 from ..parallel.topology import World
 from ..planning.fit import Machine, check_device_fit
-from ..planning.ladder import PlannedModel, check_fits, not_applicable, plan_ladder, run_rung
+from ..planning.ladder import PlannedModel, check_fits, fit_parts, not_applicable, plan_ladder, run_rung
 from ..planning.memory import MemoryPlan
+from ..planning.release import resolve_release
 from ..runtime.trace import Tracer
 from ..store import Store
 from .dropout import model_dropout
@@ -56,6 +57,15 @@ def plan_run(
     """where: the machine `engine.keep_activations: auto` fits the kept layers to (None: none kept)."""
     rungs = plan_ladder(cfg, model, lora, world, where)
     return Planned(cfg, model, lora, world, run_rung(cfg, model), rungs)
+
+
+def with_release(planned: Planned, where: Machine) -> tuple[Planned, str]:
+    """The plan with optim.grad_release: auto resolved (planning.release): its config records
+    true or false, its rung is the release rung where release went on; and the line saying why."""
+    cfg, rung, line = resolve_release(
+        planned.cfg, planned.rungs, planned.rung, where, lambda p, w: fit_parts(p, w)[0]
+    )
+    return replace(planned, cfg=cfg, rung=rung), line
 
 
 def check_fit(planned: Planned, where: Machine) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .. import preflight
@@ -21,7 +22,7 @@ from ..config import Config, load_config
 from ..config.schema import DataConfig, OptimConfig, TrainConfig
 from ..data.batch import MicroBatch
 from ..engine import Engine
-from ..engine.build import build_engine, plan_run
+from ..engine.build import build_engine, plan_run, with_release
 from ..errors import InputError
 from ..fmt import fmt_bytes
 from ..lora.setup import lora_for
@@ -52,7 +53,12 @@ def run_profile(
         preflight.check_output_file(path, opt)  # before minutes of measuring, not after
     with tempfile.TemporaryDirectory(prefix="horizon-profile-") as tmp:
         cfg, store, lora = _setup(config, Path(tmp), console)
-        plan = plan_run(cfg, store, lora, where=preflight.local_machine(cfg)).plan  # K: auto fits it here
+        where = preflight.local_machine(cfg)
+        # K: auto fits it here; optim.grad_release: auto decided as `train` decides it
+        planned, release = with_release(plan_run(cfg, store, lora, where=where), where)
+        cfg, plan = planned.cfg, planned.plan
+        if release and cfg.optim.grad_release == "true":
+            console.print(escape(release), highlight=False)
         check_device_fit(plan, cfg.engine)
         tracer = Tracer(enabled=True)
         engine = build_engine(cfg, store, lora=lora, tracer=tracer, keep=plan.kept)

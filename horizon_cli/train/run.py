@@ -20,16 +20,14 @@ from .. import preflight
 from ..arch.exceptions import refuse_packing
 from ..config import Config, load_config
 from ..data.prepare import check_lengths
-from ..engine.build import Planned, plan_run
+from ..engine.build import plan_run, with_release
 from ..engine.tuning import tuning_for
 from ..errors import InputError
 from ..faults import phase
 from ..lora.setup import lora_for
 from ..parallel.launch import joined, rank_device, world_from_env
 from ..parallel.topology import world_for
-from ..planning.fit import Machine
-from ..planning.ladder import fit_parts, open_model
-from ..planning.release import resolve_release
+from ..planning.ladder import open_model
 from ..recipes.registry import recipe_for
 from ..runtime.dtype import with_dtype
 from ..store import DTYPES, Store
@@ -119,15 +117,6 @@ def run_training(
             return Trainer(
                 cfg, model, rd, console, lora, dist=d, keep=planned.plan.kept, samples=samples
             ).run()
-
-
-def with_release(planned: Planned, where: Machine) -> tuple[Planned, str]:
-    """The plan with optim.grad_release: auto resolved (planning.release): its config records
-    true or false, its rung is the release rung where release went on; and the line saying why."""
-    cfg, rung, line = resolve_release(
-        planned.cfg, planned.rungs, planned.rung, where, lambda p, w: fit_parts(p, w)[0]
-    )
-    return replace(planned, cfg=cfg, rung=rung), line
 
 
 def rank_cfg(cfg: Config) -> Config:

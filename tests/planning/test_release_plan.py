@@ -210,6 +210,9 @@ def test_a_start_records_what_auto_chose(tmp_path, monkeypatch):
     assert "optim.grad_release: auto -> true" in r.output
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["optim"]["grad_release"] == "true"
     shutil.rmtree(tmp_path / "run")
+    r = horizon("profile", cfg)  # profiles what train would run: auto decided the same way
+    assert r.exit_code == 0, r.output
+    assert "optim.grad_release: auto -> true" in r.output
 
 
 def test_a_run_resumes_across_release():
