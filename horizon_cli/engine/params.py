@@ -158,6 +158,7 @@ class _OnFrozenBase:
             store, setup, dtype, grad_dtype, alloc, progress, shard, narrow
         )
         self.layers = [f"layer.{i}" for i in range(store.arch.n_layers)]
+        self.spec = store.arch
         self.units: dict[str, UnitState | FrozenUnit] = {**self.base.units, **self.host.units}
         self.names = {
             u: [p.name for p in st.layout.tensors if p.trainable] for u, st in self.host.units.items()
@@ -221,7 +222,9 @@ class _OnFrozenBase:
         return [u for u in self.trained if u is not None]
 
     def transient_bytes(self, tokens: int, item: int, tile: int) -> int:
-        return 0  # the plans of a frozen base count none (lora.sizes)
+        """What a layer's backward holds beside its working set (planning.transients): the
+        adapters' weight gradients (a forward-only engine: none), attention's dQ and grouped dK/dV."""
+        return backward_transient_bytes(self.spec, tokens, self.extra_numel(), item, tile)
 
     def work_bytes(self, tokens: int, item: int) -> int:
         """The adapters' outputs in a layer's working set, held for the backward."""

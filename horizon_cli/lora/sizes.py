@@ -28,6 +28,7 @@ from ..planning.memory import (
     rank_batch,
     with_loop,
 )
+from ..planning.transients import backward_transient_bytes
 from ..store import layouts
 from ..store.packed import packed_layout, packs
 from .targets import Target, adapter_params
@@ -137,6 +138,8 @@ def lora_memory_plan(
     work = layer_work_bytes(spec, tok, micro_batch, seq, item)
     p.device["layer working set"] = work + adapter_work_bytes(targets, r, tok, item)
     p.device["loss head working set"] = head_work_bytes(spec, tok, loss_chunk, item)
+    # attention's fp32 dQ and grouped dK/dV in every backward, the adapters' gradients at once
+    p.device["backward transients"] = backward_transient_bytes(spec, tok, per_layer, item)
     if world > 1:  # engine/sharded.py: the frozen embedding gathered on the device (the host holds a
         # slice); the adapters' gradients all-reduced whole into four fp32 outputs (and narrow copies)
         gathered = base_bytes(spec, stream, quant, world)  # the device's whole units, padded

@@ -150,6 +150,20 @@ def test_the_plan_counts_the_backwards_transients(seq):
     assert p.device["backward transients"] == layer * 2 + seq * (4 * 4096 + 2 * 4096 * 2)
 
 
+def test_a_lora_plan_counts_the_backwards_transients():
+    """LoRA's backward holds the same attention transients, and its adapters' gradients at once
+    (the plan counted none); the engine accounts the same bytes (LoraParams.transient_bytes)."""
+    from horizon_cli.config.schema import LoraConfig
+    from horizon_cli.lora.setup import lora_setup
+    from horizon_cli.lora.sizes import lora_memory_plan
+
+    spec = spec_from_hf(LLAMA_8B)
+    setup = lora_setup(LoraConfig(r=16, targets="all-linear"), spec)
+    p = lora_memory_plan(spec, setup.targets, 16, batch=1, micro_batch=1, seq=8192)
+    adapters = 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 2 * (4096 + 14336) + (14336 + 4096))
+    assert p.device["backward transients"] == adapters * 2 + 8192 * (4 * 4096 + 2 * 4096 * 2)
+
+
 def test_auto_keep_leaves_a_margin_on_a_gpu():
     p = memory_plan(spec_from_hf(LLAMA_8B), batch=8, micro_batch=1, seq=4096)
     free = p.device_total + RESERVE + 30 * sum(p.kept_layer)  # room for 30 kept layers to the reserve
