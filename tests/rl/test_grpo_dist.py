@@ -40,6 +40,7 @@ KEYS = (
     "eval_kl",
     "eval_entropy",
     "eval_num_tokens",
+    "eval_clip_ratio/region_mean",
 )
 
 

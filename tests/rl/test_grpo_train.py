@@ -364,6 +364,8 @@ def test_eval_samples_the_held_out_prompts_and_reports_trls_metrics(tmp_path, ti
     means = [sum(x["reward"] for x in b) / len(b) for b in (held[:8], held[8:])]  # batches of 2 and 1 prompts
     assert row["eval_reward"] == pytest.approx(sum(means) / 2, rel=1e-5)  # TRL's mean of the batches'
     assert row["eval_num_tokens"] == row["num_tokens"] and row["eval_entropy"] > 0
+    # TRL's eval clip ratios: the policy that sampled is the one scored (ratio 1): none clipped
+    assert row["eval_clip_ratio/region_mean"] == 0 and row["eval_clip_ratio/high_max"] == 0
 
 
 def test_a_slice_of_the_prompts_sampled_alone_gets_the_whole_batchs_completions(tiny_store):

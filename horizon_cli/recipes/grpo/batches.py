@@ -188,8 +188,7 @@ class GRPOBatches:
         if not prefix and not self.fresh:
             out |= {"rollout_s": 0.0, "reference_s": 0.0, "rollout_tokens_per_s": None}
         out |= token_means(self.rl, stats)  # entropy, kl
-        if not prefix:  # at num_iterations 1 too (ratio 1: 0), as TRL logs them
-            out |= ratio_metrics(self.rl, stats)
+        out |= ratio_metrics(self.rl, stats)  # at num_iterations 1 and in eval too (ratio 1: 0), as TRL
         return {prefix + k: v for k, v in out.items()}
 
     def show(self, row: Mapping[str, object]) -> str:
