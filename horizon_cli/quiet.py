@@ -1,4 +1,4 @@
-"""Two import-time log records of torch and torchao that read as breakage, silenced at their source.
+"""Import-time log records of torch, torchao and bitsandbytes that read as breakage, silenced at their source.
 
 transformers imports torchao whenever it is installed (`transformers.quantizers` does, and every
 model class imports those), which happens on every generic-path run (MoE and the other families
@@ -8,6 +8,13 @@ built from transformers' classes), and at export. torchao then logs, through Pyt
                           (CUDA kernels of a build for another torch; horizon never calls them)
     torch.utils._pytree   <enum 'KernelPreference'> is an Enum subclass and is now natively
                           supported by torch.compile ... (torchao registers its enums the old way)
+
+and peft imports bitsandbytes, which on a CPU with AVX-512 BF16 asks the hub for a 4-bit GEMM
+kernel at import and, offline or untrusted, logs
+
+    bitsandbytes.backends.cpu.ops   Failed to load CPU gemm_4bit_forward from kernels-community: ...
+                          (it falls back to its own; horizon never calls that GEMM: its NF4 is
+                          its own, quant/nf4_bnb.py)
 
 A newcomer reads "Could not load this library" as a broken install. Exactly those records are
 dropped, by a filter on the logger that emits them; every other record of those loggers, and
@@ -22,6 +29,7 @@ import re
 NOISE = {
     "torchao": re.compile(r"Failed to load \S*torchao[/\\]_C\S*\.so: "),
     "torch.utils._pytree": re.compile(r"<enum '\w+'> is an Enum subclass and is now natively supported"),
+    "bitsandbytes.backends.cpu.ops": re.compile(r"Failed to load CPU gemm_4bit_forward from kernels-community: "),
 }
 
 

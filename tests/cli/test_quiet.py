@@ -51,3 +51,25 @@ def test_torchao_import_noise_is_dropped_and_nothing_else():
     ]
     for kept in ("torchao says something else", "pytree says something else", "a warning of anyone else"):
         assert kept in r.stderr, r.stderr
+
+
+BNB = """
+import logging
+import horizon_cli
+import peft  # imports bitsandbytes: on an AVX-512 BF16 CPU it asks the hub for a kernel here
+log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+log.warning("Failed to load CPU gemm_4bit_forward from kernels-community: as offline")  # as logged
+log.warning("bitsandbytes says something else")
+"""
+
+
+def test_bitsandbytes_hub_kernel_noise_is_dropped_and_nothing_else():
+    """peft imports bitsandbytes, whose CPU backend logs "Failed to load CPU gemm_4bit_forward
+    from kernels-community" where the hub cannot be reached (every nf4 or resident rollout run
+    here); it falls back to its own GEMM, which horizon does not call."""
+    pytest.importorskip("bitsandbytes")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", BNB], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "Failed to load CPU gemm_4bit_forward" not in r.stderr, r.stderr
+    assert "bitsandbytes says something else" in r.stderr, r.stderr
