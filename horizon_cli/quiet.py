@@ -15,6 +15,9 @@ kernel at import and, offline or untrusted, logs
     bitsandbytes.backends.cpu.ops   Failed to load CPU gemm_4bit_forward from kernels-community: ...
                           (it falls back to its own; horizon never calls that GEMM: its NF4 is
                           its own, quant/nf4_bnb.py)
+    kernels._internals.hf_hub       Skipping publisher trust check for 'kernels-community/
+                          quantization-bitsandbytes' because Hugging Face Hub is in offline mode.
+                          (the same attempt, with HF_HUB_OFFLINE set)
 
 A newcomer reads "Could not load this library" as a broken install. Exactly those records are
 dropped, by a filter on the logger that emits them; every other record of those loggers, and
@@ -29,7 +32,12 @@ import re
 NOISE = {
     "torchao": re.compile(r"Failed to load \S*torchao[/\\]_C\S*\.so: "),
     "torch.utils._pytree": re.compile(r"<enum '\w+'> is an Enum subclass and is now natively supported"),
-    "bitsandbytes.backends.cpu.ops": re.compile(r"Failed to load CPU gemm_4bit_forward from kernels-community: "),
+    "bitsandbytes.backends.cpu.ops": re.compile(
+        r"Failed to load CPU gemm_4bit_forward from kernels-community: "
+    ),
+    "kernels._internals.hf_hub": re.compile(
+        r"Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'"
+    ),
 }
 
 
