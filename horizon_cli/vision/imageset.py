@@ -176,10 +176,12 @@ def images_key(
     parse: Callable[[dict, str, Path], ImageExample] = image_example,
 ) -> str | None:
     """sha256 of what an ImageSet depends on beyond the data file and the tokenizer: the
-    processor's settings and chat template, the pixel budget, train_on_prompt, max_seq_len and
+    processor's settings, chat template and template kwargs, the pixel budget, train_on_prompt, max_seq_len and
     the content of every image the records name (None when one cannot be read: no cache).
     parse: a record -> its ImageExample (vision.pairs: a pair's prompt)."""
     h = hashlib.sha256(json.dumps(proc.to_dict(), sort_keys=True, default=str).encode())
+    template = [getattr(proc, "chat_template", None), dict(data_cfg.chat_template_kwargs or {})]
+    h.update(json.dumps(template, sort_keys=True, default=str).encode())  # data.chat_template(_kwargs)
     h.update(
         f"{data_cfg.max_pixels}:{data_cfg.min_pixels}:{data_cfg.train_on_prompt}:{data_cfg.max_seq_len}".encode()
     )

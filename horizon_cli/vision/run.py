@@ -37,12 +37,15 @@ class VisionData:
         self.store, self.where = store, where
         self._proc: Processor | None = None
 
-    def processor(self) -> Processor:
+    def processor(self, data_cfg: DataConfig) -> Processor:
+        """The processor, with the `data:` section's chat template and template kwargs (as the
+        tokenizer of a text run: data.templates.configure; one data section a run)."""
+        from ..data.templates import configure
         from .encode import load_processor
 
         if self._proc is None:
             image_owner(self.store.arch, self.where)  # a model that cannot take images: refused first
-            self._proc = load_processor(Path(self.store.root) / "hf", self.where)
+            self._proc = configure(load_processor(Path(self.store.root) / "hf", self.where), data_cfg)
         return self._proc
 
     def build(self, ds: Dataset, data_cfg: DataConfig, name: str, log: Log, base: Path) -> ImageSet:
@@ -53,22 +56,22 @@ class VisionData:
                 "than trained without them (DPO pairs with images train)"
             )
         if holds_pairs(ds.column_names):  # preference pairs with images (vision.pairs)
-            return build_image_pairs(ds, self.processor(), data_cfg, name, log, base)
-        return build_image_set(ds, self.processor(), data_cfg, name, log, base)
+            return build_image_pairs(ds, self.processor(data_cfg), data_cfg, name, log, base)
+        return build_image_set(ds, self.processor(data_cfg), data_cfg, name, log, base)
 
     def key(self, ds: Dataset, data_cfg: DataConfig, base: Path) -> str | None:
         if holds_pairs(ds.column_names):
             return images_key(
-                ds, self.processor(), data_cfg, base, lambda r, w, b: image_pair(r, w, b).prompt
+                ds, self.processor(data_cfg), data_cfg, base, lambda r, w, b: image_pair(r, w, b).prompt
             )
-        return images_key(ds, self.processor(), data_cfg, base)
+        return images_key(ds, self.processor(data_cfg), data_cfg, base)
 
     def prompt(self, record: dict, where: str, base: Path, data_cfg: DataConfig) -> tuple[list[int], dict]:
         """A prompt-only record with images (GRPO) -> its ids and image tensors (vision.prompts)."""
         if record.get("prompt_input_ids") is not None:
             raise InputError(f"{where}: prompt_input_ids with images: give the prompt as messages")
         ex = image_example(prompt_record(record), where, base)
-        return encode_prompt(self.processor(), ex, where, data_cfg.max_pixels, data_cfg.min_pixels)
+        return encode_prompt(self.processor(data_cfg), ex, where, data_cfg.max_pixels, data_cfg.min_pixels)
 
     def wrap(self, ts: TokenSet, media: dict, offsets: dict) -> ImageSet:
         return ImageSet(

@@ -4,11 +4,14 @@ every gradient and 3 AdamW steps of the streamed language model with the frozen 
 merged equal transformers' own LlavaForConditionalGeneration called with the processor's outputs
 + torch AdamW (fp32, 1e-5); bad image input is one line, exit 2, nothing trained."""
 
+import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from datasets import load_dataset
 from PIL import Image
 
 from horizon_cli.config.schema import DataConfig, EngineConfig, OptimConfig
@@ -115,6 +118,29 @@ def test_processor_ids_equal_horizons_per_form(vlm, tmp_path, form):
         lab = ts[i].labels
         said = proc.tokenizer.decode([int(t) for t in lab if t != IGNORE])
         assert said.startswith(f"colour {i} here")
+
+
+def test_the_data_sections_chat_template_and_kwargs_render_image_records(vlm, tmp_path):
+    """data.chat_template and data.chat_template_kwargs render image records too, through the
+    processor (they reached only the tokenizer of text records), and key the cache."""
+    from transformers import AutoProcessor
+
+    root, _ = vlm
+    store = Store.open(root / "store")
+    imgs = make_images(tmp_path / "data" / "imgs")
+    data = write(tmp_path / "data" / "d.jsonl", forms([f"imgs/{p.name}" for p in imgs])["chat_parts"])
+    proc = AutoProcessor.from_pretrained(root / "hf")
+    plain = processor_rows(proc, imgs)
+    proc.chat_template = "{% if shout %}LOUD {% endif %}" + proc.chat_template
+    proc.apply_chat_template = functools.partial(proc.apply_chat_template, shout=True)
+    want = processor_rows(proc, imgs)
+    assert want != plain
+    ts = prepared(store, data, chat_template=proc.chat_template, chat_template_kwargs={"shout": True}).train
+    assert [list(ts[i].input_ids) for i in range(4)] == want
+    cfg = DataConfig(path=str(data), max_seq_len=128)
+    keys = {image_data(store).key(load_dataset("json", data_files=str(data))["train"], c, data.parent)
+            for c in (cfg, replace(cfg, chat_template_kwargs={"shout": True}))}  # fmt: skip
+    assert len(keys) == 2
 
 
 def hf_step_loss(model, mbs) -> float:

@@ -107,7 +107,7 @@ class GRPOBatches:
                 "rl.top_entropy_quantile: the entropy quantile over the whole batch is not computed across "
                 "ranks yet; run it on one process (or set 1.0)"
             )
-        self.banned = image_tokens(self.data, store)  # the image token: never sampled
+        self.banned = image_tokens(self.data, store, self.cfg.data)  # the image token: never sampled
         self.rollouts = Rollouts(  # streamed or a resident copy (rl.rollout_engine)
             self.rl,
             engine,

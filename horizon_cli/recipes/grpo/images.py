@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ...config import Config
+from ...config.schema import DataConfig
 from ...engine.parts import Stage
 from ...errors import InputError
 from ...model.sample import Sampler
@@ -42,10 +43,10 @@ def reference_stage(cfg: Config, data: PromptData, store: Store) -> Stage | None
     return vision_stage(store, "frozen") if has_images(data.train) else None
 
 
-def image_tokens(data: PromptData, store: Store) -> tuple[int, ...]:
+def image_tokens(data: PromptData, store: Store, data_cfg: DataConfig) -> tuple[int, ...]:
     """The token ids a rollout must not sample: the image token of a run with image prompts."""
     got = image_data(store) if has_images(data.train) else None
-    return (image_token_id(got.processor()),) if got is not None else ()
+    return (image_token_id(got.processor(data_cfg)),) if got is not None else ()
 
 
 class ImageSafeSampler(Sampler):
