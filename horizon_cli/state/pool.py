@@ -10,8 +10,9 @@ One rank (`ChunkPool`): `RELEASE_CHUNKS` buffers of `RELEASE_CHUNK` elements of 
 each into the next buffer once the update that last read it is done, and each chunk's slices are
 updated as soon as it has landed (engine.grads.send_chunks); a chunk's copy waits for its buffer
 on the copy thread, so the backward goes on to the next layer meanwhile. The host holds ~200 MiB of
-gradients whatever the model, besides the embedding's: its fp32 gradient is whole (the host adds
-the input gradient into it row by row), a buffer of its own as without release.
+gradients whatever the model, besides the embedding's fp32 gradient (the host adds the input
+gradient into it row by row), a buffer of its own as without release: an untied table's holds the
+rows the step touched (state.host `UnitState.rows`).
 
 Several ranks (`GradPool`): each rank's slice of a unit arrives whole from a reduce-scatter, into
 one of `RELEASE_BUFFERS` flat buffers, each the size of the largest slice's gradient (in bytes: a
