@@ -111,6 +111,9 @@ def small_chunks(monkeypatch):
         ("llama", False, {}),
         ("qwen2", True, dict(link=1e6, memory="lean")),  # narrowed to bf16 on the "device" first
         ("llama", False, dict(link=1e6, clip=0.05)),  # the norm-first pass's buffers too
+        ("llama", False, dict(keep=1, link=1e6)),  # a kept layer's sums
+        ("llama", False, dict(tile=8)),
+        ("mixtral", False, dict(link=1e6)),  # experts: segments with frozen gaps between
     ],
 )
 def test_release_in_small_chunks_is_bitwise(tmp_path, small_chunks, family, tie, kw):
@@ -132,6 +135,16 @@ def test_release_of_layers_run_in_a_loop_is_bitwise(tmp_path):
 
     _, store = dory(tmp_path)
     same(train(store, True), train(store, False))
+
+
+def test_release_of_a_loop_in_small_chunks_is_bitwise(tmp_path, small_chunks):
+    """A unit called twice sends its summed gradient in chunks after its earliest call."""
+    from tests.arch.test_loops import dory
+
+    _, store = dory(tmp_path)
+    got = train(store, True, link=1e6)
+    slices.SLICE = 1 << 22
+    same(got, train(store, False, link=1e6))
 
 
 def test_norm_first_pass_equals_no_release_with_clipping(tmp_path):
