@@ -98,9 +98,8 @@ class OptimizerWorker:
         g = st.grad if g is None else g
         hi = lo + (g.numel() if st.rows is None else st.stream.numel())  # compact: by rows
         t0 = time.perf_counter()
-        for seg, a, b in sl.slices(st.segments):  # frozen tensors (a routing bias) are in none
-            if lo <= a and b <= hi:
-                self._update_slice(st, st.grad_span(g, lo, a, b), seg, a, b, h)
+        for seg, a, b in sl.slices(st.segments, lo, hi):  # frozen tensors (a routing bias) are in none
+            self._update_slice(st, st.grad_span(g, lo, a, b), seg, a, b, h)
         self.tracer.add("optimizer", st.name, t0, time.perf_counter())
 
     def _update_slice(

@@ -18,11 +18,18 @@ from .layout import Segment
 SLICE = 1 << 22  # elements per update call (16 MiB of fp32)
 
 
-def slices(segments: Iterable[Segment]) -> Iterator[tuple[Segment, int, int]]:
-    """(segment, a, b): the unit's elements [a, b) one update call reads, in order."""
+def slices(
+    segments: Iterable[Segment], lo: int = 0, hi: int | None = None
+) -> Iterator[tuple[Segment, int, int]]:
+    """(segment, a, b): the unit's elements [a, b) one update call reads, in order; only those
+    inside [lo, hi) (a release chunk's: a run of whole slices), found without walking the rest."""
     for seg in segments:
-        for a in range(seg.start, seg.end, SLICE):
-            yield seg, a, min(seg.end, a + SLICE)
+        end = seg.end if hi is None else min(seg.end, hi)
+        first = seg.start + max(0, -(-(lo - seg.start) // SLICE)) * SLICE  # the first slice at >= lo
+        for a in range(first, end, SLICE):
+            b = min(seg.end, a + SLICE)
+            if b <= end:
+                yield seg, a, b
 
 
 def spans(segments: Iterable[Segment], elems: int) -> list[tuple[int, int]]:
