@@ -31,7 +31,6 @@ from ..parallel.shard import padded_numel
 from ..runtime.events import READY, Event
 from ..runtime.transport import Transport
 from ..state.host import HostState
-from ..state.pool import ChunkPool
 from ..state.slices import spans
 
 Views = dict[str, torch.Tensor]  # a gradient buffer's views by tensor name
@@ -66,7 +65,7 @@ class GradSums:
         narrow = grad_dtype != torch.float32
         # accumulate into the host buffers (a sharded rank's host holds only its slice; a release
         # run's hold none per unit)
-        self.chunked = isinstance(host.pool, ChunkPool)
+        self.chunked = host.chunks is not None
         self.direct = transport.shares_host and not narrow and not self.sharded and not self.chunked
         self.acc = [] if self.direct else [transport.device_empty(n_layer, torch.float32) for _ in range(2)]
         self.free: list[Event] = [READY, READY]  # per accumulator: the copy that last read it
@@ -165,8 +164,8 @@ class GradSums:
         reader on the copy thread, so this returns at once and the backward goes on (the device
         has the next layer to compute while AdamW reads this one's chunks). Returns the last
         chunk's landing (the sum, and the wire buffer, are then free)."""
-        pool = self.host.pool
-        assert isinstance(pool, ChunkPool)
+        pool = self.host.chunks
+        assert pool is not None
         st, dtype = self.host[unit], self.host.grad_dtype
         if not self.t.shares_host and dtype != g.dtype:
             if k is None:

@@ -40,6 +40,11 @@ class LocalReduce:
         pass
 
     def layer(self, unit: str, g: torch.Tensor, k: int, sq: list, chunks: Chunks) -> Event:
+        return self._send(unit, g, k, sq, chunks)
+
+    def _send(self, unit: str, g: torch.Tensor, k: int | None, sq: list, chunks: Chunks) -> Event:
+        """A unit's sum to the host, its squared norm's pieces into `sq`. k: the wire buffer a
+        narrowed sum goes through (None: a temporary, the head's)."""
         n = len(sq)
         sq.extend(sumsq(g))
         if self.grads.chunked:  # release: the sum crosses in chunks, each updated as it lands
@@ -54,12 +59,7 @@ class LocalReduce:
             assert grads.embed is not None  # a tied head's share lands in the embedding's
             dst = self.host.take("embed")  # release: held until the embedding's rows are in
             ready["embed"] = self.t.d2h([(dst, grads.embed)], [self.t.record()], "g-lm")
-        n = len(sq)
-        sq.extend(sumsq(grads.head))
-        if grads.chunked:
-            ready["head"] = grads.send_chunks("head", grads.head, None, chunks("head", sq[n:]))
-        else:
-            ready["head"] = grads.send("head", grads.head, None)
+        ready["head"] = self._send("head", grads.head, None, sq, chunks)
 
     def total(
         self, loss_sum: torch.Tensor, sq: list, host_sq: float, stats: Stats

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ..arch import ArchSpec
 from ..optim.modes import MemoryMode
 from ..parallel.shard import SHARD_ALIGN, shard_range, shard_size
+from ..state.host import compact_grad
 from ..state.layout import StateKind, kind_numel, state_layout
 from ..store import UnitLayout
 
@@ -27,9 +28,8 @@ def piece(numel: int, world: int) -> int:
 
 def compact_rows(spec: ArchSpec, lays: dict, tokens: int, world: int) -> int | None:
     """Elements of the embedding's gradient the host holds when it keeps only the rows a step of
-    `tokens` touches (state.host: one rank, an untied table alone in its unit); None: all."""
-    embed = lays["embed"].tensors
-    if world > 1 or spec.tie_embeddings or len(embed) != 1 or embed[0].offset:
+    `tokens` touches (state.host.compact_grad); None: all."""
+    if not compact_grad(lays["embed"], spec.tie_embeddings, world):
         return None
     return min(spec.vocab, tokens) * spec.hidden
 

@@ -113,6 +113,14 @@ class UnitState:
         return self.grad if self.rows is None else self.grad_span(self.grad, 0, 0, self.stream.numel())
 
 
+def compact_grad(lay: UnitLayout, tied: bool, world: int) -> bool:
+    """Whether the unit's host gradient is compact by rows (UnitState.rows): one rank's embedding
+    when it is the table alone and untied (a tied LM head's gradient fills every row). The plan
+    counts it so (planning.host_state.compact_rows)."""
+    tensors = lay.tensors
+    return lay.name == "embed" and world == 1 and not tied and len(tensors) == 1 and tensors[0].offset == 0
+
+
 def stream_dtype(dtype: torch.dtype, mode: MemoryMode) -> torch.dtype:
     """The streaming copy's dtype for a compute dtype: lean keeps a bf16 weight whatever it
     computes in; exact streams the compute dtype (in fp32, the master itself)."""
@@ -120,7 +128,9 @@ def stream_dtype(dtype: torch.dtype, mode: MemoryMode) -> torch.dtype:
 
 
 class HostState:
-    pool: ChunkPool | GradPool | None = None  # a release mode's host gradient buffers (state.pool)
+    # a release mode's host gradient buffers (state.pool): several ranks' slices, one rank's chunks
+    pool: GradPool | None = None
+    chunks: ChunkPool | None = None
 
     def __init__(
         self,
@@ -145,26 +155,9 @@ class HostState:
             self.units[u.name] = self._load_unit(store, lay, alloc)
             progress(u.nbytes)
         if self.mode.release and self.world == 1:
-            self.pool = ChunkPool(self.units, alloc, self.grad_dtype)
+            self.chunks = ChunkPool(self.units, alloc, self.grad_dtype)
         elif self.mode.release:
             self.pool = GradPool(self.units, alloc)
-
-    def pooled(self, unit: str) -> bool:
-        """Whether a release run's pool serves the unit's gradient (one rank's embedding has its
-        own buffer: state.pool)."""
-        return self.mode.release and (self.world > 1 or unit != "embed")
-
-    def compact(self, store: Store, lay: UnitLayout) -> bool:
-        """Whether the unit's gradient is compact by rows (UnitState.rows): one rank's embedding
-        when it is the table alone and untied (a tied LM head's gradient fills every row)."""
-        tensors = lay.tensors
-        return (
-            lay.name == "embed"
-            and self.world == 1
-            and not store.arch.tie_embeddings
-            and len(tensors) == 1
-            and tensors[0].offset == 0
-        )
 
     def take(self, unit: str) -> torch.Tensor:
         """The unit's host gradient buffer for this step (release: taken from the pool)."""
@@ -179,8 +172,10 @@ class HostState:
         totals = {k: kind_numel(whole, k) for k in StateKind}
         state = self.scheme.alloc(b - a, self.dtype == torch.bfloat16, totals, kinds)
         gdt = torch.float32 if lay.name == "embed" else self.grad_dtype
-        compact = self.compact(store, lay)
-        if self.pooled(lay.name) or compact:  # a pool buffer while needed; compact: sized per step
+        compact = compact_grad(lay, store.arch.tie_embeddings, self.world)
+        # release: a pool buffer while needed (one rank's embedding: its own); compact: sized per step
+        pooled = self.mode.release and (self.world > 1 or lay.name != "embed")
+        if pooled or compact:
             grad = empty_grad(gdt)
         else:
             grad = alloc(b - a, gdt)  # pinned on CUDA
@@ -206,7 +201,8 @@ class HostState:
 
     def nbytes(self) -> dict[str, int]:
         """Bytes by category, for the memory report."""
-        out: dict[str, int] = {"grad": self.pool.nbytes()} if self.pool is not None else {}
+        pools = [p for p in (self.pool, self.chunks) if p is not None]
+        out: dict[str, int] = {"grad": pools[0].nbytes()} if pools else {}
         for st in self.units.values():
             for k, t in st.buffers().items():
                 out[k] = out.get(k, 0) + t.numel() * t.element_size()

@@ -91,18 +91,10 @@ class GradPool:
     def holds(self, unit: str) -> bool:
         return unit in self.held
 
-    def drop(self) -> None:
-        """Forget every holder (a step that stopped half-way): their buffers free once read."""
-        self.held.clear()
-
-    def wait(self) -> None:
-        for ev in self.free:
-            ev.host_wait()
-
 
 class ChunkPool:
-    """One rank's release buffers: fixed-size chunks (module doc). The embedding's gradient is not
-    pooled: `take` returns its own buffer; every other unit's gradient exists only in chunks."""
+    """One rank's release buffers: fixed-size chunks (module doc); the embedding's gradient is not
+    in them (its own buffer), every other unit's exists only in chunks (state.host: `chunks`)."""
 
     def __init__(
         self,
@@ -134,20 +126,3 @@ class ChunkPool:
 
     def give_chunk(self, k: int, done: Event) -> None:
         self.free[k] = done
-
-    def take(self, st: UnitState) -> torch.Tensor:
-        assert st.name == "embed", f"{st.name}'s gradient reaches the host in chunks"
-        return st.grad
-
-    def give(self, st: UnitState, done: Event) -> None:
-        pass
-
-    def holds(self, unit: str) -> bool:
-        return False
-
-    def drop(self) -> None:
-        pass
-
-    def wait(self) -> None:
-        for ev in self.free:
-            ev.host_wait()

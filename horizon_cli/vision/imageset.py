@@ -180,7 +180,7 @@ def images_key(
     the content of every image the records name (None when one cannot be read: no cache).
     parse: a record -> its ImageExample (vision.pairs: a pair's prompt)."""
     h = hashlib.sha256(json.dumps(proc.to_dict(), sort_keys=True, default=str).encode())
-    template = [getattr(proc, "chat_template", None), dict(data_cfg.chat_template_kwargs or {})]
+    template = [proc.chat_template, dict(data_cfg.chat_template_kwargs or {})]  # load_processor: one
     h.update(json.dumps(template, sort_keys=True, default=str).encode())  # data.chat_template(_kwargs)
     h.update(
         f"{data_cfg.max_pixels}:{data_cfg.min_pixels}:{data_cfg.train_on_prompt}:{data_cfg.max_seq_len}".encode()

@@ -159,7 +159,7 @@ def test_a_release_run_holds_the_pool_not_a_gradient_per_unit(tmp_path):
     eng = engine(store, True)
     try:
         units = eng.host.units
-        got = eng.host.pool
+        got = eng.host.chunks
         assert got is not None and len(got.bufs) == RELEASE_CHUNKS
         biggest = max(st.stream.numel() for u, st in units.items() if u != "embed")
         assert got.nbytes() == RELEASE_CHUNKS * min(biggest, RELEASE_CHUNK) * 4
