@@ -6,8 +6,11 @@ DataCollatorForVisionUnpairedPreference's for the TRL and LLaMA-Factory forms, b
 example carrying the prompt's own pixels; the reference log-probs (images seen) equal transformers'
 own model given the processor's pixels; the first step's loss, KL estimate, rewards and log-probs
 and every gradient (tower frozen, projector trained) and the weights after 2 AdamW steps equal
-KTOTrainer's compute_loss + torch AdamW, fp32 1e-5; the CLI trains KTO with images and refuses in
-one line what TRL refuses (preference pairs with images) and a text-only store given them."""
+KTOTrainer's compute_loss + torch AdamW, fp32 1e-5. Qwen2-VL (its processor needs torchvision,
+absent here, so no KTOTrainer): the reference pass, the loss, stats and gradients equal KTO's
+formula on transformers' own model given the same pixels and grids. The CLI trains KTO with images
+and refuses in one line what TRL refuses (preference pairs with images), an image in a completion,
+and a text-only store given KTO records with images."""
 
 from __future__ import annotations
 
@@ -268,3 +271,109 @@ def test_cli_refuses_pairs_with_images_for_kto_and_an_image_in_a_completion(vlm,
     r, run = _run(root, tmp_path, forms(imgs)["trl"], "text-only", tiny_store)
     line = _one_error(r)
     assert "record 1 names images" in line and "takes text only" in line and not run.exists()
+
+
+def qwen_examples(pv, grids):
+    """4 KTO examples as Qwen2-VL's processor lays them out (images 0, 1, 2 and a text-only one),
+    through horizon's rows: example_rows, then kto_rows with the image tensors."""
+    from horizon_cli.data.tokset import MediaBuilder
+    from horizon_cli.data.unpaired import Example, example_rows, kto_rows
+    from horizon_cli.vision.imageset import ImageSet
+    from tests.vision.test_vision_qwen import END, IMAGE, MERGE, START
+
+    g = torch.Generator().manual_seed(3)
+    rand = lambda n: torch.randint(3, 390, (n,), generator=g).tolist()  # noqa: E731
+    examples, media = [], MediaBuilder()
+    for i in range(4):
+        img = [START] + [IMAGE] * (int(grids[i].prod()) // MERGE) + [END] if i < 3 else []
+        examples.append(Example(np.array([1, 7, *img, *rand(3 + i)]), np.array(rand(2 + 2 * i)), LABELS[i]))
+        media.add({"pixel_values": pv[i].numpy(), "image_grid_thw": grids[i][None].numpy()} if i < 3 else {})
+    ts = example_rows(examples, 256)
+    arrays, offs = media.arrays()
+    ex = ImageSet(ts.tokens, ts.labels, ts.offsets, None, "unpaired", ts.stats, None, arrays, offs)
+    wrap = lambda t, m, o: ImageSet(t.tokens, t.labels, t.offsets, None, t.format, t.stats, None, m, o)  # noqa: E731
+    return PairSet(kto_rows(ex, 256, 4, wrap))
+
+
+def qwen_logps(model, mbs) -> torch.Tensor:
+    """Each row's summed log-prob of its labelled tokens: transformers' Qwen2-VL given the pixels,
+    the image grids, the attention mask and the image token types, as its processor's outputs."""
+    from tests.vision.test_vision_qwen import IMAGE
+
+    out = []
+    for mb in mbs:
+        ids = mb.input_ids
+        att = (torch.arange(ids.shape[1])[None] < mb.lengths[:, None]).long()
+        kw = dict(
+            input_ids=ids, attention_mask=att, mm_token_type_ids=(ids == IMAGE).int(), **(mb.media or {})
+        )
+        lp = torch.log_softmax(model(**kw).logits.float()[:, :-1], -1)
+        lab = mb.labels[:, 1:]
+        out.append((lp.gather(-1, lab.clamp(min=0)[..., None]).squeeze(-1) * (lab != -100)).sum(1))
+    return torch.cat(out)
+
+
+def test_qwen2_vl_kto_with_images_equals_the_formula_on_transformers(tmp_path):
+    """Qwen2-VL (no processor here: it needs torchvision, so no KTOTrainer run): horizon's
+    reference pass, KTO loss, logged stats and every gradient (merger trained) equal KTO's formula
+    (TRL's _compute_loss) on transformers' own model given the same pixels and grids, the
+    mismatched rows with their prompt's images (multimodal rotary positions from them), fp32."""
+    from tests.support.vision import qwen_image_processor, tiny_qwen_vl
+
+    model = tiny_qwen_vl(tmp_path / "hf", "qwen2_vl").float()
+    convert(tmp_path / "hf", tmp_path / "store", dtype="float32")
+    store = Store.open(tmp_path / "store")
+    imgs = make_images(tmp_path / "imgs")
+    out = qwen_image_processor()([Image.open(p).convert("RGB") for p in imgs], return_tensors="pt")
+    grids = list(out["image_grid_thw"])
+    pv = list(torch.split(out["pixel_values"], [int(x.prod()) for x in grids]))
+    ex = qwen_examples(pv, grids)
+    assert torch.equal(torch.as_tensor(ex.rows([0])[1].media["pixel_values"]), pv[0])  # the KL row's
+    for n, p in model.named_parameters():
+        p.requires_grad_(not n.startswith("model.visual.") or ".merger." in n)
+    named = dict(model.named_parameters())
+    eng = Engine(
+        store, EngineConfig(device="cpu", dtype="float32", loss_chunk=16), OptimConfig(kernel="torch", **HP),
+        stage=vision_stage(store, "projector"), objective=KTOObjective(PreferenceConfig(**PREF)),
+    )  # fmt: skip
+    try:
+        mbs = collate_unpaired(ex.rows(range(4)), LABELS[:4], 2, 0)
+        ref = torch.cat(eng.sequence_logps(mbs))
+        with torch.no_grad():
+            assert rel_err(ref, qwen_logps(model, mbs)) < 1e-5
+        g = torch.Generator().manual_seed(5)  # a reference away from the policy: non-trivial KL, rewards
+        ref = (ref + torch.randn(ref.shape, generator=g) * 3.0).reshape(-1, 2)
+        ref[:, 1] -= 4.0  # the mismatched rows' reference below the policy: a KL estimate above its clamp
+        mbs = collate_unpaired(ex.rows(range(4)), LABELS[:4], 2, 0, ref.numpy())
+        got, div, _ = eng.forward_backward(mbs, eng.objective.divisor(mbs))
+        _, _, stats = eng.evaluate(mbs)
+        lp = qwen_logps(model, mbs).reshape(-1, 2)
+        b, des = PREF["beta"], torch.tensor(LABELS[:4])
+        kl = (lp[:, 1].detach() - ref[:, 1]).mean().clamp(min=0)
+        r = lp[:, 0] - ref[:, 0]
+        losses = torch.where(
+            des,
+            PREF["desirable_weight"] * (1 - torch.sigmoid(b * (r - kl))),
+            PREF["undesirable_weight"] * (1 - torch.sigmoid(b * (kl - r))),
+        )
+        loss = losses.mean()
+        loss.backward()
+        assert kl > 1e-3 and div == 4 and got / div == pytest.approx(loss.item(), rel=1e-5)
+        assert stats["kl"] / div == pytest.approx(kl.item(), rel=1e-5)
+        rew = b * r.detach()
+        assert stats["rewards_chosen"] / stats["count_chosen"] == pytest.approx(
+            rew[des].mean().item(), rel=1e-5
+        )
+        assert stats["rewards_rejected"] / stats["count_rejected"] == pytest.approx(
+            rew[~des].mean().item(), rel=1e-5
+        )
+        assert stats["logps_chosen"] / stats["count_chosen"] == pytest.approx(
+            lp[des, 0].mean().item(), rel=1e-5
+        )
+        grads = {**engine_grads(eng), **eng.p.embedding.trained.grad}
+        assert set(grads) == {n for n, p in named.items() if p.requires_grad}
+        assert any(".merger." in n for n in grads)
+        for name, gr in grads.items():
+            assert rel_err(gr, named[name].grad) < 1e-5, name
+    finally:
+        eng.close()
