@@ -377,3 +377,19 @@ def test_qwen2_vl_kto_with_images_equals_the_formula_on_transformers(tmp_path):
             assert rel_err(gr, named[name].grad) < 1e-5, name
     finally:
         eng.close()
+
+
+def test_kto_records_with_images_under_another_format_refused(vlm):
+    """An SFT run's data.format chat on KTO records with images: one line, not read without labels."""
+    from horizon_cli.errors import InputError
+
+    root, _, imgs = vlm
+    store = Store.open(root / "store")
+    data = write(root / "data" / "kto-chat.jsonl", forms(imgs)["sharegpt"])
+    with pytest.raises(
+        InputError, match="holds unpaired preference \\(KTO\\) examples .* with images; read them"
+    ):
+        prepare_data(
+            DataConfig(path=str(data), max_seq_len=128, format="chat"), None, vocab_size=store.arch.vocab,
+            log=lambda s: None, images=image_data(store),
+        )  # fmt: skip
