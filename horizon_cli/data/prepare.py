@@ -81,7 +81,8 @@ def prepare_data(
 
     def view(ts: TokenSet):  # pairs and KTO examples (two rows each) are seen pair by pair
         if ts.format == "unpaired":
-            return PairSet(kto_rows(ts, data_cfg.max_seq_len, batch_size or len(ts)))
+            wrap = images.wrap if images is not None else None  # examples with images keep them
+            return PairSet(kto_rows(ts, data_cfg.max_seq_len, batch_size or len(ts), wrap))
         return as_pairs(ts)
 
     parts = [view(load(s)) for s in specs]

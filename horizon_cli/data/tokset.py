@@ -164,3 +164,25 @@ class RowBuilder:
         offsets = np.concatenate([[0], np.cumsum(self._lengths, dtype=np.int64)]).astype(np.int64)
         docs = cat(self._docs) if self._docs else None
         return TokenSet(cat(self._ids), cat(self._labels), offsets, docs, fmt, stats)
+
+
+class MediaBuilder:
+    """Rows' media (the image tensors of vision.imageset), collected beside a RowBuilder's tokens
+    (a text-only row holds none)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, np.ndarray]] = []
+
+    def add(self, media: dict[str, np.ndarray]) -> None:
+        self.rows.append(media)
+
+    def arrays(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every name's rows back to back, and each row's offsets (rows without it: none)."""
+        names = {k for m in self.rows for k in m}
+        media, offs = {}, {}
+        for k in sorted(names):
+            like = next(m[k] for m in self.rows if k in m)
+            parts = [m.get(k, np.zeros((0, *like.shape[1:]), like.dtype)) for m in self.rows]
+            media[k] = np.concatenate(parts)
+            offs[k] = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
+        return media, offs

@@ -33,11 +33,12 @@ import torch
 from ..errors import InputError
 from . import templates
 from .batch import IGNORE, MicroBatch
+from .cache import Wrap
 from .encode import NoTokenizer
 from .fields import Unread, unread_columns
 from .pairs import PairPayload, collate_pairs
 from .records import chat_record, instruction_record, text_of, tools_of, turns_of
-from .tokset import Row, RowBuilder, TokenSet
+from .tokset import MediaBuilder, Row, RowBuilder, TokenSet
 
 # form -> the fields it reads
 FORMS: dict[str, tuple[str, ...]] = {
@@ -63,13 +64,19 @@ def unpaired_form(columns: list[str]) -> str | None:
     return None
 
 
-def encode(rec: dict, form: str, tok, where: str) -> Example | None:
-    """One record -> its Example, or None for an empty completion."""
+def desirable_of(rec: dict, form: str, where: str) -> bool:
+    """The record's label (TRL) or kto_tag (LLaMA-Factory): a boolean, else an error naming it."""
     tag = "label" if form == "trl" else "kto_tag"
     desirable = rec.get(tag)
     if not isinstance(desirable, bool | np.bool_):
         shown = "missing" if desirable is None else f"{desirable!r}"
         raise InputError(f"{where}: {tag} must be true or false (desirable or not), got {shown}")
+    return bool(desirable)
+
+
+def encode(rec: dict, form: str, tok, where: str) -> Example | None:
+    """One record -> its Example, or None for an empty completion."""
+    desirable = desirable_of(rec, form, where)
     chat = templates.chat_template_of(tok) is not None
     tools = tools_of(rec.get("tools"), where)
     if form == "trl":
@@ -90,7 +97,7 @@ def encode(rec: dict, form: str, tok, where: str) -> Example | None:
         if not msgs or msgs[-1]["role"] != "assistant":
             raise InputError(f"{where}: the last message must be the assistant's completion")
         prompt, comp = msgs[:-1], msgs[-1:]
-    if _blank(comp):
+    if blank(comp):
         return None
     if isinstance(comp, list):
         if not chat:
@@ -141,7 +148,7 @@ def example_rows(examples: list[Example], max_len: int, stats: dict | None = Non
     """Examples -> TokenSet (format `unpaired`, what the cache keeps): one row per example, prompt +
     completion whole (cut later, with its mismatched row), stats["desirable"] the labels; an
     example whose prompt alone fills max_len is dropped (TRL drops it before the rotation)."""
-    kept = [e for e in examples if len(e.prompt) < max_len]
+    kept = [e for e in examples if fits(e, max_len)]
     rows = RowBuilder()
     for e in kept:
         lab = np.concatenate([np.full(len(e.prompt), IGNORE, np.int32), e.completion]).astype(np.int32)
@@ -151,13 +158,23 @@ def example_rows(examples: list[Example], max_len: int, stats: dict | None = Non
     return rows.build("unpaired", out)
 
 
-def kto_rows(ts: TokenSet, max_len: int, group: int) -> TokenSet:
+def fits(e: Example, max_len: int) -> bool:
+    """The example is kept: its prompt alone does not fill max_len."""
+    return len(e.prompt) < max_len
+
+
+def kto_rows(ts: TokenSet, max_len: int, group: int, wrap: Wrap | None = None) -> TokenSet:
     """One row per example -> two (its completion, the mismatched one: TRL's rotation by one
-    within blocks of `group` examples), each cut to max_len."""
+    within blocks of `group` examples), each cut to max_len. Rows with image tensors (an
+    ImageSet of vision.unpaired): both rows of an example carry the example's own (its prompt's
+    images, which TRL's vision collator pairs with the mismatched completion too), the set given
+    back through `wrap` (data.images.ImageData.wrap)."""
     n = len(ts)
-    parts = []
+    parts, media = [], MediaBuilder()
     for i in range(n):
         r = ts[i]
+        media.add(r.media or {})
+        media.add(r.media or {})
         p = int(np.argmax(r.labels != IGNORE)) if (r.labels != IGNORE).any() else len(r.labels)
         parts.append((r.input_ids[:p], r.input_ids[p:]))
     rows = RowBuilder()
@@ -173,7 +190,11 @@ def kto_rows(ts: TokenSet, max_len: int, group: int) -> TokenSet:
     if ts.index is not None:
         flags = np.asarray(ts.stats["desirable"], dtype=bool)[ts.index]
         stats["desirable"] = flags.tolist()
-    return rows.build("unpaired", stats)
+    out = rows.build("unpaired", stats)
+    if not getattr(ts, "media", None):
+        return out
+    assert wrap is not None, "rows with images are wrapped back by the image data"
+    return wrap(out, *media.arrays())
 
 
 def unpair(ds, name: str):
@@ -262,7 +283,8 @@ def _render(tok, messages: list[dict], tools, gen: bool = False) -> list[int]:
     return list(out["input_ids"])
 
 
-def _blank(v) -> bool:
+def blank(v) -> bool:
+    """An empty completion (skipped): blank text, or messages with no content."""
     if isinstance(v, str):
         return not v.strip()
     return not v or all(not str(m.get("content") or "").strip() for m in v)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..data.batch import IGNORE
-from ..data.tokset import Row, RowBuilder, TokenSet
+from ..data.tokset import MediaBuilder, Row, RowBuilder, TokenSet
 from ..errors import InputError
 from .encode import ImageEncoder, file_digest
 from .records import ImageExample, image_example
@@ -68,27 +68,6 @@ class ImageSet(TokenSet):
             self.media,
             self.media_offsets,
         )
-
-
-class MediaBuilder:
-    """Rows' media, collected beside a RowBuilder's tokens (a text-only row holds none)."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict[str, np.ndarray]] = []
-
-    def add(self, media: dict[str, np.ndarray]) -> None:
-        self.rows.append(media)
-
-    def arrays(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Every name's rows back to back, and each row's offsets (rows without it: none)."""
-        names = {k for m in self.rows for k in m}
-        media, offs = {}, {}
-        for k in sorted(names):
-            like = next(m[k] for m in self.rows if k in m)
-            parts = [m.get(k, np.zeros((0, *like.shape[1:]), like.dtype)) for m in self.rows]
-            media[k] = np.concatenate(parts)
-            offs[k] = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
-        return media, offs
 
 
 def build_image_set(

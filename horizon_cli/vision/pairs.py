@@ -31,10 +31,10 @@ import numpy as np
 from ..data.pairs import add_pair, describe
 from ..data.preference import Pair
 from ..data.records import SHAREGPT_ROLES
-from ..data.tokset import RowBuilder
+from ..data.tokset import MediaBuilder, RowBuilder
 from ..errors import InputError
 from .encode import ImageEncoder, open_image
-from .imageset import RECORDS_PER_BATCH, ImageSet, Log, MediaBuilder
+from .imageset import RECORDS_PER_BATCH, ImageSet, Log
 from .records import ImageExample, _content, _Files, image_example
 
 if TYPE_CHECKING:
@@ -62,6 +62,14 @@ def image_pair(record: dict, where: str, base: Path) -> ImagePair:
     for k in SIDES:
         if record.get(k) is None:
             raise InputError(f"{where}: {k} is missing")
+    ex = image_prompt(record, where, base, "a preference pair")
+    return ImagePair(ex, *(completion_messages(record[k], f"{where}: {k}") for k in SIDES))
+
+
+def image_prompt(record: dict, where: str, base: Path, what: str) -> ImageExample:
+    """A record's prompt with its images: TRL's `prompt` (messages, or a string: one user
+    message), LLaMA-Factory's `conversations` / `messages` (the prompt's turns) or `instruction` /
+    `input` (+ `system`). `what`: the record's kind, for the error."""
     images = record.get("images") or record.get("image")
     if record.get("prompt") is not None:
         prompt = record["prompt"]
@@ -78,7 +86,7 @@ def image_pair(record: dict, where: str, base: Path) -> ImagePair:
         }
     else:
         raise InputError(
-            f"{where}: a preference pair with images needs its prompt: prompt (TRL), conversations or "
+            f"{where}: {what} with images needs its prompt: prompt (TRL), conversations or "
             "instruction (LLaMA-Factory)"
         )
     ex = image_example(rec, where, base)
@@ -86,10 +94,10 @@ def image_pair(record: dict, where: str, base: Path) -> ImagePair:
         raise InputError(
             f"{where}: the prompt's last message must be the user's (or an assistant's to continue)"
         )
-    return ImagePair(ex, *(_completion(record[k], f"{where}: {k}") for k in SIDES))
+    return ex
 
 
-def _completion(value: object, where: str) -> list[dict]:
+def completion_messages(value: object, where: str) -> list[dict]:
     """A completion -> assistant messages: a string, one message (sharegpt), or a message list."""
     turns = value if isinstance(value, list) else [value]
     out = []
@@ -116,20 +124,29 @@ def _completion(value: object, where: str) -> list[dict]:
 
 def encode_pair(enc: ImageEncoder, pair: ImagePair, where: str) -> tuple[Pair, dict[str, np.ndarray]]:
     """(prompt, chosen, rejected) ids and the prompt's image tensors, as TRL tokenises them."""
-    proc, msgs = enc.proc, pair.prompt.messages
+    prompt, (chosen, rejected), media = encode_prompted(enc, pair.prompt, [pair.chosen, pair.rejected], where)
+    return Pair(prompt, chosen, rejected), media
+
+
+def encode_prompted(
+    enc: ImageEncoder, ex: ImageExample, completions: list[list[dict]], where: str
+) -> tuple[np.ndarray, list[np.ndarray], dict[str, np.ndarray]]:
+    """A prompt with images and its completions -> the prompt's ids, each completion's ids (int32)
+    and the prompt's image tensors, as TRL's vision collators tokenise them (the module's rule)."""
+    proc, msgs = enc.proc, ex.messages
     gen = msgs[-1]["role"] == "user"
     prompt = proc.apply_chat_template(
         msgs, tokenize=False, add_generation_prompt=gen, continue_final_message=not gen
     )
-    whole = [proc.apply_chat_template(msgs + side, tokenize=False) for side in (pair.chosen, pair.rejected)]
+    whole = [proc.apply_chat_template(msgs + side, tokenize=False) for side in completions]
     for w in whole:  # trl.data_utils.apply_chat_template: the common prefix (DeepSeek-R1's <tool_call>)
         prompt = "".join(a for a, _ in takewhile(lambda ab: ab[0] == ab[1], zip(prompt, w, strict=False)))
-    images = [open_image(p, where, enc.max_pixels, enc.min_pixels) for p in pair.prompt.images]
+    images = [open_image(p, where, enc.max_pixels, enc.min_pixels) for p in ex.images]
     ids, media = enc._ids(prompt, images)
     if images and not (ids == enc.image_id).any():
         raise InputError(f"{where}: the processor put no image token in the prompt for {len(images)} images")
-    chosen, rejected = (enc._ids(w[len(prompt) :], [])[0] for w in whole)
-    return Pair(ids.astype(np.int32), chosen.astype(np.int32), rejected.astype(np.int32)), media
+    comps = [enc._ids(w[len(prompt) :], [])[0].astype(np.int32) for w in whole]
+    return ids.astype(np.int32), comps, media
 
 
 def build_image_pairs(

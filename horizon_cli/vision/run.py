@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..data.prompt_only import PromptSet
+from ..data.unpaired import unpaired_form
 from ..errors import InputError
 from .adapters import ProjectorAdapters, projector_targets
 from .imageset import ImageSet, Log, build_image_set, images_key
@@ -14,6 +15,7 @@ from .pairs import build_image_pairs, holds_pairs, image_pair
 from .prompts import encode_prompt, prompt_record
 from .records import image_example
 from .support import image_owner, is_multimodal
+from .unpaired import build_image_unpaired, unpaired_prompt
 
 if TYPE_CHECKING:
     import torch
@@ -49,21 +51,21 @@ class VisionData:
         return self._proc
 
     def build(self, ds: Dataset, data_cfg: DataConfig, name: str, log: Log, base: Path) -> ImageSet:
-        cols = ds.column_names
-        if "kto_tag" in cols or ("label" in cols and "completion" in cols):  # data.formats' unpaired
-            raise InputError(
-                f"{name}: unpaired preference (KTO) records with images: not built yet, so refused rather "
-                "than trained without them (DPO pairs with images train)"
-            )
-        if holds_pairs(ds.column_names):  # preference pairs with images (vision.pairs)
+        form = _kind(ds, data_cfg, name)
+        if form == "pairs":  # preference pairs with images (vision.pairs)
             return build_image_pairs(ds, self.processor(data_cfg), data_cfg, name, log, base)
+        if form is not None:  # unpaired preference (KTO) examples with images (vision.unpaired)
+            return build_image_unpaired(ds, self.processor(data_cfg), data_cfg, name, log, base)
         return build_image_set(ds, self.processor(data_cfg), data_cfg, name, log, base)
 
     def key(self, ds: Dataset, data_cfg: DataConfig, base: Path) -> str | None:
-        if holds_pairs(ds.column_names):
+        form = _kind(ds, data_cfg, "data.path")
+        if form == "pairs":
             return images_key(
                 ds, self.processor(data_cfg), data_cfg, base, lambda r, w, b: image_pair(r, w, b).prompt
             )
+        if form is not None:
+            return images_key(ds, self.processor(data_cfg), data_cfg, base, unpaired_prompt(form))
         return images_key(ds, self.processor(data_cfg), data_cfg, base)
 
     def prompt(self, record: dict, where: str, base: Path, data_cfg: DataConfig) -> tuple[list[int], dict]:
@@ -77,6 +79,30 @@ class VisionData:
         return ImageSet(
             ts.tokens, ts.labels, ts.offsets, ts.doc_ids, ts.format, ts.stats, None, media, offsets
         )
+
+
+def _kind(ds: Dataset, data_cfg: DataConfig, name: str) -> str | None:
+    """The records' kind: "pairs" (preference pairs), an unpaired form (data.unpaired: KTO examples, label or kto_tag
+    not in data.ignore_fields), or None (SFT records). KTO (data.format unpaired) on pairs with
+    images is refused, as TRL's KTOTrainer refuses paired vision data; unpaired examples under
+    another data.format are refused rather than read without their labels."""
+    ignored = {"kto_tag", "label"} & set(data_cfg.ignore_fields)  # declared metadata (data.build)
+    cols = [c for c in ds.column_names if c not in ignored]
+    if holds_pairs(cols):
+        if data_cfg.format == "unpaired":
+            raise InputError(
+                f"{name}: KTO with images reads unpaired examples (prompt, completion, label; or kto_tag), "
+                "not chosen/rejected pairs (TRL's KTOTrainer refuses paired vision data too): unpair them "
+                "first (trl.data_utils.unpair_preference_dataset)"
+            )
+        return "pairs"
+    form = unpaired_form(cols)
+    if form is not None and data_cfg.format not in ("auto", "unpaired"):
+        raise InputError(
+            f"data.format: {data_cfg.format}: {name} holds unpaired preference (KTO) examples (label or "
+            "kto_tag) with images; read them with format unpaired (or auto)"
+        )
+    return form
 
 
 def image_data(store: ModelFiles) -> VisionData | None:

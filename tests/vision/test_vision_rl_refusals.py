@@ -1,7 +1,8 @@
-"""Online RL and KTO with images: what is not built is refused in one line, exit 2, nothing written
+"""Online RL with images: what is not built is refused in one line, exit 2, nothing written
 (these trained with exit 0 and the images dropped: the rollout prompt held one raw `<image>` id and
-no pixels). Image prompts on a text-only store are refused as SFT refuses image records; KTO records
-with images (TRL's and LLaMA-Factory's forms) are refused by name."""
+no pixels). Image prompts on a text-only store are refused as SFT refuses image records, and so are
+KTO records with images (TRL's and LLaMA-Factory's forms; on a multimodal store they train:
+tests/vision/test_vision_kto.py)."""
 
 from __future__ import annotations
 
@@ -86,11 +87,11 @@ KTO = {
 
 
 @pytest.mark.parametrize("form", list(KTO))
-def test_kto_with_images_refused_by_name(llava, tmp_path, form):
+def test_kto_images_on_text_only_store_refused(llava, tmp_path, tiny_store, form):
     line, out = _train(
-        llava, tmp_path, llava / "store", [KTO[form](i) for i in range(4)], preference={"loss": "kto"}
+        llava, tmp_path, tiny_store, [KTO[form](i) for i in range(4)], preference={"loss": "kto"}
     )
-    assert "unpaired preference (KTO) records with images" in line, line
+    assert "record 1 names images" in line and "takes text only" in line, line
     assert not out.exists()
 
 
