@@ -37,6 +37,7 @@ class ConvertResult:
     units: int
     dtype: str
     quantize: str
+    reward: str = ""  # a reward model's class (rl.rewards[i].model), "" for a causal LM
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def convert(
     info = run(
         src, dst, dtype=dtype, force=force, console=_console(console), quantize=quantize, revision=revision
     )
-    return ConvertResult(Path(dst), info["params"], info["units"], dtype, quantize)
+    return ConvertResult(Path(dst), info["params"], info["units"], dtype, quantize, info["reward"])
 
 
 def _source(config: Config) -> tuple[Path | None, dict | None]:

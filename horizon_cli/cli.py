@@ -103,7 +103,10 @@ def convert(
         raise InputError(f"--dtype: {dtype!r} is not allowed (bfloat16, float16 or float32)")
     r = api.convert(src, dst, dtype=dtype, force=force, console=console, quantize=quantize, revision=revision)
     q = f", linear weights {quantize}" if quantize else ""
-    console.print(f"[green]converted[/] {r.params:,} parameters into {dst} ({dtype}{q}, {r.units} units)")
+    what = f"; a reward model ({r.reward}): it scores as rl.rewards[i].model" if r.reward else ""
+    console.print(
+        f"[green]converted[/] {r.params:,} parameters into {dst} ({dtype}{q}, {r.units} units){what}"
+    )
 
 
 @app.command()

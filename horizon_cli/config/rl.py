@@ -3,7 +3,8 @@
 Single values are checked by the schema's metadata (num_generations >= 2, beta >= 0, loss_type
 and scale_rewards among TRL 1.16's names). Here: at least one reward; a reward names a built-in,
 a "file.py:name" or a "module:name"
-(whether it is there is the start's check, rl.rewards: a file is relative to the working directory); each built-in's own keys given, and only those; no
+(whether it is there is the start's check, rl.rewards: a file is relative to the working directory),
+or is a reward model (`model:` a store, alone); each built-in's own keys given, and only those; no
 `preference:` section beside it; prompts only, not packed.
 """
 
@@ -13,6 +14,7 @@ from .schema import BUILTIN_REWARDS, Config
 
 NEEDS = {"format": ("pattern",), "length": ("target",)}
 ONLY = {"pattern": "format", "target": "length", "column": "accuracy"}
+_MODEL_NOT = ("function", "pattern", "target", "tolerance", "column")
 
 
 def rl_problems(cfg: Config) -> list[str]:
@@ -32,12 +34,10 @@ def rl_problems(cfg: Config) -> list[str]:
         p.append("rl.rewards: give at least one reward function (e.g. [{function: accuracy}])")
     for i, r in enumerate(rl.rewards):
         key = f"rl.rewards[{i}]"
-        if r.model is not None:
-            p.append(
-                f"{key}.model: a reward model as a reward is not supported yet (a sequence-classification "
-                "checkpoint scoring prompt + completion would stream beside the policy, a second model's "
-                "sweep per step); score with a reward function (function: file.py:name) instead"
-            )
+        if r.model is not None:  # a reward model's store (recipes.grpo.reward_model: checked at the start)
+            p += [
+                f"{key}.{k}: a reward model takes none (it has model:)" for k in _MODEL_NOT if getattr(r, k)
+            ]
             continue
         p += _function_problems(key, r.function)
         for need in NEEDS.get(r.function, ()):

@@ -194,12 +194,16 @@ class RewardConfig:
 
     function: str = _f("")
     weight: float = _f(1.0)
-    name: str | None = _f(None)  # its metric name (rewards/<name>/mean); default: the function's name
+    name: str | None = _f(
+        None
+    )  # its metric name (rewards/<name>/mean); default: the function's (model's) name
     pattern: str | None = _f(None)  # format: the regex the whole completion must match
     target: int | None = _f(None, min=1)  # length: the target completion length in tokens
     tolerance: int = _f(0, min=0)  # length: full reward within target +- tolerance
     column: str | None = _f(None)  # accuracy: the answer column (default: solution, else answer)
-    model: str | None = _f(None)  # a reward model (TRL's reward_funcs take one): refused for now
+    # a reward model: the store of a converted XForSequenceClassification checkpoint (TRL's
+    # reward_funcs take one; recipes/grpo/reward_model.py), instead of `function`
+    model: str | None = _f(None)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..arch import ArchSpec, hf_table, read_hf_config, spec_from_hf, unit_names
 from ..arch.names import is_ignorable, native_disk_names
+from ..arch.reward import KEY, as_causal_lm, classifier, head_names
 from ..errors import InputError
 from ..fsutil import atomic_dir, check_not_inside, io_failures
 from ..progress import byte_progress
@@ -60,12 +61,17 @@ def convert(
     check_not_inside(src, dst)
     hf_cfg = read_hf_config(src)
     where = str(src / "config.json")
+    scorer = classifier(hf_cfg)  # a reward model (arch.reward): its decoder as the causal LM's
+    if scorer is not None:
+        hf_cfg = as_causal_lm(hf_cfg, where)
     spec = spec_from_hf(hf_cfg, where=where, path=path)  # refuses an unsupported model before reading weights
     ckpt = Checkpoint(src)
     disk = {n: tuple(i.shape) for n, i in ckpt.infos.items()}
+    head = head_names(disk, disk, str(ckpt.src)) if scorer is not None else []
+    disk = {n: s for n, s in disk.items() if n not in head}
     spec = spec.pick(_native_disk, _generic_disk)(spec, hf_cfg, disk, where)
-    plan = check_tensors(ckpt, spec)
-    carried = [ckpt.infos[n] for n in spec.kind.carried]
+    plan = check_tensors(ckpt, spec, skip=frozenset(head))
+    carried = [ckpt.infos[n] for n in (*spec.kind.carried, *head)]
     total = sum(ckpt.infos[n].nbytes for n in plan) + sum(i.nbytes for i in carried)
     with io_failures(dst), atomic_dir(dst, force=force) as tmp:
         writer = StoreWriter(tmp, spec, dtype, source=source, quant=quantize)
@@ -77,7 +83,7 @@ def convert(
                 if carried:  # a multimodal checkpoint's tower, projector, ...: as they are
                     infos = [(i.name, i.shape, i.dtype, i.nbytes) for i in carried]
                     advance(write_carried(tmp / "hf", infos, ckpt.tensors({i.name for i in carried})))
-            manifest = writer.finish()
+            manifest = writer.finish({KEY: {"class": scorer, "head": head}} if scorer else None)
         finally:
             writer.close()
         for f in HF_FILES:
@@ -89,6 +95,7 @@ def convert(
         "bytes_in": total,
         "dtype": dtype,
         "quant": quantize,
+        "reward": scorer or "",
     }
 
 
@@ -121,12 +128,14 @@ def copy_file(a: Path, b: Path) -> None:
     shutil.copyfile(a, b)
 
 
-def check_tensors(ckpt: Checkpoint, spec) -> dict:
+def check_tensors(ckpt: Checkpoint, spec, skip: frozenset[str] = frozenset()) -> dict:
     """Match checkpoint names to the architecture: {hf_name: (unit, TensorName)}; InputError naming
-    the first missing, extra or misshapen tensor."""
+    the first missing, extra or misshapen tensor. skip: tensors carried apart (a reward model's head)."""
     table = hf_table(spec)
     ints = {s.hf: s.dtype for u in unit_names(spec) for s in unit_layout(spec, u).slots if s.dtype}
     for name, info in ckpt.infos.items():
+        if name in skip:
+            continue
         if name in table:
             want = table[name][1].shape
             if tuple(info.shape) != tuple(want):

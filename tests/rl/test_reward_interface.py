@@ -97,14 +97,26 @@ def test_scale_rewards_true_and_false_as_grpoconfig_maps_them(tmp_path, tiny_sto
     assert load_config(cfg).rl.scale_rewards == want
 
 
-def test_a_reward_model_is_refused_in_one_line(tmp_path, tiny_store):
+@pytest.mark.parametrize(
+    "reward, said",
+    [
+        ({}, "rl.rewards[0].model: {store} is a causal LM's store, not a reward model's"),
+        (
+            {"function": "length", "target": 3},
+            "rl.rewards[0].function: a reward model takes none (it has model:)",
+        ),
+    ],
+    ids=["a-causal-lm", "beside-a-function"],
+)
+def test_a_reward_model_that_is_not_one_is_refused_in_one_line(tmp_path, tiny_store, reward, said):
+    """(A reward model that is one: tests/rl/test_reward_model.py.)"""
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a b"}] * 4)
     cfg = write_config(tmp_path / "c.yaml", tiny_store, data, tmp_path / "run",
-                       rl={"rewards": [{"model": str(tiny_store)}]})  # fmt: skip
+                       rl={"max_completion_length": 8, "rewards": [{"model": str(tiny_store), **reward}]})  # fmt: skip
     r = horizon("train", cfg)
     lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
     assert r.exit_code == 2 and len(lines) == 1, r.output
-    assert "rl.rewards[0].model: a reward model as a reward is not supported yet" in lines[0]
+    assert said.format(store=tiny_store) in lines[0]
     assert not (tmp_path / "run").exists()
 
 

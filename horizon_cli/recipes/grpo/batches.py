@@ -57,6 +57,7 @@ from .images import ImageSafeSampler, check_images, image_tokens, reference_stag
 from .logps import token_logps
 from .loss import GRPOObjective, payload_of, ratio_metrics, token_means
 from .prompts import prompt_data
+from .reward_model import RewardModel, model_scores, models, no_images
 from .rewards import load_rewards, score
 from .rollout_engine import Rollouts
 from .sampling import correct
@@ -79,9 +80,10 @@ class GRPOBatches:
     def __init__(self, cfg: Config, data: PreparedData) -> None:
         assert cfg.rl is not None
         self.cfg, self.rl, self.data = cfg, cfg.rl, prompt_data(data)
-        self.rewards = load_rewards(cfg.rl.rewards)  # before any weight is loaded
+        self.rewards = load_rewards(cfg.rl.rewards, cfg.data)  # before any weight is loaded
         self.toolbox = load_toolbox(cfg.rl)  # rl.tools, rl.environment (recipes.grpo.tools)
         check_images(cfg, self.data)  # here, not in attach: the dry run builds the batches too
+        no_images(self.rewards, self.data.train.rows)  # a reward model scores text
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
         self.objective = GRPOObjective(cfg.rl)
         self.group: tuple[int, list[MicroBatch], dict] | None = None
@@ -134,10 +136,14 @@ class GRPOBatches:
                 stage=reference_stage(self.cfg, self.data, store),
             )
 
+        for m in models(self.rewards):  # a reward model: its forward-only engine, sharded like the reference
+            m.open(self.cfg.engine, engine.p.dist)
+
     def close(self) -> None:
-        if self.ref_engine is not None:
-            self.ref_engine.close()
-            self.ref_engine = None
+        closing: list[Engine | RewardModel] = [*models(self.rewards), *filter(None, [self.ref_engine])]
+        for e in closing:
+            e.close()
+        self.ref_engine = None
 
     def prepare(self, start: int) -> None:
         """The reference is scored per step; a resumed run's count of tokens seen is read back."""
@@ -287,6 +293,8 @@ class GRPOBatches:
         per_func = torch.tensor(
             [sum((v_r[i] for _, v_r, _ in parts), []) for i in range(len(self.rewards))], dtype=torch.float32
         ).T.contiguous()  # (n, F)
+        size = self.cfg.train.micro_batch_size  # a reward model: one sweep over the batch
+        t_rm = model_scores(self.rewards, per_func, self.ranks, prompts, outs, self.data.train, size)
         adv, r, zero = advantages(per_func, self.weights, G, rl.scale_rewards)
         if shown is not None and bool(torch.isnan(per_func).all(dim=1).any()):  # TRL's warning, once a batch
             k = int(torch.isnan(per_func).all(dim=1).nonzero()[0])
@@ -320,6 +328,7 @@ class GRPOBatches:
                 "rollout_tokens_per_s": ro.speed(sweeps),
                 "rollout_refresh_s": self.rollouts.refresh_s,
             }
+            | ({"reward_model_s": t_rm} if t_rm is not None else {})
             | {k: sum(v) / len(v) for k, v in logs.get("metrics", {}).items() if v}
         )  # log_metric: TRL's mean
         m |= is_m  # the sampler's (TRL's sampling/ metrics), when it is apart
@@ -355,15 +364,7 @@ class GRPOBatches:
         if not outs:
             return [[] for _ in self.rewards]
         G = self.rl.num_generations
-        conv = self.data.train.conversational
-        comps = [
-            o.messages
-            if o.messages is not None
-            else [{"role": "assistant", "content": o.text or ""}]
-            if conv
-            else (o.text or "")
-            for o in outs
-        ]  # rl.tools: the completion's messages, tool turns included (TRL's)
+        comps = ro.completions_of(outs, self.data.train.conversational)
         cols: dict[str, list] = {k: [prompts[o.prompt].columns[k] for o in outs] for k in prompts[0].columns}
         if envs is not None and self.toolbox is not None and self.toolbox.environment is not None:
             cols["environments"] = envs  # TRL passes the rollouts' instances so

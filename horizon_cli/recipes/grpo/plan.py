@@ -18,8 +18,9 @@ at the device's peak rates, DEVICE_GBPS and DEVICE_TFLOPS (an H200's, assumed; s
 bounds like the link's. The KV cache of the batch is about rows x (prompt + completion)
 positions x 2 x n_layers x kv_dim x the dtype's bytes. The reference (beta > 0) and the rollout
 policy's log-probs (num_iterations > 1, or a narrowed copy's IS correction) add one forward-only
-sweep each over the batch's tokens; the training step: 8 FLOPs per parameter per token (forward,
-recompute, backward) or its layer loads over the link, whichever is longer.
+sweep each over the batch's tokens, each reward model (rl.rewards[i].model) one of its own store's
+weights; the training step: 8 FLOPs per parameter per token (forward, recompute, backward) or its
+layer loads over the link, whichever is longer.
 
 Sharded (torchrun, `world` ranks): each rank decodes its part of the prompts (at most
 ceil(batch_size / world) x G rows, its KV cache that many) and moves only its slice of each layer,
@@ -102,6 +103,8 @@ def rollout_plan(
     passes = (rl.beta > 0) + (rl.num_iterations > 1 or apart)
     tokens = total * positions
     pass_s = max(sweep / (gbps * 1e9), 2 * params * tokens / (DEVICE_TFLOPS * 1e12))
+    scorers = [_scorer(r.model, world) for r in rl.rewards if r.model is not None]
+    reward_s = sum(max(b / (gbps * 1e9), 2 * n * tokens / (DEVICE_TFLOPS * 1e12)) for b, n in scorers)
     train_s = max(
         (2 * arch.n_layers - 1) * sweep / max(arch.n_layers, 1) / (gbps * 1e9),
         8 * params * tokens / (DEVICE_TFLOPS * 1e12),
@@ -121,13 +124,14 @@ def rollout_plan(
         "streamed_s": streamed_s,
         "rollout_s": streamed_s,
         "reference_s": passes * pass_s,
+        "reward_model_s": reward_s,
         "train_s": train_s,
     }
     if choice.engine == "resident":
         out |= resident_terms(
             arch, dtype, choice, rows, prompt, positions, per_pos, params, attn, sweep, gbps
         )
-    out["step_s"] = out["rollout_s"] + out["reference_s"] + train_s
+    out["step_s"] = out["rollout_s"] + out["reference_s"] + reward_s + train_s
     out["text"] = _text(cfg, out, positions, said, prompt, passes)
     return out
 
@@ -196,10 +200,23 @@ def _text(cfg: Config, r: dict, positions: int, said: str, prompt: int, passes: 
             f"{r['decode_sweep_s'] * 1e3:.0f} ms a sweep: rollout >= {_s(r['rollout_s'])} s a step, "
             f"{tok:,.0f} tokens/s (streamed: {streamed})"
         )
-    tail = (f"; reference/old passes >= {_s(r['reference_s'])} s" if passes else "") + (
-        f"; training step >= {_s(r['train_s'])} s; whole step >= {_s(r['step_s'])} s"
+    tail = (
+        (f"; reference/old passes >= {_s(r['reference_s'])} s" if passes else "")
+        + (f"; reward model passes >= {_s(r['reward_model_s'])} s" if r["reward_model_s"] else "")
+        + (f"; training step >= {_s(r['train_s'])} s; whole step >= {_s(r['step_s'])} s")
     )
     return head + body + tail
+
+
+def _scorer(path: str, world: int) -> tuple[int, int]:
+    """A reward model's (bytes one rank moves over its link per pass, parameters): its store's."""
+    from ...store import Store
+
+    rm = Store.open(path)
+    dtype = str(rm.dtype).replace("torch.", "")
+    return -(-weights_per_sweep(rm.arch, dtype, rm.quant) // world), weights_per_sweep(
+        rm.arch, dtype
+    ) // ITEM[dtype]
 
 
 def _s(x: float) -> str:

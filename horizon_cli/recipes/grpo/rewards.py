@@ -24,6 +24,10 @@ epoch, ...). A reward file's own folder is importable (`from helper import score
 
 A function that raises, returns the wrong number of values, NaN or a non-number stops the run with
 one line naming it and the sample (InputError, exit 2) before the step trains.
+
+A reward may instead be a reward model (`model:` a converted sequence-classification store,
+recipes.grpo.reward_model): `score` leaves its values NaN and recipes.grpo.batches fills them
+from one forward sweep over the whole batch, after the ranks' rollouts are gathered.
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...config.schema import RewardConfig
+from ...config.schema import DataConfig, RewardConfig
 from ...errors import InputError
+from .reward_model import RewardModel
 
 
 @dataclass
@@ -50,12 +55,17 @@ class Reward:
     weight: float
     fn: Callable
     key: str  # rl.rewards[i], for messages
+    model: RewardModel | None = None  # a reward model (fn unused): recipes.grpo.batches scores it
 
 
-def load_rewards(cfgs: list[RewardConfig]) -> list[Reward]:
+def load_rewards(cfgs: list[RewardConfig], data_cfg: DataConfig | None = None) -> list[Reward]:
     out = []
     for i, r in enumerate(cfgs):
         key = f"rl.rewards[{i}]"
+        if r.model is not None:  # its store and tokenizer checked now, its engine built at attach
+            rm = RewardModel(r.model, key, data_cfg or DataConfig())
+            out.append(Reward(r.name or rm.name, r.weight, _unused, key, rm))
+            continue
         fn = _builtin(r, key) if ":" not in r.function else _import(r.function, key)
         name = r.name or (r.function if ":" not in r.function else r.function.rpartition(":")[2])
         out.append(Reward(name, r.weight, fn, key))
@@ -64,6 +74,10 @@ def load_rewards(cfgs: list[RewardConfig]) -> list[Reward]:
     if twice is not None:
         raise InputError(f"rl.rewards: two rewards are named {twice!r} (give one a name:)")
     return out
+
+
+def _unused(**kw: object) -> list[float]:
+    raise AssertionError("a reward model is scored by recipes.grpo.batches, not called")
 
 
 def _import(spec: str, key: str, field: str = ".function") -> Callable:
@@ -176,6 +190,10 @@ def score(
     calls: list[Callable[[list[int]], object]] = []
     pending: dict[int, object] = {}
     for i, r in enumerate(rewards):
+        if r.model is not None:  # scored apart (a forward sweep over the batch): NaN until then
+            calls.append(lambda ks: None)
+            pending[i] = [None] * n
+            continue
 
         def call(ks: list[int], r: Reward = r) -> object:  # values, or an awaitable of them (async)
             return r.fn(

@@ -174,6 +174,19 @@ def _sampled(r: Rollout) -> list[float]:
     return s if r.mask is None else [v for v, m in zip(s, r.mask, strict=True) if m]
 
 
+def completions_of(outs: list[Rollout], conversational: bool) -> list:
+    """What a reward gets as each completion: text, or for conversational prompts a message list
+    (rl.tools: the completion's messages, tool turns included, TRL's)."""
+    return [
+        o.messages
+        if o.messages is not None
+        else [{"role": "assistant", "content": o.text or ""}]
+        if conversational
+        else (o.text or "")
+        for o in outs
+    ]
+
+
 def length_metrics(outs: list[Rollout]) -> dict[str, float]:
     """TRL's completions/* metrics; with rl.tools the sampled ids only (tool_mask 1), as TRL counts."""
     lengths = torch.tensor([sum(o.mask) if o.mask else len(o.ids) for o in outs], dtype=torch.float32)

@@ -1,0 +1,239 @@
+"""A reward model as a reward (`rl.rewards[i].model`): `horizon convert` of an
+XForSequenceClassification checkpoint (native Llama, generic GPT-2), its scores against TRL 1.16's
+reward-model path (trl.data_utils.apply_chat_template over prompt + completion messages, the
+reward tokenizer right-padded without special tokens, AutoModelForSequenceClassification with
+num_labels=1 and the tokenizer's pad id, logits[:, 0]), a GRPO run whose written rewards are that
+model's, and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from horizon_cli.config.schema import DataConfig, EngineConfig
+from horizon_cli.engine.ranks import OneProcess
+from horizon_cli.errors import InputError
+from horizon_cli.recipes.grpo.reward_model import RewardModel, batch_scores
+from tests.conftest import horizon, write_config, write_jsonl
+from tests.support.tokenizer import make_tokenizer
+
+trl = pytest.importorskip("trl")
+from trl.data_utils import apply_chat_template  # noqa: E402
+
+SIZES = dict(num_hidden_layers=2, max_position_embeddings=128, num_labels=1)
+
+
+def _classifier(kind: str):
+    torch.manual_seed(3)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64,
+                                       num_attention_heads=4, num_key_value_heads=2, **SIZES)  # fmt: skip
+        return transformers.LlamaForSequenceClassification(cfg)
+    cfg = transformers.GPT2Config(
+        vocab_size=400, n_embd=32, n_layer=2, n_head=4, n_positions=128, num_labels=1
+    )
+    return transformers.GPT2ForSequenceClassification(cfg)
+
+
+def reward_checkpoint(root: Path, kind: str = "llama", pad: bool = True, labels: int = 1) -> Path:
+    """A tiny random classifier saved with the tiny tokenizer (pad=False: a tokenizer without a pad
+    token, whose EOS then pads, as TRL sets it) under root/hf."""
+    m = _classifier(kind)
+    if labels != 1:
+        m.score = torch.nn.Linear(32, labels, bias=False)
+        m.config.num_labels = labels
+    with torch.no_grad():  # a score that varies: the random init of a 1-row head is small
+        m.score.weight.normal_(0, 1.0)
+    m.save_pretrained(root / "hf")
+    make_tokenizer(root / "hf")
+    if not pad:
+        cfg = json.loads((root / "hf" / "tokenizer_config.json").read_text())
+        cfg.pop("pad_token", None)
+        (root / "hf" / "tokenizer_config.json").write_text(json.dumps(cfg))
+        (root / "hf" / "special_tokens_map.json").unlink(missing_ok=True)
+        assert transformers.AutoTokenizer.from_pretrained(root / "hf").pad_token is None
+    return root / "hf"
+
+
+def trl_scores(src: Path, prompts: list, completions: list) -> torch.Tensor:
+    """GRPOTrainer's reward-model branch (_calculate_rewards), step by step."""
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        src, num_labels=1, dtype=torch.float32
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model.config.get_text_config().pad_token_id = tok.pad_token_id
+    if isinstance(prompts[0], list):
+        texts = [
+            apply_chat_template({"messages": p + c}, tok)["text"]
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+    else:
+        texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+    inputs = tok(
+        text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+    )
+    with torch.inference_mode():
+        return model(**inputs).logits[:, 0].float()
+
+
+CONV_P = [[{"role": "user", "content": "What is the capital of France?"}],
+          [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "one two three"}],
+          [{"role": "user", "content": "Hello world!"}]]  # fmt: skip
+CONV_C = [[{"role": "assistant", "content": "Paris is."}], [{"role": "assistant", "content": "four five six seven"}],
+          [{"role": "assistant", "content": ""}]]  # fmt: skip
+TEXT_P = ["The quick brown fox", "Write a short poem about", "hi"]
+TEXT_C = [
+    " jumps over the lazy dog.</s>",
+    " the sea and the sky</s></s>",
+    " thanks",
+]  # EOS at the end: pad if no pad
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("pad", [True, False])
+def test_scores_equal_trls_reward_model_path(tmp_path, kind, pad):
+    src = reward_checkpoint(tmp_path, kind, pad)
+    out = horizon("convert", src, tmp_path / "store", "--dtype", "float32")
+    assert out.exit_code == 0, out.output
+    assert "reward model" in out.output
+    rm = RewardModel(str(tmp_path / "store"), "rl.rewards[0]", DataConfig())
+    rm.open(EngineConfig(device="cpu", dtype="float32"), None)
+    try:
+        for prompts, comps in ((CONV_P, CONV_C), (TEXT_P, TEXT_C)):
+            got = batch_scores(rm, OneProcess(), prompts, comps, None, 2)  # 2 micro-batches
+            want = trl_scores(src, prompts, comps)
+            assert want.std() > 1e-3  # the rows score apart
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        rm.close()
+
+
+def test_convert_refuses_more_than_one_label_and_the_store_is_no_policy(tmp_path):
+    src = reward_checkpoint(tmp_path / "two", labels=2)
+    out = horizon("convert", src, tmp_path / "two" / "store")
+    assert out.exit_code == 2 and "score.weight has 2 labels" in out.output
+    assert not (tmp_path / "two" / "store").exists()
+    src = reward_checkpoint(tmp_path / "one")
+    assert horizon("convert", src, tmp_path / "store").exit_code == 0
+    out = horizon("generate", tmp_path / "store", "--prompt", "hi")
+    assert out.exit_code == 2 and "a reward model's store" in out.output
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}] * 4)
+    for model in (tmp_path / "store", src):  # the store, and the checkpoint itself as model.path
+        cfg = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out")
+        out = horizon("train", cfg, "--dry-run")
+        assert out.exit_code == 2 and "a reward model's store" in out.output and "model.path" in out.output
+
+
+def test_a_causal_lm_store_or_a_checkpoint_is_no_reward_model(tmp_path, tiny_store):
+    with pytest.raises(InputError, match="causal LM's store, not a reward model's"):
+        RewardModel(str(tiny_store), "rl.rewards[1]", DataConfig())
+    with pytest.raises(InputError, match="convert it first"):
+        RewardModel(str(tiny_store.parent / "hf"), "rl.rewards[1]", DataConfig())
+    with pytest.raises(InputError, match=r"rl.rewards\[1\].model: .*not found"):
+        RewardModel(str(tmp_path / "nowhere"), "rl.rewards[1]", DataConfig())
+
+
+def test_grpo_trains_on_a_reward_models_scores(tmp_path, tiny_store):
+    from rich.console import Console
+
+    from horizon_cli.train import run_training
+
+    src = reward_checkpoint(tmp_path / "rm")
+    assert horizon("convert", src, tmp_path / "rm" / "store", "--dtype", "float32").exit_code == 0
+    rows = [
+        {"prompt": [{"role": "user", "content": p}]} for p in ("Hello world!", "one two three", "Paris is")
+    ]
+    data = write_jsonl(tmp_path / "p.jsonl", rows * 2)
+    rl = {"num_generations": 3, "max_completion_length": 6,
+          "rewards": [{"model": str(tmp_path / "rm" / "store")}, {"function": "length", "target": 4, "weight": 0.5}]}  # fmt: skip
+    cfg = write_config(tmp_path / "g.yaml", tiny_store, data, tmp_path / "run", rl=rl,
+                       train={"steps": 2, "batch_size": 2, "micro_batch_size": 2, "seed": 5},
+                       output={"save_every": 0, "export": False})  # fmt: skip
+    run_training(cfg, [], console=Console(quiet=True))
+    lines = [json.loads(x) for x in (tmp_path / "run" / "rollouts" / "step-1.jsonl").read_text().splitlines()]
+    assert len(lines) == 6
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_store / "hf")
+    prompts = [r["prompt"] for r in lines]
+    comps = [
+        [{"role": "assistant", "content": tok.decode(r["completion_ids"], skip_special_tokens=True)}]
+        for r in lines
+    ]
+    want = trl_scores(src, prompts, comps)
+    got = torch.tensor([r["rewards"]["hf"] for r in lines])  # named after the checkpoint's folder, as TRL
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in rows if "rewards/hf/mean" in r)
+    assert abs(first["rewards/hf/mean"] - float(want.mean())) < 1e-5 and first["reward_model_s"] > 0
+
+
+@pytest.mark.slow
+def test_two_ranks_score_what_one_scores(tmp_path, tiny_store):
+    """Under torchrun the reward model is sharded like the reference and each rank scores an even
+    share of the batch's micro-batches (prompts given as ids: read as text with the policy's
+    tokenizer); the rewards, metrics, rollouts and weights equal one process's."""
+    from tests.parallel.test_dist import torchrun
+    from tests.preference.test_pref_train import quiet
+    from tests.rl.test_grpo_dist import _configs, _same_runs
+
+    src = reward_checkpoint(tmp_path / "rm")
+    assert horizon("convert", src, tmp_path / "rm" / "store", "--dtype", "float32").exit_code == 0
+    rl = {
+        "rewards": [
+            {"model": str(tmp_path / "rm" / "store"), "name": "rm"},
+            {"function": "length", "target": 3},
+        ]
+    }
+    cfgs = _configs(tmp_path, tiny_store, rl, 0.2)
+    quiet(cfgs["one"])
+    r = torchrun(2, cfgs["two"])
+    assert r.returncode == 0, r.stderr
+    _same_runs(tmp_path, 3)
+    for n in ("one", "two"):
+        rows = [json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+        assert len({r["rewards/rm/mean"] for r in rows if "rewards/rm/mean" in r}) == 3
+    a, b = ((tmp_path / n / "metrics.jsonl").read_text().splitlines() for n in ("one", "two"))
+    ra, rb = (json.loads(x[0])["rewards/rm/mean"] for x in (a, b))
+    assert ra == pytest.approx(rb, rel=1e-6)
+
+
+def test_the_plan_holds_the_reference_and_the_reward_models_host_copies(tmp_path, tiny_store):
+    """A forward-only engine holds its model's streaming copy on the host (state.frozen): the
+    reference (beta > 0) and each reward model are in the plan's host side (they were not)."""
+    from horizon_cli.config import load_config
+    from horizon_cli.planning.ladder import plan_for
+    from horizon_cli.store import Store
+
+    src = reward_checkpoint(tmp_path / "rm")
+    assert horizon("convert", src, tmp_path / "rm" / "store", "--dtype", "float32").exit_code == 0
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}] * 2)
+    rm = {"model": str(tmp_path / "rm" / "store")}
+    policy, scorer = Store.open(tiny_store), Store.open(tmp_path / "rm" / "store")
+    for beta in (0.0, 0.04):
+        cfg = load_config(write_config(tmp_path / "c.yaml", tiny_store, data, tmp_path / "o",
+                                       rl={"beta": beta, "rewards": [{"function": "length", "target": 3}, rm]}))  # fmt: skip
+        host = plan_for(cfg, policy, "exact").host
+        assert host["reward model 1 (streaming copy)"] == sum(u.numel for u in scorer.manifest.units) * 4
+        assert host.get("reference (streaming copy)", 0) == sum(
+            u.numel for u in policy.manifest.units
+        ) * 4 * (beta > 0)
+        assert (
+            "reference (streaming copy)" not in plan_for(cfg, policy, "lora").host
+        )  # LoRA: the base, adapters off
+
+
+def test_prompts_with_images_and_a_reward_model_are_refused():
+    from types import SimpleNamespace as NS
+
+    from horizon_cli.recipes.grpo.reward_model import no_images
+
+    rewards = [NS(model=None, key="rl.rewards[0]"), NS(model=object(), key="rl.rewards[1]")]
+    no_images(rewards, [NS(media=None)])  # text prompts: fine
+    no_images(rewards[:1], [NS(media={"pixel_values": 1})])  # no reward model: fine
+    with pytest.raises(InputError, match=r"rl.rewards\[1\].model: prompts with images"):
+        no_images(rewards, [NS(media=None), NS(media={"pixel_values": 1})])
