@@ -28,6 +28,7 @@ from ..lora.setup import lora_for
 from ..parallel.launch import joined, rank_device, world_from_env
 from ..parallel.topology import world_for
 from ..planning.ladder import open_model
+from ..planning.release import clipping_line
 from ..recipes.registry import recipe_for
 from ..runtime.dtype import with_dtype
 from ..store import DTYPES, Store
@@ -99,8 +100,11 @@ def run_training(
             planned, where, console, json_out, local=machine is None, dtype=dtype, release=release
         )
     assert isinstance(model, Store)
-    if release and cfg.optim.grad_release == "true" and os.environ.get("RANK", "0") == "0":
-        console.print(escape(release), highlight=False)  # auto turned it on: say so
+    if cfg.optim.grad_release == "true" and os.environ.get("RANK", "0") == "0":
+        if release:
+            console.print(escape(release), highlight=False)  # auto turned it on: say so
+        if cfg.optim.grad_clip > 0 and cfg.lora is None:  # each step's two passes, as the dry run says
+            console.print(escape(clipping_line(cfg, planned.plan)), highlight=False)
     checks.before_claim(planned, where)
     cfg, console = join_world(cfg, console)
     # engine.seq_tile as the plan resolved it (auto: on this machine), recorded in config.yaml

@@ -60,6 +60,7 @@ def test_a_nan_after_some_updates_stops_and_keeps_the_last_checkpoint(tiny_store
     cfg = config(tmp_path, tiny_store, "nan", RELEASE)
     r = train(cfg, HORIZON_NAN_GRAD="layer.0:3")
     assert r.returncode == 1, r.stdout + r.stderr
+    assert "norm-first" not in r.stdout + r.stderr  # grad_clip 0: one pass
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "non-finite gradient (layer.0)" in errors[0], r.stderr
     assert "optim.grad_clip > 0" in errors[0]
@@ -76,6 +77,8 @@ def test_a_nan_with_the_norm_first_pass_skips_the_step_whole(tiny_store, tmp_pat
     cfg = config(tmp_path, tiny_store, "clip", {"grad_release": True, "grad_clip": 1.0})
     r = train(cfg, HORIZON_NAN_GRAD="layer.0:3")
     assert r.returncode == 0, r.stderr
+    said = " ".join((r.stdout + r.stderr).split())  # the start says what a step costs (once)
+    assert said.count("optim.grad_clip 1 > 0: a norm-first pass") == 1, said
     rows = read_metrics(tmp_path / "clip" / "metrics.jsonl")
     # a skipped step leaves adam_step at 2: the next one is optimizer step 3 again, NaN again
     assert [row["skipped"] for row in rows] == [False, False, True, True]

@@ -237,3 +237,13 @@ def test_prompts_with_images_and_a_reward_model_are_refused():
     no_images(rewards[:1], [NS(media={"pixel_values": 1})])  # no reward model: fine
     with pytest.raises(InputError, match=r"rl.rewards\[1\].model: prompts with images"):
         no_images(rewards, [NS(media=None), NS(media={"pixel_values": 1})])
+
+
+def test_a_text_beyond_the_reward_models_positions_is_one_line(tmp_path):
+    """GPT-2's learned positions end at n_positions (128 here): an IndexError in the forward before."""
+    src = reward_checkpoint(tmp_path, "gpt2")
+    assert horizon("convert", src, tmp_path / "store", "--dtype", "float32").exit_code == 0
+    rm = RewardModel(str(tmp_path / "store"), "rl.rewards[0]", DataConfig())
+    with pytest.raises(InputError, match=r"rl.rewards\[0\].model: completion 2 of the batch is .* tokens as the "
+                                         r"reward model reads it, beyond its 128 positions"):  # fmt: skip
+        rm.rows(["hi", "one two three " * 60], [" four", " five"], str)

@@ -93,10 +93,15 @@ class RewardModel:
                     ) from None
             else:
                 texts.append((decode(p) if isinstance(p, list) else str(p)) + str(c))
-        out = []
-        for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        out, most = [], self.store.arch.max_positions
+        for k, ids in enumerate(self.tokenizer(texts, add_special_tokens=False)["input_ids"]):
             last = max((j for j, t in enumerate(ids) if t != self.pad_id), default=0)
             out.append(list(ids[: last + 1]) or [self.pad_id])
+            if len(out[-1]) > most:
+                raise InputError(
+                    f"{self.key}: completion {k + 1} of the batch is {len(out[-1]):,} tokens as the reward model "
+                    f"reads it, beyond its {most:,} positions (max_position_embeddings)"
+                )
         return out
 
     def micro_batches(self, rows: list[list[int]], size: int) -> list[MicroBatch]:
