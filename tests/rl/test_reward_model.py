@@ -27,22 +27,24 @@ from trl.data_utils import apply_chat_template  # noqa: E402
 SIZES = dict(num_hidden_layers=2, max_position_embeddings=128, num_labels=1)
 
 
-def _classifier(kind: str):
+def _classifier(kind: str, positions: int = 128):
     torch.manual_seed(3)
     if kind == "llama":
         cfg = transformers.LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64,
                                        num_attention_heads=4, num_key_value_heads=2, **SIZES)  # fmt: skip
         return transformers.LlamaForSequenceClassification(cfg)
     cfg = transformers.GPT2Config(
-        vocab_size=400, n_embd=32, n_layer=2, n_head=4, n_positions=128, num_labels=1
+        vocab_size=400, n_embd=32, n_layer=2, n_head=4, n_positions=positions, num_labels=1
     )
     return transformers.GPT2ForSequenceClassification(cfg)
 
 
-def reward_checkpoint(root: Path, kind: str = "llama", pad: bool = True, labels: int = 1) -> Path:
+def reward_checkpoint(
+    root: Path, kind: str = "llama", pad: bool = True, labels: int = 1, positions: int = 128
+) -> Path:
     """A tiny random classifier saved with the tiny tokenizer (pad=False: a tokenizer without a pad
     token, whose EOS then pads, as TRL sets it) under root/hf."""
-    m = _classifier(kind)
+    m = _classifier(kind, positions)
     if labels != 1:
         m.score = torch.nn.Linear(32, labels, bias=False)
         m.config.num_labels = labels
@@ -247,3 +249,24 @@ def test_a_text_beyond_the_reward_models_positions_is_one_line(tmp_path):
     with pytest.raises(InputError, match=r"rl.rewards\[0\].model: completion 2 of the batch is .* tokens as the "
                                          r"reward model reads it, beyond its 128 positions"):  # fmt: skip
         rm.rows(["hi", "one two three " * 60], [" four", " five"], str)
+
+
+def test_a_completion_beyond_the_reward_models_positions_stops_the_run_naming_it(tmp_path, tiny_store):
+    src = reward_checkpoint(tmp_path / "rm", "gpt2", positions=24)
+    assert horizon("convert", src, tmp_path / "rm" / "store", "--dtype", "float32").exit_code == 0
+    rows = [{"prompt": [{"role": "user", "content": p}]} for p in ("hi", "zq xv kw " * 4)]
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    rl = {
+        "num_generations": 2,
+        "max_completion_length": 4,
+        "rewards": [{"model": str(tmp_path / "rm" / "store")}],
+    }
+    cfg = write_config(tmp_path / "g.yaml", tiny_store, data, tmp_path / "run", rl=rl,
+                       train={"steps": 1, "batch_size": 2, "micro_batch_size": 2, "seed": 1})  # fmt: skip
+    r = horizon("train", cfg)
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert "rl.rewards[0].model: completion 1 of " in lines[0] and "p.jsonl: record 2 is " in lines[0], lines[
+        0
+    ]
+    assert "beyond its 24 positions" in lines[0]

@@ -79,9 +79,15 @@ class RewardModel:
             self.engine.close()
             self.engine = None
 
-    def rows(self, prompts: list, completions: list, decode: Callable[[list[int]], str]) -> list[list[int]]:
+    def rows(
+        self,
+        prompts: list,
+        completions: list,
+        decode: Callable[[list[int]], str],
+        names: list[str] | None = None,
+    ) -> list[list[int]]:
         """Each completion's ids as the model reads it, cut after its last token that is not pad.
-        decode: the policy's ids -> text (a prompt given as ids)."""
+        decode: the policy's ids -> text (a prompt given as ids); names: each completion's, for errors."""
         texts = []
         for p, c in zip(prompts, completions, strict=True):
             if isinstance(p, list) and p and isinstance(p[0], dict):  # messages
@@ -98,9 +104,10 @@ class RewardModel:
             last = max((j for j, t in enumerate(ids) if t != self.pad_id), default=0)
             out.append(list(ids[: last + 1]) or [self.pad_id])
             if len(out[-1]) > most:
+                what = names[k] if names else f"completion {k + 1} of the batch"
                 raise InputError(
-                    f"{self.key}: completion {k + 1} of the batch is {len(out[-1]):,} tokens as the reward model "
-                    f"reads it, beyond its {most:,} positions (max_position_embeddings)"
+                    f"{self.key}: {what} is {len(out[-1]):,} tokens as the reward model reads it, beyond its "
+                    f"{most:,} positions (max_position_embeddings)"
                 )
         return out
 
@@ -144,9 +151,14 @@ def model_scores(
     t0, scored = time.perf_counter(), False
     prompts = [rows[o.prompt].prompt for o in outs]
     completions = completions_of(outs, data.conversational)
+    seen: dict[int, int] = {}
+    names = []  # as reward functions' errors name them: from 1, with the record
+    for o in outs:
+        seen[o.prompt] = seen.get(o.prompt, 0) + 1
+        names.append(f"completion {seen[o.prompt]} of {rows[o.prompt].where}")
     for i, r in enumerate(rewards):
         if r.model is not None:
-            per_func[:, i] = batch_scores(r.model, ranks, prompts, completions, data.tokenizer, size)
+            per_func[:, i] = batch_scores(r.model, ranks, prompts, completions, data.tokenizer, size, names)
             scored = True
     return time.perf_counter() - t0 if scored else None
 
@@ -161,7 +173,13 @@ def no_images(rewards: list, rows: list) -> None:
 
 
 def batch_scores(
-    rm: RewardModel, ranks: Ranks, prompts: list, completions: list, policy_tok: Any, size: int
+    rm: RewardModel,
+    ranks: Ranks,
+    prompts: list,
+    completions: list,
+    policy_tok: Any,
+    size: int,
+    names: list[str] | None = None,
 ) -> torch.Tensor:
     """The model's value of every completion of the batch (n,): each rank scores an even share of
     the micro-batches of `size` rows (a short rank a copy, dropped), the ranks' results gathered.
@@ -174,7 +192,7 @@ def batch_scores(
             )
         return str(policy_tok.decode(ids))
 
-    mbs = rm.micro_batches(rm.rows(prompts, completions, decode), size)
+    mbs = rm.micro_batches(rm.rows(prompts, completions, decode, names), size)
     W = ranks.world
     got = ranks.gather(rm.scores(ranks.eval_share(mbs, lambda mb: mb)))
     return torch.cat([got[j % W][j // W] for j in range(len(mbs))])
