@@ -274,14 +274,19 @@ def _needs_dry_run(machine: bool) -> None:
 
 
 def main() -> None:
+    code = 0
     try:
         app()
     except HorizonError as e:  # only with --debug: show the traceback, keep the exit status
         traceback.print_exc()
-        sys.exit(e.exit_code)
+        code = e.exit_code
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-        sys.exit(code)
+    from .parallel.launch import exit_rank, under_torchrun
+
+    if under_torchrun():  # a rank: no interpreter teardown after its work (parallel.launch.exit_rank)
+        exit_rank(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

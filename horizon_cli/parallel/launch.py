@@ -8,10 +8,13 @@ the plain single-process run: no process group, no collectives. CUDA ranks use N
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
+import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 from ..errors import InputError
 from .comm import Dist
@@ -100,3 +103,24 @@ def joined(device: str) -> Iterator[Dist | None]:
         if owned:
             with contextlib.suppress(Exception):  # a dead peer: nothing left to tear down cleanly
                 dist.destroy_process_group()
+
+
+def under_torchrun() -> bool:
+    """This process is one rank of several (torchrun's WORLD_SIZE > 1)."""
+    return (_env_int("WORLD_SIZE") or 1) > 1
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a rank's process once its work is done and its process group destroyed: the atexit
+    handlers run and the standard streams are flushed while the interpreter is whole, then the
+    process exits without the interpreter's teardown. In that teardown a rank that had finished
+    (its files written, its group destroyed) sometimes aborted, SIGABRT with "terminate called
+    without an active exception" from a C++ thread while no Python frame was left (twice in CI's
+    slow tier, in two different 2-rank tests; never reproduced here in 127 launches), and torchrun
+    then reports the whole run failed. Skipping the teardown leaves no such thread to meet."""
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

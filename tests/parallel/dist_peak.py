@@ -17,7 +17,7 @@ from horizon_cli.data.batch import MicroBatch
 from horizon_cli.engine import Engine
 from horizon_cli.lora.setup import lora_setup
 from horizon_cli.parallel.comm import Dist
-from horizon_cli.parallel.launch import joined
+from horizon_cli.parallel.launch import exit_rank, joined
 from horizon_cli.store import Store
 
 
@@ -54,3 +54,4 @@ if __name__ == "__main__":
         got = {c["name"]: peak(c, d) for c in cases}
     (out / f"rank{d.rank}.json").write_text(json.dumps({k: v[0] for k, v in got.items()}))
     (out / f"rank{d.rank}.loss.json").write_text(json.dumps({k: v[1] for k, v in got.items()}))
+    exit_rank(0)  # as the CLI's ranks end (parallel.launch.exit_rank)

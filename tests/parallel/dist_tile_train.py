@@ -15,6 +15,7 @@ import torch.distributed as dist
 from rich.console import Console
 
 from horizon_cli.model import tiling
+from horizon_cli.parallel.launch import exit_rank
 from horizon_cli.train import run_training
 
 if __name__ == "__main__":
@@ -38,3 +39,4 @@ if __name__ == "__main__":
     finally:
         dist.destroy_process_group()
     (out / f"tiles{os.environ['RANK']}.json").write_text(json.dumps(counts))
+    exit_rank(0)  # as the CLI's ranks end (parallel.launch.exit_rank)

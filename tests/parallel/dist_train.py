@@ -9,6 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 from rich.console import Console
 
+from horizon_cli.parallel.launch import exit_rank
 from horizon_cli.train import run_training
 
 if __name__ == "__main__":
@@ -19,3 +20,4 @@ if __name__ == "__main__":
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_rank(0)  # as the CLI's ranks end (parallel.launch.exit_rank)

@@ -101,3 +101,42 @@ def test_corrupt_store_is_bad_input_on_ranks_too(tiny_store, tmp_path):
     d = SimpleNamespace(rank=0, world=1, gather_objects=lambda err: [err])  # every file on this rank
     with pytest.raises(InputError, match="layer_0000.bin: checksum mismatch"):
         verify_split(d, None, Store.open(store))
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_rank_ends_with_its_status_after_atexit_and_flushed_streams(code):
+    """parallel.launch.exit_rank (how the CLI's ranks end under torchrun): the atexit handlers run,
+    unflushed output reaches the pipe, the status is kept, and nothing after it runs."""
+    import subprocess
+    import sys
+
+    prog = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('atexit ran'))\n"
+        "from horizon_cli.parallel.launch import exit_rank\n"
+        "print('work', end=' '); sys.stderr.write('err')\n"
+        f"exit_rank({code})\n"
+        "print('not reached')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (code, "work atexit ran\n", "err")
+
+
+def test_the_cli_ends_a_rank_through_exit_rank(monkeypatch):
+    from horizon_cli import cli
+    from horizon_cli.parallel import launch
+
+    ended: list[int] = []
+
+    def fake_exit(code: int):
+        ended.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(launch, "exit_rank", fake_exit)
+    monkeypatch.setattr(cli, "app", lambda: (_ for _ in ()).throw(SystemExit(0)))
+    for world, want in (("2", [0]), ("1", [])):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        ended.clear()
+        with pytest.raises(SystemExit):
+            cli.main()
+        assert ended == want
