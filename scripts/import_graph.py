@@ -23,7 +23,8 @@ MAX_LINES = 400
 
 # lowest first; a name is a subpackage or a top-level module of horizon_cli, or a module of a
 # subpackage that sits on a floor of its own (planning.ladder: the plans of every rung, LoRA's
-# included, above lora, while the rest of planning/ is below it)
+# included, above lora, while the rest of planning/ is below it; planning.frozen_models, an rl
+# run's forward-only models, streamed as a LoRA base is)
 LAYERS: list[tuple[str, ...]] = [
     ("__init__", "quiet", "errors", "faults", "utf8", "fsutil", "owner", "fmt"),
     ("config", "quant", "optim", "parallel", "progress"),
@@ -34,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("state",),
     ("planning",),
     ("lora",),  # LoRA/QLoRA in one place: targets, layer arithmetic, adapter state, plan, PEFT, export
-    ("export", "planning.ladder"),
+    ("export", "planning.ladder", "planning.frozen_models"),
     ("engine",),
     ("vision",),  # images: the processor's data, the tower on the device, the merge before layer 0
     ("preflight", "inspect"),

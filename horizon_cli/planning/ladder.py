@@ -25,9 +25,9 @@ from ..optim.modes import RUNG_MODES, memory_mode
 from ..parallel.topology import World
 from ..runtime.device import has_link
 from ..runtime.dtype import resolve as resolve_dtype
-from ..store import Store, layouts
+from ..store import Store
 from .fit import RESERVE, Machine
-from .host_state import piece
+from .frozen_models import with_frozen_models
 from .keep import keep_plan
 from .memory import ITEM, RUNGS, MemoryPlan, frozen_stream, memory_plan
 from .tiling import STEP, longest, slack, with_tile
@@ -102,39 +102,11 @@ def plan_for(
     its kept layers (engine.keep_activations; `auto` fits them to `where`, none without it). The
     lora rungs are planned with the run's own adapters (`lora`), or, for a full fine-tuning
     config, lora:'s defaults."""
-    tiled = with_frozen_models(
-        tile_plan(cfg, spec, memory, lora, world, where, cfg.engine.seq_tile), cfg, spec, memory
-    )
+    tiled = tile_plan(cfg, spec, memory, lora, world, where, cfg.engine.seq_tile)
+    arch = spec if isinstance(spec, ArchSpec) else spec.arch
+    stream = base_stream(cfg, spec, resolve_dtype(cfg.engine, cfg.optim.mode).dtype)
+    tiled = with_frozen_models(tiled, cfg, arch, stream, memory)  # an rl run's reference, reward models
     return keep_plan(tiled, cfg.engine.keep_activations, where)
-
-
-def with_frozen_models(plan: MemoryPlan, cfg: Config, model, memory: str) -> MemoryPlan:
-    """The host copies of an rl run's forward-only models beside the trained one, one rank's piece:
-    the reference (beta > 0, full fine-tuning: the model's store again; LoRA's reference is its
-    base, adapters off) and each reward model's store (rl.rewards[i].model), each streamed as a
-    frozen base is (state.frozen)."""
-    rl = cfg.rl
-    if rl is None:
-        return plan
-    e = resolve_dtype(cfg.engine, cfg.optim.mode)
-    host = dict(plan.host)
-    if rl.beta > 0 and memory not in ("lora", "qlora"):
-        arch = model if isinstance(model, ArchSpec) else model.arch
-        host["reference (streaming copy)"] = frozen_bytes(arch, base_stream(cfg, model, e.dtype), plan.world)
-    for i, r in enumerate(rl.rewards):
-        if r.model is not None:
-            try:
-                rm = Store.open(r.model)
-            except InputError as err:
-                raise InputError(f"rl.rewards[{i}].model: {err}") from None
-            stream = frozen_stream(str(rm.dtype).replace("torch.", ""), e.dtype, has_link(cfg.engine))
-            host[f"reward model {i} (streaming copy)"] = frozen_bytes(rm.arch, stream, plan.world)
-    return replace(plan, host=host)
-
-
-def frozen_bytes(arch: ArchSpec, dtype: str, world: int) -> int:
-    """One rank's piece of a frozen model's streaming copy in `dtype`."""
-    return sum(piece(lay.numel, world) for lay in layouts(arch)) * ITEM[dtype]
 
 
 def tile_plan(

@@ -204,29 +204,47 @@ def test_two_ranks_score_what_one_scores(tmp_path, tiny_store):
     assert ra == pytest.approx(rb, rel=1e-6)
 
 
-def test_the_plan_holds_the_reference_and_the_reward_models_host_copies(tmp_path, tiny_store):
-    """A forward-only engine holds its model's streaming copy on the host (state.frozen): the
-    reference (beta > 0) and each reward model are in the plan's host side (they were not)."""
+def test_the_plan_holds_the_reference_and_the_reward_models_copies_and_buffers(tmp_path, tiny_store):
+    """A forward-only engine holds its model's streaming copy on the host (state.frozen) and its
+    weight buffers on the device for the whole run: the reference (beta > 0) and each reward model
+    are in the plan (they were not), the device side equal to the engine's own accounting (over an
+    emulated link, as on a GPU; a bf16 reward store computing in fp32: narrow, upcast there)."""
     from horizon_cli.config import load_config
+    from horizon_cli.config.schema import OptimConfig
+    from horizon_cli.engine import Engine
     from horizon_cli.planning.ladder import plan_for
     from horizon_cli.store import Store
 
     src = reward_checkpoint(tmp_path / "rm")
-    assert horizon("convert", src, tmp_path / "rm" / "store", "--dtype", "float32").exit_code == 0
+    assert horizon("convert", src, tmp_path / "rm" / "store", "--dtype", "bfloat16").exit_code == 0
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}] * 2)
     rm = {"model": str(tmp_path / "rm" / "store")}
     policy, scorer = Store.open(tiny_store), Store.open(tmp_path / "rm" / "store")
+    engine = {"device": "cpu", "dtype": "float32", "prefetch": 2, "link_gbps": 1e6}
+
+    def buffers(store: Store) -> int:
+        eng = Engine(store, EngineConfig(**engine), OptimConfig(), forward_only=True)
+        try:
+            return sum(eng.p.t.memory.current.values())
+        finally:
+            eng.close()
+
     for beta in (0.0, 0.04):
-        cfg = load_config(write_config(tmp_path / "c.yaml", tiny_store, data, tmp_path / "o",
+        cfg = load_config(write_config(tmp_path / "c.yaml", tiny_store, data, tmp_path / "o", engine=engine,
                                        rl={"beta": beta, "rewards": [{"function": "length", "target": 3}, rm]}))  # fmt: skip
-        host = plan_for(cfg, policy, "exact").host
-        assert host["reward model 1 (streaming copy)"] == sum(u.numel for u in scorer.manifest.units) * 4
-        assert host.get("reference (streaming copy)", 0) == sum(
+        plan = plan_for(cfg, policy, "exact")
+        assert (
+            plan.host["reward model 1 (streaming copy)"] == sum(u.numel for u in scorer.manifest.units) * 2
+        )  # bf16
+        assert plan.device["reward model 1 (weight buffers)"] == buffers(scorer) > 0
+        assert plan.host.get("reference (streaming copy)", 0) == sum(
             u.numel for u in policy.manifest.units
         ) * 4 * (beta > 0)
+        assert plan.device.get("reference (weight buffers)", 0) == buffers(policy) * (beta > 0)
+        lora = plan_for(cfg, policy, "lora")  # LoRA's reference: its base, adapters off
         assert (
-            "reference (streaming copy)" not in plan_for(cfg, policy, "lora").host
-        )  # LoRA: the base, adapters off
+            "reference (streaming copy)" not in lora.host and "reference (weight buffers)" not in lora.device
+        )
 
 
 def test_prompts_with_images_and_a_reward_model_are_refused():
