@@ -105,7 +105,7 @@ def convert(
     q = f", linear weights {quantize}" if quantize else ""
     what = f"; a reward model ({r.reward}): it scores as rl.rewards[i].model" if r.reward else ""
     console.print(
-        f"[green]converted[/] {r.params:,} parameters into {dst} ({dtype}{q}, {r.units} units){what}"
+        f"[green]converted[/] {r.params:,} parameters into {dst} ({dtype}{q}, {r.units} units){escape(what)}"
     )
 
 

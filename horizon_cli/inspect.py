@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .arch import ArchSpec
 from .arch.calls import spec_sequence
 from .arch.generic_arch import GenericArch
 from .arch.names import param_split
+from .arch.reward import reward_of
 from .engine.dropout import model_dropout
 from .fmt import fmt_bytes
 from .planning.memory import memory_plan
@@ -34,6 +36,14 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
         ("rope", ", ".join(f"{k}={v}" for k, v in a.rope.items())),
         ("parameters", f"{m.params:,}"),
     ]
+    if (scorer := reward_of(m.extra)) is not None:
+        rows.insert(
+            0,
+            (
+                "reward model",
+                escape(f"{scorer.get('class')}: scores as rl.rewards[i].model (not trained or sampled)"),
+            ),
+        )
     calls = spec_sequence(a)
     if calls != list(range(a.n_layers)):  # arch.calls
         rows.append(

@@ -103,7 +103,8 @@ def test_scores_equal_trls_reward_model_path(tmp_path, kind, pad):
     src = reward_checkpoint(tmp_path, kind, pad)
     out = horizon("convert", src, tmp_path / "store", "--dtype", "float32")
     assert out.exit_code == 0, out.output
-    assert "reward model" in out.output
+    said = " ".join(out.output.split())
+    assert "a reward model (" in said and "it scores as rl.rewards[i].model" in said
     rm = RewardModel(str(tmp_path / "store"), "rl.rewards[0]", DataConfig())
     rm.open(EngineConfig(device="cpu", dtype="float32"), None)
     try:
@@ -247,16 +248,25 @@ def test_the_plan_holds_the_reference_and_the_reward_models_copies_and_buffers(t
         )
 
 
-def test_prompts_with_images_and_a_reward_model_are_refused():
+def test_what_a_reward_model_cannot_score_is_refused_at_the_start():
     from types import SimpleNamespace as NS
 
-    from horizon_cli.recipes.grpo.reward_model import no_images
+    from horizon_cli.recipes.grpo.reward_model import check_models
 
-    rewards = [NS(model=None, key="rl.rewards[0]"), NS(model=object(), key="rl.rewards[1]")]
-    no_images(rewards, [NS(media=None)])  # text prompts: fine
-    no_images(rewards[:1], [NS(media={"pixel_values": 1})])  # no reward model: fine
+    chat, plain = NS(chat_template="{{ messages }}"), NS(chat_template=None)
+    rewards = [NS(model=None, key="rl.rewards[0]"), NS(model=NS(tokenizer=chat), key="rl.rewards[1]")]
+    text = NS(rows=[NS(media=None)], conversational=False)
+    check_models(rewards, text)  # text prompts: fine
+    check_models(rewards[:1], NS(rows=[NS(media={"pixel_values": 1})], conversational=True))  # no model
     with pytest.raises(InputError, match=r"rl.rewards\[1\].model: prompts with images"):
-        no_images(rewards, [NS(media=None), NS(media={"pixel_values": 1})])
+        check_models(rewards, NS(rows=[NS(media=None), NS(media={"pixel_values": 1})], conversational=True))
+    check_models(rewards, NS(rows=[NS(media=None)], conversational=True))  # a template: fine
+    rewards[1].model.tokenizer = plain
+    check_models(rewards, text)  # text needs none
+    with pytest.raises(
+        InputError, match=r"rl.rewards\[1\].model: the prompts are conversations and the reward"
+    ):
+        check_models(rewards, NS(rows=[NS(media=None)], conversational=True))
 
 
 def test_a_text_beyond_the_reward_models_positions_is_one_line(tmp_path):
@@ -288,3 +298,56 @@ def test_a_completion_beyond_the_reward_models_positions_stops_the_run_naming_it
         0
     ]
     assert "beyond its 24 positions" in lines[0]
+
+
+def test_a_damaged_reward_store_and_a_template_less_one_are_one_line_before_any_run(tmp_path, tiny_store):
+    src = reward_checkpoint(tmp_path / "rm")
+    store = tmp_path / "rm" / "store"
+    assert horizon("convert", src, store, "--dtype", "float32").exit_code == 0
+    out = horizon("inspect", store)
+    assert (
+        out.exit_code == 0
+        and "reward model" in out.output
+        and "rl.rewards[i].model" in "".join(out.output.split())
+    )
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "hi"}]}] * 2)
+    rl = {"num_generations": 2, "max_completion_length": 4, "rewards": [{"model": str(store)}]}
+    cfg = write_config(tmp_path / "g.yaml", tiny_store, data, tmp_path / "run", rl=rl,
+                       train={"steps": 1, "batch_size": 2, "micro_batch_size": 2})  # fmt: skip
+    tc = json.loads((store / "hf" / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (store / "hf" / "tokenizer_config.json").write_text(json.dumps(tc))
+    (store / "hf" / "chat_template.jinja").unlink(missing_ok=True)
+    for args in (["--dry-run"], []):
+        r = horizon("train", cfg, *args)
+        lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+        assert r.exit_code == 2 and len(lines) == 1, r.output
+        assert (
+            "the prompts are conversations and the reward model's tokenizer has no chat template" in lines[0]
+        )
+        assert not (tmp_path / "run").exists()
+    (store / "hf" / "carried.safetensors").unlink()
+    r = horizon("train", cfg, "--dry-run")
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert (
+        "rl.rewards[0].model: " in lines[0]
+        and "carried.safetensors: missing (the reward model's score head" in lines[0]
+    )
+
+
+def test_a_prompt_given_as_ids_scores_as_its_text(tmp_path):
+    """The ids are read back without special tokens (as completions are): the policy's BOS is not
+    text the reward model sees."""
+    src = reward_checkpoint(tmp_path)
+    assert horizon("convert", src, tmp_path / "store", "--dtype", "float32").exit_code == 0
+    rm = RewardModel(str(tmp_path / "store"), "rl.rewards[0]", DataConfig())
+    rm.open(EngineConfig(device="cpu", dtype="float32"), None)
+    try:
+        tok = make_tokenizer()
+        ids = [tok(p)["input_ids"] for p in TEXT_P]
+        assert all(i[0] == tok.bos_token_id for i in ids)
+        by_ids = batch_scores(rm, OneProcess(), ids, TEXT_C, tok, 2)
+        torch.testing.assert_close(by_ids, batch_scores(rm, OneProcess(), TEXT_P, TEXT_C, None, 2))
+    finally:
+        rm.close()

@@ -57,7 +57,7 @@ from .images import ImageSafeSampler, check_images, image_tokens, reference_stag
 from .logps import token_logps
 from .loss import GRPOObjective, payload_of, ratio_metrics, token_means
 from .prompts import prompt_data
-from .reward_model import RewardModel, model_scores, models, no_images
+from .reward_model import RewardModel, check_models, model_scores, models
 from .rewards import load_rewards, score
 from .rollout_engine import Rollouts
 from .sampling import correct
@@ -83,7 +83,7 @@ class GRPOBatches:
         self.rewards = load_rewards(cfg.rl.rewards, cfg.data)  # before any weight is loaded
         self.toolbox = load_toolbox(cfg.rl)  # rl.tools, rl.environment (recipes.grpo.tools)
         check_images(cfg, self.data)  # here, not in attach: the dry run builds the batches too
-        no_images(self.rewards, self.data.train.rows)  # a reward model scores text
+        check_models(self.rewards, self.data.train)  # what a reward model cannot score
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
         self.objective = GRPOObjective(cfg.rl)
         self.group: tuple[int, list[MicroBatch], dict] | None = None

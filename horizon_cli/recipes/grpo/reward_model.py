@@ -66,7 +66,10 @@ class RewardModel:
         self.tokenizer = _tokenizer(self.store.root / "hf", self.key)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.kwargs = dict(data_cfg.chat_template_kwargs or {})
-        self.weight, self.bias = _head(self.store.root / "hf", marker["head"])
+        try:
+            self.weight, self.bias = _head(self.store.root / "hf", marker["head"])
+        except InputError as e:
+            raise InputError(f"{self.key}: {e}") from None
         self.engine: Engine | None = None
 
     def open(self, engine: EngineConfig, dist: Dist | None) -> None:
@@ -163,13 +166,23 @@ def model_scores(
     return time.perf_counter() - t0 if scored else None
 
 
-def no_images(rewards: list, rows: list) -> None:
-    """InputError when prompts carry images and a reward is a reward model (it scores text)."""
-    scorer = next((r for r in rewards if r.model is not None), None)
-    if scorer is not None and any(r.media for r in rows):
-        raise InputError(
-            f"{scorer.key}.model: prompts with images: a reward model scoring images is not built yet"
-        )
+def check_models(rewards: list, prompts: PromptSet) -> None:
+    """At the start, what a reward model cannot score (recipes.grpo.rewards.Reward): prompts with
+    images (it scores text), conversations when its tokenizer has no chat template (TRL renders
+    them with it: the first step would fail)."""
+    for r in rewards:
+        if r.model is None:
+            continue
+        if any(row.media for row in prompts.rows):
+            raise InputError(
+                f"{r.key}.model: prompts with images: a reward model scoring images is not built yet"
+            )
+        if prompts.conversational and not getattr(r.model.tokenizer, "chat_template", None):
+            raise InputError(
+                f"{r.key}.model: the prompts are conversations and the reward model's tokenizer has no "
+                "chat template to render them with (TRL renders prompt + completion with it); give the "
+                "reward store one (its hf/tokenizer_config.json) or use text prompts"
+            )
 
 
 def batch_scores(
@@ -190,7 +203,7 @@ def batch_scores(
             raise InputError(
                 f"{rm.key}: prompts given as ids need the policy's tokenizer to read them as text"
             )
-        return str(policy_tok.decode(ids))
+        return str(policy_tok.decode(ids, skip_special_tokens=True))  # as completions are read
 
     mbs = rm.micro_batches(rm.rows(prompts, completions, decode, names), size)
     W = ranks.world
@@ -219,7 +232,14 @@ def _head(hf: Path, names: list[str]) -> tuple[torch.Tensor, torch.Tensor | None
 
     from ...store.carried import FILE, verify_carried
 
+    if not (hf / FILE).is_file():
+        raise InputError(
+            f"{hf / FILE}: missing (the reward model's score head; convert the checkpoint again)"
+        )
     verify_carried(hf)
-    with safe_open(str(hf / FILE), framework="pt") as f:
-        got = {n: f.get_tensor(n) for n in names}
+    try:
+        with safe_open(str(hf / FILE), framework="pt") as f:
+            got = {n: f.get_tensor(n) for n in names}
+    except Exception as e:  # noqa: BLE001 (a damaged file: named)
+        raise InputError(f"{hf / FILE}: unreadable ({type(e).__name__}: {e})") from None
     return got["score.weight"], got.get("score.bias")
