@@ -191,7 +191,7 @@ def kto_rows(ts: TokenSet, max_len: int, group: int, wrap: Wrap | None = None) -
         flags = np.asarray(ts.stats["desirable"], dtype=bool)[ts.index]
         stats["desirable"] = flags.tolist()
     out = rows.build("unpaired", stats)
-    if not getattr(ts, "media", None):
+    if not any(media.rows):  # no row holds an image (a text set, or an image set without any)
         return out
     assert wrap is not None, "rows with images are wrapped back by the image data"
     return wrap(out, *media.arrays())

@@ -4,7 +4,7 @@ a sequence-classification model in its `reward_funcs`:
     text     conversational prompts: the reward model's own chat template over prompt + completion
              messages (data.chat_template_kwargs applied, as TRL passes its chat_template_kwargs);
              else prompt text + completion text (a prompt given as ids: decoded with the policy's
-             tokenizer)
+             tokenizer, without special tokens, as completions are)
     tokens   the reward model's tokenizer, no special tokens added
     value    the score (label 0) at the last token of each row that is not the pad id (the reward
              tokenizer's pad token, its EOS when it has none, as TRL sets the model's
@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,12 +31,16 @@ from ...arch.reward import reward_of
 from ...config.schema import DataConfig, EngineConfig, OptimConfig
 from ...data.batch import IGNORE, MicroBatch
 from ...data.prompt_only import PromptSet
+from ...data.templates import chat_template_of
 from ...engine import Engine
 from ...engine.ranks import Ranks
 from ...errors import InputError
 from ...parallel.comm import Dist
 from ...store import Store
 from .rollouts import completions_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class RewardModel:
@@ -128,16 +132,17 @@ class RewardModel:
         dev = engine.t.device
         with engine.guard():
             xs, head = engine.infer.hidden(mbs)
+            w = self.weight.to(dev)  # once a pass; each row set in its hidden states' dtype
+            b = None if self.bias is None else self.bias.to(dev)
             out = []
             for x, mb in zip(xs, mbs, strict=True):
                 assert mb.lengths is not None
                 last = (mb.lengths - 1).to(dev)
                 h = head.norm(x[torch.arange(x.shape[0], device=dev), last][None], head.norm_w)[0]
-                w = self.weight.to(dev, h.dtype)
-                b = None if self.bias is None else self.bias.to(dev, h.dtype)
-                out.append(torch.nn.functional.linear(h, w, b)[:, 0].float().cpu())
+                bias = None if b is None else b.to(h.dtype)
+                out.append(torch.nn.functional.linear(h, w.to(h.dtype), bias)[:, 0].float())
             engine.sweep.release_head()
-        return out
+        return [o.cpu() for o in out]  # to the host once every micro-batch's score is queued
 
 
 def models(rewards: list) -> list[RewardModel]:
@@ -151,7 +156,9 @@ def model_scores(
     """Each reward model's column of per_func (n, F) filled for the batch's rollouts `outs` of the
     prompt rows `rows` (data: their set: conversational or not, the policy's tokenizer); the
     seconds it took, None without a reward model."""
-    t0, scored = time.perf_counter(), False
+    if not models(rewards):
+        return None
+    t0 = time.perf_counter()
     prompts = [rows[o.prompt].prompt for o in outs]
     completions = completions_of(outs, data.conversational)
     seen: dict[int, int] = {}
@@ -162,8 +169,7 @@ def model_scores(
     for i, r in enumerate(rewards):
         if r.model is not None:
             per_func[:, i] = batch_scores(r.model, ranks, prompts, completions, data.tokenizer, size, names)
-            scored = True
-    return time.perf_counter() - t0 if scored else None
+    return time.perf_counter() - t0
 
 
 def check_models(rewards: list, prompts: PromptSet) -> None:
@@ -177,7 +183,7 @@ def check_models(rewards: list, prompts: PromptSet) -> None:
             raise InputError(
                 f"{r.key}.model: prompts with images: a reward model scoring images is not built yet"
             )
-        if prompts.conversational and not getattr(r.model.tokenizer, "chat_template", None):
+        if prompts.conversational and chat_template_of(r.model.tokenizer) is None:
             raise InputError(
                 f"{r.key}.model: the prompts are conversations and the reward model's tokenizer has no "
                 "chat template to render them with (TRL renders prompt + completion with it); give the "
@@ -190,7 +196,7 @@ def batch_scores(
     ranks: Ranks,
     prompts: list,
     completions: list,
-    policy_tok: Any,
+    policy_tok: PreTrainedTokenizerBase | None,
     size: int,
     names: list[str] | None = None,
 ) -> torch.Tensor:
@@ -211,7 +217,7 @@ def batch_scores(
     return torch.cat([got[j % W][j // W] for j in range(len(mbs))])
 
 
-def _tokenizer(hf: Path, key: str) -> Any:
+def _tokenizer(hf: Path, key: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:
