@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -70,6 +70,16 @@ class ImageSet(TokenSet):
         )
 
 
+def records(ds: Dataset, name: str) -> Iterator[tuple[str, dict]]:
+    """A source's records in order, read RECORDS_PER_BATCH at a time, each with its name for
+    messages (`NAME: record N`, from 1)."""
+    k = 0
+    for batch in ds.iter(batch_size=RECORDS_PER_BATCH):
+        for vals in zip(*batch.values(), strict=True):
+            k += 1
+            yield f"{name}: record {k}", dict(zip(batch, vals, strict=True))
+
+
 def build_image_set(
     ds: Dataset, proc: Processor, data_cfg: DataConfig, name: str, log: Log, base: Path
 ) -> ImageSet:
@@ -91,24 +101,22 @@ def build_image_set(
         "cut_label_tokens": 0,
     }
     rows, media = RowBuilder(), MediaBuilder()
-    for batch in ds.iter(batch_size=RECORDS_PER_BATCH):
-        for rec in (dict(zip(batch, vals, strict=True)) for vals in zip(*batch.values(), strict=True)):
-            stats["records"] += 1
-            where = f"{name}: record {stats['records']}"
-            ex = image_example(rec, where, base)
-            ids, labels, m = enc.encode(ex, where)
-            fit = _fit(ids, labels, enc.image_id, data_cfg.max_seq_len, stats)
-            if fit is None:
-                continue
-            ids, labels = fit
-            if not (labels[1:] != IGNORE).any():
-                stats["no_labels"] += 1
-                continue
-            rows.add(ids, labels)
-            media.add(m)
-            stats["examples"] += 1
-            stats["images"] += len(ex.images)
-            stats["image_tokens"] += int((ids == enc.image_id).sum())
+    for where, rec in records(ds, name):
+        stats["records"] += 1
+        ex = image_example(rec, where, base)
+        ids, labels, m = enc.encode(ex, where)
+        fit = _fit(ids, labels, enc.image_id, data_cfg.max_seq_len, stats)
+        if fit is None:
+            continue
+        ids, labels = fit
+        if not (labels[1:] != IGNORE).any():
+            stats["no_labels"] += 1
+            continue
+        rows.add(ids, labels)
+        media.add(m)
+        stats["examples"] += 1
+        stats["images"] += len(ex.images)
+        stats["image_tokens"] += int((ids == enc.image_id).sum())
     ts = rows.build("chat", stats)
     arrays, offs = media.arrays()
     stats.update(rows=len(ts), tokens=ts.num_tokens, label_tokens=ts.label_tokens)

@@ -34,7 +34,7 @@ from ..data.records import SHAREGPT_ROLES
 from ..data.tokset import MediaBuilder, RowBuilder
 from ..errors import InputError
 from .encode import ImageEncoder, open_image
-from .imageset import RECORDS_PER_BATCH, ImageSet, Log
+from .imageset import ImageSet, Log, records
 from .records import ImageExample, _content, _Files, image_example
 
 if TYPE_CHECKING:
@@ -169,18 +169,16 @@ def build_image_pairs(
         "image_tokens": 0,
     }
     rows, media = RowBuilder(), MediaBuilder()
-    for batch in ds.iter(batch_size=RECORDS_PER_BATCH):
-        for rec in (dict(zip(batch, vals, strict=True)) for vals in zip(*batch.values(), strict=True)):
-            stats["records"] += 1
-            where = f"{name}: record {stats['records']}"
-            pair = image_pair(rec, where, base)
-            ids, m = encode_pair(enc, pair, where)
-            if not add_pair(ids, rows, data_cfg.max_seq_len, stats):
-                continue
-            media.add(m)  # the chosen row's
-            media.add(m)  # the rejected row's: the same tensors
-            stats["images"] += len(pair.prompt.images)
-            stats["image_tokens"] += int((ids.prompt == enc.image_id).sum())
+    for where, rec in records(ds, name):
+        stats["records"] += 1
+        pair = image_pair(rec, where, base)
+        ids, m = encode_pair(enc, pair, where)
+        if not add_pair(ids, rows, data_cfg.max_seq_len, stats):
+            continue
+        media.add(m)  # the chosen row's
+        media.add(m)  # the rejected row's: the same tensors
+        stats["images"] += len(pair.prompt.images)
+        stats["image_tokens"] += int((ids.prompt == enc.image_id).sum())
     ts = rows.build("preference", stats)
     arrays, offs = media.arrays()
     stats.update(rows=len(ts), tokens=ts.num_tokens, label_tokens=ts.label_tokens)

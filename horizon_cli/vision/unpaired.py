@@ -34,7 +34,7 @@ from ..data.tokset import MediaBuilder
 from ..data.unpaired import Example, blank, desirable_of, example_rows, fits, unpaired_form
 from ..errors import InputError
 from .encode import ImageEncoder
-from .imageset import RECORDS_PER_BATCH, ImageSet, Log
+from .imageset import ImageSet, Log, records
 from .pairs import completion_messages, encode_prompted, image_prompt
 from .records import ImageExample
 
@@ -89,26 +89,24 @@ def build_image_unpaired(
     assert form is not None, "vision.run routes unpaired records here"
     enc = ImageEncoder(proc, data_cfg, name)
     examples: list[Example] = []
-    medias, images, records, empty = [], [], 0, 0
-    for batch in ds.iter(batch_size=RECORDS_PER_BATCH):
-        for rec in (dict(zip(batch, vals, strict=True)) for vals in zip(*batch.values(), strict=True)):
-            records += 1
-            where = f"{name}: record {records}"
-            desirable = desirable_of(rec, form, where)
-            parts = unpaired_parts(rec, form, where, base)
-            if parts is None:
-                empty += 1
-                continue
-            ex, comp = parts
-            prompt, (ids,), m = encode_prompted(
-                enc, ex, [completion_messages(comp, f"{where}: completion")], where
-            )
-            examples.append(Example(prompt, ids, desirable))
-            medias.append(m)
-            images.append(len(ex.images))
+    medias, images, n_records, empty = [], [], 0, 0
+    for where, rec in records(ds, name):
+        n_records += 1
+        desirable = desirable_of(rec, form, where)
+        parts = unpaired_parts(rec, form, where, base)
+        if parts is None:
+            empty += 1
+            continue
+        ex, comp = parts
+        prompt, (ids,), m = encode_prompted(
+            enc, ex, [completion_messages(comp, f"{where}: completion")], where
+        )
+        examples.append(Example(prompt, ids, desirable))
+        medias.append(m)
+        images.append(len(ex.images))
     max_len = data_cfg.max_seq_len
     kept = [k for k, e in enumerate(examples) if fits(e, max_len)]
-    ts = example_rows(examples, max_len, {"records": records, "form": form, "empty": empty})
+    ts = example_rows(examples, max_len, {"records": n_records, "form": form, "empty": empty})
     media = MediaBuilder()
     for k in kept:
         media.add(medias[k])
@@ -119,7 +117,7 @@ def build_image_unpaired(
     )
     des, dropped = sum(ts.stats["desirable"]), ts.stats["dropped"]
     log(
-        f"data: {name}: {records} records -> {len(ts)} examples ({des} desirable, {len(ts) - des} undesirable; "
+        f"data: {name}: {n_records} records -> {len(ts)} examples ({des} desirable, {len(ts) - des} undesirable; "
         f"{form} form); {n_images} images, {n_tokens} image tokens (data.max_pixels {data_cfg.max_pixels}, "
         f"data.min_pixels {data_cfg.min_pixels})"
         + (f"; {dropped} dropped (the prompt fills max_seq_len)" if dropped else "")
