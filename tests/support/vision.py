@@ -115,3 +115,46 @@ def qwen_image_processor():
     from transformers import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=QWEN_PATCH)
+
+
+def assert_engine_grads(eng, named: dict, projector: str | None = None) -> None:
+    """A vision engine's gradients (its layers' and the tower's or projector's) equal the resident
+    model's: the same trained tensors, each to 1e-5; projector: a name prefix some must carry."""
+    from .oracle import engine_grads, rel_err
+
+    grads = {**engine_grads(eng), **eng.p.embedding.trained.grad}
+    assert set(grads) == {n for n, p in named.items() if p.requires_grad}
+    if projector is not None:
+        assert any(n.startswith(projector) for n in grads)
+    for name, g in grads.items():
+        assert rel_err(g, named[name].grad) < 1e-5, name
+
+
+def assert_engine_weights(eng, named: dict) -> None:
+    """After eng.wait(): every trained weight of a vision engine equals the resident model's, 1e-5."""
+    from .oracle import engine_weights, rel_err
+
+    ours = {**engine_weights(eng), **eng.p.embedding.trained.master}
+    for name, p in named.items():
+        if p.requires_grad:
+            assert rel_err(ours[name], p.detach()) < 1e-5, name
+
+
+def trl_vision_inputs(model, imgs: list[Path], recs: list[dict], columns: tuple[str, ...]):
+    """(TRL's train dataset of the records' `columns` with record i's image imgs[i % 4] as PIL,
+    the policy: an fp32 copy of `model` with its vision tower frozen, as train.vision: projector)."""
+    import copy
+
+    import datasets
+    from PIL import Image
+
+    ds = datasets.Dataset.from_dict(
+        {
+            "images": [[Image.open(imgs[i % 4]).convert("RGB")] for i in range(len(recs))],
+            **{k: [r[k] for r in recs] for k in columns},
+        }
+    )
+    policy = copy.deepcopy(model).float()
+    for n, p in policy.named_parameters():
+        p.requires_grad_(not n.startswith("model.vision_tower."))
+    return ds, policy

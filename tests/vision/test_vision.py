@@ -22,7 +22,7 @@ from horizon_cli.store import Store
 from horizon_cli.vision.run import image_data, vision_stage
 from tests.conftest import horizon, write_config
 from tests.support.oracle import engine_grads, engine_weights, hf_batch_loss, one_thread, rel_err  # noqa: F401 (autouse fixture)
-from tests.support.vision import make_images, tiny_llava
+from tests.support.vision import assert_engine_grads, assert_engine_weights, make_images, tiny_llava
 
 HP = dict(lr=2e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.1, grad_clip=0.5)
 
@@ -499,19 +499,13 @@ def test_mistral3_compute_matches_transformers(tmp_path):
             if s == 0:
                 loss_sum, tokens, _ = eng.forward_backward(mbs)
                 assert abs(loss_sum / tokens - ref) / ref < 1e-5
-                grads = {**engine_grads(eng), **eng.p.embedding.trained.grad}
-                assert set(grads) == {n for n, p in named.items() if p.requires_grad}
-                for name, gr in grads.items():
-                    assert rel_err(gr, named[name].grad) < 1e-5, name
+                assert_engine_grads(eng, named)
             res = eng.step(mbs, HP["lr"])
             torch.nn.utils.clip_grad_norm_(params, HP["grad_clip"])
             opt.step()
             assert abs(res.loss - ref) / ref < 1e-5, (s, res.loss, ref)
         eng.wait()
-        ours = {**engine_weights(eng), **eng.p.embedding.trained.master}
-        for name, p in named.items():
-            if p.requires_grad:
-                assert rel_err(ours[name], p.detach()) < 1e-5, name
+        assert_engine_weights(eng, named)
     finally:
         eng.close()
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from horizon_cli.config.schema import DataConfig, EngineConfig, OptimConfig, PreferenceConfig
 from horizon_cli.convert import convert
@@ -26,7 +25,13 @@ from horizon_cli.store import Store
 from horizon_cli.vision.run import image_data, vision_stage
 from tests.conftest import horizon, write_config
 from tests.support.oracle import engine_grads, engine_weights, one_thread, rel_err  # noqa: F401 (autouse fixture)
-from tests.support.vision import make_images, tiny_llava
+from tests.support.vision import (
+    assert_engine_grads,
+    assert_engine_weights,
+    make_images,
+    tiny_llava,
+    trl_vision_inputs,
+)
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -97,16 +102,7 @@ def trl_trainer(root: Path, model, imgs, tmp: Path):
     model a copy of the initial one; the vision tower frozen, as train.vision: projector."""
     from transformers import AutoProcessor
 
-    recs = forms(imgs)["trl"]
-    ds = datasets.Dataset.from_dict(
-        {
-            "images": [[Image.open(imgs[i % 4]).convert("RGB")] for i in range(N)],
-            **{k: [r[k] for r in recs] for k in ("prompt", "chosen", "rejected")},
-        }
-    )
-    policy = copy.deepcopy(model).float()
-    for n, p in policy.named_parameters():
-        p.requires_grad_(not n.startswith("model.vision_tower."))
+    ds, policy = trl_vision_inputs(model, imgs, forms(imgs)["trl"], ("prompt", "chosen", "rejected"))
     args = trl.DPOConfig(output_dir=str(tmp / "trl"), report_to=[], use_cpu=True, bf16=False, beta=BETA)
     proc = AutoProcessor.from_pretrained(root / "hf")
     tr = trl.DPOTrainer(
@@ -179,20 +175,13 @@ def test_dpo_with_images_equals_trl(vlm, tmp_path):
             if s == 0:  # every gradient of the first step, before the update
                 got, div, _ = eng.forward_backward(mbs, eng.objective.divisor(mbs))
                 assert got / div == pytest.approx(loss.item(), rel=1e-5)
-                grads = {**engine_grads(eng), **eng.p.embedding.trained.grad}
-                assert set(grads) == {n for n, p in named.items() if p.requires_grad}
-                assert any(n.startswith(PROJECTOR) for n in grads)
-                for name, g in grads.items():
-                    assert rel_err(g, named[name].grad) < 1e-5, name
+                assert_engine_grads(eng, named, PROJECTOR)
             res = eng.step(mbs, HP["lr"], eng.objective.divisor(mbs))
             torch.nn.utils.clip_grad_norm_(params, HP["grad_clip"])
             opt.step()
             assert res.loss == pytest.approx(loss.item(), rel=1e-5), s
         eng.wait()
-        ours = {**engine_weights(eng), **eng.p.embedding.trained.master}
-        for name, p in named.items():
-            if p.requires_grad:
-                assert rel_err(ours[name], p.detach()) < 1e-5, name
+        assert_engine_weights(eng, named)
     finally:
         eng.close()
 
