@@ -112,6 +112,13 @@ def test_llama70b_grpo_plans_its_rollouts_on_paper():
     assert 5 * 2**30 < with_ref.device["reference (weight buffers)"] < 6 * 2**30
     with pytest.raises(InputError, match="need more than 9/10 of the device"):
         rollout_plan(ref, None, spec, ref.engine.dtype, "", 141 * 2**30 - with_ref.device_total)
+    fewer = load_config(Path(__file__).resolve().parents[2] / "configs" / "llama70b-grpo.yaml",
+                        ["rl.beta=0.04", "train.batch_size=14"])  # fmt: skip
+    roll14 = rollout_plan(
+        fewer, None, spec, fewer.engine.dtype, "", 141 * 2**30 - plan_for(fewer, spec, "exact").device_total
+    )
+    assert roll14 is not None and roll14["engine"] == "resident"  # the header's "14 prompts fit then"
+    assert 80 < roll14["rollout_s"] < 82 and 200 < roll14["step_s"] < 204
 
 
 def test_llama70b_grpo_tools_plans_its_rollouts_on_paper():
