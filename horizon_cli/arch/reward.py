@@ -38,9 +38,10 @@ def as_causal_lm(cfg: dict, where: str) -> dict:
     return {**cfg, "architectures": [lm], "tie_word_embeddings": True}
 
 
-def head_names(names, shapes: dict[str, tuple[int, ...]], where: str) -> list[str]:
-    """The checkpoint's classifier tensors (`score.weight`, a bias if it has one), checked: one label."""
-    got = sorted(n for n in names if n.startswith(HEAD))
+def head_names(shapes: dict[str, tuple[int, ...]], where: str) -> list[str]:
+    """The checkpoint's classifier tensors (`score.weight`, a bias if it has one) among its tensors'
+    shapes, checked: one label."""
+    got = sorted(n for n in shapes if n.startswith(HEAD))
     if f"{HEAD}weight" not in got:
         raise InputError(f"{where}: a sequence-classification checkpoint without {HEAD}weight")
     labels = shapes[f"{HEAD}weight"][0]
@@ -58,11 +59,17 @@ def reward_of(extra: dict) -> dict | None:
     return got if isinstance(got, dict) else None
 
 
-def not_a_policy(extra: dict, where: str) -> None:
-    """InputError when a store is a reward model's (it scores; it is not trained or sampled)."""
+def scorer_class(extra: dict) -> str | None:
+    """A store's classifier class when it is a reward model's, else None."""
     r = reward_of(extra)
-    if r is not None:
+    return None if r is None else str(r.get("class"))
+
+
+def not_a_policy(cls: str | None, where: str) -> None:
+    """InputError when the model is a reward model (cls: its classifier class, from reward_of or
+    classifier; None: a causal LM): it scores, it is not trained or sampled."""
+    if cls is not None:
         raise InputError(
-            f"{where}: a reward model's store ({r.get('class')}): it scores completions as "
-            "rl.rewards[i].model; it is not trained or sampled from"
+            f"{where}: a reward model ({cls}): it scores completions as rl.rewards[i].model; it is "
+            "not trained or sampled from"
         )

@@ -67,7 +67,7 @@ def convert(
     spec = spec_from_hf(hf_cfg, where=where, path=path)  # refuses an unsupported model before reading weights
     ckpt = Checkpoint(src)
     disk = {n: tuple(i.shape) for n, i in ckpt.infos.items()}
-    head = head_names(disk, disk, str(ckpt.src)) if scorer is not None else []
+    head = head_names(disk, str(ckpt.src)) if scorer is not None else []
     disk = {n: s for n, s in disk.items() if n not in head}
     spec = spec.pick(_native_disk, _generic_disk)(spec, hf_cfg, disk, where)
     plan = check_tensors(ckpt, spec, skip=frozenset(head))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from ..arch.reward import not_a_policy
+from ..arch.reward import not_a_policy, scorer_class
 from ..config import Config, load_config
 from ..config.schema import EngineConfig
 from ..data.prompts import model_eos_ids
@@ -81,7 +81,7 @@ def _open(src: str | Path, engine: dict | None) -> Source:
     path = Path(src)
     if (path / MANIFEST).is_file() and not (path / "checkpoints").is_dir():
         store = Store.open(path)
-        not_a_policy(store.manifest.extra, str(path))
+        not_a_policy(scorer_class(store.manifest.extra), str(path))
         ecfg = EngineConfig(dtype="float32" if store.manifest.dtype == "float32" else "bfloat16")
         return Source(store, _engine(ecfg, engine))
     ck = resolve_source(path)  # a run dir's newest intact checkpoint (or a checkpoint itself)

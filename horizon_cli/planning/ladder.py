@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 
 from ..arch import ArchSpec, read_hf_config, spec_from_hf
-from ..arch.reward import KEY, classifier, not_a_policy
+from ..arch.reward import classifier, not_a_policy, scorer_class
 from ..config import Config
 from ..config.schema import LoraConfig
 from ..convert.hub import fetch_config, hub_id
@@ -75,11 +75,10 @@ def open_model(path: str | Path, fetch: bool = True) -> Store | PlannedModel:
     path = Path(path)
     if (path / "manifest.json").is_file() or not (path / "config.json").is_file():
         store = Store.open(path)  # a store, or the store's own error for what is neither
-        not_a_policy(store.manifest.extra, f"model.path: {path}")
+        not_a_policy(scorer_class(store.manifest.extra), f"model.path: {path}")
         return store
     cfg = read_hf_config(path)
-    if classifier(cfg):
-        not_a_policy({KEY: {"class": classifier(cfg)}}, f"model.path: {path}")
+    not_a_policy(classifier(cfg), f"model.path: {path}")
     return PlannedModel(path, spec_from_hf(cfg, where=str(path / "config.json")))
 
 

@@ -125,12 +125,18 @@ def test_convert_refuses_more_than_one_label_and_the_store_is_no_policy(tmp_path
     src = reward_checkpoint(tmp_path / "one")
     assert horizon("convert", src, tmp_path / "store").exit_code == 0
     out = horizon("generate", tmp_path / "store", "--prompt", "hi")
-    assert out.exit_code == 2 and "a reward model's store" in out.output
+    assert out.exit_code == 2 and "a reward model (LlamaForSequenceClassification): it scores" in " ".join(
+        out.output.split()
+    )
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}] * 4)
     for model in (tmp_path / "store", src):  # the store, and the checkpoint itself as model.path
         cfg = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out")
         out = horizon("train", cfg, "--dry-run")
-        assert out.exit_code == 2 and "a reward model's store" in out.output and "model.path" in out.output
+        assert (
+            out.exit_code == 2
+            and "a reward model (LlamaForSequenceClassification): it scores" in " ".join(out.output.split())
+            and "model.path" in out.output
+        )
 
 
 def test_a_causal_lm_store_or_a_checkpoint_is_no_reward_model(tmp_path, tiny_store):
