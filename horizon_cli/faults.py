@@ -8,6 +8,7 @@ number; 0 for eval's). Two environment variables turn the marks into test hooks:
                                     only, when given); with `+ms`, that many milliseconds after
                                     reaching it, from a timer thread, so the kill lands at a
                                     random moment inside whatever follows the point
+                                    (`mark` points too: `layer-grad`, inside the backward)
   HORIZON_FAULT_RANK=r              in a run under torchrun: only rank r obeys HORIZON_FAULT
   HORIZON_NAN_GRAD=unit[:step]      put a NaN into `unit`'s gradient sum (layer.3, head) as the
                                     backward finishes it, at optimizer step `step` only (counting
@@ -40,6 +41,14 @@ def phase(name: str, step: int | None = None) -> None:
             os.write(fd, f"{name} {'-' if step is None else step} {time.monotonic():.4f}\n".encode())
         finally:
             os.close(fd)
+    if _SPEC:
+        _maybe_die(name, step)
+
+
+def mark(name: str, step: int | None = None) -> None:
+    """A fault point that writes no phase line (HORIZON_PHASES): inside a step, where a line per
+    unit would only crowd the trace. `layer-grad`: a layer's gradient sum is whole (a release run:
+    its update just queued behind the head's), the engine's backward still running."""
     if _SPEC:
         _maybe_die(name, step)
 

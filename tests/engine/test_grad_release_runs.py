@@ -88,7 +88,9 @@ def test_sigkill_mid_step_resumes_bitwise(tiny_store, tmp_path):
     ref = config(tmp_path, tiny_store, "ref", RELEASE)
     assert train(ref).returncode == 0
     cfg = config(tmp_path, tiny_store, "killed", RELEASE)
-    r = train(cfg, HORIZON_FAULT="step:3+40")  # 40 ms into step 3: inside its backward or updates
+    # killed as step 3's top layer's gradient is whole: inside its backward, the head's update and
+    # that layer's queued (a timer 40 ms into the step missed a tiny model's whole remaining run)
+    r = train(cfg, HORIZON_FAULT="layer-grad:3")
     assert r.returncode == -9, r.stderr
     assert train(cfg).returncode == 0
     last = Path("checkpoints") / "step_4"
