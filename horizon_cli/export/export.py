@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..arch.reward import reward_of
 from ..errors import InputError
 from ..fsutil import atomic_dir, check_not_inside, io_failures, read_json
 from ..lora.merge import Merge, base_store, copy_adapter
@@ -165,7 +166,8 @@ def _hf_config(store: Store) -> dict:
     cfg = read_json(path)
     for k in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
         cfg[k] = store.manifest.dtype
-    cfg["tie_word_embeddings"] = store.arch.tie_embeddings
+    if reward_of(store.manifest.extra) is None:  # a reward model's decoder is tied as a store only
+        cfg["tie_word_embeddings"] = store.arch.tie_embeddings
     return cfg
 
 

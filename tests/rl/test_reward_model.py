@@ -139,6 +139,25 @@ def test_convert_refuses_more_than_one_label_and_the_store_is_no_policy(tmp_path
         )
 
 
+def test_an_exported_reward_store_is_its_checkpoint(tmp_path):
+    """Exported, a reward store is the classifier it came from: its config as written (Llama's
+    untied embedding stays untied: the store ties it only to stream the decoder as a causal LM)
+    and the same scores under AutoModelForSequenceClassification."""
+    src = reward_checkpoint(tmp_path)
+    assert horizon("convert", src, tmp_path / "store", "--dtype", "float32").exit_code == 0
+    out = horizon("export", tmp_path / "store", tmp_path / "out")
+    assert out.exit_code == 0, out.output
+    want, got = (json.loads((d / "config.json").read_text()) for d in (src, tmp_path / "out"))
+    assert want["tie_word_embeddings"] is False and got == want
+    ids = torch.tensor([[5, 6, 7, 8, 9, 4, 3]])  # one row: the config names no pad id
+    with torch.inference_mode():
+        a, b = (
+            transformers.AutoModelForSequenceClassification.from_pretrained(d)(ids).logits
+            for d in (src, tmp_path / "out")
+        )
+    assert torch.equal(a, b)
+
+
 def test_a_causal_lm_store_or_a_checkpoint_is_no_reward_model(tmp_path, tiny_store):
     with pytest.raises(InputError, match="causal LM's store, not a reward model's"):
         RewardModel(str(tiny_store), "rl.rewards[1]", DataConfig())
