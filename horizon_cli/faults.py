@@ -10,9 +10,10 @@ number; 0 for eval's). Two environment variables turn the marks into test hooks:
                                     random moment inside whatever follows the point
                                     (`mark` points too: `layer-grad`, inside the backward)
   HORIZON_FAULT_RANK=r              in a run under torchrun: only rank r obeys HORIZON_FAULT
-  HORIZON_NAN_GRAD=unit[:step]      put a NaN into `unit`'s gradient sum (layer.3, head) as the
-                                    backward finishes it, at optimizer step `step` only (counting
-                                    from 1, the step `adam_step` becomes), when given
+  HORIZON_NAN_GRAD=unit[:step]      put a NaN into a layer's trained unit's gradient sum (layer.3;
+                                    lora.3, its adapters, in a LoRA run) as the backward finishes
+                                    it, at optimizer step `step` only (counting from 1, the step
+                                    `adam_step` becomes), when given
   HORIZON_PHASES=file               append "name step time" to `file` at every mark (step "-"
                                     when none; time.monotonic()), so a test can tell where an
                                     outside kill landed: in the phase of the last line written

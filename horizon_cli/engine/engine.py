@@ -153,6 +153,15 @@ class Engine:
     def adam_step(self, n: int) -> None:  # a resumed checkpoint's
         self.p.adam_step = n
 
+    @property
+    def releases(self) -> bool:
+        """Each unit's update runs inside the backward (engine.release): a release mode's run,
+        except LoRA with optim.grad_clip > 0. Its adapters' gradients are small and kept whole
+        anyway, so its one pass updates them after the backward, once the global norm is known;
+        a norm-first pass would double the step's loads and compute for nothing."""
+        o = self.p.ocfg
+        return o.mode.release and not (self.lora is not None and o.grad_clip > 0)
+
     # -- public ------------------------------------------------------------------------------
     def step(self, mbs: list[MicroBatch], lr: float, tokens: int | None = None) -> StepResult:
         """Forward, backward and (unless non-finite) the AdamW update for one global batch.
@@ -164,7 +173,7 @@ class Engine:
             p.t.stats.reset()
             p.t.reset_peak()
             p.loader.layer_loads = 0
-            if p.ocfg.mode.release:  # each unit's update inside the backward (engine.release)
+            if self.releases:  # each unit's update inside the backward (engine.release)
                 loss, tokens, norm, stats, skipped = self.trainer.released_step(mbs, lr, tokens)
                 aux, imbalance = p.tmpl.step_stats()
             else:
@@ -196,7 +205,7 @@ class Engine:
 
     def forward_backward(self, mbs: list[MicroBatch], tokens: int | None = None) -> tuple[float, int, float]:
         """Gradients only (no update): (loss sum, divisor, squared global grad norm)."""
-        if self.p.ocfg.mode.release:
+        if self.releases:
             raise HorizonError("optim.grad_release: a release run keeps no whole-model gradients to return")
         with self.guard():
             loss_sum, tokens, sq, _ = self.trainer.forward_backward(mbs, tokens)

@@ -133,12 +133,14 @@ class TrainStep:
         rel.refuse()
         p.optimizer.wait()
         if p.reduce.sum_vector(torch.tensor([float(len(rel.applied))], dtype=torch.float64))[0] > 0:
+            k = len(rel.applied)
             raise HorizonError(
                 f"optimizer step {p.adam_step + 1}: a non-finite gradient ({rel.refused}) after "
-                f"{len(rel.applied)} units were already updated inside the backward (optim.grad_release "
-                "with optim.grad_clip 0 cannot skip such a step whole); no checkpoint of this state is "
-                "written: resume from the last checkpoint with optim.grad_clip > 0 or optim.grad_release: "
-                "false, which skip such a step whole"
+                f"{k} unit{'s were' if k != 1 else ' was'} already updated inside the backward "
+                "(optim.grad_release with optim.grad_clip 0 cannot skip such a step whole); no checkpoint "
+                "of this state is written (an earlier one stays as it was). Run again with "
+                "optim.grad_release: false (free at a resume) or optim.grad_clip > 0 (at a resume with "
+                "train.accept_changes: [optim.grad_clip]): both skip such a step whole"
             )
         return loss, n, norm, stats, True  # refused before any update: skipped whole
 

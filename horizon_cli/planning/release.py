@@ -67,10 +67,17 @@ def clipping_line(cfg: Config, plan: MemoryPlan) -> str:
     """What a release run does to clipping, in one line (the dry run's); "" without release."""
     if cfg.optim.grad_release != "true":
         return ""
-    if cfg.lora is not None:
+    if cfg.lora is not None and cfg.optim.grad_clip == 0:
         return (
             "gradient release on a lora: run: the adapters' updates run inside the backward; their "
             "gradients are small, so the plan hardly changes"
+        )
+    if cfg.lora is not None:
+        return (
+            f"gradient release on a lora: run with optim.grad_clip {cfg.optim.grad_clip:g} > 0: one pass, "
+            "the adapters updated after the backward once the global norm is known, as without "
+            "release (their gradients are small and kept whole; a norm-first pass would double the "
+            "step for nothing)"
         )
     if cfg.optim.grad_clip == 0:
         return (
@@ -87,6 +94,14 @@ def clipping_line(cfg: Config, plan: MemoryPlan) -> str:
         f"instead of 2, each kept layer twice instead of once; {recomputed} recomputed, {plan.kept} "
         f"kept here) and twice the compute; optim.grad_clip: 0 runs one pass"
     )
+
+
+def step_passes(cfg: Config) -> int:
+    """The forward and backward passes a training step runs: 2 with a norm-first release
+    (optim.grad_release true, optim.grad_clip > 0, full fine-tuning), else 1. LoRA's adapters
+    are updated after its one pass then (engine.Engine.releases)."""
+    o = cfg.optim
+    return 2 if o.grad_release == "true" and o.grad_clip > 0 and cfg.lora is None else 1
 
 
 def norm_first_loads(recomputed: int, kept: int) -> int:

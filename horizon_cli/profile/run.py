@@ -170,7 +170,8 @@ def _summary(store: Store, engine: Engine, link: list[dict], med, last, spans, t
     per_layer = [layer[u] + adapters.get(f"lora.{i}", 0) for i, u in enumerate(engine.layers)]
     per_layer = [per_layer[i] for i in engine.tmpl.calls]  # a loop (arch.calls): every call's load
     kept = engine.kept_layers
-    weights = 2 * sum(per_layer) - sum(per_layer[len(per_layer) - kept :] if kept else [])
+    passes = 2 if engine.releases and engine.p.ocfg.grad_clip > 0 else 1  # norm-first: two whole passes
+    weights = passes * (2 * sum(per_layer) - sum(per_layer[len(per_layer) - kept :] if kept else []))
     per_token = med.compute_s / max(1, tokens)
     hide = (weights / (h2d * 1e9)) / per_token if h2d and per_token else None
     return {
@@ -196,12 +197,18 @@ def _summary(store: Store, engine: Engine, link: list[dict], med, last, spans, t
         "h2d_bytes": last.h2d_bytes,
         "d2h_bytes": last.d2h_bytes,
         "weight_loads": last.weight_loads,
+        "passes": passes,
         "device_peak_bytes": last.device_peak_bytes,
         "layer_bytes": max(layer.values()),  # one load of the largest layer (NF4: packed bytes)
         "base": store.quant or str(store.dtype).replace("torch.", ""),
         "lora": engine.lora is not None,
         "layers": a.n_layers,
     }
+
+
+def _loads_rule(passes: int) -> str:
+    rule = "2 per recomputed layer, 1 per kept layer"
+    return rule + (", in each of 2 passes: norm-first" if passes > 1 else "")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -237,7 +244,7 @@ def _show(out: dict, console: Console) -> None:
         ("  kept layer backward (its forward's graph)", ms(out["kept_layer_backward_s"])),
         ("layer AdamW", ms(out["layer_optimizer_s"])),
         ("loss head (fwd + bwd)", ms(out["head_s"])),
-        ("weight transfers per step", f"{out['weight_loads']} (2 per layer, 1 per kept layer)"),
+        ("weight transfers per step", f"{out['weight_loads']} ({_loads_rule(out['passes'])})"),
         ("bytes per layer load", f"{fmt_bytes(out['layer_bytes'])} ({out['base']} layer weights)"),
         (
             "bytes host → device / device → host",

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from ..config import Config
 from ..engine.ranks import OneProcess, Ranks
+from ..planning.release import step_passes
 from ..store import ckpt
 
 
@@ -41,9 +42,10 @@ def kept_layers(
         elif recorded is not None:
             why = f"auto: as many as fit; the run began with {recorded}"
     k = (ranks or OneProcess()).fewest(k)  # sharded: the least of every rank's (None: one process)
+    two = ", two passes: norm-first" if step_passes(cfg) > 1 else ""
     console.print(
         f"keep_activations: {k} of {layers} layers kept from forward to backward "
-        f"({2 * (calls or layers) - k} layer loads per step; {why})",
+        f"({step_passes(cfg) * (2 * (calls or layers) - k)} layer loads per step{two}; {why})",
         highlight=False,
     )
     return k

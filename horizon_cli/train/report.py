@@ -32,7 +32,7 @@ from ..planning.ladder import (
     not_applicable,
 )
 from ..planning.memory import MemoryPlan
-from ..planning.release import clipping_line
+from ..planning.release import clipping_line, step_passes
 from ..planning.tiling import note as tiling_note
 from ..recipes.recipe import PlanModel
 from ..recipes.registry import batches_for, recipe_for
@@ -72,7 +72,7 @@ def dry_run_report(
     yaml_text = Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default")
     console.print(yaml_text, soft_wrap=True)
     plan, na = rungs[chosen], not_applicable(model)
-    console.print(plan_table(plan))
+    console.print(plan_table(plan, step_passes(cfg)))
     console.print(ladder_table(rungs, where, chosen, na))
     reach = longest_by_rung(cfg, model, planned.lora, planned.world, where)
     console.print(reach_line(reach, model.arch.max_positions, where, na), highlight=False, soft_wrap=True)
@@ -160,7 +160,8 @@ def run_dir_status(cfg: Config, model: Store | PlannedModel) -> tuple[str, bool]
     return f"{path}: resumes from {probe.candidates[0].name}", False
 
 
-def plan_table(plan: MemoryPlan) -> Table:
+def plan_table(plan: MemoryPlan, passes: int = 1) -> Table:
+    """passes: a step's forward and backward passes (planning.release.step_passes: 2 norm-first)."""
     title = f"memory plan ({plan.params:,} parameters)"
     if plan.trainable < plan.params:
         title = f"memory plan ({plan.params:,} parameters, LoRA: {plan.trainable:,} trained)"
@@ -194,7 +195,9 @@ def plan_table(plan: MemoryPlan) -> Table:
     t.add_row(
         "device",
         "kept layers (engine.keep_activations)",
-        f"{plan.kept} of {plan.layers}, {2 * (plan.calls or plan.layers) - plan.kept} layer loads per step"
+        f"{plan.kept} of {plan.layers}, {passes * (2 * (plan.calls or plan.layers) - plan.kept)} layer loads "
+        "per step"
+        + (" (two passes: norm-first)" if passes > 1 else "")
         + (f" (a loop: {plan.loop})" if plan.loop else ""),
     )
     if plan.world > 1:

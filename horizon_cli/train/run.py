@@ -103,7 +103,7 @@ def run_training(
     if cfg.optim.grad_release == "true" and os.environ.get("RANK", "0") == "0":
         if release:
             console.print(escape(release), highlight=False)  # auto turned it on: say so
-        if cfg.optim.grad_clip > 0 and cfg.lora is None:  # each step's two passes, as the dry run says
+        if cfg.optim.grad_clip > 0:  # each step's two passes (LoRA: its one), as the dry run says
             console.print(escape(clipping_line(cfg, planned.plan)), highlight=False)
     checks.before_claim(planned, where)
     cfg, console = join_world(cfg, console)

@@ -63,7 +63,8 @@ def test_a_nan_after_some_updates_stops_and_keeps_the_last_checkpoint(tiny_store
     assert "norm-first" not in r.stdout + r.stderr  # grad_clip 0: one pass
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "non-finite gradient (layer.0)" in errors[0], r.stderr
-    assert "optim.grad_clip > 0" in errors[0]
+    assert "2 units were already updated" in errors[0]  # the head and layer.1
+    assert "optim.grad_clip > 0 (at a resume with train.accept_changes: [optim.grad_clip])" in errors[0]
     assert checkpoints(tmp_path / "nan") == ["step_2"]
     assert ckpt.check(tmp_path / "nan" / "checkpoints" / "step_2", deep=True) is None
     ref = config(tmp_path, tiny_store, "ref", RELEASE, steps=2)

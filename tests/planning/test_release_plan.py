@@ -148,6 +148,8 @@ def test_auto_releases_exactly_when_the_plan_needs_it(small_dir):
     assert list(plan["ladder"]) == list(RUNGS)
     assert [r for r, p in plan["ladder"].items() if p["grad_release"]] == ["exact+release", "lean+release"]
     assert "norm-first" in plan["grad_release"]["clipping"] and "norm-first" in r.output  # grad_clip 1.0
+    said = " ".join(r.output.split())  # the plan table counts both passes' loads: 2 x 2 x 12
+    assert "0 of 12, 48 layer loads per step (two passes: norm-first)" in said, said
     # room for exact: release stays off
     r, plan = dry_run(tmp, cfg, need["exact"] * 1.01)
     assert r.exit_code == 0 and "optim.grad_release: auto -> false: exact fits without it" in r.output
@@ -179,7 +181,14 @@ def test_release_composes_with_lora_and_bad_values_are_refused(small_dir):
     tmp, cfg = small_dir
     r, plan = dry_run(tmp, cfg, 64, "optim.grad_release=true", "lora.r=4")
     assert r.exit_code == 0, r.output
-    assert plan["memory"] == "lora" and "gradient release on a lora: run" in plan["grad_release"]["clipping"]
+    clipping = plan["grad_release"]["clipping"]  # grad_clip 1.0: the adapters' one pass, no norm-first
+    assert (
+        plan["memory"] == "lora"
+        and "gradient release on a lora: run with optim.grad_clip 1 > 0: one pass" in clipping
+    )
+    assert "0 of 12, 24 layer loads per step" in " ".join(r.output.split()) and "two passes" not in r.output
+    r, plan = dry_run(tmp, cfg, 64, "optim.grad_release=true", "lora.r=4", "optim.grad_clip=0")
+    assert "the adapters' updates run inside the backward" in plan["grad_release"]["clipping"]
     r, plan = dry_run(tmp, cfg, 64, "lora.r=4")  # auto leaves a LoRA run's small gradients alone
     assert plan["grad_release"]["value"] == "false" and "lora" in plan["grad_release"]["why"]
     r = horizon("train", cfg, "optim.grad_release=maybe", "--dry-run")
@@ -208,11 +217,16 @@ def test_a_start_records_what_auto_chose(tmp_path, monkeypatch):
     r = horizon("train", cfg)
     assert r.exit_code == 0, r.output
     assert "optim.grad_release: auto -> true" in r.output
+    said = " ".join(r.output.split())  # grad_clip 1.0: each step's two passes counted at the start
+    assert "(32 layer loads per step, two passes: norm-first; engine.keep_activations: 0)" in said, said
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["optim"]["grad_release"] == "true"
     shutil.rmtree(tmp_path / "run")
     r = horizon("profile", cfg)  # profiles what train would run: auto decided the same way
     assert r.exit_code == 0, r.output
     assert "optim.grad_release: auto -> true" in r.output
+    assert "32 (2 per recomputed layer, 1 per kept layer, in each of 2 passes: norm-first)" in " ".join(
+        r.output.split()
+    )
 
 
 def test_a_run_resumes_across_release():
