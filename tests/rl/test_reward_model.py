@@ -200,6 +200,48 @@ def test_grpo_trains_on_a_reward_models_scores(tmp_path, tiny_store):
     assert abs(first["rewards/hf/mean"] - float(want.mean())) < 1e-5 and first["reward_model_s"] > 0
 
 
+@pytest.mark.parametrize("train_conv", [True, False])
+def test_an_eval_set_of_the_other_kind_is_scored_as_its_own(tmp_path, tiny_store, train_conv):
+    """Conversational training prompts with a text eval set, and the reverse: each batch scored as
+    its own prompts are (TRL tells per batch); the eval set was scored as the training set's kind
+    (messages turned into a string, or a traceback in the reward template)."""
+    from rich.console import Console
+
+    from horizon_cli.train import run_training
+
+    src = reward_checkpoint(tmp_path / "rm")
+    assert horizon("convert", src, tmp_path / "rm" / "store", "--dtype", "float32").exit_code == 0
+    words = ("Hello world!", "one two three")
+    conv = write_jsonl(tmp_path / "c.jsonl", [{"prompt": [{"role": "user", "content": w}]} for w in words])
+    text = write_jsonl(tmp_path / "t.jsonl", [{"prompt": w} for w in words])
+    (tmp_path / "kinds.py").write_text(
+        "def kinds(prompts, completions, **kw):\n"
+        "    return [float(isinstance(c, list)) + 10 * float(isinstance(p, list)) for p, c in zip(prompts, completions)]\n"
+    )
+    rl = {"num_generations": 2, "max_completion_length": 5,
+          "rewards": [{"model": str(tmp_path / "rm" / "store")}, {"function": f"{tmp_path / 'kinds.py'}:kinds"}]}  # fmt: skip
+    train_set, eval_set = (conv, text) if train_conv else (text, conv)
+    cfg = write_config(tmp_path / "g.yaml", tiny_store, train_set, tmp_path / "run", rl=rl,
+                       data={"path": str(train_set), "eval_path": str(eval_set), "max_seq_len": 64},
+                       train={"steps": 1, "batch_size": 2, "micro_batch_size": 2, "seed": 5,
+                              "eval_every": 1, "eval_batches": 1},
+                       output={"save_every": 0, "export": False})  # fmt: skip
+    run_training(cfg, [], console=Console(quiet=True))
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_store / "hf")
+    for name, conversational in (("step-1", train_conv), ("eval-step-1", not train_conv)):
+        lines = [
+            json.loads(x) for x in (tmp_path / "run" / "rollouts" / f"{name}.jsonl").read_text().splitlines()
+        ]
+        assert len(lines) == 4
+        texts = [tok.decode(r["completion_ids"], skip_special_tokens=True) for r in lines]
+        comps = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        prompts = [r["prompt"] for r in lines]
+        assert all(isinstance(p, list) == conversational for p in prompts)
+        assert [r["rewards"]["kinds"] for r in lines] == [11.0 * conversational] * 4, name
+        got = torch.tensor([r["rewards"]["hf"] for r in lines])
+        torch.testing.assert_close(got, trl_scores(src, prompts, comps), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_two_ranks_score_what_one_scores(tmp_path, tiny_store):
     """Under torchrun the reward model is sharded like the reference and each rank scores an even

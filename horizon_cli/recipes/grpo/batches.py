@@ -44,7 +44,7 @@ from ...config import Config
 from ...config.schema import OptimConfig
 from ...data import PreparedData, batch_indices
 from ...data.batch import MicroBatch
-from ...data.prompt_only import PromptRow
+from ...data.prompt_only import PromptRow, PromptSet
 from ...data.prompts import model_eos_ids
 from ...engine import Engine
 from ...errors import InputError
@@ -83,7 +83,7 @@ class GRPOBatches:
         self.rewards = load_rewards(cfg.rl.rewards, cfg.data)  # before any weight is loaded
         self.toolbox = load_toolbox(cfg.rl)  # rl.tools, rl.environment (recipes.grpo.tools)
         check_images(cfg, self.data)  # here, not in attach: the dry run builds the batches too
-        check_models(self.rewards, self.data.train)  # what a reward model cannot score
+        check_models(self.rewards, self.data.train, self.data.eval)  # what a reward model cannot score
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
         self.objective = GRPOObjective(cfg.rl)
         self.group: tuple[int, list[MicroBatch], dict] | None = None
@@ -176,7 +176,7 @@ class GRPOBatches:
         for a in range(0, n, t.batch_size):
             idx = list(range(a, min(n, a + t.batch_size)))
             assert ev is not None  # n > 0
-            mbs, m = self._sample(ev.take(idx), ro.step_seed(t.seed ^ EVAL_SEED, a), -1, shown)
+            mbs, m = self._sample(ev, ev.take(idx), ro.step_seed(t.seed ^ EVAL_SEED, a), -1, shown)
             for k, v in m.items():
                 if isinstance(v, float | int):
                     sums.setdefault(k, []).append(v)
@@ -215,7 +215,7 @@ class GRPOBatches:
             len(self.data.train), g // self.rl.num_iterations, t.batch_size, t.seed, self.cfg.data.shuffle
         )
         shown: list[str] | None = [] if self.main else None
-        mbs, m = self._sample(self.data.train.take(idx), ro.step_seed(t.seed, g), g, shown)
+        mbs, m = self._sample(self.data.train, self.data.train.take(idx), ro.step_seed(t.seed, g), g, shown)
         if shown is not None:
             ro.write(self.run_dir, f"step-{g + 1}", shown)
         self.seen += unpadded(mbs)  # every rank holds the whole batch's rows
@@ -225,10 +225,10 @@ class GRPOBatches:
         return mbs, m
 
     def _sample(
-        self, prompts: list[PromptRow], seed: int, step: int, shown: list[str] | None
+        self, src: PromptSet, prompts: list[PromptRow], seed: int, step: int, shown: list[str] | None
     ) -> tuple[list[MicroBatch], dict]:
-        """The rollouts of `prompts` as micro-batches and their metrics; `shown` (rank 0's) gets
-        their JSONL lines."""
+        """The rollouts of `prompts` (rows of `src`, the training or eval set: conversational or not
+        on its own, as TRL tells per batch) as micro-batches, metrics; `shown` gets JSONL lines."""
         assert self.engine is not None
         rl, G = self.rl, self.rl.num_generations
         sweeps: list = []
@@ -242,13 +242,8 @@ class GRPOBatches:
         # a rank without prompts (a short eval batch) samples the first one, unused: it joins each sweep
         mine = [p.ids for p in prompts[lo:hi]] or [prompts[0].ids]
         pics = [p.media for p in prompts[lo:hi]] or [prompts[0].media]
-        pick = (
-            ImageSafeSampler(
-                rl.temperature, rl.top_p, rl.top_k, seed, self.banned, rl.min_p, rl.repetition_penalty
-            )
-            if self.banned
-            else None
-        )
+        knobs = (rl.temperature, rl.top_p, rl.top_k, seed, self.banned, rl.min_p, rl.repetition_penalty)
+        pick = ImageSafeSampler(*knobs) if self.banned else None  # the image token never sampled
         turns = (
             start(
                 self.toolbox,
@@ -283,7 +278,7 @@ class GRPOBatches:
         t1 = time.perf_counter()
         logs: dict = {}  # what the functions passed to log_metric / log_extra (this rank's)
         try:
-            vals, bad = self._score(prompts, outs, step, logs, envs), None
+            vals, bad = self._score(prompts, outs, step, src.conversational, logs, envs), None
         except InputError as e:  # every rank stops with the first failing rank's line
             vals, bad = [], str(e)
         parts = self.ranks.gather((outs, vals, bad))
@@ -294,7 +289,7 @@ class GRPOBatches:
             [sum((v_r[i] for _, v_r, _ in parts), []) for i in range(len(self.rewards))], dtype=torch.float32
         ).T.contiguous()  # (n, F)
         size = self.cfg.train.micro_batch_size  # a reward model: one sweep over the batch
-        t_rm = model_scores(self.rewards, per_func, self.ranks, prompts, outs, self.data.train, size)
+        t_rm = model_scores(self.rewards, per_func, self.ranks, prompts, outs, src, size)
         adv, r, zero = advantages(per_func, self.weights, G, rl.scale_rewards)
         if shown is not None and bool(torch.isnan(per_func).all(dim=1).any()):  # TRL's warning, once a batch
             k = int(torch.isnan(per_func).all(dim=1).nonzero()[0])
@@ -357,6 +352,7 @@ class GRPOBatches:
         prompts: list[PromptRow],
         outs: list[ro.Rollout],
         step: int,
+        conversational: bool,
         logs: dict | None = None,
         envs: list | None = None,
     ) -> list[list[float]]:
@@ -364,7 +360,7 @@ class GRPOBatches:
         if not outs:
             return [[] for _ in self.rewards]
         G = self.rl.num_generations
-        comps = ro.completions_of(outs, self.data.train.conversational)
+        comps = ro.completions_of(outs, conversational)
         cols: dict[str, list] = {k: [prompts[o.prompt].columns[k] for o in outs] for k in prompts[0].columns}
         if envs is not None and self.toolbox is not None and self.toolbox.environment is not None:
             cols["environments"] = envs  # TRL passes the rollouts' instances so

@@ -172,11 +172,12 @@ def model_scores(
     return time.perf_counter() - t0
 
 
-def check_models(rewards: list, prompts: PromptSet) -> None:
-    """At the start, what a reward model cannot score (recipes.grpo.rewards.Reward): prompts with
-    images (it scores text), conversations when its tokenizer has no chat template (TRL renders
-    them with it: the first step would fail)."""
-    for r in rewards:
+def check_models(rewards: list, *sets: PromptSet | None) -> None:
+    """At the start, what a reward model cannot score (recipes.grpo.rewards.Reward) in each prompt
+    set (training, eval: each conversational or not on its own): prompts with images (it scores
+    text), conversations when its tokenizer has no chat template (TRL renders them with it: the
+    first step would fail)."""
+    for r, prompts in ((r, p) for r in rewards for p in sets if p is not None):
         if r.model is None:
             continue
         if any(row.media for row in prompts.rows):
