@@ -12,8 +12,10 @@ between training steps, and are not added.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from ..arch import ArchSpec
+from ..arch.reward import reward_of
 from ..config import Config
 from ..errors import InputError
 from ..lora.sizes import base_bytes
@@ -37,10 +39,7 @@ def with_frozen_models(plan: MemoryPlan, cfg: Config, arch: ArchSpec, stream: st
         models.append(("reference", arch, stream, ""))
     for i, r in enumerate(rl.rewards):
         if r.model is not None:
-            try:
-                rm = Store.open(r.model)
-            except InputError as err:
-                raise InputError(f"rl.rewards[{i}].model: {err}") from None
+            rm, _ = reward_store(r.model, f"rl.rewards[{i}].model")
             stored = str(rm.dtype).replace("torch.", "")
             models.append(
                 (f"reward model {i}", rm.arch, frozen_stream(stored, e.dtype, has_link(cfg.engine)), rm.quant)
@@ -49,6 +48,28 @@ def with_frozen_models(plan: MemoryPlan, cfg: Config, arch: ArchSpec, stream: st
         host[f"{name} (streaming copy)"] = frozen_host(a, s, quant, plan.world)
         device[f"{name} (weight buffers)"] = frozen_device(a, s, e.dtype, quant, e.prefetch, plan.world)
     return replace(plan, host=host, device=device)
+
+
+def reward_store(path: str, where: str) -> tuple[Store, dict]:
+    """A reward model's store and its marker (arch.reward), or one line: a checkpoint not yet
+    converted, no store, a causal LM's store."""
+    root = Path(path)
+    if not (root / "manifest.json").is_file() and (root / "config.json").is_file():
+        raise InputError(
+            f"{where}: {path} is a Hugging Face checkpoint; convert it first "
+            f"(horizon convert {path} STORE) and name the store"
+        )
+    try:
+        store = Store.open(root)
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
+    marker = reward_of(store.manifest.extra)
+    if marker is None:
+        raise InputError(
+            f"{where}: {path} is a causal LM's store, not a reward model's (convert an "
+            "XForSequenceClassification checkpoint)"
+        )
+    return store, marker
 
 
 def frozen_host(arch: ArchSpec, stream: str, quant: str, world: int) -> int:

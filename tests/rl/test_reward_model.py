@@ -165,6 +165,15 @@ def test_a_causal_lm_store_or_a_checkpoint_is_no_reward_model(tmp_path, tiny_sto
         RewardModel(str(tiny_store.parent / "hf"), "rl.rewards[1]", DataConfig())
     with pytest.raises(InputError, match=r"rl.rewards\[1\].model: .*not found"):
         RewardModel(str(tmp_path / "nowhere"), "rl.rewards[1]", DataConfig())
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}] * 2)
+    for model, said in ((tiny_store.parent / "hf", "convert it first"), (tiny_store, "not a reward model's")):
+        rl = {"num_generations": 2, "rewards": [{"model": str(model)}]}
+        out = horizon(
+            "train", write_config(tmp_path / "c.yaml", tiny_store, data, tmp_path / "o", rl=rl), "--dry-run"
+        )
+        errors = [ln for ln in out.output.splitlines() if ln.startswith("error:")]
+        assert out.exit_code == 2 and len(errors) == 1 and "rl.rewards[0].model" in errors[0], out.output
+        assert said in " ".join(out.output.split()), out.output  # the plan's line, not a generic one
 
 
 def test_grpo_trains_on_a_reward_models_scores(tmp_path, tiny_store):
@@ -344,6 +353,23 @@ def test_a_text_beyond_the_reward_models_positions_is_one_line(tmp_path):
     with pytest.raises(InputError, match=r"rl.rewards\[0\].model: completion 2 of the batch is .* tokens as the "
                                          r"reward model reads it, beyond its 128 positions"):  # fmt: skip
         rm.rows(["hi", "one two three " * 60], [" four", " five"], str)
+
+
+def test_ids_beyond_the_reward_models_vocabulary_are_one_line(tmp_path):
+    """A reward store whose tokenizer has more ids than its model's embedding (another model's
+    tokenizer): an IndexError in the embedding before."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64,
+                                   num_attention_heads=4, num_key_value_heads=2, **SIZES)  # fmt: skip
+    transformers.LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "hf")
+    make_tokenizer(tmp_path / "hf")  # 400 ids
+    assert horizon("convert", tmp_path / "hf", tmp_path / "store", "--dtype", "float32").exit_code == 0
+    rm = RewardModel(str(tmp_path / "store"), "rl.rewards[0]", DataConfig())
+    text = " ".join(TEXT_P + TEXT_C)
+    assert max(rm.tokenizer(text)["input_ids"]) >= 200
+    with pytest.raises(InputError, match=r"rl.rewards\[0\].model: completion 1 of the batch has token id .* "
+                                         r"beyond the model's vocabulary of 200"):  # fmt: skip
+        rm.rows([text], [" four"], str)
 
 
 def test_a_completion_beyond_the_reward_models_positions_stops_the_run_naming_it(tmp_path, tiny_store):

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...arch.reward import reward_of
 from ...config.schema import DataConfig, EngineConfig, OptimConfig
 from ...data.batch import IGNORE, MicroBatch
 from ...data.prompt_only import PromptSet
@@ -36,7 +35,7 @@ from ...engine import Engine
 from ...engine.ranks import Ranks
 from ...errors import InputError
 from ...parallel.comm import Dist
-from ...store import Store
+from ...planning.frozen_models import reward_store
 from .rollouts import completions_of
 
 if TYPE_CHECKING:
@@ -49,21 +48,7 @@ class RewardModel:
     def __init__(self, path: str, key: str, data_cfg: DataConfig):
         self.key = f"{key}.model"
         root = Path(path)
-        if not (root / "manifest.json").is_file() and (root / "config.json").is_file():
-            raise InputError(
-                f"{self.key}: {path} is a Hugging Face checkpoint; convert it first "
-                f"(horizon convert {path} STORE) and name the store"
-            )
-        try:
-            self.store = Store.open(root)
-        except InputError as e:
-            raise InputError(f"{self.key}: {e}") from None
-        marker = reward_of(self.store.manifest.extra)
-        if marker is None:
-            raise InputError(
-                f"{self.key}: {path} is a causal LM's store, not a reward model's (convert an "
-                "XForSequenceClassification checkpoint)"
-            )
+        self.store, marker = reward_store(path, self.key)
         self.name = (
             Path(self.store.manifest.source or str(root)).name or root.name
         )  # TRL: the model id's tail
@@ -106,15 +91,20 @@ class RewardModel:
                     ) from None
             else:
                 texts.append((decode(p) if isinstance(p, list) else str(p)) + str(c))
-        out, most = [], self.store.arch.max_positions
+        out, most, vocab = [], self.store.arch.max_positions, self.store.arch.vocab
         for k, ids in enumerate(self.tokenizer(texts, add_special_tokens=False)["input_ids"]):
             last = max((j for j, t in enumerate(ids) if t != self.pad_id), default=0)
             out.append(list(ids[: last + 1]) or [self.pad_id])
+            what = names[k] if names else f"completion {k + 1} of the batch"
             if len(out[-1]) > most:
-                what = names[k] if names else f"completion {k + 1} of the batch"
                 raise InputError(
                     f"{self.key}: {what} is {len(out[-1]):,} tokens as the reward model reads it, beyond its "
                     f"{most:,} positions (max_position_embeddings)"
+                )
+            if max(out[-1]) >= vocab:  # a tokenizer of another model: an IndexError in the embedding
+                raise InputError(
+                    f"{self.key}: {what} has token id {max(out[-1]):,} as the reward model's tokenizer "
+                    f"reads it, beyond the model's vocabulary of {vocab:,} (is its tokenizer the model's?)"
                 )
         return out
 
