@@ -26,17 +26,21 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
     store = Store.open(path)
     m, a = store.manifest, store.arch
     split = param_split(a)
+    scorer = reward_of(m.extra)
+    # a reward model: the classifier's score head too (one label, a bias if it has one); its
+    # decoder's embedding is tied in the store only to stream it as a causal LM's
+    params = m.params + (a.hidden + any(n.endswith("bias") for n in scorer.get("head", ())) if scorer else 0)
     info = Table(title=f"store {path}", show_header=False, title_justify="left")
     rows = [
         ("architecture", f"{a.family} ({a.n_layers} layers, hidden {a.hidden}, mlp {a.intermediate})"),
         ("path", _path(a)),
         ("attention", f"{a.n_heads} heads, {a.n_kv_heads} kv heads, head_dim {a.head_dim}"),
-        ("vocab", f"{a.vocab:,}" + (" (tied embeddings)" if a.tie_embeddings else "")),
+        ("vocab", f"{a.vocab:,}" + (" (tied embeddings)" if a.tie_embeddings and not scorer else "")),
         ("flags", _flags(a)),
         ("rope", ", ".join(f"{k}={v}" for k, v in a.rope.items())),
-        ("parameters", f"{m.params:,}"),
+        ("parameters", f"{params:,}" + (" (the score head's included)" if scorer else "")),
     ]
-    if (scorer := reward_of(m.extra)) is not None:
+    if scorer is not None:
         rows.insert(
             0,
             (
@@ -117,6 +121,11 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
             "bytes": total,
             "base_bytes": base,
         }
+    if scorer is not None:  # never trained: its host memory is its streaming copy (the dry run's row)
+        console.print(
+            "a reward model is not trained: `horizon train CONFIG --dry-run` counts what it streams"
+        )
+        return {"params": params, "path": a.path, "bytes": total, "reward": scorer.get("class")}
     plans = {d: memory_plan(a, d, batch=0) for d in ("bfloat16", "float32")}
     host = Table(title="host memory to train (excluding activations)", title_justify="left")
     host.add_column("category")

@@ -139,6 +139,21 @@ def test_convert_refuses_more_than_one_label_and_the_store_is_no_policy(tmp_path
         )
 
 
+def test_inspect_of_a_reward_store_says_what_it_is(tmp_path):
+    """Its parameters as transformers counts them (the score head too), no tied embedding where the
+    classifier has none, and no host-memory-to-train table for a store train refuses."""
+    src = reward_checkpoint(tmp_path)
+    assert horizon("convert", src, tmp_path / "store", "--dtype", "float32").exit_code == 0
+    out = horizon("inspect", tmp_path / "store")
+    said = " ".join(out.output.split())
+    n = sum(
+        p.numel() for p in transformers.AutoModelForSequenceClassification.from_pretrained(src).parameters()
+    )
+    assert out.exit_code == 0 and f"parameters │ {n:,} (the score head's included)" in said, said
+    assert "tied embeddings" not in said and "host memory to train" not in said
+    assert "a reward model is not trained" in said
+
+
 def test_an_exported_reward_store_is_its_checkpoint(tmp_path):
     """Exported, a reward store is the classifier it came from: its config as written (Llama's
     untied embedding stays untied: the store ties it only to stream the decoder as a causal LM)
