@@ -169,8 +169,9 @@ def load_token_set(
     ds = None
     if images is not None:  # records with images: built by the model's processor (vision.imageset)
         ds = source.load_records(src)
-        if first_with_images(ds) is not None:
-            return _image_set(ds, src, spec, data_cfg, tokenizer, images, cache_dir, log, vocab_size)
+        named = _as_horizon(ds, spec, path)[0]  # a registry's columns renamed first ("images": "pics")
+        if first_with_images(named) is not None:
+            return _image_set(named, src, spec, data_cfg, tokenizer, images, cache_dir, log, vocab_size)
     if src.key is None:  # hub: fingerprinted once loaded
         ds = source.load_records(src)
         src = source.Source(src.path, src.kind, src.split, source.hub_key(src, ds), src.what, src.options)
@@ -184,9 +185,9 @@ def load_token_set(
         check_token_set(ts, path)
         return ts
     records = ds if ds is not None else source.load_records(src)
-    if images is None:
-        refuse_images(records, path, "the model")
     records, fmt, adapt = _as_horizon(records, spec, path)
+    if images is None:  # under the registry's names, as the image check above reads them
+        refuse_images(records, path, "the model")
     ts = build_token_set(records, fmt, tokenizer, data_cfg, path, log, vocab_size, adapt)
     check_token_set(ts, path)
     if entry:
@@ -196,10 +197,9 @@ def load_token_set(
 
 
 def _image_set(ds, src, spec, data_cfg, tokenizer, images: ImageData, cache_dir, log: Log, vocab_size):
-    """A source whose records name images: through the cache, keyed on the images' content too."""
+    """A source whose records (under the registry's names) name images: through the cache, keyed
+    on the images' content too."""
     path = spec.path
-    if spec.rename or spec.tags:
-        ds = _as_horizon(ds, spec, path)[0]
     base = Path(src.path).parent if src.kind == "file" else Path(src.path)
     entry, key = _entry(cache_dir, src, spec, data_cfg, tokenizer, vocab_size) if src.key else (None, "")
     more = images.key(ds, data_cfg, base) if entry else None

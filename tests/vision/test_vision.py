@@ -267,11 +267,42 @@ def test_image_records_train_and_bad_input_refused(vlm, tmp_path):
         assert not (tmp_path / f"run-{name}" / "checkpoints").exists()
 
 
+def renamed_registry(root: Path, imgs: list[str]) -> Path:
+    """LLaMA-Factory's dataset_info.json entry of the sharegpt form, its columns renamed."""
+    rows = [{"pics": r["images"], "dialog": r["conversations"]} for r in forms(imgs)["sharegpt"]]
+    write(root / "ren.jsonl", rows)
+    entry = {
+        "file_name": "ren.jsonl",
+        "formatting": "sharegpt",
+        "columns": {"messages": "dialog", "images": "pics"},
+    }
+    (root / "dataset_info.json").write_text(json.dumps({"ren": entry}))
+    return root / "dataset_info.json"
+
+
+def test_a_registrys_renamed_images_column_is_read(vlm, tmp_path):
+    """`"images": "pics"` in a dataset_info.json entry: the same rows as the sharegpt form (the
+    image check read the columns before the rename: the images were dropped, text trained)."""
+    root, _ = vlm
+    store = Store.open(root / "store")
+    imgs = [f"imgs/{p.name}" for p in make_images(tmp_path / "data" / "imgs")]
+    ts = prepared(store, renamed_registry(tmp_path / "data", imgs)).train
+    want = prepared(store, write(tmp_path / "data" / "d.jsonl", forms(imgs)["sharegpt"])).train
+    assert ts.stats["images"] == 4 and [list(ts[i].input_ids) for i in range(4)] == [
+        list(want[i].input_ids) for i in range(4)
+    ]
+
+
 def test_image_record_for_a_text_only_model_refused(tiny_store, tmp_path):
     imgs = make_images(tmp_path / "data" / "imgs")
     data = write(tmp_path / "data" / "d.jsonl", forms([f"imgs/{p.name}" for p in imgs])["alpaca"])
     cfg = write_config(tmp_path / "cfg.yaml", tiny_store, data, tmp_path / "run", train={"steps": 1})
     r = horizon("train", cfg)
+    assert r.exit_code == 2 and "record 1 names images" in r.output and "text only" in r.output, r.output
+    reg = renamed_registry(tmp_path / "data", [f"imgs/{p.name}" for p in imgs])  # under a registry's names
+    r = horizon(
+        "train", write_config(tmp_path / "cfg.yaml", tiny_store, reg, tmp_path / "run", train={"steps": 1})
+    )
     assert r.exit_code == 2 and "record 1 names images" in r.output and "text only" in r.output, r.output
 
 
