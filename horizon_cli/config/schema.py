@@ -65,6 +65,13 @@ class DataConfig:
     max_pixels: int = _f(768 * 768, min=1)
     min_pixels: int = _f(32 * 32, min=1)
 
+    @property
+    def where(self) -> str:
+        """data.path as a line names it: the path, or the sources' paths (a registry's entries)."""
+        if isinstance(self.path, str):
+            return self.path
+        return ", ".join(s.path + (f" ({', '.join(s.names)})" if s.names else "") for s in self.path)
+
 
 @dataclass
 class TrainConfig:

@@ -77,7 +77,9 @@ def _expand(path: str, fmt: str, weight: float, split: str, what: str, src) -> l
     if src is not None and (src.format or src.split):
         key = "format" if src.format else "split"
         raise InputError(f"{what}.{key}: a {registry.FILE} registry sets each entry's {key}; leave it out")
-    if fmt != "auto" and what.startswith("data.path"):
+    # unpaired: KTO's auto (recipes.kto); a registry's KTO entries are unpaired already, and any
+    # other entry is refused by the recipe naming its format
+    if fmt not in ("auto", "unpaired") and what.startswith("data.path"):
         raise InputError(f"data.format: a {registry.FILE} registry sets each entry's format; leave it auto")
     entries = registry.read_registry(path, src.names if src is not None else None, what)
     return [

@@ -127,15 +127,15 @@ def check_data(cfg: Config, model: Store | PlannedModel, console: Console) -> Pr
         why = f"{model.hub}: a dry run fetches its config.json alone, and the cache holds no tokenizer files of it"
     if no_tokenizer and cfg.data.format not in ("tokens", "auto", "preference"):
         if isinstance(cfg.data.path, str) and not Path(cfg.data.path).exists():
-            raise InputError(f"data.path: {cfg.data.path} not found")
-        console.print(f"data: {cfg.data.path} not tokenized ({why})", highlight=False)
+            raise InputError(f"data.path: {cfg.data.where} not found")
+        console.print(f"data: {cfg.data.where} not tokenized ({why})", highlight=False)
         return None
     try:
         data = load_data(replace(cfg, data=replace(cfg.data, cache_dir=None)), model, None, console)
     except NoTokenizerFiles:
         if not (isinstance(model, PlannedModel) and model.hub):
             raise
-        console.print(f"data: {cfg.data.path} not tokenized ({why})", highlight=False)
+        console.print(f"data: {cfg.data.where} not tokenized ({why})", highlight=False)
         return None
     batches_for(cfg, data)  # the data goes with the config's method, which builds (rl: loads its rewards)
     return data

@@ -163,3 +163,34 @@ def test_kto_on_pairs_trains_from_the_cli_and_pairs_without_a_prompt_are_one_lin
     assert r.exit_code == 2 and len(lines) == 1 and "implicit.jsonl" in lines[0] and "prompt" in lines[0], (
         r.output
     )
+
+
+def test_kto_trains_from_a_registry_and_its_hint_names_the_entry(tmp_path, tiny_store):
+    """preference: {loss: kto} on a dataset_info.json entry (KTO's auto format met the registry's
+    'leave data.format auto' before); without it, the hint names the registry and its entry."""
+    from tests.conftest import horizon, write_config
+
+    reg = _registry(
+        tmp_path,
+        TURNS,
+        {"formatting": "sharegpt", "columns": {"messages": "conversations", "kto_tag": "kto_tag"}},
+    )
+    train = {"steps": 1, "batch_size": 4, "micro_batch_size": 2}
+    r = horizon(
+        "train",
+        write_config(
+            tmp_path / "c.yaml", tiny_store, reg, tmp_path / "run", preference={"loss": "kto"}, train=train
+        ),
+    )
+    assert r.exit_code == 0 and "4 examples (2 desirable, 2 undesirable" in " ".join(r.output.split()), (
+        r.output
+    )
+    src = [{"path": reg, "names": ["kto"]}]
+    r = horizon(
+        "train",
+        write_config(
+            tmp_path / "d.yaml", tiny_store, reg, tmp_path / "run2", data={"path": src}, train=train
+        ),
+    )
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and f"data.path: {reg} (kto) holds unpaired preference examples" in said, said

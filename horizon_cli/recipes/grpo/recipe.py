@@ -35,10 +35,10 @@ class Grpo:
         return cfg.rl is not None
 
     def hint(self, cfg: Config) -> str:
-        return f"data.path: {cfg.data.path} holds prompts; an rl: section trains on them"
+        return f"data.path: {cfg.data.where} holds prompts; an rl: section trains on them"
 
     def refusal(self, cfg: Config, data: PreparedData) -> str:
-        return f"rl: trains on prompts; data.path {cfg.data.path} is format {data.format}"
+        return f"rl: trains on prompts; data.path {cfg.data.where} is format {data.format}"
 
     def check_ranks(self, cfg: Config, world: int) -> None:
         """A step's batch_size x G completions, which one process splits freely, make the same

@@ -22,14 +22,14 @@ class Kto(Preference):
 
     def hint(self, cfg: Config) -> str:
         return (
-            f"data.path: {cfg.data.path} holds unpaired preference examples (label or kto_tag); train them "
+            f"data.path: {cfg.data.where} holds unpaired preference examples (label or kto_tag); train them "
             "with preference: {loss: kto}"
         )
 
     def refusal(self, cfg: Config, data: PreparedData) -> str:
         return (
             f"preference.loss: kto trains on unpaired preference examples (label or kto_tag); "
-            f"data.path {cfg.data.path} is format {data.format}"
+            f"data.path {cfg.data.where} is format {data.format}"
         )
 
     def data_section(self, cfg: Config) -> DataConfig:

@@ -21,7 +21,7 @@ class Preference(Sft):
 
     def hint(self, cfg: Config) -> str:
         return (
-            f"data.path: {cfg.data.path} holds preference pairs (format preference); add a preference: "
+            f"data.path: {cfg.data.where} holds preference pairs (format preference); add a preference: "
             "section to train on them (e.g. preference: {loss: dpo})"
         )
 
@@ -29,7 +29,7 @@ class Preference(Sft):
         assert cfg.preference is not None
         return (
             f"preference.loss: {cfg.preference.loss} trains on preference pairs (chosen, rejected); "
-            f"data.path {cfg.data.path} is format {data.format} (data.format: preference reads pairs)"
+            f"data.path {cfg.data.where} is format {data.format} (data.format: preference reads pairs)"
         )
 
     def batches(self, cfg: Config, data: PreparedData) -> PairBatches:
