@@ -142,6 +142,20 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def processed(proc: Processor, text: str, images: list, where: str) -> Any:
+    """The processor's tensors for one rendered record and its images; its refusal (a chat
+    template that writes no image placeholder for an image part, say) as one line."""
+    try:
+        return proc(text=[text], images=images or None, add_special_tokens=False, return_tensors="np")
+    except Exception as e:  # noqa: BLE001 (the processor's own error, named)
+        said = " ".join(str(e).split())
+        raise InputError(
+            f"{where}: the processor refused the record as its chat template renders it "
+            f"({type(e).__name__}: {said}); a chat template (data.chat_template) must write a "
+            "placeholder for each image part"
+        ) from None
+
+
 class ImageEncoder:
     """Examples -> (input_ids, labels, media) with the processor; counts images and image tokens."""
 
@@ -154,14 +168,14 @@ class ImageEncoder:
     def _render(self, messages: list[dict], gen: bool) -> str:
         return self.proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
 
-    def _ids(self, text: str, images: list) -> tuple[np.ndarray, dict]:
-        out = self.proc(text=[text], images=images or None, add_special_tokens=False, return_tensors="np")
+    def _ids(self, text: str, images: list, where: str = "") -> tuple[np.ndarray, dict]:
+        out = processed(self.proc, text, images, where or self.where)
         ids = np.asarray(out["input_ids"][0], dtype=np.int64)
         return ids, media_of(out, self.image_id, self.where)
 
     def encode(self, ex: ImageExample, where: str) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         images = [open_image(p, where, self.max_pixels, self.min_pixels) for p in ex.images]
-        ids, media = self._ids(self._render(ex.messages, False), images)
+        ids, media = self._ids(self._render(ex.messages, False), images, where)
         labels = ids.copy() if self.train_on_prompt else np.full_like(ids, IGNORE)
         if not self.train_on_prompt:
             seen = 0  # images in the messages before turn k
@@ -183,7 +197,7 @@ class ImageEncoder:
         """Tokens of the render of `messages` (a prefix of the full ids)."""
         if not messages:
             return 0
-        ids, _ = self._ids(self._render(messages, gen), images)
+        ids, _ = self._ids(self._render(messages, gen), images, where)
         if len(ids) > len(full) or not np.array_equal(ids, full[: len(ids)]):
             raise InputError(
                 f"{where}: the chat template renders turn {len(messages)} differently once later turns "

@@ -14,7 +14,7 @@ import torch
 
 from ..data.images import names_images
 from ..errors import InputError
-from .encode import Processor, image_token_id, load_processor, media_of, open_image
+from .encode import Processor, image_token_id, load_processor, media_of, open_image, processed
 from .records import ImageExample, image_example
 from .support import image_owner, is_multimodal
 
@@ -54,7 +54,7 @@ def encode_prompt(
         raise InputError(f"{at}: a prompt ends with a user turn (the model answers it)")
     text = proc.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True)
     images = [open_image(p, at, max_pixels, min_pixels) for p in ex.images]
-    got = proc(text=[text], images=images, add_special_tokens=False, return_tensors="np")
+    got = processed(proc, text, images, at)
     ids = [int(t) for t in np.asarray(got["input_ids"][0])]
     media = {n: torch.from_numpy(v) for n, v in media_of(got, image_token_id(proc), at).items()}
     return ids, media

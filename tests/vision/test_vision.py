@@ -143,6 +143,31 @@ def test_the_data_sections_chat_template_and_kwargs_render_image_records(vlm, tm
     assert len(keys) == 2
 
 
+def test_a_chat_template_without_image_placeholders_is_one_line(vlm, tmp_path):
+    """A data.chat_template that drops image parts: the processor's refusal named with the record
+    (a ValueError traceback before), for training records and GRPO's prompts alike."""
+    from horizon_cli.errors import InputError
+    from horizon_cli.vision.prompts import encode_prompt, load_processor
+    from horizon_cli.vision.records import image_example
+
+    root, _ = vlm
+    store = Store.open(root / "store")
+    imgs = make_images(tmp_path / "data" / "imgs")
+    rows = forms([f"imgs/{p.name}" for p in imgs])["chat_parts"]
+    data = write(tmp_path / "data" / "d.jsonl", rows)
+    blind = "{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endfor %}"
+    with pytest.raises(
+        InputError,
+        match=r"d.jsonl: record 1: the processor refused the record as its chat template renders it \(ValueError: .*data.chat_template",
+    ):
+        prepared(store, data, chat_template=blind)
+    proc = load_processor(root / "hf", "model")
+    proc.chat_template = blind
+    prompt = image_example({"messages": rows[0]["messages"][:1]}, "p.jsonl: record 1", data.parent)
+    with pytest.raises(InputError, match=r"p.jsonl: record 1: the processor refused"):
+        encode_prompt(proc, prompt, "p.jsonl: record 1", 768 * 768, 32 * 32)
+
+
 def hf_step_loss(model, mbs) -> float:
     """Summed CE over the global batch's label tokens / their count, backward; with pixel_values."""
     return hf_batch_loss(
