@@ -102,6 +102,9 @@ def test_tokens_seen_is_read_back_from_the_step_row_or_counted_from_the_rollouts
         (tmp_path / "rollouts" / f"step-{n}.jsonl").write_text(text)
     (tmp_path / "rollouts" / "eval-step-4.jsonl").write_text(json.dumps({"prompt_ids": [1] * 50}) + "\n")
     assert tokens_seen(tmp_path, 4) == (3 + 4) + 4  # steps 1 and 3 sampled; 5 is after, eval never counts
+    tool = {"prompt_ids": [1], "completion_ids": [2, 3, 4, 5], "tool_mask": [1, 0, 0, 1]}
+    (tmp_path / "rollouts" / "step-2.jsonl").write_text(json.dumps(tool) + "\n")
+    assert tokens_seen(tmp_path, 4) == (3 + 4) + 4 + (1 + 2)  # with tools: the sampled ids only
     rows = [{"step": 3, "num_tokens": 11}, {"step": 4, "num_tokens": 99}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "num')
     assert tokens_seen(tmp_path, 4) == 99  # the row of the step resumed from (a garbled tail skipped)

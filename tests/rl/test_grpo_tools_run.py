@@ -119,6 +119,9 @@ def test_a_run_calls_tools_and_rewards_see_the_turns(store, tmp_path, monkeypatc
         else:
             assert "tool" not in roles and all(r["tool_mask"])
             assert r["rewards"]["right"] < 0.5 or "3" in r["messages"][-1]["content"]
+    # TRL's num_tokens: prompt + the sampled ids, not a tool result's (the sum of tool_mask)
+    assert rows[0]["num_tokens"] == sum(len(r["prompt_ids"]) + sum(r["tool_mask"]) for r in recs)
+    assert any(not all(r["tool_mask"]) for r in recs)
 
 
 @pytest.mark.parametrize(

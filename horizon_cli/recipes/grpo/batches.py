@@ -92,6 +92,7 @@ class GRPOBatches:
         self.fresh = True
         self.ref_engine: Engine | None = None
         self.seen = 0  # TRL's num_input_tokens_seen: prompt + completion tokens sampled in training
+        self.sampled = 0  # the last batch's part of it
         self.done = 0  # the steps trained (an evaluation's rollouts are named after the last)
 
     # -- the loop's hooks ----------------------------------------------------------------------
@@ -218,7 +219,7 @@ class GRPOBatches:
         mbs, m = self._sample(self.data.train, self.data.train.take(idx), ro.step_seed(t.seed, g), g, shown)
         if shown is not None:
             ro.write(self.run_dir, f"step-{g + 1}", shown)
-        self.seen += unpadded(mbs)  # every rank holds the whole batch's rows
+        self.seen += self.sampled  # every rank holds the whole batch's rows
         m["num_tokens"] = self.seen
         if self.rl.num_iterations > 1 and self.main:
             ro.save_group(self.run_dir, g, {"mbs": mbs, "metrics": m})
@@ -285,6 +286,8 @@ class GRPOBatches:
         if bad := next((b for _, _, b in parts if b is not None), None):
             raise InputError(bad)
         outs = [o for o_r, _, _ in parts for o in o_r]
+        # TRL's num_tokens: prompt + the ids the model sampled (with rl.tools, not a tool result's)
+        self.sampled = sum(len(o.prompt_ids) + (sum(o.mask) if o.mask else len(o.ids)) for o in outs)
         per_func = torch.tensor(
             [sum((v_r[i] for _, v_r, _ in parts), []) for i in range(len(self.rewards))], dtype=torch.float32
         ).T.contiguous()  # (n, F)

@@ -41,5 +41,6 @@ def _from_rollouts(folder: Path, step: int) -> int:
             continue
         for line in f.read_text(encoding="utf-8").splitlines():
             rec = json.loads(line)
-            total += len(rec["prompt_ids"]) + len(rec["completion_ids"])
+            mask = rec.get("tool_mask")  # with rl.tools: the sampled ids only, as TRL counts
+            total += len(rec["prompt_ids"]) + (sum(mask) if mask else len(rec["completion_ids"]))
     return total
