@@ -32,6 +32,7 @@ import shutil
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .. import owner
@@ -227,9 +228,29 @@ def _read_raw(path: Path, out: torch.Tensor, crc: int) -> None:
 
 
 def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state().tolist(), "python": repr(random.getstate())}
+    """The global generators (train.seed seeds them: what reward functions, tools and environments
+    draw from, as under TRL's Trainer), so a resumed run draws on as the uninterrupted one."""
+    got = np.random.get_state()
+    assert isinstance(got, tuple)  # the legacy form: (name, keys, pos, has_gauss, cached)
+    name, keys, pos, gauss, cached = got
+    return {
+        "torch": torch.get_rng_state().tolist(),
+        "python": repr(random.getstate()),
+        "numpy": [name, keys.tolist(), pos, gauss, cached],
+    }
 
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     random.setstate(ast.literal_eval(state["python"]))
+    if "numpy" in state:  # a checkpoint written before it was kept: numpy as seeded
+        name, keys, pos, gauss, cached = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, gauss, cached))
+
+
+def seed_globals(seed: int) -> None:
+    """Python's, numpy's and torch's global generators from train.seed at a fresh start, as TRL's
+    Trainer seeds them (transformers.set_seed); horizon's own draws use generators of their own."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -144,6 +144,7 @@ class Trainer:
             self.saved = state["step"]
             return state
         phase("load", 0)
+        checkpoint.seed_globals(self.cfg.train.seed)  # a checkpoint restores them instead
         self.tuning.fresh()  # LoRA: a fresh start after all (every checkpoint damaged) needs lora.init
         self._engine = self._build_engine(None)
         return {"step": 0, "bad_steps": 0}

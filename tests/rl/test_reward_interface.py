@@ -141,3 +141,36 @@ def test_log_metric_and_log_extra_reach_the_metrics_and_the_rollouts(tmp_path, t
         json.loads(ln) for ln in (tmp_path / "run" / "rollouts" / "step-1.jsonl").read_text().splitlines()
     ]
     assert all(rec["n_chars"] == len(rec.get("completion", "")) for rec in recs)
+
+
+def test_train_seed_seeds_what_rewards_draw_from(tmp_path, tiny_store):
+    """train.seed seeds Python's, numpy's and torch's global generators at a fresh start, as TRL's
+    Trainer does (set_seed): two runs of one config reward alike; a checkpoint carries all three."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from horizon_cli.train.checkpoint import _rng_state, _set_rng_state
+
+    (tmp_path / "rw.py").write_text(
+        "import random\nimport numpy as np\nimport torch\n"
+        "def f(completions, **kw):\n"
+        "    return [random.random() + float(np.random.rand()) + float(torch.rand(())) for _ in completions]\n"
+    )
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt_input_ids": [5, 6, 7, 8]}] * 4)
+    got = []
+    for run in ("a", "b"):
+        random.seed(len(run) * 7 + ord(run))  # whatever the process drew before: the run seeds them
+        cfg = write_config(tmp_path / f"{run}.yaml", tiny_store, data, tmp_path / run,
+                           rl={"num_generations": 2, "max_completion_length": 4,
+                               "rewards": [{"function": f"{tmp_path / 'rw.py'}:f"}]},
+                           train={"steps": 1, "batch_size": 2, "micro_batch_size": 2, "seed": 3})  # fmt: skip
+        assert horizon("train", cfg).exit_code == 0
+        lines = (tmp_path / run / "rollouts" / "step-1.jsonl").read_text().splitlines()
+        got.append([json.loads(ln)["rewards"]["f"] for ln in lines])
+    assert got[0] == got[1] and len(set(got[0])) == len(got[0])
+    state = json.loads(json.dumps(_rng_state()))  # as trainer.json holds it
+    want = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    _set_rng_state(state)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == want
