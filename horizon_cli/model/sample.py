@@ -76,6 +76,11 @@ class Sampler:
             x = x.masked_fill(low, float("-inf"))
         return x
 
+    def scores(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """What `pick` draws from for these rows now (before it records its pick): the warped
+        scores; their log_softmax is the processed log-prob of a pick (vLLM's processed_logprobs)."""
+        return logits if self.greedy else self.warp(logits, rows)
+
     def pick(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """(b, V) fp32 logits of prompts `rows` (their indices in the input) -> (b,) int64 tokens."""
         if self.greedy:

@@ -56,9 +56,12 @@ def test_resident_full_equals_streamed_and_its_refresh_carries_each_update(tmp_p
     )
 
 
-def _hf_logps(tiny_store, fmt: str | None, ids: list[int], n_prompt: int) -> torch.Tensor:
+def _hf_logps(
+    tiny_store, fmt: str | None, ids: list[int], n_prompt: int, temperature: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
     """transformers' log_softmax(logits) of the completion ids, every decoder layer's matrices
-    quantized and dequantized as the copy holds them (fmt None: the weights as trained)."""
+    quantized and dequantized as the copy holds them (fmt None: the weights as trained); with a
+    temperature and top_k, of the scores transformers' warpers sample from (processed log-probs)."""
     import transformers
 
     m = transformers.AutoModelForCausalLM.from_pretrained(tiny_store.parent / "hf", dtype=torch.float32)
@@ -68,6 +71,11 @@ def _hf_logps(tiny_store, fmt: str | None, ids: list[int], n_prompt: int) -> tor
                 q = quantize(w.data.clone(), fmt)
                 q.dequantize(w.data)
         lg = m(torch.tensor([ids])).logits[0].float()
+    if top_k:
+        warp = transformers.LogitsProcessorList(
+            [transformers.TemperatureLogitsWarper(temperature), transformers.TopKLogitsWarper(top_k)]
+        )
+        lg = warp(torch.tensor([ids]), lg)
     lp = torch.log_softmax(lg, dim=-1)
     return lp[n_prompt - 1 : -1].gather(1, torch.tensor(ids[n_prompt:]).view(-1, 1)).view(-1)
 
@@ -90,6 +98,19 @@ def test_a_narrowed_copy_records_the_samplers_logps(tmp_path, tiny_store, fmt):
     assert 1e-4 < max(gaps) < 0.5
     row = read_metrics(run / "metrics.jsonl")[0]
     assert 0 < row["sampling/sampling_logp_difference/max"] < 0.5
+
+
+def test_a_narrowed_copy_records_processed_logps(tmp_path, tiny_store):
+    """With temperature and top_k, each sampled id's log-prob under the scores it was drawn from
+    (vLLM's processed_logprobs, which TRL's correction asks for), not the full softmax."""
+    rl = {"rollout_engine": "resident", "rollout_weights": "int8", "temperature": 0.7, "top_k": 3}
+    run = _run(tmp_path, tiny_store, "k", rl, ["train.steps=1"])
+    for ln in LINES(run, 1):
+        rec = json.loads(ln)
+        ids, got = rec["prompt_ids"] + rec["completion_ids"], torch.tensor(rec["sampling_logps"])
+        n = len(rec["prompt_ids"])
+        torch.testing.assert_close(got, _hf_logps(tiny_store, "int8", ids, n, 0.7, 3), atol=2e-5, rtol=0)
+        assert bool((got > _hf_logps(tiny_store, "int8", ids, n) + 1e-3).all())  # the rest's mass moved
 
 
 def test_resumed_inside_a_group_with_a_narrowed_copy(tmp_path, tiny_store):

@@ -65,7 +65,13 @@ class ImageSafeSampler(Sampler):
         super().__init__(temperature, top_p, top_k, seed, min_p, repetition_penalty)
         self.banned = list(banned)
 
-    def pick(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.clone()
         logits[:, self.banned] = float("-inf")
-        return super().pick(logits, rows)
+        return logits
+
+    def scores(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return super().scores(self._masked(logits), rows)
+
+    def pick(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return super().pick(self._masked(logits), rows)

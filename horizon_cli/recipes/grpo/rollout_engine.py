@@ -109,11 +109,13 @@ def engine_copy_bytes(engine: Engine, fmt: str) -> int:
 
 
 class RecordingSampler(Sampler):
-    """A sampler that also keeps, per row, the log-prob of each id it picks under the logits it
-    picked from: log_softmax(logits / temperature), fp32."""
+    """A sampler that also keeps, per row, the log-prob of each id it picks under the scores it
+    drew from (temperature, repetition penalty, top-k, top-p, min-p applied: the inner sampler's
+    `scores`), fp32: vLLM's processed_logprobs, which TRL's importance-sampling correction asks
+    for; a tool result's place holds 0.0, as TRL's."""
 
-    def __init__(self, inner: Sampler, temperature: float):
-        self.inner, self.t = inner, temperature
+    def __init__(self, inner: Sampler):
+        self.inner = inner
         self.logps: dict[int, list[float]] = {}
 
     def begin(self, row: int, prompt: list[int]) -> None:
@@ -121,8 +123,9 @@ class RecordingSampler(Sampler):
         self.logps[row] = []
 
     def pick(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        scores = self.inner.scores(logits.float(), rows)  # before the pick joins the row's ids
         tok = self.inner.pick(logits, rows)
-        lp = torch.log_softmax(logits.float() / self.t, dim=-1).gather(1, tok.reshape(-1, 1))
+        lp = torch.log_softmax(scores, dim=-1).gather(1, tok.reshape(-1, 1))
         for r, v in zip(rows, lp.reshape(-1).tolist(), strict=True):
             self.logps[r].append(v)
         return tok
@@ -132,8 +135,9 @@ class RecordingSampler(Sampler):
 
     def replace_last(self, row: int, token: int) -> None:
         """An id fed in (a tool result's, generate.decoder): the inner sampler's history takes it;
-        the log-prob kept at its place is the picked id's, and the loss never reads it (tool_mask 0)."""
+        its log-prob is 0.0, as TRL writes one (the loss never reads it: tool_mask 0)."""
         self.inner.replace_last(row, token)
+        self.logps[row][-1] = 0.0
 
 
 class Rollouts:
@@ -167,7 +171,7 @@ class Rollouts:
         if c.engine == "streamed":
             return ro.sample(e, prompts, G, rl, seed, kv=self.kv_cache, sampler=sampler, **kw)
         base = sampler or ro.rl_sampler(rl, seed)
-        rec = RecordingSampler(base, rl.temperature) if c.weights != "full" else None
+        rec = RecordingSampler(base) if c.weights != "full" else None
         with ResidentCopy.refresh(e, c.weights) as copy:
             self.refresh_s, self.refresh_bytes = copy.refresh_s, copy.refresh_bytes
             outs = ro.sample(
