@@ -66,8 +66,10 @@ def _engine_problems(cfg: Config) -> list[str]:
     if rl.rollout_engine != "resident":
         return []
     if cfg.lora is not None:
+        weights = "" if rl.rollout_weights in ("auto", "full") else " with rl.rollout_weights auto or full"
         return [
-            "rl.rollout_engine: resident: a LoRA run's rollouts stream its frozen base and adapters; set streamed or auto"
+            "rl.rollout_engine: resident: a LoRA run's rollouts stream its frozen base and adapters; set "
+            f"streamed or auto{weights}"
         ]
     if cfg.engine.kv_cache == "host":
         return [

@@ -200,6 +200,8 @@ REFUSED = [
     ({"rollout_engine": "streamed", "rollout_weights": "int8"}, "rl.rollout_weights: int8 is a resident copy's format"),
     ({"rollout_engine": "resident", "__engine": {"kv_cache": "host"}}, "rl.rollout_engine: resident decodes with its KV cache on the device"),
     ({"rollout_engine": "resident", "__lora": {"r": 4}}, "rl.rollout_engine: resident: a LoRA run's rollouts stream"),
+    ({"rollout_engine": "resident", "rollout_weights": "int8", "__lora": {"r": 4}},
+     "set streamed or auto with rl.rollout_weights auto or full"),  # the advice that then holds
     ({"rollout_weights": "int4"}, "rl.rollout_weights: 'int4' is not allowed"),
 ]  # fmt: skip
 
