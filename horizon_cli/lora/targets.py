@@ -68,6 +68,9 @@ def native_modules(spec: ArchSpec) -> tuple[list[Module], dict[str, Target]]:
     return mods, linear
 
 
+TOWER = "tower"  # a module of a multimodal model's vision tower or projector (never a decoder's)
+
+
 def generic_modules(spec: ArchSpec) -> tuple[list[Module], dict[str, Target]]:
     """The same read off transformers' model on the meta device (arch.generic)."""
     import torch
@@ -79,8 +82,10 @@ def generic_modules(spec: ArchSpec) -> tuple[list[Module], dict[str, Target]]:
     model = stored_model(g)
     emb, out = model.get_input_embeddings(), model.get_output_embeddings()
     prefix = g.prefix  # "model.layers."
+    carried = set(g.carried)  # a multimodal model's tower and projector (checkpoint names)
     mods, linear = [], {}
     for name, m in model.named_modules():
+        parts = name.split(".")
         if m is emb:
             kind = "embedding"
         elif m is out:
@@ -89,6 +94,8 @@ def generic_modules(spec: ArchSpec) -> tuple[list[Module], dict[str, Target]]:
             kind = "linear"
             i_str, rel = name[len(prefix) :].split(".", 1)
             linear[name] = Target(int(i_str), name, rel, rel + ".weight", m.in_features, m.out_features)
+        elif carried and any(".".join(parts[i:]) + ".weight" in carried for i in range(len(parts))):
+            kind = TOWER
         else:
             kind = type(m).__name__
         mods.append(Module(name, kind))
@@ -110,8 +117,8 @@ def resolve_targets(
     mods, linear = spec.pick(native_modules, generic_modules)(spec)
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         chosen = [m for m in mods if m.kind == "linear"]
-    else:
-        chosen = [m for m in mods if m.name and matches(targets, m.name)]
+    else:  # a tower's modules of the same names left out, as LLaMA-Factory's freeze_vision_tower does
+        chosen = [m for m in mods if m.name and m.kind != TOWER and matches(targets, m.name)]
     for m in chosen:
         if m.kind in ("embedding", "lm_head"):
             raise InputError(

@@ -84,6 +84,21 @@ def test_projector_targets_are_its_linear_layers(vlm):
         assert str(e.value).startswith(says) and "\n" not in str(e.value)
 
 
+def test_named_targets_leave_the_tower_out(vlm):
+    """lora.targets as names (the default's q_proj ... down_proj): the language model's layers,
+    the tower's modules of the same names left out as LLaMA-Factory's freeze_vision_tower leaves
+    them (refused before as "(Linear), not a linear layer"); a regex naming one still matches none."""
+    from horizon_cli.lora.targets import resolve_targets
+
+    root, _ = vlm
+    arch = Store.open(root / "store").arch
+    got = resolve_targets(LoraConfig().targets, arch)
+    names = [t.module for layer in got for t in layer]
+    assert len(names) == arch.n_layers * 7 and all(".language_model." in n for n in names), names
+    with pytest.raises(InputError, match="matches no module"):
+        resolve_targets(r".*vision_tower.*\.k_proj", arch)
+
+
 def test_qwen_vl_merger_adapters_are_named_as_peft_names_them(tmp_path):
     """Qwen2-VL's projector is the tower's merger (visual.merger.mlp.0 / mlp.2): the adapter
     config's target_modules make peft adapt exactly the run's modules, under the run's keys."""
