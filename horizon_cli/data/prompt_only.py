@@ -91,7 +91,7 @@ def read_prompts(
         raise InputError(
             f"{what}: {path}: prompt-only data needs a prompt or prompt_input_ids column and no completion (has {cols})"
         )
-    rows, conv = [], None
+    rows, conv, wrapped = [], None, None
     for n, rec in enumerate(ds.to_list()):
         at = f"{path}: record {n + 1}"  # from 1, in file order, as every other format
         kind = "prompt_input_ids" if rec.get("prompt_input_ids") is not None else "prompt"
@@ -119,6 +119,15 @@ def read_prompts(
         if conv is not None and c != conv:
             raise InputError(f"{at}: mixes conversational and text prompts (TRL reads one kind per set)")
         conv = c
+        if as_kind == "prompt":  # with images: rendered as a user message; without: as text
+            w = names_images(rec)
+            if wrapped is not None and w != wrapped:
+                raise InputError(
+                    f"{at}: text prompts with and without images in one set: those with images are "
+                    "rendered as a user message with the chat template, those without as plain text; "
+                    "give the prompts as messages (TRL's multimodal training takes conversational prompts)"
+                )
+            wrapped = w
         extra = {k: v for k, v in rec.items() if k not in FIELDS}
         rows.append(PromptRow(ids, value, extra, at, media))
     if not rows:

@@ -62,6 +62,15 @@ def test_grpo_prompt_ids_with_images_refused(llava, tmp_path):
     assert not out.exists()
 
 
+def test_grpo_text_prompts_with_and_without_images_refused(llava, tmp_path):
+    """One text prompt rendered as a chat user message (it has an image), the next as plain text:
+    one set tokenised two ways (TRL takes only conversational prompts with images)."""
+    rows = [{"image": "imgs/img0.png", "prompt": "describe this"}, {"prompt": "describe this"}] * 2
+    line, out = _train(llava, tmp_path, llava / "store", rows, rl=RL)
+    assert "record 2: text prompts with and without images in one set" in line, line
+    assert not out.exists()
+
+
 def test_grpo_held_out_images_without_training_images_refused(llava, tmp_path):
     ev = write_jsonl(llava / "data" / "ev.jsonl", [PROMPTS["image-part-with-file"](i) for i in range(2)])
     rows = [{"prompt": [{"role": "user", "content": f"what is {i}?"}]} for i in range(4)]
