@@ -29,7 +29,8 @@ def inspect_store(path: Path, verify: bool = False, console: Console | None = No
     scorer = reward_of(m.extra)
     # a reward model: the classifier's score head too (one label, a bias if it has one); its
     # decoder's embedding is tied in the store only to stream it as a causal LM's
-    params = m.params + (a.hidden + any(n.endswith("bias") for n in scorer.get("head", ())) if scorer else 0)
+    head = a.hidden + (1 if any(n.endswith("bias") for n in scorer.get("head", ())) else 0) if scorer else 0
+    params = m.params + head
     info = Table(title=f"store {path}", show_header=False, title_justify="left")
     rows = [
         ("architecture", f"{a.family} ({a.n_layers} layers, hidden {a.hidden}, mlp {a.intermediate})"),

@@ -155,12 +155,15 @@ class Engine:
 
     @property
     def releases(self) -> bool:
-        """Each unit's update runs inside the backward (engine.release): a release mode's run,
-        except LoRA with optim.grad_clip > 0. Its adapters' gradients are small and kept whole
-        anyway, so its one pass updates them after the backward, once the global norm is known;
-        a norm-first pass would double the step's loads and compute for nothing."""
+        """Each unit's update runs inside the backward (engine.release; optim.modes.in_backward)."""
         o = self.p.ocfg
-        return o.mode.release and not (self.lora is not None and o.grad_clip > 0)
+        return o.mode.in_backward(o.grad_clip, self.lora is not None)
+
+    @property
+    def passes(self) -> int:
+        """A step's forward and backward passes: 2 norm-first (optim.modes.passes), else 1."""
+        o = self.p.ocfg
+        return o.mode.passes(o.grad_clip, self.lora is not None)
 
     # -- public ------------------------------------------------------------------------------
     def step(self, mbs: list[MicroBatch], lr: float, tokens: int | None = None) -> StepResult:

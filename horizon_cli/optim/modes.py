@@ -67,6 +67,17 @@ class MemoryMode:
         """The config line that picks this rung (the ladder's advice)."""
         return f"optim.memory: {self.base}" + (", optim.grad_release: true" if self.release else "")
 
+    def in_backward(self, grad_clip: float, lora: bool) -> bool:
+        """Whether a step runs each update inside the backward: a release mode, except LoRA with
+        optim.grad_clip > 0, whose small adapters' gradients are kept whole anyway and updated
+        after its one pass (a norm-first pass would double the step for nothing)."""
+        return self.release and not (lora and grad_clip > 0)
+
+    def passes(self, grad_clip: float, lora: bool) -> int:
+        """A training step's forward and backward passes: 2 norm-first (updates inside the
+        backward with optim.grad_clip > 0: the global norm is measured first), else 1."""
+        return 2 if self.in_backward(grad_clip, lora) and grad_clip > 0 else 1
+
     def released(self, on: bool = True) -> MemoryMode:
         """This mode with gradient release on (or off): the same state layout and checkpoint form."""
         return RELEASED[self.base] if on else MODES[self.base]

@@ -97,11 +97,8 @@ def clipping_line(cfg: Config, plan: MemoryPlan) -> str:
 
 
 def step_passes(cfg: Config) -> int:
-    """The forward and backward passes a training step runs: 2 with a norm-first release
-    (optim.grad_release true, optim.grad_clip > 0, full fine-tuning), else 1. LoRA's adapters
-    are updated after its one pass then (engine.Engine.releases)."""
-    o = cfg.optim
-    return 2 if o.grad_release == "true" and o.grad_clip > 0 and cfg.lora is None else 1
+    """The forward and backward passes a training step of `cfg` runs (optim.modes.passes)."""
+    return cfg.optim.mode.passes(cfg.optim.grad_clip, cfg.lora is not None)
 
 
 def norm_first_loads(recomputed: int, kept: int) -> int:

@@ -170,7 +170,7 @@ def _summary(store: Store, engine: Engine, link: list[dict], med, last, spans, t
     per_layer = [layer[u] + adapters.get(f"lora.{i}", 0) for i, u in enumerate(engine.layers)]
     per_layer = [per_layer[i] for i in engine.tmpl.calls]  # a loop (arch.calls): every call's load
     kept = engine.kept_layers
-    passes = 2 if engine.releases and engine.p.ocfg.grad_clip > 0 else 1  # norm-first: two whole passes
+    passes = engine.passes  # norm-first: two whole passes
     weights = passes * (2 * sum(per_layer) - sum(per_layer[len(per_layer) - kept :] if kept else []))
     per_token = med.compute_s / max(1, tokens)
     hide = (weights / (h2d * 1e9)) / per_token if h2d and per_token else None

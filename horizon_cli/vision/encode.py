@@ -142,7 +142,7 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def processed(proc: Processor, text: str, images: list, where: str) -> Any:
+def processed(proc: Processor, text: str, images: list, where: str) -> Processor:
     """The processor's tensors for one rendered record and its images; its refusal (a chat
     template that writes no image placeholder for an image part, say) as one line."""
     try:

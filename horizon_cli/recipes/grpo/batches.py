@@ -92,7 +92,6 @@ class GRPOBatches:
         self.fresh = True
         self.ref_engine: Engine | None = None
         self.seen = 0  # TRL's num_input_tokens_seen: prompt + completion tokens sampled in training
-        self.sampled = 0  # the last batch's part of it
         self.done = 0  # the steps trained (an evaluation's rollouts are named after the last)
 
     # -- the loop's hooks ----------------------------------------------------------------------
@@ -177,7 +176,7 @@ class GRPOBatches:
         for a in range(0, n, t.batch_size):
             idx = list(range(a, min(n, a + t.batch_size)))
             assert ev is not None  # n > 0
-            mbs, m = self._sample(ev, ev.take(idx), ro.step_seed(t.seed ^ EVAL_SEED, a), -1, shown)
+            mbs, m, _ = self._sample(ev, ev.take(idx), ro.step_seed(t.seed ^ EVAL_SEED, a), -1, shown)
             for k, v in m.items():
                 if isinstance(v, float | int):
                     sums.setdefault(k, []).append(v)
@@ -216,10 +215,12 @@ class GRPOBatches:
             len(self.data.train), g // self.rl.num_iterations, t.batch_size, t.seed, self.cfg.data.shuffle
         )
         shown: list[str] | None = [] if self.main else None
-        mbs, m = self._sample(self.data.train, self.data.train.take(idx), ro.step_seed(t.seed, g), g, shown)
+        mbs, m, sampled = self._sample(
+            self.data.train, self.data.train.take(idx), ro.step_seed(t.seed, g), g, shown
+        )
         if shown is not None:
             ro.write(self.run_dir, f"step-{g + 1}", shown)
-        self.seen += self.sampled  # every rank holds the whole batch's rows
+        self.seen += sampled  # every rank holds the whole batch's rows
         m["num_tokens"] = self.seen
         if self.rl.num_iterations > 1 and self.main:
             ro.save_group(self.run_dir, g, {"mbs": mbs, "metrics": m})
@@ -227,9 +228,10 @@ class GRPOBatches:
 
     def _sample(
         self, src: PromptSet, prompts: list[PromptRow], seed: int, step: int, shown: list[str] | None
-    ) -> tuple[list[MicroBatch], dict]:
+    ) -> tuple[list[MicroBatch], dict, int]:
         """The rollouts of `prompts` (rows of `src`, the training or eval set: conversational or not
-        on its own, as TRL tells per batch) as micro-batches, metrics; `shown` gets JSONL lines."""
+        on its own, as TRL tells per batch) as micro-batches, metrics and TRL's num_tokens count of
+        them (prompt + the ids the model sampled, not a tool result's); `shown` gets JSONL lines."""
         assert self.engine is not None
         rl, G = self.rl, self.rl.num_generations
         sweeps: list = []
@@ -286,8 +288,6 @@ class GRPOBatches:
         if bad := next((b for _, _, b in parts if b is not None), None):
             raise InputError(bad)
         outs = [o for o_r, _, _ in parts for o in o_r]
-        # TRL's num_tokens: prompt + the ids the model sampled (with rl.tools, not a tool result's)
-        self.sampled = sum(len(o.prompt_ids) + (sum(o.mask) if o.mask else len(o.ids)) for o in outs)
         per_func = torch.tensor(
             [sum((v_r[i] for _, v_r, _ in parts), []) for i in range(len(self.rewards))], dtype=torch.float32
         ).T.contiguous()  # (n, F)
@@ -331,7 +331,7 @@ class GRPOBatches:
         )  # log_metric: TRL's mean
         m |= is_m  # the sampler's (TRL's sampling/ metrics), when it is apart
         m |= tool_metrics(outs) if self.toolbox is not None else {}
-        return mbs, m
+        return mbs, m, sum(len(o.prompt_ids) + (sum(o.mask) if o.mask else len(o.ids)) for o in outs)
 
     def _state(self, step: int) -> TrainerState:
         """The TrainerState reward functions get, with TRL's fields (an epoch: the prompts once,
